@@ -1,0 +1,12 @@
+"""Errors a user can cause and fix. The CLI prints their message as one line."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of every error tandem raises on purpose for bad input."""
+
+
+class ModelLoadError(TandemError):
+    """A model folder, its config, weights or tokenizer cannot be used."""
+

@@ -1,0 +1,98 @@
+"""ModelConfig: the architecture facts the runner and engine need, whatever the family.
+
+Each model family parses its Hugging Face ``config.json`` into this one shape, so the
+runner, the KV cache and (later) the planner never read family-specific keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; ``scaling`` holds the type-specific keys."""
+
+    theta: float
+    rotary_dim: int
+    scaling_type: str = "default"
+    scaling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    rope: RopeConfig | None
+    attention_bias: bool = False  # bias on the q/k/v projections
+    attention_out_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # dtype the checkpoint was saved in, e.g. "bfloat16"; None when the config is silent.
+    checkpoint_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Settings only one family reads (e.g. GPT-2's attention scaling switches).
+    family_options: dict[str, Any] = field(default_factory=dict)
+
+
+def require(raw: dict[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` present in ``raw``; a clear error when none is."""
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    names = " or ".join(repr(k) for k in keys)
+    raise ModelLoadError(f"config.json has no {names} (architecture {architecture_of(raw)})")
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    return architectures[0] if architectures else "<none>"
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """eos_token_id may be an int, a list of ints, or absent."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> str | None:
+    # transformers 5 writes "dtype", earlier versions "torch_dtype".
+    return raw.get("dtype") or raw.get("torch_dtype")
+
+
+def parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
+    """Read rope settings in both the old (rope_theta + rope_scaling) and new
+    (rope_parameters, transformers >= 5) spellings of config.json."""
+    params = dict(raw.get("rope_parameters") or {})
+    old_scaling = raw.get("rope_scaling") or {}
+    params = {**old_scaling, **params}
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    scaling_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
+    rotary_dim = int(head_dim * partial)
+    supported = ("default", "linear", "dynamic", "llama3", "yarn")
+    if scaling_type not in supported:
+        raise ModelLoadError(
+            f"rope scaling type {scaling_type!r} is not supported "
+            f"(supported: {', '.join(supported)})"
+        )
+    return RopeConfig(float(theta), rotary_dim, scaling_type, params)

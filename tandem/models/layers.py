@@ -1,0 +1,175 @@
+"""Building blocks shared by every model family.
+
+Models never see the KV cache: each attention layer hands its q, k, v to an
+``AttentionContext`` (paged cache, or plain causal attention without a cache), which the
+runner builds once per forward. That is what lets one model definition serve the
+engine's flat mixed batches, the naive no-cache baseline and training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.config import RopeConfig
+
+
+class AttentionContext(Protocol):
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] for the T tokens of this forward -> [T, H, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, as the reference does, so
+        # bfloat16 results agree bit for bit rather than approximately.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "relu":
+        return F.relu
+    raise ModelLoadError(f"activation {name!r} is not supported")
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections that read the same input (q/k/v, gate/up).
+
+    Checkpoints store the parts separately; ``load_shard`` copies part ``index`` into
+    its rows. Fewer, larger matmuls matter most for decode, where every kernel launch
+    and every pass over the activations is overhead.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def shard_rows(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+
+def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin multiplier for each rope scaling type.
+
+    Same math as transformers' rope initialisers. ``dynamic`` NTK scaling only changes
+    the frequencies past the trained ``max_position_embeddings``, which is also the
+    longest context tandem accepts for such a model, so inside it it is plain rope,
+    exactly what transformers computes.
+    """
+    dim = rope.rotary_dim
+    base = rope.theta
+    s = rope.scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope.scaling_type == "linear":
+        return inv_freq / s["factor"], 1.0
+    if rope.scaling_type == "llama3":
+        return _llama3_inv_freq(inv_freq, s), 1.0
+    if rope.scaling_type == "yarn":
+        return _yarn_inv_freq(rope, max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_context = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    s, dim, base = rope.scaling, rope.rotary_dim, rope.theta
+    original = s.get("original_max_position_embeddings") or max_position_embeddings
+    factor = s.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate the two halves), cos/sin made per forward.
+
+    cos/sin are computed from the positions of this forward only: cheap next to the
+    matmuls, and it keeps the numerics identical to the reference implementation.
+    """
+
+    def __init__(self, rope: RopeConfig, max_position_embeddings: int) -> None:
+        super().__init__()
+        # Models are built on the meta device and materialised by the loader, so the
+        # frequencies are computed on first use, on the device of the positions.
+        self.rope = rope
+        self.max_position_embeddings = max_position_embeddings
+        self.rotary_dim = rope.rotary_dim
+        self._inv_freq: torch.Tensor | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            with torch.device("cpu"):
+                inv_freq, self.attention_factor = rope_inv_freq(
+                    self.rope, self.max_position_embeddings
+                )
+            self._inv_freq = inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_factor).to(dtype)
+        sin = (emb.sin() * self.attention_factor).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotates the first ``rotary_dim`` features."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,190 @@
+"""The Llama decoder: pre-norm blocks, GQA attention with rotary positions, gated MLP.
+
+Mistral is this network with an optional sliding window; Qwen2 and Qwen3 add a flag
+(q/k/v bias, per-head q/k RMSNorm) and their files only parse their config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tandem.models.config import (
+    ModelConfig,
+    architecture_of,
+    checkpoint_dtype,
+    eos_ids,
+    parse_rope,
+    require,
+)
+from tandem.models.layers import (
+    AttentionContext,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+)
+
+
+def parse_llama_config(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
+    hidden = require(raw, "hidden_size")
+    num_heads = require(raw, "num_attention_heads")
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    fields: dict[str, Any] = dict(
+        architecture=architecture_of(raw),
+        vocab_size=require(raw, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=require(raw, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        intermediate_size=require(raw, "intermediate_size"),
+        max_position_embeddings=raw.get("max_position_embeddings") or 2048,
+        norm_eps=raw.get("rms_norm_eps") or 1e-6,
+        hidden_act=raw.get("hidden_act") or "silu",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope=parse_rope(raw, head_dim),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        attention_out_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        checkpoint_dtype=checkpoint_dtype(raw),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids(raw.get("eos_token_id")),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = activation(config.hidden_act)
+        self.intermediate_size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, h, rotary, cos, sin, attn: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        assert config.rope is not None
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Checkpoint names are Hugging Face's, except that q/k/v and gate/up are stored
+    fused (``packed_modules`` says which checkpoint tensor goes to which part)."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any]) -> ModelConfig:
+        return parse_llama_config(raw, sliding_window=raw.get("sliding_window"))
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """Flat token batch -> final hidden states [T, hidden]."""
+        m = self.model
+        h = m.embed_tokens(input_ids)
+        cos, sin = m.rotary.cos_sin(positions, h.dtype)
+        for layer in m.layers:
+            h = layer(h, m.rotary, cos, sin, attn)
+        return m.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        """Where checkpoint tensor ``name`` goes: (parameter name, part) or None to skip."""
+        if "rotary_emb.inv_freq" in name:
+            return None  # old checkpoints saved this buffer; we recompute it
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for part_name, (fused_name, index) in self.packed_modules.items():
+            if f".{part_name}." in name:
+                return name.replace(f".{part_name}.", f".{fused_name}."), index
+        return name, None
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor

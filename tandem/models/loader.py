@@ -1,0 +1,200 @@
+"""A local Hugging Face model folder -> config, weights on the device, tokenizer.
+
+Weights are read tensor by tensor from memory-mapped safetensors files (one file, or
+shards listed in ``model.safetensors.index.json``), so a checkpoint is never copied
+whole into RAM. Every problem with the folder becomes one ``ModelLoadError`` line that
+names the file and, for weights, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.config import ModelConfig, eos_ids
+from tandem.models.layers import MergedLinear
+from tandem.models.registry import model_class_for
+from tandem.models.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    folder: Path
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    device: torch.device
+    # generation_config.json as written, for default sampling settings.
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: config, generation config and tokenizer."""
+        ids = list(self.config.eos_token_ids)
+        ids += eos_ids(self.generation_config.get("eos_token_id"))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"cannot parse {path}: {exc}") from None
+
+
+def read_config(folder: str | Path) -> tuple[dict[str, Any], ModelConfig, type]:
+    """The raw config.json, its parsed ModelConfig, and the model class to build."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    raw = _read_json(config_path)
+    cls = model_class_for(raw)
+    return raw, cls.parse_config(raw), cls
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device.type!r} is not supported (use cpu or cuda)")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (torch's CPU matmuls are fastest there for decode)
+    and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported (use {', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ModelLoadError("float16 is not supported on CPU; use bfloat16 or float32")
+    return dtype
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists missing shard(s): {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"{folder} has no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are read)"
+    )
+
+
+def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    for path in checkpoint_files(folder):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read weights file {path}: {exc}") from None
+        with handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, handle.get_tensor(name), path
+
+
+def _expected_parts(model: nn.Module) -> set[tuple[str, int | None]]:
+    expected = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if isinstance(module, MergedLinear):
+                expected.update((full, i) for i in range(len(module.output_sizes)))
+            else:
+                expected.add((full, None))
+    # Tied weights show up under both names; keep the one named_parameters keeps.
+    kept = {name for name, _ in model.named_parameters()}
+    return {(name, part) for name, part in expected if name in kept}
+
+
+def load_weights(model: nn.Module, folder: Path) -> None:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[tuple[str, int | None]] = set()
+    for name, tensor, path in iterate_checkpoint(folder):
+        target = model.checkpoint_target(name)
+        if target is None:
+            continue
+        param_name, part = target
+        if param_name not in params:
+            raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}")
+        param = params[param_name].data
+        if part is not None:
+            param = param[modules[param_name.rsplit(".", 1)[0]].shard_rows(part)]
+        tensor = model.convert_checkpoint_tensor(name, tensor)
+        if tensor.shape != param.shape:
+            raise ModelLoadError(
+                f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, "
+                f"expected {list(param.shape)}"
+            )
+        param.copy_(tensor)
+        loaded.add((param_name, part))
+    missing = sorted(_expected_parts(model) - loaded, key=str)
+    if missing:
+        shown = ", ".join(n if p is None else f"{n} (part {p})" for n, p in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"checkpoint in {folder} is missing tensor(s): {shown}{more}")
+
+
+def load_model(
+    folder: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    folder = Path(folder)
+    _, config, cls = read_config(folder)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    # Build without allocating or initialising (meta), then materialise on the device;
+    # every parameter is then overwritten from the checkpoint.
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()  # materialising replaced the shared parameter
+    with torch.no_grad():
+        load_weights(model, folder)
+    model.eval().requires_grad_(False)
+    tokenizer = None
+    if load_tokenizer and (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer(folder)
+    generation_path = folder / "generation_config.json"
+    generation_config = _read_json(generation_path) if generation_path.is_file() else {}
+    return LoadedModel(folder, config, model, tokenizer, dtype, device, generation_config)

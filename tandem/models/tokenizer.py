@@ -1,0 +1,137 @@
+"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, plus the special
+tokens and chat template of ``tokenizer_config.json`` (or ``chat_template.jinja``).
+
+Chat templates are rendered the way transformers renders them: a sandboxed jinja2
+environment with trim_blocks / lstrip_blocks, loop controls, ``raise_exception``,
+``strftime_now``, a ``tojson`` that keeps non-ASCII text, and the special tokens
+passed as variables.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from tandem.errors import ModelLoadError, TandemError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training
+    masks; for rendering it is transparent."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str):
+    raise TandemError(f"chat template error: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _token_text(value: Any) -> str | None:
+    # Special tokens are stored either as plain strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationBlock, "jinja2.ext.loopcontrols"],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    json_file = folder / "chat_template.json"
+    if template is None and json_file.is_file():
+        template = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read tokenizer {path}: {exc}") from None
+        config_path = folder / "tokenizer_config.json"
+        try:
+            config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"cannot parse {config_path}: {exc}") from None
+        self.special_tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+        self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
+        self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template_source = _read_chat_template(folder, config)
+        self._chat_template: jinja2.Template | None = None
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # Some checkpoints ask for BOS in tokenizer_config.json but carry no
+        # post-processor in tokenizer.json that adds it.
+        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+        if wants_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text for a conversation, as transformers' apply_chat_template."""
+        if self.chat_template_source is None:
+            raise TandemError("this model's tokenizer has no chat template")
+        if self._chat_template is None:
+            self._chat_template = _compile_template(self.chat_template_source)
+        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return self._chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables, **kwargs
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        # The template writes the special tokens itself, so none are added here.
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)

@@ -1,0 +1,95 @@
+"""Static batching: a fixed batch prefilled together, then decoded in lockstep.
+
+Two ways to generate, for the classic comparison:
+
+- ``generate_with_cache``: the prompt's K/V go into the paged cache once; every decode
+  step runs one new token per sequence.
+- ``generate_recompute``: no cache; every step runs the whole sequence again.
+
+The engine's continuous batching (admit and retire requests every step) is measured
+against this baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from tandem.models.loader import LoadedModel
+from tandem.runner.model_runner import ModelRunner, forward_no_cache
+
+
+def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).flatten()
+
+
+def stream_with_cache(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int = 16,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    max_prefill_tokens: int = 65536,
+) -> Iterator[torch.Tensor]:
+    """Yield the batch's next tokens ([B]) step by step, ``max_new_tokens`` times.
+
+    Each sequence gets its own contiguous run of blocks up front. Prompts are prefilled
+    in groups of at most ``max_prefill_tokens`` tokens to bound activation memory."""
+    device = loaded.device
+    batch = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    blocks_per_seq = math.ceil((int(lengths.max()) + max_new_tokens) / block_size)
+    runner = ModelRunner(loaded, batch * blocks_per_seq, block_size)
+    block_tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    last_logits = []
+    start = 0
+    while start < batch:
+        end, tokens = start, 0
+        while end < batch and (end == start or tokens + len(prompts[end]) <= max_prefill_tokens):
+            tokens += len(prompts[end])
+            end += 1
+        ids = torch.tensor([t for p in prompts[start:end] for t in p], device=device)
+        zeros = torch.zeros(end - start, dtype=torch.long, device=device)
+        last_logits.append(
+            runner.forward_tensors(ids, lengths[start:end], zeros, block_tables[start:end])
+        )
+        start = end
+    tokens = next_tokens(torch.cat(last_logits), temperature, generator)
+    yield tokens
+    ones = torch.ones(batch, dtype=torch.long, device=device)
+    computed = lengths.clone()
+    for _ in range(max_new_tokens - 1):
+        logits = runner.forward_tensors(tokens, ones, computed, block_tables)
+        computed += 1
+        tokens = next_tokens(logits, temperature, generator)
+        yield tokens
+
+
+def generate_with_cache(
+    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, **kwargs
+) -> torch.Tensor:
+    """Greedy (by default) tokens [B, max_new_tokens], KV-cached."""
+    return torch.stack(list(stream_with_cache(loaded, prompts, max_new_tokens, **kwargs)), dim=1)
+
+
+@torch.inference_mode()
+def generate_recompute(
+    loaded: LoadedModel, prompt_ids: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
+    """Greedy tokens [B, max_new_tokens] for equal-length prompts [B, L], recomputing
+    the whole sequence at every step (no KV cache): the naive baseline."""
+    sequence = prompt_ids
+    for _ in range(max_new_tokens):
+        logits = forward_no_cache(loaded, sequence)[:, -1]
+        sequence = torch.cat([sequence, logits.argmax(dim=-1, keepdim=True)], dim=1)
+    return sequence[:, prompt_ids.shape[1] :]

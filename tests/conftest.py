@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_models import save_model
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Architecture name -> (folder, transformers model) for one tiny checkpoint each."""
+    built = {}
+
+    def get(arch: str, **overrides):
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"{arch}-model")
+            built[key] = (folder, save_model(folder, arch, **overrides))
+        return built[key]
+
+    return get

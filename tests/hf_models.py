@@ -1,0 +1,98 @@
+"""Tiny random-weight Hugging Face checkpoints for tests, built with transformers.
+
+Every folder has a real byte-level BPE tokenizer (trained here on a few sentences)
+with a chat template, so the same folder exercises tandem's loader, tokenizer and
+model against transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+VOCAB_SIZE = 384
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] | trim }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] | trim }}\n"
+    "{% else %}<|assistant|>{{ message['content'] | trim }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks with a block table.",
+    "Prefill is compute-bound; decode is memory-bandwidth-bound. Ça va, naïve café 東京",
+    "def forward(self, input_ids, positions):\n    return self.model(input_ids)",
+] * 20
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 8,
+        special_tokens=["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def hf_config(arch: str, **overrides):
+    common = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1)
+    llama_like = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **common,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**{**llama_like, **overrides})
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{**llama_like, "sliding_window": 24, **overrides})
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**llama_like, **overrides})
+    elif arch == "qwen3":
+        # head_dim * heads != hidden: the explicit head_dim must be honoured.
+        cfg = transformers.Qwen3Config(**{**llama_like, "head_dim": 32, **overrides})
+    elif arch == "gpt2":
+        gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+        cfg = transformers.GPT2Config(**{**gpt2, **overrides})
+    else:
+        raise ValueError(arch)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def save_model(
+    folder: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> transformers.PreTrainedModel:
+    """Save a random-weight model (and tokenizer) to ``folder``; returns the HF model."""
+    torch.manual_seed(seed)
+    config = hf_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so a loader that
+    # skipped one would be caught.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    build_tokenizer().save_pretrained(folder)
+    return model

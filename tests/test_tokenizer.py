@@ -1,0 +1,81 @@
+"""Tokenizer and chat template against transformers on the same folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from tandem.errors import TandemError
+from tandem.models.tokenizer import Tokenizer
+
+TEXTS = ["The quick brown fox", "naïve café 東京 ✓", "", "def f(x):\n    return x"]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is paged attention?"},
+    {"role": "assistant", "content": "KV in blocks."},
+    {"role": "user", "content": "And prefill?"},
+]
+
+
+@pytest.fixture(scope="module")
+def folders(model_dirs):
+    folder, _ = model_dirs("llama")
+    return folder, transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(folders, text):
+    folder, reference = folders
+    ours = Tokenizer(folder)
+    assert ours.encode(text) == reference(text)["input_ids"]
+    assert (
+        ours.encode(text, add_special_tokens=False)
+        == reference(text, add_special_tokens=False)["input_ids"]
+    )
+    ids = reference(text)["input_ids"]
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens(folders):
+    folder, reference = folders
+    ours = Tokenizer(folder)
+    assert ours.bos_token_id == reference.bos_token_id
+    assert ours.eos_token_id == reference.eos_token_id
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(folders, add_generation_prompt):
+    folder, reference = folders
+    ours = Tokenizer(folder)
+    expected = reference.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt) == (
+        expected
+    )
+    expected_ids = reference.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    if not isinstance(expected_ids, list):  # transformers 5 returns a BatchEncoding
+        expected_ids = expected_ids["input_ids"]
+    assert ours.encode_chat(CONVERSATION) == expected_ids
+
+
+def test_chat_template_from_tokenizer_config(tmp_path, folders):
+    """Older checkpoints keep the template inside tokenizer_config.json."""
+    folder, _ = folders
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | tojson }}{% endfor %}"
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    text = Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "café"}])
+    assert text == '[user] "café"'
+
+
+def test_template_raise_exception_is_a_clear_error(tmp_path, folders):
+    folder, _ = folders
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    config = {"chat_template": "{{ raise_exception('roles must alternate') }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TandemError, match="roles must alternate"):
+        Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
