@@ -3,79 +3,87 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
-import time
 
 from tandem.errors import TandemError
 
+ENGINE_FLAGS = {
+    # flag: (engine option, type, help)
+    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
+    "--device": ("device", str, "cpu | cuda"),
+    "--block-size": ("block_size", int, "tokens per KV cache block"),
+    "--num-blocks": ("num_blocks", int, "KV cache blocks (default: from the memory budget)"),
+    "--kv-cache-memory": ("kv_cache_memory", int, "KV cache budget in bytes"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget per step"),
+    "--max-num-seqs": ("max_num_seqs", int, "requests running at once"),
+    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int, "chunk cap"),
+    "--scheduling-policy": ("scheduling_policy", str, "chunked | prefill-first"),
+    "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
+    "--seed": ("seed", int, "engine seed"),
+}
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="local Hugging Face model folder")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    for flag, (dest, kind, text) in ENGINE_FLAGS.items():
+        parser.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=text)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    options = {}
+    for dest, _, _ in ENGINE_FLAGS.values():
+        value = getattr(args, f"engine_{dest}")
+        if value is not None:
+            options[dest] = value
+    return options
 
 
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    from tandem.models.loader import load_model
-    from tandem.runner.static_batch import stream_with_cache
+    from tandem import LLM, SamplingParams
 
-    if args.max_tokens < 1:
-        raise TandemError("--max-tokens must be at least 1")
-    if args.temperature < 0:
-        raise TandemError("--temperature must be >= 0")
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    tokenizer = loaded.tokenizer
-    if tokenizer is None:
-        raise TandemError(f"{args.model} has no tokenizer.json, so text cannot be generated")
-    if args.chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    context = loaded.config.max_position_embeddings
-    if len(prompt_ids) + args.max_tokens > context:
-        raise TandemError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
-            f"model's context of {context} tokens"
-        )
-    eos = set(loaded.eos_token_ids)
-    generated: list[int] = []
-    printed = ""
-    start = time.perf_counter()
-    token_times = []
-    for tokens in stream_with_cache(
-        loaded,
-        [prompt_ids],
-        args.max_tokens,
-        block_size=args.block_size,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
         temperature=args.temperature,
-        seed=args.seed,
-    ):
-        token_times.append(time.perf_counter())
-        token = int(tokens[0])
-        if token in eos:
-            break
-        generated.append(token)
-        text = tokenizer.decode(generated)
-        # A multi-byte character split across tokens decodes to U+FFFD until its
-        # last byte arrives; hold it back rather than print a replacement mark.
-        if not text.endswith("\ufffd"):
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_options(args))
+    engine = llm.engine
+    if args.chat:
+        prompt = {
+            "prompt_token_ids": llm.get_tokenizer().encode_chat(
+                [{"role": "user", "content": args.prompt}]
+            )
+        }
+    else:
+        prompt = args.prompt
+    engine.add_request("cli", prompt, params)
+    printed = ""
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
             sys.stdout.write(text[len(printed) :])
             sys.stdout.flush()
             printed = text
+            final = output
     sys.stdout.write("\n")
-    ttft = token_times[0] - start
-    gaps = [b - a for a, b in itertools.pairwise(token_times)]
-    tpot = sum(gaps) / len(gaps) if gaps else 0.0
-    total = token_times[-1] - start
+    completion = final.outputs[0]
+    m = completion.metrics
+    elapsed = m.token_times[-1] - m.arrival_time
+    tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
     print(
-        f"[{len(prompt_ids)} prompt tokens, {len(token_times)} generated] "
-        f"TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.1f} ms, "
-        f"{len(token_times) / total:.1f} tokens/s",
+        f"[{len(final.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+        f"finish: {completion.finish_reason}] TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}, "
+        f"{len(completion.token_ids) / elapsed:.1f} tokens/s",
         file=sys.stderr,
     )
 
@@ -84,15 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="stream a completion for one prompt")
-    _add_model_options(generate)
+    add_engine_options(generate)
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    generate.add_argument("--stop", action="append", default=None, help="stop string (repeat)")
+    generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template"
     )
-    generate.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     generate.set_defaults(func=_generate)
     return parser
 

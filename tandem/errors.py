@@ -10,3 +10,10 @@ class TandemError(Exception):
 class ModelLoadError(TandemError):
     """A model folder, its config, weights or tokenizer cannot be used."""
 
+
+class InvalidParameterError(TandemError, ValueError):
+    """A request setting is out of range; ``param`` names it (the server's 400 ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param

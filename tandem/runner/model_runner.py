@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.models.loader import LoadedModel
 from tandem.runner.attention import CausalAttention, PagedAttention, build_paged_metadata
 from tandem.runner.kv_cache import allocate_kv_cache
+from tandem.runner.sampler import SampledToken, SamplingRow, sample
+
+if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
+    from tandem.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -26,7 +31,9 @@ class SequenceChunk:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -35,6 +42,45 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
+        )
+        # Requests with a seed sample from their own generator, kept across steps and
+        # preemptions; the others share this one.
+        self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one scheduled step; the sampled token of each request that samples."""
+        for request_id in scheduler_output.finished_ids:
+            self.generators.pop(request_id, None)
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return {}
+        chunks = [
+            SequenceChunk(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled
+        ]
+        last_token_logits = self.forward(chunks)
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        if not sampling:
+            return {}
+        requests = [scheduled[i].request for i in sampling]
+        rows = [self._sampling_row(r) for r in requests]
+        logits = last_token_logits[torch.tensor(sampling, device=self.device)]
+        tokens = sample(logits, rows, self.shared_generator)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def _sampling_row(self, request) -> SamplingRow:
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self.generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self.generators[request.request_id] = generator
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            banned = (*request.eos_token_ids, *request.stop_token_ids)
+        return SamplingRow(
+            params, request.prompt_token_ids, request.output_token_ids, generator, banned
         )
 
     @torch.inference_mode()

@@ -1,0 +1,262 @@
+"""Engine: add_request / step / abort. It owns the scheduler, the block manager, the
+runner and the per-request detokenizers; ``step`` is schedule, execute, update.
+
+A request with ``n > 1`` becomes n child requests (``<id>-0`` ...) that are scheduled
+independently and reported together in one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler
+from tandem.errors import InvalidParameterError
+from tandem.models.loader import load_model
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.runner.kv_cache import num_blocks_for
+from tandem.runner.model_runner import ModelRunner
+from tandem.runner.sampler import SampledToken
+from tandem.sampling import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one child request: text, logprobs."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.samples)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.config
+        limit = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise InvalidParameterError(
+                "max_model_len", f"{config.max_model_len} exceeds the model's context of {limit}"
+            )
+        self.max_model_len = config.max_model_len or limit
+        cache = config.cache
+        num_blocks = num_blocks_for(
+            model_config,
+            cache.block_size,
+            self.loaded.dtype,
+            self.loaded.device,
+            cache.num_blocks,
+            cache.kv_cache_memory,
+            cache.gpu_memory_utilization,
+            config.scheduler.max_num_seqs * self.max_model_len,
+        )
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, seed=config.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._samples: dict[str, tuple[_Parent, _Sample]] = {}
+
+    # -- requests --------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "prompt", "this model has no tokenizer; pass prompt_token_ids"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidParameterError(
+            "prompt", "must be a string, a list of token ids or {'prompt_token_ids': [...]}"
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue; on a bad request raise before anything is queued."""
+        if request_id in self._parents:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        max_tokens = self._validate(prompt_ids, params)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        parent = _Parent(request_id, text, prompt_ids)
+        arrival = arrival_time or time.perf_counter()
+        for index in range(params.n):
+            child_params = params.for_child(index) if params.n > 1 else params
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            request = Request(
+                child_id, prompt_ids, child_params, self.loaded.eos_token_ids, arrival
+            )
+            sample = _Sample(
+                request, index, self._detokenizer(prompt_ids, child_params), None, None
+            )
+            if child_params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            parent.samples.append(sample)
+        self._parents[request_id] = parent
+        for sample in parent.samples:
+            self._samples[sample.request.request_id] = (parent, sample)
+            self.scheduler.add_request(sample.request)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        if not prompt_ids:
+            raise InvalidParameterError("prompt", "is empty")
+        vocab = self.loaded.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidParameterError(
+                "prompt",
+                f"is {len(prompt_ids)} tokens; the context (max_model_len) is "
+                f"{self.max_model_len}, leaving no room to generate",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+            )
+        needed = self.kv_manager.blocks_needed(len(prompt_ids) + max_tokens)
+        if needed > self.kv_manager.num_blocks:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"the request needs {needed} KV blocks but the cache has only "
+                f"{self.kv_manager.num_blocks}; raise num_blocks or kv_cache_memory",
+            )
+        return max_tokens
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            params.stop_strings,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for request_id in ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            children = [s.request.request_id for s in parent.samples]
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            for child in children:
+                self._samples.pop(child, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduler_output)
+        return self._outputs(self.scheduler.update(scheduler_output, sampled), sampled)
+
+    def _outputs(
+        self, updated: list[Request], sampled: dict[str, SampledToken]
+    ) -> list[RequestOutput]:
+        touched: dict[str, _Parent] = {}
+        for request in updated:
+            parent, sample = self._samples[request.request_id]
+            token = sampled[request.request_id]
+            if sample.detokenizer is not None:
+                stop = sample.detokenizer.update(token.token_id)
+                if stop is not None and not request.status.finished:
+                    request.stop_reason = stop
+                    self.scheduler.finish_requests(
+                        [request.request_id], RequestStatus.FINISHED_STOPPED
+                    )
+            if sample.logprobs is not None:
+                self._record_logprobs(sample, token)
+            touched[parent.request_id] = parent
+        outputs = [self._request_output(parent) for parent in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                del self._parents[parent.request_id]
+                for sample in parent.samples:
+                    self._samples.pop(sample.request.request_id, None)
+        return outputs
+
+    def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:
+        decode = (lambda t: self.tokenizer.decode([t], False)) if self.tokenizer else lambda t: None
+        entry = {
+            t: Logprob(value, rank, decode(t))
+            for rank, (t, value) in enumerate(token.top_logprobs or [], start=1)
+        }
+        if token.token_id not in entry:
+            entry[token.token_id] = Logprob(token.logprob, None, decode(token.token_id))
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += token.logprob
+
+    def _request_output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for sample in parent.samples:
+            request = sample.request
+            finished = request.status.finished
+            detok = sample.detokenizer
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=detok.visible_text(finished) if detok else "",
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    logprobs=sample.logprobs,
+                    cumulative_logprob=sample.cumulative_logprob,
+                    metrics=RequestMetrics.from_timeline(request.timeline),
+                )
+            )
+        first = parent.samples[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=completions[0].metrics,
+        )

@@ -1,0 +1,105 @@
+"""Request: one sequence's state as the scheduler sees it (no tensors).
+
+A request knows its tokens (prompt, then output), how many of them have their K/V in
+the cache (``num_computed_tokens``), its blocks, and its timeline. Prefill and decode
+are not states: a request just has ``num_tokens - num_computed_tokens`` tokens to run.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV is recomputed on resume
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestTimeline:
+    """Wall-clock times (time.perf_counter seconds); metrics and traces read these."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        # prompt + output; the token sequence whose K/V the cache holds a prefix of.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        self.stop_token_ids = set(sampling_params.stop_token_ids or ())
+        self.timeline = RequestTimeline(arrival_time or time.perf_counter())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.timeline.token_times.append(now)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finishing status after the newest token, or None to continue."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,223 @@
+"""The scheduler: one token budget per step, no prefill or decode phases.
+
+Every request has ``num_tokens`` (prompt + output so far) and ``num_computed_tokens``
+(tokens whose K/V are cached). Each step hands out ``max_num_batched_tokens``:
+
+1. running requests that are decoding, one token each (decode-first keeps
+   inter-token latency flat);
+2. running requests still in their prompt, a chunk each;
+3. waiting requests, admitted in arrival order while budget, sequence slots
+   (``max_num_seqs``) and blocks last; their first chunk may be partial.
+
+With the ``prefill-first`` policy, a step that can start a waiting prompt runs prompts
+only, whole, and every decode waits for them (the classic prefill-prioritising server).
+
+When the block pool runs dry, the most recently admitted running request is preempted:
+its blocks are freed and it returns to the front of the waiting queue, to recompute
+its prompt and output so far when it resumes (identical output, since its tokens are
+kept). No request is admitted in a step that had to preempt.
+
+The scheduler holds no tensors, so a cost-model simulator can drive it as well.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+
+
+class SampledToken(Protocol):
+    token_id: int
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, fixed when the step is scheduled."""
+
+    request: Request
+    num_computed_tokens: int  # before this step
+    token_ids: list[int]  # the tokens to run: all_token_ids[computed : computed + new]
+    block_table: list[int]
+    # Whether this chunk reaches the request's last known token, so that the logits at
+    # its end give the next token (false for all but the last chunk of a prompt).
+    samples: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that finished since the previous step: the runner drops their state.
+    finished_ids: list[str] = field(default_factory=list)
+    started_at: float = 0.0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- queue ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string): free their blocks."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.timeline.finished = time.perf_counter()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids, started_at=time.perf_counter())
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        if self.config.scheduling_policy == "prefill-first":
+            # Prompts run whole, alone. Only when none can start (no blocks or sequence
+            # slots) do the decodes run, and they are what frees blocks for the prompts.
+            self._admit_waiting(budget, out, whole=True)
+            if not out.scheduled:
+                self._schedule_running(budget, out)
+            return out
+        budget = self._schedule_running(budget, out)
+        if not out.preempted:
+            self._admit_waiting(budget, out, whole=False)
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        # Decodes first, then running prompts that still need chunks.
+        for request in sorted(self.running, key=self._in_prompt):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk_size(request, budget, whole=False)
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue  # the request preempted itself
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _in_prompt(self, request: Request) -> bool:
+        return request.num_computed_tokens < request.num_prompt_tokens
+
+    def _chunk_size(self, request: Request, budget: int, whole: bool) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if whole:
+            # prefill-first runs a prompt whole, even when it alone exceeds the budget
+            # of an otherwise empty step (it would never run otherwise).
+            fits = remaining <= budget or budget == self.config.max_num_batched_tokens
+            return remaining if fits else 0
+        cap = self.config.long_prefill_token_threshold
+        if cap and remaining > 1:
+            remaining = min(remaining, cap)
+        return min(remaining, budget)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request,
+            start,
+            request.all_token_ids[start : start + num_new],
+            list(self.kv.block_table(request.request_id)),
+            start + num_new == request.num_tokens,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.timeline.preemption_times.append(time.perf_counter())
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        # A victim already given tokens in this step loses them.
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, whole: bool) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._chunk_size(request, budget, whole)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            if request.timeline.first_scheduled is None:
+                request.timeline.first_scheduled = out.started_at
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[Request]:
+        """Advance each scheduled request by its tokens, append the sampled token where
+        one was sampled, and finish requests that hit a stop condition. Returns the
+        requests that received a token."""
+        now = time.perf_counter()
+        updated = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token.token_id, now)
+            updated.append(request)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return updated

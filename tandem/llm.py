@@ -1,0 +1,111 @@
+"""LLM: the offline batch API, with vLLM's names.
+
+from tandem import LLM, SamplingParams
+llm = LLM(model="path/to/folder", max_num_batched_tokens=512)
+outputs = llm.generate(["Hello", "The KV cache"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import Engine, PromptInput
+from tandem.errors import InvalidParameterError
+from tandem.outputs import RequestOutput
+from tandem.sampling import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Every prompt is validated before any is
+        queued, so one bad prompt fails the call without leaving work behind."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidParameterError(
+                "sampling_params", f"{len(params)} given for {len(prompts)} prompts"
+            )
+        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            self.engine.abort(added)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidParameterError("messages", "this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": tokenizer.encode_chat(
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start = time.perf_counter()
+        output_tokens = 0
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"{output_tokens / elapsed:.1f} out tok/s")
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,141 @@
+"""Batched sampling: one pass over the [S, vocab] logits of the requests that sample.
+
+Order, as vLLM: logprobs of the raw distribution are taken first; then penalties
+(repetition over prompt + output, presence and frequency over the output), the
+min_tokens ban on stop tokens, temperature, top-k, top-p, min-p. All-greedy batches
+are a plain argmax. Sampling uses the exponential-noise trick
+(``argmax(p / Exp(1))`` draws from p) so no row needs a host sync, and a row with a
+seed draws its noise from its own generator, so its tokens do not depend on which
+other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.sampling import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # the request's own, when it has a seed
+    banned_token_ids: tuple[int, ...] = ()  # eos/stop ids while below min_tokens
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the chosen token, under the raw distribution
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
+
+
+def _column(rows: list[SamplingRow], name: str, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[1]
+    presence = _column(rows, "presence_penalty", device)
+    frequency = _column(rows, "frequency_penalty", device)
+    repetition = _column(rows, "repetition_penalty", device)
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        if row.output_token_ids:
+            ids = torch.tensor(row.output_token_ids, device=device).clamp_(max=vocab - 1)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+        if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
+            seen[i, torch.tensor(row.prompt_token_ids, device=device).clamp_(max=vocab - 1)] = True
+    seen |= counts > 0
+    # Repetition penalty (CTRL): shrink positive logits, push negative ones further down.
+    penalised = torch.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
+    logits = torch.where(seen, penalised, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution sampled rows draw from (temperature, top-k, top-p, min-p),
+    given already-penalised logits. Greedy rows get temperature 1 here and are
+    decided by argmax instead."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor(
+        [r.params.temperature or 1.0 for r in rows], dtype=torch.float32, device=device
+    )
+    logits = logits / temperature[:, None]
+    top_k = torch.tensor(
+        [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
+    ).clamp_(max=vocab)
+    top_p = _column(rows, "top_p", device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    remove = rank >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs_sorted = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    remove |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = _column(rows, "min_p", device)
+    if bool((min_p > 0).any()):
+        too_small = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(too_small, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    shared_generator: torch.Generator | None = None,
+) -> list[SampledToken]:
+    """logits [S, vocab] float32, one row per request that samples this step."""
+    num_logprobs = max((r.params.logprobs or 0) for r in rows)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+
+    if any(_needs_penalties(r.params) for r in rows):
+        logits = apply_penalties(logits, rows)
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = sampling_probs(logits, rows)
+        # Unseeded rows share one batched draw; seeded rows redraw from their own.
+        noise = torch.empty_like(probs).exponential_(generator=shared_generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                noise[i].exponential_(generator=row.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+
+    token_list = tokens.tolist()
+    results = [SampledToken(t) for t in token_list]
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, tokens[:, None]).flatten().tolist()
+        top_values, top_ids = raw_logprobs.topk(max(num_logprobs, 1), dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                continue
+            results[i].logprob = chosen[i]
+            results[i].top_logprobs = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+    return results
+
+
+def _needs_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1.0
+    )

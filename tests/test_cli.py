@@ -1,0 +1,40 @@
+"""`tandem generate` as a user runs it: a real process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tandem import LLM, SamplingParams
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_streams_the_engine_output(model_dirs):
+    folder, _ = model_dirs("llama")
+    result = run_cli("generate", "--model", str(folder), "The quick brown", "--max-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(str(folder)).generate(
+        "The quick brown", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )[0]
+    assert result.stdout == expected.outputs[0].text + "\n"
+    assert "TTFT" in result.stderr and "TPOT" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_errors_are_one_line(model_dirs, tmp_path):
+    folder, _ = model_dirs("llama")
+    cases = [
+        (["--model", str(tmp_path / "missing"), "hi"], "does not exist"),
+        (["--model", str(folder), "hi", "--temperature", "-1"], "temperature"),
+        (["--model", str(folder), "hi", "--max-tokens", "100000"], "max_model_len"),
+        (["--model", str(folder), "hi", "--scheduling-policy", "nope"], "scheduling_policy"),
+    ]
+    for args, message in cases:
+        result = run_cli("generate", *args)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
