@@ -45,8 +45,23 @@ def hf_greedy(llama, prompts):
     return results
 
 
+_created: list[LLM] = []
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    """After every test, every engine it made holds no KV block and no request."""
+    _created.clear()
+    yield
+    for llm in _created:
+        assert not llm.engine.has_unfinished_requests()
+        llm.engine.kv_manager.check_no_leaks()
+
+
 def make_llm(folder, **options):
-    return LLM(str(folder), **options)
+    llm = LLM(str(folder), **options)
+    _created.append(llm)
+    return llm
 
 
 def greedy(max_tokens=MAX_NEW, **kwargs):
@@ -82,7 +97,6 @@ def test_greedy_matches_transformers(llama, prompts, hf_greedy, setting):
     preemptions = sum(o.metrics.num_preemptions for o in outputs)
     if setting in EXPECT_PREEMPTION:
         assert preemptions > 0, "the setting was meant to force preemption"
-    llm.engine.kv_manager.check_no_leaks()
 
 
 def test_metrics_are_consistent(llama, prompts):

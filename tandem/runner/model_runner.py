@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.models.loader import LoadedModel
+from tandem.runner import cpu_paged_attention
 from tandem.runner.attention import CausalAttention, PagedAttention, build_paged_metadata
 from tandem.runner.kv_cache import allocate_kv_cache
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
@@ -42,6 +43,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
+        )
+        self.decode_kernel = (
+            loaded.device.type == "cpu"
+            and loaded.dtype in (torch.float32, torch.bfloat16)
+            and cpu_paged_attention.load() is not None
         )
         # Requests with a seed sample from their own generator, kept across steps and
         # preemptions; the others share this one.
@@ -111,7 +117,9 @@ class ModelRunner:
         metadata, positions = build_paged_metadata(
             query_lens, num_computed, block_tables, self.block_size, self.config.sliding_window
         )
-        hidden = self.model(input_ids, positions, PagedAttention(metadata, self.kv_cache))
+        sliding_window = self.config.sliding_window
+        attn = PagedAttention(metadata, self.kv_cache, self.decode_kernel, sliding_window)
+        hidden = self.model(input_ids, positions, attn)
         if not all_logits:
             hidden = hidden[torch.cumsum(query_lens, 0) - 1]
         return self.model.compute_logits(hidden)

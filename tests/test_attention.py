@@ -1,0 +1,63 @@
+"""Paged attention paths against brute-force attention over each sequence's context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.runner import cpu_paged_attention
+from tandem.runner.attention import PagedAttention, build_paged_metadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
+
+
+def reference(q, k_ctx, v_ctx, num_computed, window):
+    """Attention of the new tokens of one sequence over its whole context, written out."""
+    group = HEADS // KV_HEADS
+    k_ctx = k_ctx.repeat_interleave(group, dim=1)
+    v_ctx = v_ctx.repeat_interleave(group, dim=1)
+    out = []
+    for i in range(q.shape[0]):
+        pos = num_computed + i
+        first = 0 if window is None else max(0, pos - window + 1)
+        scores = torch.einsum("hd,thd->ht", q[i], k_ctx[first : pos + 1]) / HEAD_DIM**0.5
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v_ctx[first : pos + 1]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_batch_matches_brute_force(decode_kernel, window):
+    if decode_kernel and cpu_paged_attention.load() is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    torch.manual_seed(0)
+    # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
+    # and chunks continuing after the cache.
+    shapes = [(9, 1), (0, 7), (0, 7), (0, 3), (5, 6), (13, 1), (2, 1), (20, 4)]
+    kv_cache = torch.zeros(1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    pool = torch.randperm(NUM_BLOCKS).tolist()
+    tables, contexts = [], []
+    for cached, new in shapes:
+        count = -(-(cached + new) // BLOCK_SIZE)
+        tables.append([pool.pop() for _ in range(count)])
+        k_ctx = torch.randn(cached + new, KV_HEADS, HEAD_DIM)
+        v_ctx = torch.randn(cached + new, KV_HEADS, HEAD_DIM)
+        for pos in range(cached):  # the cached part is already in the blocks
+            block, offset = tables[-1][pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            kv_cache[0, 0, block, offset], kv_cache[0, 1, block, offset] = k_ctx[pos], v_ctx[pos]
+        contexts.append((k_ctx, v_ctx))
+    width = max(map(len, tables))
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query_lens = torch.tensor([new for _, new in shapes])
+    num_computed = torch.tensor([cached for cached, _ in shapes])
+    metadata, _ = build_paged_metadata(query_lens, num_computed, table_tensor, BLOCK_SIZE, window)
+    q = torch.randn(int(query_lens.sum()), HEADS, HEAD_DIM)
+    k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
+    v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
+    attention = PagedAttention(metadata, kv_cache, decode_kernel, window)
+    out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
+    start = 0
+    for (cached, new), (k_ctx, v_ctx) in zip(shapes, contexts, strict=True):
+        expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
