@@ -1,6 +1,6 @@
 """The seed's three scheduling pictures as numbers.
 
-8 requests are decoding when a long prompt arrives, and a short one right after.
+8 requests are decoding when a long prompt arrives, and a short one right behind it.
 For each scheduling setting we report the short request's TTFT, the long one's TTFT,
 and the decoders' worst and p99 inter-token gap while the long prompt is processed,
 next to a normal decode step:
@@ -9,9 +9,11 @@ next to a normal decode step:
   whole prefill);
 - ``no chunking``: the budget holds the whole prompt, so it runs in one mixed step with
   the decodes (the same stall, but the decoders do get a token from that step);
-- ``chunked, budget B``: decodes first, the prompt fills the rest of a B-token budget.
+- ``chunked, budget B``: decodes first, the prompt fills the rest of a B-token budget;
+- ``budget B, cap C``: the same with ``long_prefill_token_threshold=C``, so the long
+  prompt takes at most C tokens a step and the short one starts beside it.
 
-    python benchmarks/scheduling_policies.py [--long 2000] [--budgets 32 64 128 256]
+    python -m benchmarks.scheduling_policies [--long 2000] [--budgets 16 32 64 128 256]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def scenario(folder, long_len: int, short_len: int, **options) -> dict[str, floa
         {"prompt_token_ids": [(3 * j) % 32000 for j in range(long_len)]},
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
     )
-    engine.step()
+    # The short prompt arrives right behind the long one, before the next step.
     engine.add_request(
         "short",
         {"prompt_token_ids": list(range(100, 100 + short_len))},
@@ -69,6 +71,7 @@ def scenario(folder, long_len: int, short_len: int, **options) -> dict[str, floa
     gaps.sort()
     return {
         "normal": statistics.median(normal),
+        "median_gap": statistics.median(gaps),
         "max_gap": gaps[-1],
         "p99_gap": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
         "short_ttft": finished["short"].metrics.ttft,
@@ -80,7 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", type=int, default=2000)
     parser.add_argument("--short", type=int, default=32)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per setting (medians)")
     args = parser.parse_args()
     folder = llama_125m_folder()
     settings = [
@@ -91,21 +95,29 @@ def main() -> None:
     ]
     settings.append(("no chunking", dict(max_num_batched_tokens=args.long + 64)))
     settings += [(f"chunked, budget {b}", dict(max_num_batched_tokens=b)) for b in args.budgets]
+    # A cap on one request's chunk leaves budget for prompts that arrive behind it.
+    settings.append(
+        ("budget 256, cap 32", dict(max_num_batched_tokens=256, long_prefill_token_threshold=32))
+    )
     print(f"machine: {machine()}")
     print(
         f"{NUM_DECODERS} decoders; a {args.long}-token prompt arrives, "
         f"then a {args.short}-token one\n"
     )
+    print(f"median of {args.repeats} runs per setting; gaps are the decoders' while the long")
+    print("prompt is being processed, 'normal' is their median step before it arrived\n")
     print(
-        f"{'setting':<22}{'normal step':>12}{'max gap':>10}{'p99 gap':>10}{'max/normal':>11}"
-        f"{'short TTFT':>12}{'long TTFT':>11}"
+        f"{'setting':<22}{'normal':>8}{'median gap':>12}{'p99 gap':>9}{'max gap':>9}"
+        f"{'max/normal':>11}{'short TTFT':>12}{'long TTFT':>11}"
     )
     for name, options in settings:
-        r = scenario(folder, args.long, args.short, **options)
+        runs = [scenario(folder, args.long, args.short, **options) for _ in range(args.repeats)]
+        r = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(
-            f"{name:<22}{r['normal'] * 1e3:>10.0f}ms{r['max_gap'] * 1e3:>8.0f}ms"
-            f"{r['p99_gap'] * 1e3:>8.0f}ms{r['max_gap'] / r['normal']:>10.1f}x"
-            f"{r['short_ttft'] * 1e3:>10.0f}ms{r['long_ttft']:>10.2f}s"
+            f"{name:<22}{r['normal'] * 1e3:>6.0f}ms{r['median_gap'] * 1e3:>10.0f}ms"
+            f"{r['p99_gap'] * 1e3:>7.0f}ms{r['max_gap'] * 1e3:>7.0f}ms"
+            f"{r['max_gap'] / r['normal']:>10.1f}x{r['short_ttft'] * 1e3:>10.0f}ms"
+            f"{r['long_ttft']:>10.2f}s"
         )
 
 
