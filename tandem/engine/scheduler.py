@@ -5,7 +5,8 @@ Every request has ``num_tokens`` (prompt + output so far) and ``num_computed_tok
 
 1. running requests that are decoding, one token each (decode-first keeps
    inter-token latency flat);
-2. running requests still in their prompt, a chunk each;
+2. running requests with more to run (a prompt, or a preempted request recomputing
+   its tokens), a chunk each, the fewest tokens left first;
 3. waiting requests, admitted in arrival order while budget, sequence slots
    (``max_num_seqs``) and blocks last; their first chunk may be partial.
 
@@ -130,8 +131,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
-        # Decodes first, then running prompts that still need chunks.
-        for request in sorted(self.running, key=self._in_prompt):
+        # Decodes (one token to run) first, then requests with a chunk to run: prompts,
+        # and preempted requests recomputing their prompt and output.
+        for request in sorted(self.running, key=self._tokens_left):
+            # Derived from what is scheduled, so a victim preempted after it was
+            # scheduled in this step gives its tokens back.
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -140,11 +145,11 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request preempted itself
             out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-        return budget
+        return self.config.max_num_batched_tokens - out.num_batched_tokens
 
-    def _in_prompt(self, request: Request) -> bool:
-        return request.num_computed_tokens < request.num_prompt_tokens
+    @staticmethod
+    def _tokens_left(request: Request) -> int:
+        return request.num_tokens - request.num_computed_tokens
 
     def _chunk_size(self, request: Request, budget: int, whole: bool) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -54,6 +54,7 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one scheduled step; the sampled token of each request that samples."""
         for request_id in scheduler_output.finished_ids:
