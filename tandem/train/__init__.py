@@ -1,0 +1,1 @@
+"""Training the small bundled models: corpus, tokenizer, training loop."""
