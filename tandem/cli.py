@@ -24,7 +24,9 @@ ENGINE_FLAGS = {
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local Hugging Face model folder")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face model folder (default: the bundled one)"
+    )
     for flag, (dest, kind, text) in ENGINE_FLAGS.items():
         parser.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=text)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")

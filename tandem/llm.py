@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
+from tandem.models.bundled import default_model
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
 
@@ -24,7 +25,9 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str, **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """``model``: a local Hugging Face folder; the bundled model when omitted."""
+        model = model if model is not None else default_model()
         self.engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
         self._ids = itertools.count()
 

@@ -38,3 +38,12 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_generate_uses_the_bundled_model_by_default():
+    result = run_cli("generate", "import os", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    expected = LLM().generate(
+        "import os", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )[0]
+    assert result.stdout == expected.outputs[0].text + "\n"

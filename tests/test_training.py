@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import transformers
 
+from tandem.models.loader import load_model
 from tandem.models.random_weights import random_model
 from tandem.models.tokenizer import Tokenizer
 from tandem.train.bpe import END_OF_TEXT, save_tokenizer, train_bpe
@@ -77,3 +82,38 @@ def test_loss_goes_down_and_resume_matches(tmp_path):
     assert resumed_losses == losses
     for a, b in zip(straight.model.parameters(), resumed_again.model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_training_script_runs_end_to_end(tmp_path):
+    """The real script on one small stdlib package, a few steps per model."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_bundled_models.py"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--corpus-dir",
+            str(stdlib_root() / "json"),
+            "--heldout-percent",
+            "40",
+            "--vocab-size",
+            "384",
+            "--target-schedule",
+            "2,3",
+            "--draft-schedule",
+            "3",
+            "--out",
+            str(tmp_path / "models"),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("stdlib-lm", "stdlib-lm-draft"):
+        folder = tmp_path / "models" / name
+        card = (folder / "README.md").read_text()
+        assert "held-out bits per byte" in card and "draft greedy agreement" in card
+        loaded = load_model(folder)
+        assert loaded.tokenizer.eos_token_id in loaded.eos_token_ids

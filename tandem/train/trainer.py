@@ -76,7 +76,7 @@ def train(
         betas=(0.9, 0.95),
     )
     generator = torch.Generator().manual_seed(config.seed)
-    start_step, losses = 0, []
+    start_step, losses, seconds_before, segments = 0, [], 0.0, []
     checkpoint = Path(checkpoint) if checkpoint else None
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
@@ -84,6 +84,7 @@ def train(
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         start_step, losses = state["step"], state["losses"]
+        seconds_before, segments = state["seconds"], state["segments"]
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     bar = tqdm(
         range(start_step, end),
@@ -116,6 +117,10 @@ def train(
                     "generator": generator.get_state(),
                     "step": step + 1,
                     "losses": losses,
+                    # Cumulative training time, and each run as (first step, last step,
+                    # schedule length): a run extended with more steps says so.
+                    "seconds": seconds_before + time.perf_counter() - started,
+                    "segments": [*segments, (start_step, step + 1, config.steps)],
                 },
                 checkpoint,
             )
