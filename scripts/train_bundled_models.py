@@ -61,12 +61,16 @@ def token_stream(tokenizer, texts: list[str], eos: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-@torch.no_grad()
-def evaluate(loaded, tokens: torch.Tensor, window: int = 512) -> float:
-    """Mean next-token loss (nats) over non-overlapping windows of ``tokens``."""
+def windows(tokens: torch.Tensor, window: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping (input, next-token target) windows of ``tokens``."""
     usable = (len(tokens) - 1) // window * window
-    inputs = tokens[:usable].view(-1, window)
-    targets = tokens[1 : usable + 1].view(-1, window)
+    return tokens[:usable].view(-1, window), tokens[1 : usable + 1].view(-1, window)
+
+
+@torch.no_grad()
+def evaluate(loaded, tokens: torch.Tensor) -> float:
+    """Mean next-token loss (nats) over non-overlapping windows of ``tokens``."""
+    inputs, targets = windows(tokens)
     total = 0.0
     for start in range(0, len(inputs), 8):
         logits = forward_no_cache(loaded, inputs[start : start + 8])
@@ -77,10 +81,9 @@ def evaluate(loaded, tokens: torch.Tensor, window: int = 512) -> float:
 
 
 @torch.no_grad()
-def greedy_agreement(target, draft, tokens: torch.Tensor, window: int = 512) -> float:
+def greedy_agreement(target, draft, tokens: torch.Tensor) -> float:
     """How often the draft's argmax equals the target's, teacher-forced on held-out text."""
-    usable = (len(tokens) - 1) // window * window
-    inputs = tokens[:usable].view(-1, window)
+    inputs, _ = windows(tokens)
     agree = 0
     for start in range(0, len(inputs), 8):
         batch = inputs[start : start + 8]
@@ -157,6 +160,8 @@ def main() -> None:
     def bpb(loss: float) -> float:
         return loss / math.log(2) / bytes_per_token
 
+    baseline = bpb(unigram_loss(train_tokens, heldout_tokens, vocab))
+
     specs = {
         "stdlib-lm": (llama_config(vocab, 256, 6, 8, 4, 768, eos), args.target_schedule),
         "stdlib-lm-draft": (llama_config(vocab, 128, 2, 4, 2, 256, eos), args.draft_schedule),
@@ -174,7 +179,6 @@ def main() -> None:
             for first, last, length in state["segments"]
         )
         loss = evaluate(loaded, heldout_tokens)
-        baseline = bpb(unigram_loss(train_tokens, heldout_tokens, vocab))
         trained[name] = loaded
         facts[name] = {
             "parameters": f"{model_parameters(loaded.model):,}",

@@ -96,3 +96,16 @@ def save_model(
     model.save_pretrained(folder, **kwargs)
     build_tokenizer().save_pretrained(folder)
     return model
+
+
+def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for one sequence, float32."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    """Max abs difference within ``rel`` of the reference logits' scale."""
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= rel * scale, f"max abs diff {err:.3g} vs logits scale {scale:.3g}"

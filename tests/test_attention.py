@@ -54,7 +54,7 @@ def test_mixed_batch_matches_brute_force(decode_kernel, window):
     q = torch.randn(int(query_lens.sum()), HEADS, HEAD_DIM)
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
-    attention = PagedAttention(metadata, kv_cache, decode_kernel, window)
+    attention = PagedAttention(metadata, kv_cache, decode_kernel)
     out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
     start = 0
     for (cached, new), (k_ctx, v_ctx) in zip(shapes, contexts, strict=True):

@@ -14,6 +14,7 @@ from tandem.models.bundled import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.models.loader import load_model
 from tandem.runner.model_runner import ModelRunner, SequenceChunk, forward_no_cache
 from tandem.train.corpus import split, stdlib_root, stdlib_sources
+from tests.hf_models import assert_close, reference_logits
 
 TEXTS = ["import os\n", "def fibonacci(n):\n    if n < 2:", "class Path:\n    def __init__(self"]
 
@@ -32,10 +33,7 @@ def test_transformers_loads_it_with_the_same_logits(folder):
     )
     start = 0
     for ids in batch:
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([ids])).logits[0].float()
-        got = logits[start : start + len(ids)]
-        assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+        assert_close(logits[start : start + len(ids)], reference_logits(hf_model, ids))
         start += len(ids)
 
 

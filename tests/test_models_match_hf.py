@@ -11,7 +11,7 @@ import torch
 from tandem.models.loader import load_model
 from tandem.runner.model_runner import ModelRunner, SequenceChunk, forward_no_cache
 from tandem.runner.static_batch import generate_recompute, generate_with_cache
-from tests.hf_models import ARCHITECTURES, VOCAB_SIZE
+from tests.hf_models import ARCHITECTURES, VOCAB_SIZE, assert_close, reference_logits
 
 ROPE_VARIANTS = {
     "llama3": dict(
@@ -38,17 +38,6 @@ PROMPT_LENS = [37, 5, 1, 64, 19]
 def prompts(lengths=PROMPT_LENS, seed=1):
     rng = random.Random(seed)
     return [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
-
-
-def reference_logits(hf_model, ids):
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def assert_close(ours, ref, rel=1e-4):
-    scale = ref.abs().max().item()
-    err = (ours - ref).abs().max().item()
-    assert err <= rel * scale, f"max abs diff {err:.3g} vs logits scale {scale:.3g}"
 
 
 def contiguous_tables(lengths, block_size, shuffle_seed=0):

@@ -178,13 +178,17 @@ class Engine:
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for request_id in ids:
-            parent = self._parents.pop(request_id, None)
+            parent = self._parents.get(request_id)
             if parent is None:
                 continue
             children = [s.request.request_id for s in parent.samples]
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            for child in children:
-                self._samples.pop(child, None)
+            self._forget(parent)
+
+    def _forget(self, parent: _Parent) -> None:
+        del self._parents[parent.request_id]
+        for sample in parent.samples:
+            self._samples.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -216,9 +220,7 @@ class Engine:
         outputs = [self._request_output(parent) for parent in touched.values()]
         for parent in touched.values():
             if parent.finished:
-                del self._parents[parent.request_id]
-                for sample in parent.samples:
-                    self._samples.pop(sample.request.request_id, None)
+                self._forget(parent)
         return outputs
 
     def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:

@@ -58,10 +58,6 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use (for metrics)."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks

@@ -67,10 +67,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     def __init__(
@@ -117,26 +113,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids, started_at=time.perf_counter())
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
         if self.config.scheduling_policy == "prefill-first":
             # Prompts run whole, alone. Only when none can start (no blocks or sequence
             # slots) do the decodes run, and they are what frees blocks for the prompts.
-            self._admit_waiting(budget, out, whole=True)
+            self._admit_waiting(out, whole=True)
             if not out.scheduled:
-                self._schedule_running(budget, out)
+                self._schedule_running(out)
             return out
-        budget = self._schedule_running(budget, out)
+        self._schedule_running(out)
         if not out.preempted:
-            self._admit_waiting(budget, out, whole=False)
+            self._admit_waiting(out, whole=False)
         return out
 
-    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        # Derived from what is scheduled, so a victim preempted after it was scheduled
+        # in this step gives its tokens back.
+        return self.config.max_num_batched_tokens - out.num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
         # Decodes (one token to run) first, then requests with a chunk to run: prompts,
         # and preempted requests recomputing their prompt and output.
         for request in sorted(self.running, key=self._tokens_left):
-            # Derived from what is scheduled, so a victim preempted after it was
-            # scheduled in this step gives its tokens back.
-            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = self._budget_left(out)
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -145,7 +143,6 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # the request preempted itself
             out.scheduled.append(self._scheduled(request, num_new))
-        return self.config.max_num_batched_tokens - out.num_batched_tokens
 
     @staticmethod
     def _tokens_left(request: Request) -> int:
@@ -192,10 +189,14 @@ class Scheduler:
         # A victim already given tokens in this step loses them.
         out.scheduled = [s for s in out.scheduled if s.request is not request]
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, whole: bool) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, whole: bool) -> None:
+        while (
+            self.waiting
+            and self._budget_left(out) > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
-            num_new = self._chunk_size(request, budget, whole)
+            num_new = self._chunk_size(request, self._budget_left(out), whole)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new):
                 break
             self.waiting.popleft()
@@ -204,8 +205,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-        return budget
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[Request]:
         """Advance each scheduled request by its tokens, append the sampled token where

@@ -56,6 +56,7 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     groups: list[AttentionGroup]  # decodes; prompt chunks that continue after the cache
     fresh_prompts: list[FreshPromptGroup]
+    sliding_window: int | None  # keys older than this many positions are not attended
 
 
 def build_paged_metadata(
@@ -109,7 +110,8 @@ def build_paged_metadata(
             same = fresh_members[lengths == length]
             offsets = torch.arange(length, device=device)
             fresh_prompts.append(FreshPromptGroup(starts[same][:, None] + offsets[None, :]))
-    return PagedAttentionMetadata(slot_mapping, groups, fresh_prompts), positions
+    metadata = PagedAttentionMetadata(slot_mapping, groups, fresh_prompts, sliding_window)
+    return metadata, positions
 
 
 def _build_group(
@@ -170,12 +172,10 @@ class PagedAttention:
         metadata: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
         decode_kernel: bool = False,
-        sliding_window: int | None = None,
     ) -> None:
         self.metadata = metadata
         self.kv_cache = kv_cache
         self.decode_kernel = decode_kernel
-        self.sliding_window = sliding_window
         # Gather buffers, one K and one V per group, reused by every layer of this
         # forward: fresh multi-MB allocations per layer cost page faults on CPU.
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -201,7 +201,7 @@ class PagedAttention:
                     group.block_tables,
                     group.context_lens,
                     scale,
-                    self.sliding_window,
+                    self.metadata.sliding_window,
                 )
                 out.index_copy_(0, group.valid_tokens, group_out)
                 continue

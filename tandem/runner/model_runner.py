@@ -40,7 +40,6 @@ class ModelRunner:
         self.config = loaded.config
         self.device = loaded.device
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
         )
@@ -118,8 +117,7 @@ class ModelRunner:
         metadata, positions = build_paged_metadata(
             query_lens, num_computed, block_tables, self.block_size, self.config.sliding_window
         )
-        sliding_window = self.config.sliding_window
-        attn = PagedAttention(metadata, self.kv_cache, self.decode_kernel, sliding_window)
+        attn = PagedAttention(metadata, self.kv_cache, self.decode_kernel)
         hidden = self.model(input_ids, positions, attn)
         if not all_logits:
             hidden = hidden[torch.cumsum(query_lens, 0) - 1]

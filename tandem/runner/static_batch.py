@@ -21,23 +21,14 @@ from tandem.models.loader import LoadedModel
 from tandem.runner.model_runner import ModelRunner, forward_no_cache
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).flatten()
-
-
 def stream_with_cache(
     loaded: LoadedModel,
     prompts: list[list[int]],
     max_new_tokens: int,
     block_size: int = 16,
-    temperature: float = 0.0,
-    seed: int | None = None,
     max_prefill_tokens: int = 65536,
 ) -> Iterator[torch.Tensor]:
-    """Yield the batch's next tokens ([B]) step by step, ``max_new_tokens`` times.
+    """Yield the batch's next greedy tokens ([B]) step by step, ``max_new_tokens`` times.
 
     Each sequence gets its own contiguous run of blocks up front. Prompts are prefilled
     in groups of at most ``max_prefill_tokens`` tokens to bound activation memory."""
@@ -47,9 +38,6 @@ def stream_with_cache(
     blocks_per_seq = math.ceil((int(lengths.max()) + max_new_tokens) / block_size)
     runner = ModelRunner(loaded, batch * blocks_per_seq, block_size)
     block_tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
 
     last_logits = []
     start = 0
@@ -64,22 +52,23 @@ def stream_with_cache(
             runner.forward_tensors(ids, lengths[start:end], zeros, block_tables[start:end])
         )
         start = end
-    tokens = next_tokens(torch.cat(last_logits), temperature, generator)
+    tokens = torch.cat(last_logits).argmax(dim=-1)
     yield tokens
     ones = torch.ones(batch, dtype=torch.long, device=device)
     computed = lengths.clone()
     for _ in range(max_new_tokens - 1):
         logits = runner.forward_tensors(tokens, ones, computed, block_tables)
         computed += 1
-        tokens = next_tokens(logits, temperature, generator)
+        tokens = logits.argmax(dim=-1)
         yield tokens
 
 
 def generate_with_cache(
-    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, **kwargs
+    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16
 ) -> torch.Tensor:
-    """Greedy (by default) tokens [B, max_new_tokens], KV-cached."""
-    return torch.stack(list(stream_with_cache(loaded, prompts, max_new_tokens, **kwargs)), dim=1)
+    """Greedy tokens [B, max_new_tokens], KV-cached."""
+    steps = stream_with_cache(loaded, prompts, max_new_tokens, block_size)
+    return torch.stack(list(steps), dim=1)
 
 
 @torch.inference_mode()
