@@ -44,20 +44,24 @@ def engine_options(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    from tandem import LLM, SamplingParams
+    from tandem import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+    llm = LLM(args.model, **engine_options(args))
+    chosen = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    params = llm.get_default_sampling_params(
+        **{name: value for name, value in chosen.items() if value is not None},
         max_tokens=args.max_tokens,
         seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, **engine_options(args))
     engine = llm.engine
     if args.chat:
         prompt = {
@@ -97,9 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(generate)
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
+    # Sampling flags left unset take the model's generation_config.json values.
+    model_default = "default: the model's generation_config.json"
+    generate.add_argument("--temperature", type=float, help=f"0 = greedy ({model_default})")
+    generate.add_argument("--top-p", type=float, help=model_default)
+    generate.add_argument("--top-k", type=int, help=model_default)
+    generate.add_argument("--repetition-penalty", type=float, help=model_default)
     generate.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     generate.add_argument("--stop", action="append", default=None, help="stop string (repeat)")
     generate.add_argument("--ignore-eos", action="store_true")

@@ -19,7 +19,7 @@ from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
 from tandem.models.bundled import default_model
 from tandem.outputs import RequestOutput
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, model_sampling_defaults
 
 Conversation = list[dict[str, Any]]
 
@@ -34,6 +34,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The model's recommended sampling (its generation_config.json), with
+        ``overrides`` on top; what ``generate`` uses when given no params."""
+        defaults = model_sampling_defaults(self.engine.loaded.generation_config)
+        return SamplingParams(**{**defaults, **overrides})
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -47,7 +53,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -83,3 +83,30 @@ class SamplingParams:
         distinct seeds so that the samples differ but stay reproducible."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+# generation_config.json keys that set a model's recommended sampling, and the
+# SamplingParams field each one fills (the keys vLLM reads for the same purpose).
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def model_sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a model folder recommends, as SamplingParams fields.
+
+    ``do_sample: false`` means greedy, as in transformers (vLLM ignores that key and
+    keeps temperature 1.0; tandem follows the model's author)."""
+    defaults = {
+        field_name: generation_config[key]
+        for key, field_name in GENERATION_CONFIG_KEYS.items()
+        if generation_config.get(key) is not None
+    }
+    if generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults

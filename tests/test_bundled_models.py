@@ -44,6 +44,23 @@ def test_it_is_the_default_model():
     assert len(out[0].outputs[0].token_ids) >= 1
 
 
+def test_default_sampling_is_the_folders_generation_config_as_transformers_reads_it():
+    llm = LLM()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL).eval()
+    prompts = ["import os", "def fibonacci(n):"]
+    # generate() with no params uses the folder's generation_config.json, as
+    # transformers' generate() does: greedy with a repetition penalty over the
+    # prompt and the output (the penalty changes the text, so it is really applied).
+    outputs = llm.generate(prompts, use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in plain]
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.no_grad():
+            expected = hf_model.generate(ids, max_new_tokens=16, min_new_tokens=16)
+        assert output.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist()
+
+
 def test_target_beats_draft_beats_unigram_on_heldout_code():
     target, draft = load_model(DEFAULT_MODEL), load_model(DEFAULT_DRAFT_MODEL)
     _, heldout = split(stdlib_sources(stdlib_root()))

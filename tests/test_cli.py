@@ -16,7 +16,16 @@ def run_cli(*args):
 
 def test_generate_streams_the_engine_output(model_dirs):
     folder, _ = model_dirs("llama")
-    result = run_cli("generate", "--model", str(folder), "The quick brown", "--max-tokens", "6")
+    result = run_cli(
+        "generate",
+        "--model",
+        str(folder),
+        "The quick brown",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+    )
     assert result.returncode == 0, result.stderr
     expected = LLM(str(folder)).generate(
         "The quick brown", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
@@ -43,7 +52,9 @@ def test_errors_are_one_line(model_dirs, tmp_path):
 def test_generate_uses_the_bundled_model_by_default():
     result = run_cli("generate", "import os", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
-    expected = LLM().generate(
-        "import os", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
-    )[0]
+    llm = LLM()
+    # Unset sampling flags take the model's recommended settings (generation_config).
+    params = llm.get_default_sampling_params(max_tokens=8)
+    assert params.repetition_penalty != 1.0
+    expected = llm.generate("import os", params, use_tqdm=False)[0]
     assert result.stdout == expected.outputs[0].text + "\n"

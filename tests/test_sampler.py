@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.runner.sampler import SamplingRow, apply_penalties, sample, sampling_probs
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, model_sampling_defaults
 
 VOCAB = 12
 
@@ -110,3 +110,11 @@ def test_logprobs_are_raw_and_ranked():
     assert result[0].logprob == pytest.approx(expected[2].item())
     assert [t for t, _ in result[0].top_logprobs] == [1, 2]
     assert result[0].top_logprobs[0][1] == pytest.approx(expected[1].item())
+
+
+def test_model_sampling_defaults_read_generation_config_keys():
+    config = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "eos_token_id": 2}
+    assert model_sampling_defaults(config) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    # transformers' do_sample=False is greedy whatever temperature says.
+    assert model_sampling_defaults({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
+    assert model_sampling_defaults({}) == {}
