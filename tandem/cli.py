@@ -94,6 +94,26 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from tandem.models.bundled import default_model
+    from tandem.server.serve import run_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_server(
+        args.model or default_model(),
+        engine_options(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        log_level=args.log_level,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap the prompt in the chat template"
     )
     generate.set_defaults(func=_generate)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's API name (default: folder name)"
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 when this many requests already wait (default: no limit)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.set_defaults(func=_serve)
     return parser
 
 

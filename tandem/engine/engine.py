@@ -108,8 +108,9 @@ class Engine:
         prompt: PromptInput,
         params: SamplingParams,
         arrival_time: float | None = None,
-    ) -> None:
-        """Validate and queue; on a bad request raise before anything is queued."""
+    ) -> list[int]:
+        """Validate and queue; on a bad request raise before anything is queued.
+        Returns the prompt's token ids."""
         if request_id in self._parents:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
@@ -134,6 +135,7 @@ class Engine:
         for sample in parent.samples:
             self._samples[sample.request.request_id] = (parent, sample)
             self.scheduler.add_request(sample.request)
+        return prompt_ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:

@@ -1,0 +1,209 @@
+"""AsyncEngine: the engine's step loop on a thread of its own, fed from asyncio.
+
+The engine is not thread-safe and a step is heavy (a forward pass), so exactly one
+thread, the engine thread, ever touches it. The event loop talks to it through an
+inbox of commands (add, abort) and gets outputs back on per-request asyncio queues:
+
+    HTTP handler --add_request()--> inbox --> engine thread: engine.add_request
+                                              loop: drain inbox, engine.step()
+    HTTP handler <--asyncio.Queue-- RequestOutput (or an exception) per step
+
+Validation errors raised by ``Engine.add_request`` travel back through a future, so a
+bad request fails its own call with nothing queued. An exception inside a step fails
+the requests in flight (their streams receive it) and the loop goes on serving new
+ones. Aborts are fire-and-forget: a disconnected client's blocks are freed before the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.engine import Engine, PromptInput
+from tandem.errors import TandemError
+from tandem.outputs import RequestOutput
+from tandem.sampling import SamplingParams
+
+logger = logging.getLogger("tandem.server")
+
+
+class QueueFullError(TandemError):
+    """The waiting queue is at its configured limit; the client should retry later."""
+
+
+class EngineStepError(TandemError):
+    """A step failed (a bug or an out-of-memory); the requests in it are lost."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+
+class EngineObserver:
+    """What the engine thread reports; ServerMetrics implements it."""
+
+    def request_added(self, num_prompt_tokens: int) -> None: ...
+
+    def tokens_generated(self, count: int) -> None: ...
+
+    def request_finished(self, output: RequestOutput | None, finish_reason: str) -> None:
+        """``output`` is None for an aborted request."""
+
+    def step_done(self, engine: Engine) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting_requests: int | None = None,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer or EngineObserver()
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- called from the event loop ------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, outputs: asyncio.Queue
+    ) -> None:
+        """Queue a request whose RequestOutputs (one per step it advances, the last
+        with ``finished``) go to ``outputs``. Raises the engine's validation error, or
+        QueueFullError, with nothing queued."""
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(
+                    f"{waiting} requests are waiting (the limit is "
+                    f"{self.max_waiting_requests}); retry later"
+                )
+            num_prompt = len(self.engine.add_request(request_id, prompt, params))
+            self._streams[request_id] = _Stream(loop, outputs, num_prompt)
+            self.observer.request_added(num_prompt)
+
+        await self._call(add)
+
+    def abort(self, request_id: str) -> None:
+        """End a request and free its blocks; safe to call for finished or unknown ids
+        and from any thread."""
+        self._inbox.put((lambda: self._abort(request_id), None))
+
+    async def call(self, function: Callable[[Engine], Any]) -> Any:
+        """Run ``function(engine)`` on the engine thread between steps."""
+        return await self._call(lambda: function(self.engine))
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    async def _call(self, function: Callable[[], Any]) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((function, future))
+        return await asyncio.wrap_future(future)
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # Idle: sleep until a command arrives. Busy: take what is there, then step.
+            idle = not self.engine.has_unfinished_requests()
+            try:
+                command = self._inbox.get(block=idle)
+            except queue.Empty:
+                command = False
+            while command is not False:
+                if command is None:
+                    return
+                self._execute(*command)
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    command = False
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    @staticmethod
+    def _execute(function: Callable[[], Any], future: concurrent.futures.Future | None) -> None:
+        try:
+            result = function()
+        except Exception as exc:
+            if future is None:
+                logger.exception("engine command failed")
+            else:
+                future.set_exception(exc)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in flight")
+            error = EngineStepError(f"the engine failed while running this request: {exc}")
+            for request_id in list(self._streams):
+                self._abort(request_id, error)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            self.observer.tokens_generated(num_tokens - stream.num_output_tokens)
+            stream.num_output_tokens = num_tokens
+            if output.finished:
+                del self._streams[output.request_id]
+                reason = output.outputs[0].finish_reason
+                self.observer.request_finished(output, reason)
+                _log_finished(output)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        self.observer.step_done(self.engine)
+
+    def _abort(self, request_id: str, error: Exception | None = None) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.engine.abort(request_id)
+        logger.info(
+            "request %s aborted after %d output tokens", request_id, stream.num_output_tokens
+        )
+        self.observer.request_finished(None, "abort")
+        if error is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self.observer.step_done(self.engine)
+
+
+def _log_finished(output: RequestOutput) -> None:
+    metrics = output.metrics
+    ttft = f"{metrics.ttft * 1e3:.1f} ms" if metrics and metrics.ttft is not None else "n/a"
+    logger.info(
+        "request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %s, finish %s",
+        output.request_id,
+        len(output.prompt_token_ids),
+        output.num_cached_tokens,
+        sum(len(c.token_ids) for c in output.outputs),
+        ttft,
+        ",".join(str(c.finish_reason) for c in output.outputs),
+    )

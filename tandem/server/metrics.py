@@ -1,0 +1,119 @@
+"""ServerMetrics: Prometheus metrics with vLLM's names under the ``tandem:`` prefix.
+
+Latencies come from each request's timeline (recorded by the engine as things happen);
+gauges are refreshed after every step. One registry per server, so that several
+servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from tandem.engine.engine import Engine
+from tandem.outputs import RequestOutput
+from tandem.server.async_engine import EngineObserver
+
+disable_created_metrics()
+
+# Bucket edges as vLLM uses them, so that dashboards built for vLLM read ours.
+LATENCY_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+REQUEST_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, text: str, buckets: list[float]):
+            return Histogram(
+                f"tandem:{name}", text, labels, registry=self.registry, buckets=buckets
+            ).labels(model_name)
+
+        def gauge(name: str, text: str):
+            return Gauge(f"tandem:{name}", text, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, text: str):
+            return Counter(f"tandem:{name}", text, labels, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
+        )
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Preemptions of finished requests.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        success = Counter(
+            "tandem:request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- EngineObserver ---------------------------------------------------------------
+
+    def request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens_generated(self, count: int) -> None:
+        self.generation_tokens.inc(count)
+
+    def request_finished(self, output: RequestOutput | None, finish_reason: str) -> None:
+        self.success[finish_reason].inc()
+        if output is None:
+            return
+        self.prefix_queries.inc(len(output.prompt_token_ids))
+        self.prefix_hits.inc(output.num_cached_tokens)
+        for completion in output.outputs:
+            metrics = completion.metrics
+            self.preemptions.inc(metrics.num_preemptions)
+            if metrics.ttft is not None:
+                self.ttft.observe(metrics.ttft)
+            for gap in metrics.inter_token_latencies:
+                self.itl.observe(gap)
+            if metrics.finished_time is not None:
+                self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+            if metrics.first_scheduled_time is not None:
+                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+
+    def step_done(self, engine: Engine) -> None:
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_usage.set(engine.kv_manager.usage)

@@ -1,0 +1,150 @@
+"""Request bodies of the OpenAI API (plus vLLM's extensions), as pydantic models.
+
+Unknown fields are ignored, as OpenAI-compatible servers do. Type errors become 400s
+naming the field (see api.py); value checks happen once, in SamplingParams, so the
+HTTP API and the Python API reject exactly the same things.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.errors import InvalidParameterError
+from tandem.sampling import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions. ``None`` means unset: the
+    model's recommended value (generation_config.json) or vLLM's default applies."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs):
+        chosen = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if getattr(self, name) is not None
+        }
+        if max_tokens is not None:
+            chosen["max_tokens"] = max_tokens
+        elif "max_tokens" not in defaults:
+            chosen["max_tokens"] = None  # the rest of the context
+        return SamplingParams(
+            **{**defaults, **chosen},
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one string, a list of strings, token ids, or lists of them."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidParameterError("prompt", "is empty")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return list(prompt)
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.echo:
+            raise InvalidParameterError("echo", "is not supported")
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._sampling_params(defaults, max_tokens, logprobs)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages with content parts (``[{"type": "text", "text": ...}]``) joined
+        into plain text, the form chat templates expect."""
+        messages = []
+        for index, message in enumerate(self.messages):
+            if "role" not in message:
+                raise InvalidParameterError(f"messages[{index}].role", "is required")
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise InvalidParameterError(
+                            f"messages[{index}].content", "only text parts are supported"
+                        )
+                    texts.append(str(part.get("text", "")))
+                content = "".join(texts)
+            messages.append({**message, "content": content})
+        return messages
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

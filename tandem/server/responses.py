@@ -1,0 +1,203 @@
+"""OpenAI response shapes: turns the engine's cumulative RequestOutputs into stream
+chunks (deltas) and final responses, for completions and chat completions.
+
+One HTTP request may hold several engine requests (a list of prompts), each with n
+samples; choice ``i * n + j`` is sample j of prompt i, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.outputs import Logprob, RequestOutput
+
+# JSON has no -Infinity; a token the model rules out entirely gets this instead.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # characters already streamed
+    sent_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token starts
+
+
+class ChoiceStream:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        created: int,
+        engine_ids: list[str],
+        n: int,
+        chat: bool,
+        want_logprobs: bool,
+    ) -> None:
+        self.response_id, self.model, self.created = response_id, model, created
+        self.chat = chat
+        self.n = n
+        self.want_logprobs = want_logprobs
+        self._prompt_index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
+        self.choices = [_Choice() for _ in range(len(engine_ids) * n)]
+        self.prompt_tokens = [0] * len(engine_ids)
+        self.cached_tokens = [0] * len(engine_ids)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.choices)
+
+    def update(self, output: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
+        """Take the latest cumulative output of one engine request; return the choices
+        that changed with their delta (new text, new tokens' logprobs, finish)."""
+        prompt_index = self._prompt_index[output.request_id]
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
+        deltas = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            choice = self.choices[index]
+            was_finished = choice.finish_reason is not None
+            choice.text, choice.token_ids = completion.text, completion.token_ids
+            choice.logprobs = completion.logprobs or []
+            choice.finish_reason, choice.stop_reason = (
+                completion.finish_reason,
+                completion.stop_reason,
+            )
+            new_text = choice.text[choice.sent_text :]
+            finishing = choice.finish_reason is not None and not was_finished
+            if not new_text and not finishing:
+                continue
+            delta = {
+                "text": new_text,
+                "logprobs": self._logprobs(choice, choice.sent_tokens, len(choice.token_ids)),
+                "finish_reason": choice.finish_reason if finishing else None,
+                "stop_reason": choice.stop_reason if finishing else None,
+            }
+            choice.sent_text, choice.sent_tokens = len(choice.text), len(choice.token_ids)
+            deltas.append((index, delta))
+        return deltas
+
+    # -- shapes ----------------------------------------------------------------------
+
+    def header(self, kind: str) -> dict[str, Any]:
+        objects = {
+            ("chunk", True): "chat.completion.chunk",
+            ("final", True): "chat.completion",
+            ("chunk", False): "text_completion",
+            ("final", False): "text_completion",
+        }
+        return {
+            "id": self.response_id,
+            "object": objects[kind, self.chat],
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return {**self.header("chunk"), "choices": [choice]}
+
+    def chunk(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            content = {"content": delta["text"]} if delta["text"] else {}
+            choice = {
+                "index": index,
+                "delta": content,
+                "logprobs": delta["logprobs"],
+                "finish_reason": delta["finish_reason"],
+            }
+        else:
+            choice = {"index": index, **delta}
+        return {**self.header("chunk"), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.header("chunk"), "choices": [], "usage": self.usage()}
+
+    def final_response(self) -> dict[str, Any]:
+        choices = []
+        for index, choice in enumerate(self.choices):
+            logprobs = self._logprobs(choice, 0, len(choice.token_ids), restart=True)
+            if self.chat:
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": choice.text},
+                        "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": choice.text,
+                        "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason,
+                    }
+                )
+        return {**self.header("final"), "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
+        }
+
+    def _logprobs(self, choice: _Choice, start: int, end: int, restart: bool = False):
+        if not self.want_logprobs:
+            return None
+        if restart:
+            choice.text_offset = 0
+        tokens = [
+            (token_id, choice.logprobs[i])
+            for i, token_id in enumerate(choice.token_ids[start:end], start)
+        ]
+        if self.chat:
+            return {"content": [_chat_logprob(token_id, entry) for token_id, entry in tokens]}
+        result: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for token_id, entry in tokens:
+            chosen = entry[token_id]
+            text = chosen.decoded_token or ""
+            result["tokens"].append(text)
+            result["token_logprobs"].append(_finite(chosen.logprob))
+            result["top_logprobs"].append(
+                {(e.decoded_token or ""): _finite(e.logprob) for e in entry.values()}
+            )
+            result["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(text)
+        return result
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _chat_logprob(token_id: int, entry: dict[int, Logprob]) -> dict[str, Any]:
+    def shaped(logprob: Logprob) -> dict[str, Any]:
+        text = logprob.decoded_token or ""
+        return {"token": text, "logprob": _finite(logprob.logprob), "bytes": list(text.encode())}
+
+    ranked = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank)
+    return {**shaped(entry[token_id]), "top_logprobs": [shaped(e) for e in ranked]}

@@ -1,0 +1,377 @@
+"""`tandem serve` as users reach it: a real server process on 127.0.0.1, the real
+`openai` client, raw HTTP where the client would hide the wire format."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.server.api import build_app
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.metrics import ServerMetrics
+from tests.servers import tandem_process, thread_server
+
+PROMPT = "The quick brown fox"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def folder(model_dirs):
+    return model_dirs("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    with tandem_process("serve", "--model", str(folder), "--served-model-name", MODEL) as url:
+        yield url
+
+
+LONG = 16_000  # tokens: a request that keeps the one seat busy for seconds
+
+
+@pytest.fixture(scope="module")
+def one_seat_server(model_dirs):
+    """One request runs at a time and one may wait: the third is refused."""
+    folder, _ = model_dirs("llama", max_position_embeddings=LONG + 64)
+    with tandem_process(
+        "serve", "--model", str(folder), "--served-model-name", MODEL,
+        "--max-num-seqs", "1", "--max-waiting-requests", "1",
+    ) as url:  # fmt: skip
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    llm = LLM(str(folder))
+
+    def generate(prompt, **params):
+        return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+
+    return generate
+
+
+def metric(base_url: str, name: str, **labels) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^tandem:{name}\{{(.*)\}} (\S+)$", line)
+        if match and all(part in match.group(1) for part in label_text.split(",")):
+            total += float(match.group(2))
+    return total
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+# -- the happy paths --------------------------------------------------------------------
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_the_offline_engine(client, reference):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = reference(PROMPT, temperature=0, max_tokens=12)
+    choice = response.choices[0]
+    assert response.object == "text_completion"
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == len(expected.prompt_token_ids) + 12
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_completion_is_the_same_text_with_usage_last(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    usage_chunk, text_chunks = chunks[-1], chunks[:-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 10
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks[:-1]] == [None] * (len(text_chunks) - 1)
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streamed_and_not(client, reference, folder):
+    messages = [{"role": "user", "content": "Hello there"}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=8, temperature=0
+    )
+    expected = reference(
+        {"prompt_token_ids": _chat_ids(folder, messages)}, temperature=0, max_tokens=8
+    )
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == response.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _chat_ids(folder, messages):
+    from tandem.models.tokenizer import Tokenizer
+
+    return Tokenizer(folder).encode_chat(messages, add_generation_prompt=True)
+
+
+def test_n_and_seed_are_reproducible(client):
+    def sample(seed):
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, n=2, seed=seed, temperature=1.0
+        )
+        assert [c.index for c in response.choices] == [0, 1]
+        return [c.text for c in response.choices]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert first[0] != first[1]  # children get distinct seeds
+    assert sample(8) != first
+
+
+def test_a_batch_of_prompts_and_token_ids(client, reference):
+    ids = reference(PROMPT, max_tokens=1).prompt_token_ids
+    response = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Another"], max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == response.choices[0].text == response.choices[1].text
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = plain.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_completions_and_chat(client):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    # Each token decoded alone (a character split across tokens shows as U+FFFD).
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(5)]
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) >= 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_tokenize_and_detokenize_round_trip(server, reference):
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["tokens"] == reference(PROMPT, max_tokens=1).prompt_token_ids
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == PROMPT
+
+
+def test_unknown_fields_are_ignored(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "no_such_field": {"x": 1}}
+    assert httpx.post(f"{server}/v1/completions", json=body).status_code == 200
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"max_tokens": 10_000}, "max_tokens"),  # prompt + max_tokens beyond the context
+        ({"prompt": "word " * 600}, "prompt"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_field(server, body, param):
+    response = httpx.post(
+        f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+
+
+def test_malformed_json_and_chat_errors_are_400(server):
+    response = httpx.post(
+        f"{server}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    no_logprobs = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "top_logprobs": 2,
+    }
+    response = httpx.post(f"{server}/v1/chat/completions", json=no_logprobs)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_queue_limit_is_503_and_disconnects_free_the_cache(one_seat_server):
+    server = one_seat_server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+    body["stream"] = True
+    with httpx.Client(base_url=server, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            running_lines = running.iter_lines()  # (a dropped iterator closes the stream)
+            next(running_lines)  # it has started
+            with http.stream("POST", "/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200
+                wait_for(lambda: metric(server, "num_requests_waiting") == 1)
+                refused = http.post("/v1/completions", json={**body, "stream": False})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "queue_full"
+                assert metric(server, "kv_cache_usage_perc") > 0
+            # The waiting client hung up: its request leaves the queue.
+            wait_for(lambda: metric(server, "num_requests_waiting") == 0)
+            # A non-streaming client that hangs up while queued is aborted too.
+            aborted = metric(server, "request_success_total", finished_reason="abort")
+            with pytest.raises(httpx.TimeoutException):
+                http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+            wait_for(
+                lambda: metric(server, "request_success_total", finished_reason="abort") > aborted
+            )
+            assert metric(server, "num_requests_running") == 1
+        # The running client hung up mid-stream: nothing runs and every block is free.
+        wait_for(
+            lambda: (
+                metric(server, "num_requests_running") == 0
+                and metric(server, "num_requests_waiting") == 0
+                and metric(server, "kv_cache_usage_perc") == 0
+            )
+        )
+    assert metric(server, "request_success_total", finished_reason="abort") >= 3
+
+
+def test_api_key_is_required_when_set(folder):
+    with tandem_process(
+        "serve", "--model", str(folder), "--served-model-name", MODEL, "--api-key", "s3cret"
+    ) as base_url:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            response = httpx.get(f"{base_url}/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
+        assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+
+def test_metrics_count_what_was_served(server, client):
+    before = {
+        name: metric(server, name)
+        for name in ("prompt_tokens_total", "generation_tokens_total",
+                     "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count")
+    }  # fmt: skip
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6)
+    wait_for(lambda: metric(server, "e2e_request_latency_seconds_count") > before[
+        "e2e_request_latency_seconds_count"])  # fmt: skip
+    assert metric(server, "prompt_tokens_total") - before["prompt_tokens_total"] == (
+        response.usage.prompt_tokens
+    )
+    assert metric(server, "generation_tokens_total") - before["generation_tokens_total"] == 6
+    assert metric(server, "time_to_first_token_seconds_count") == (
+        before["time_to_first_token_seconds_count"] + 1
+    )
+    text = httpx.get(f"{server}/metrics").text
+    for name in (
+        "inter_token_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+        "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+        'request_success_total{finished_reason="length"',
+    ):  # fmt: skip
+        assert f"tandem:{name}" in text
+
+
+# -- a failing step -----------------------------------------------------------------------
+
+
+def test_a_failing_step_is_an_error_frame_and_the_server_keeps_serving(folder):
+    engine = Engine(EngineConfig.from_kwargs(str(folder)))
+    metrics = ServerMetrics(MODEL)
+    async_engine = AsyncEngine(engine, observer=metrics)
+    real_step = engine.step
+    failures = iter([True])
+
+    def flaky_step():
+        if next(failures, False):
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        with thread_server(build_app(async_engine, metrics, MODEL)) as base_url:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+            lines = [
+                line
+                for line in httpx.post(f"{base_url}/v1/completions", json=body).text.splitlines()
+                if line
+            ]
+            assert lines[-1] == "data: [DONE]"
+            error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            assert "injected fault" in error["message"] and error["type"] == "server_error"
+            again = httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False})
+            assert again.status_code == 200
+            assert again.json()["usage"]["completion_tokens"] == 4
+    finally:
+        async_engine.shutdown()
+    engine.kv_manager.check_no_leaks()
