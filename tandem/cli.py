@@ -114,6 +114,12 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_serve(args: argparse.Namespace) -> None:
+    from tandem.bench.serve import run
+
+    run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     serve.set_defaults(func=_serve)
+
+    from tandem.bench.serve import add_arguments as add_bench_serve_arguments
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench", required=True
+    )
+    bench_serve = bench.add_parser(
+        "serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, goodput"
+    )
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
     return parser
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.hf_models import save_model
+from tests.servers import tandem_process
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -21,3 +22,11 @@ def model_dirs(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_server(model_dirs):
+    """`tandem serve` on the tiny random Llama, served as "tiny"; yields its base URL."""
+    folder, _ = model_dirs("llama")
+    with tandem_process("serve", "--model", str(folder), "--served-model-name", "tiny") as url:
+        yield url

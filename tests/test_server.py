@@ -20,7 +20,7 @@ from tandem.server.metrics import ServerMetrics
 from tests.servers import tandem_process, thread_server
 
 PROMPT = "The quick brown fox"
-MODEL = "tiny"
+MODEL = "tiny"  # the served name of the tiny_server fixture (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,8 @@ def folder(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
-    with tandem_process("serve", "--model", str(folder), "--served-model-name", MODEL) as url:
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 
 LONG = 16_000  # tokens: a request that keeps the one seat busy for seconds
