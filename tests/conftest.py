@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.server.launch import tandem_process
 from tests.hf_models import save_model
-from tests.servers import tandem_process
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -1,61 +1,14 @@
-"""Real servers for tests: `python -m tandem ...` processes on 127.0.0.1, or uvicorn on a
-thread of the test process when a test must reach inside (fault injection)."""
+"""uvicorn on a thread of the test process, for tests that must reach inside a server
+(fault injection). Real server processes come from tandem.server.launch."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 
-import httpx
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen | None = None, log=None, timeout=180.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
-
-
-@contextlib.contextmanager
-def tandem_process(*args: str):
-    """``python -m tandem <args> --port P`` as a child process; yields its base URL."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    # The log goes to a file: an unread pipe would fill up and stall the server.
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tandem", *args, "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            wait_healthy(base_url, process, log)
-            yield base_url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+from tandem.server.launch import free_port, wait_healthy
 
 
 @contextlib.contextmanager

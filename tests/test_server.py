@@ -16,8 +16,9 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.server.api import build_app
 from tandem.server.async_engine import AsyncEngine
+from tandem.server.launch import tandem_process
 from tandem.server.metrics import ServerMetrics
-from tests.servers import tandem_process, thread_server
+from tests.servers import thread_server
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"  # the served name of the tiny_server fixture (conftest)
