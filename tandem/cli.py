@@ -20,6 +20,11 @@ ENGINE_FLAGS = {
     "--scheduling-policy": ("scheduling_policy", str, "chunked | prefill-first"),
     "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
     "--seed": ("seed", int, "engine seed"),
+    "--enable-prefix-caching": (
+        "enable_prefix_caching",
+        bool,
+        "reuse the KV of prompt starts seen before (default: on)",
+    ),
 }
 
 
@@ -28,7 +33,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="local Hugging Face model folder (default: the bundled one)"
     )
     for flag, (dest, kind, text) in ENGINE_FLAGS.items():
-        parser.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=text)
+        if kind is bool:  # --flag / --no-flag
+            parser.add_argument(
+                flag, dest=f"engine_{dest}", action=argparse.BooleanOptionalAction, help=text
+            )
+        else:
+            parser.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=text)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
 
 

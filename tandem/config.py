@@ -21,6 +21,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Reuse the KV blocks of prompt starts seen before (automatic prefix caching).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

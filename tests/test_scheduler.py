@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -24,8 +25,12 @@ def make_scheduler(num_blocks=100, block_size=4, max_model_len=1000, **config):
 
 
 def add(scheduler, request_id, prompt_len, max_tokens=5):
+    # Distinct tokens per request, so that no prompt is a prefix-cache hit on another.
+    start = zlib.crc32(request_id.encode()) * 10_000
     request = Request(
-        request_id, list(range(prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens)
+        request_id,
+        list(range(start, start + prompt_len)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
     )
     scheduler.add_request(request)
     return request

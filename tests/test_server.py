@@ -375,3 +375,19 @@ def test_a_failing_step_is_an_error_frame_and_the_server_keeps_serving(folder):
     finally:
         async_engine.shutdown()
     engine.kv_manager.check_no_leaks()
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, reference):
+    ids = reference("x " * 40, max_tokens=1).prompt_token_ids  # a prompt of 40+ tokens
+    hits_before = metric(server, "prefix_cache_hits_total")
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (len(ids) - 1) // 16 * 16 > 0  # whole blocks, one token short
+    assert again.choices[0].text == first.choices[0].text
+    salted = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body={"cache_salt": "t1"}
+    )
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert metric(server, "prefix_cache_hits_total") - hits_before == cached

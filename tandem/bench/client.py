@@ -30,6 +30,7 @@ class RequestResult:
     e2el: float = 0.0
     prompt_len: int = 0
     output_len: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where reported
     generated_text: str = ""
 
     @property
@@ -127,6 +128,8 @@ async def send_request(
     if usage is not None:
         result.output_len = usage.get("completion_tokens", 0)
         result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = details.get("cached_tokens") or 0
     else:
         result.output_len = num_chunks
     result.success = True

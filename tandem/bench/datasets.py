@@ -136,8 +136,9 @@ def prefix_repetition_requests(
 
 
 def jsonl_requests(path: str, num_prompts: int, output_len: int) -> list[BenchRequest]:
-    """Lines of ``{"prompt": "...", "output_len": 128}`` (output_len optional); the
-    file is cycled if it holds fewer than ``num_prompts``."""
+    """Lines of ``{"prompt": "..." or [token ids], "output_len": 128}`` (output_len
+    optional), sent in file order; the file is cycled if it holds fewer than
+    ``num_prompts``."""
     requests = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -149,7 +150,10 @@ def jsonl_requests(path: str, num_prompts: int, output_len: int) -> list[BenchRe
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise TandemError(f"{path}:{number}: expected {{'prompt': ...}} ({exc})") from exc
             length = int(record.get("output_len", output_len))
-            requests.append(BenchRequest(None, prompt, None, length))
+            if isinstance(prompt, list):
+                requests.append(BenchRequest(prompt, None, len(prompt), length))
+            else:
+                requests.append(BenchRequest(None, prompt, None, length))
     if not requests:
         raise TandemError(f"{path} holds no prompts")
     return [requests[i % len(requests)] for i in range(num_prompts)]

@@ -64,6 +64,10 @@ def summarize(
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
+    # Share of prompt tokens the server reports as served from its prefix cache.
+    summary["prefix_cache_hit_rate"] = (
+        sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0
+    )
     if slos:
         summary["request_goodput"] = sum(_meets(r, slos) for r in done) / duration
     series = {
@@ -101,6 +105,7 @@ def format_table(summary: dict[str, Any], slos: dict[str, float]) -> str:
         lines.append("  SLOs: " + ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slos.items()))
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
+    row("Prefix cache hit rate (%):", 100 * summary["prefix_cache_hit_rate"])
     titles = {
         "ttft": "Time to First Token",
         "tpot": "Time per Output Token (excl. 1st token)",

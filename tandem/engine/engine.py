@@ -77,7 +77,7 @@ class Engine:
             cache.gpu_memory_utilization,
             config.scheduler.max_num_seqs * self.max_model_len,
         )
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, seed=config.seed)
         self._parents: dict[str, _Parent] = {}
@@ -115,6 +115,9 @@ class Engine:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
         max_tokens = self._validate(prompt_ids, params)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "must be a non-empty string")
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         parent = _Parent(request_id, text, prompt_ids)
@@ -123,7 +126,7 @@ class Engine:
             child_params = params.for_child(index) if params.n > 1 else params
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(
-                child_id, prompt_ids, child_params, self.loaded.eos_token_ids, arrival
+                child_id, prompt_ids, child_params, self.loaded.eos_token_ids, arrival, cache_salt
             )
             sample = _Sample(
                 request, index, self._detokenizer(prompt_ids, child_params), None, None

@@ -46,6 +46,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,7 +57,11 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        # Prefix cache: requests with different salts never share blocks; the digests of
+        # the full blocks so far (see kv_manager.py).
+        self.cache_salt = cache_salt
+        self.block_digests: list[bytes] = []
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         self.timeline = RequestTimeline(arrival_time or time.perf_counter())

@@ -8,7 +8,9 @@ Every request has ``num_tokens`` (prompt + output so far) and ``num_computed_tok
 2. running requests with more to run (a prompt, or a preempted request recomputing
    its tokens), a chunk each, the fewest tokens left first;
 3. waiting requests, admitted in arrival order while budget, sequence slots
-   (``max_num_seqs``) and blocks last; their first chunk may be partial.
+   (``max_num_seqs``) and blocks last; their first chunk may be partial. A request
+   whose prompt starts with blocks in the prefix cache starts past them: a cache hit
+   is just ``num_computed_tokens`` above zero.
 
 With the ``prefill-first`` policy, a step that can start a waiting prompt runs prompts
 only, whole, and every decode waits for them (the classic prefill-prioritising server).
@@ -196,12 +198,18 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            # A prefix cache hit starts the request past the tokens found there.
+            cached = self.kv.find_cached_prefix(request)
+            request.num_computed_tokens = len(cached) * self.kv.block_size
             num_new = self._chunk_size(request, self._budget_left(out), whole)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new):
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.kv.record_admission(request, request.num_computed_tokens)
             if request.timeline.first_scheduled is None:
                 request.timeline.first_scheduled = out.started_at
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
@@ -215,6 +223,7 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -174,7 +174,7 @@ def build_app(
         return await _serve(
             request,
             "cmpl",
-            body.prompts(),
+            [_engine_prompt(prompt, body.cache_salt) for prompt in body.prompts()],
             params,
             body.stream,
             body.include_usage_in_stream,
@@ -190,15 +190,16 @@ def build_app(
             add_generation_prompt=body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),
         )
+        prompt = _engine_prompt(prompt_ids, body.cache_salt)
         return await _serve(
-            request, "chatcmpl", [prompt_ids], params, body.stream,
-            body.include_usage_in_stream, chat=True,
+            request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
+            chat=True,
         )  # fmt: skip
 
     async def _serve(
         request: Request,
         id_prefix: str,
-        prompts: list[str | list[int]],
+        prompts: list[dict[str, Any]],
         params: SamplingParams,
         stream: bool,
         include_usage: bool,
@@ -271,6 +272,11 @@ def build_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _engine_prompt(prompt: str | list[int], cache_salt: str | None) -> dict[str, Any]:
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt} if cache_salt is None else {key: prompt, "cache_salt": cache_salt}
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -73,9 +73,11 @@ class ServerMetrics(EngineObserver):
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions of finished requests.")
         self.prefix_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queries", "Tokens looked up in the prefix cache at admission."
         )
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Tokens found in the prefix cache at admission."
+        )
         success = Counter(
             "tandem:request_success",
             "Finished requests by finish reason.",
@@ -83,6 +85,7 @@ class ServerMetrics(EngineObserver):
             registry=self.registry,
         )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._seen_queries = self._seen_hits = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -99,8 +102,6 @@ class ServerMetrics(EngineObserver):
         self.success[finish_reason].inc()
         if output is None:
             return
-        self.prefix_queries.inc(len(output.prompt_token_ids))
-        self.prefix_hits.inc(output.num_cached_tokens)
         for completion in output.outputs:
             metrics = completion.metrics
             self.preemptions.inc(metrics.num_preemptions)
@@ -114,6 +115,11 @@ class ServerMetrics(EngineObserver):
                 self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
 
     def step_done(self, engine: Engine) -> None:
+        kv = engine.kv_manager
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_usage.set(engine.kv_manager.usage)
+        self.kv_usage.set(kv.usage)
+        # The manager counts prompt tokens looked up and found at each admission.
+        self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
+        self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits

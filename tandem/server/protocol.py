@@ -47,6 +47,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached KV
 
     @property
     def include_usage_in_stream(self) -> bool:
