@@ -1,13 +1,14 @@
-"""Shared by the benchmarks: the benchmark model folder, machine facts, timing."""
+"""Shared by the benchmarks: the benchmark model folder, machine facts, timing (the
+measurements themselves live in tandem.plan.measure, which `tandem plan --measure` uses)."""
 
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from tandem.plan.measure import matmul_tflops, memory_bandwidth_gbs
 
 BENCH_DIR = Path("/tmp/tandem-bench")
 
@@ -49,26 +50,4 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def memory_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
-    """Read bandwidth this process gets: time to sum a large float32 tensor."""
-    data = torch.ones(size_mb * (1 << 20) // 4)
-    data.sum()
-    seconds = median_time(data.sum, repeats)
-    return data.numel() * 4 / seconds / 1e9
-
-
-def matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Peak-ish matmul throughput this process gets in ``dtype`` (TFLOP/s)."""
-    a = torch.randn(size, size).to(dtype)
-    a @ a
-    seconds = median_time(lambda: a @ a, repeats)
-    return 2 * size**3 / seconds / 1e12
+__all__ = ["matmul_tflops", "memory_bandwidth_gbs"]

@@ -81,6 +81,8 @@ def _generate(args: argparse.Namespace) -> None:
         }
     else:
         prompt = args.prompt
+    if args.trace:
+        engine.start_trace()
     engine.add_request("cli", prompt, params)
     printed = ""
     final = None
@@ -92,6 +94,8 @@ def _generate(args: argparse.Namespace) -> None:
             printed = text
             final = output
     sys.stdout.write("\n")
+    if args.trace:
+        engine.stop_trace(args.trace)
     completion = final.outputs[0]
     m = completion.metrics
     elapsed = m.token_times[-1] - m.arrival_time
@@ -121,6 +125,7 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
+        trace=args.trace,
     )
 
 
@@ -128,6 +133,34 @@ def _bench_serve(args: argparse.Namespace) -> None:
     from tandem.bench.serve import run
 
     run(args)
+
+
+def _trace_plot(args: argparse.Namespace) -> None:
+    from tandem.trace.plot import plot_trace
+
+    print(plot_trace(args.trace_file, args.output, args.title))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from tandem.plan.calculator import format_plan, plan
+    from tandem.plan.hardware import PRESETS, custom_hardware
+    from tandem.plan.measure import measure_model, this_machine
+
+    if args.measure or args.hardware == "cpu":
+        hardware = this_machine(args.dtype)
+    elif args.hardware == "custom":
+        hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
+    else:
+        hardware = PRESETS[args.hardware]
+    result = plan(
+        args.model, hardware, args.dtype, args.kv_dtype, args.prompt_len, args.output_len,
+        args.batch, args.tp,
+    )  # fmt: skip
+    if args.measure:
+        result["measured"] = measure_model(args.model, result)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template"
     )
+    generate.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the steps")
     generate.set_defaults(func=_generate)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
@@ -166,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 503 when this many requests already wait (default: no limit)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.add_argument(
+        "--trace", metavar="FILE", help="trace every step; the file is written at shutdown"
+    )
     serve.set_defaults(func=_serve)
 
     from tandem.bench.serve import add_arguments as add_bench_serve_arguments
@@ -178,6 +215,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    planner = commands.add_parser(
+        "plan", help="KV cache and roofline calculator: will it fit, how fast at best?"
+    )
+    planner.add_argument("--model", required=True, help="a model folder or a config.json")
+    planner.add_argument(
+        "--hardware", default="h100-sxm",
+        choices=["a100-80g", "h100-sxm", "h200", "l4", "t4", "cpu", "custom"],
+        help="a datasheet preset; cpu: this machine, measured; custom: give the three below",
+    )  # fmt: skip
+    planner.add_argument("--bandwidth", type=float, help="GB/s (custom)")
+    planner.add_argument("--flops", type=float, help="TFLOP/s (custom)")
+    planner.add_argument("--memory", type=float, help="GB per device (custom)")
+    planner.add_argument("--dtype", default="bf16", help="weights: fp32 bf16 fp16 fp8 int8")
+    planner.add_argument("--kv-dtype", default=None, help="KV cache (default: --dtype)")
+    planner.add_argument("--prompt-len", type=int, default=1024)
+    planner.add_argument("--output-len", type=int, default=256)
+    planner.add_argument("--batch", type=int, default=1)
+    planner.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    planner.add_argument(
+        "--measure", action="store_true", help="measure this machine and run tandem on it"
+    )
+    planner.add_argument("--json", action="store_true")
+    planner.set_defaults(func=_plan)
+
+    trace = commands.add_parser("trace", help="step traces").add_subparsers(
+        dest="trace_command", required=True
+    )
+    plot = trace.add_parser("plot", help="a Chrome trace from --trace -> a swimlane PNG")
+    plot.add_argument("trace_file")
+    plot.add_argument("-o", "--output", default="timeline.png")
+    plot.add_argument("--title", default=None)
+    plot.set_defaults(func=_trace_plot)
     return parser
 
 

@@ -25,11 +25,26 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """``model``: a local Hugging Face folder; the bundled model when omitted."""
+    def __init__(
+        self, model: str | None = None, trace: str | None = None, **engine_options: Any
+    ) -> None:
+        """``model``: a local Hugging Face folder; the bundled model when omitted.
+        ``trace``: record every step and write a Chrome trace there after each call."""
         model = model if model is not None else default_model()
         self.engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
         self._ids = itertools.count()
+        self.trace_path = trace
+        if trace is not None:
+            self.engine.start_trace()
+
+    def start_trace(self) -> None:
+        """Record the steps of the following calls (see tandem.trace)."""
+        self.engine.start_trace()
+
+    def stop_trace(self, path: str) -> None:
+        """Stop recording and write the Chrome trace-event file to ``path``."""
+        self.engine.stop_trace(path)
+        self.trace_path = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -117,4 +132,6 @@ class LLM:
             raise
         finally:
             bar.close()
+            if self.trace_path is not None and self.engine.tracer is not None:
+                self.engine.tracer.write(self.trace_path)
         return [finished[request_id] for request_id in request_ids]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from tandem.runner.kv_cache import num_blocks_for
 from tandem.runner.model_runner import ModelRunner
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import SamplingParams
+from tandem.trace.recorder import StepTracer
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -82,6 +84,20 @@ class Engine:
         self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, seed=config.seed)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
+        self.tracer: StepTracer | None = None
+
+    # -- tracing -----------------------------------------------------------------------
+
+    def start_trace(self) -> None:
+        """Record every step from now on (requests already queued are not drawn)."""
+        self.tracer = StepTracer()
+
+    def stop_trace(self, path: str | Path | None = None) -> StepTracer | None:
+        """Stop recording; write the Chrome trace to ``path`` if given."""
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None and path is not None:
+            tracer.write(path)
+        return tracer
 
     # -- requests --------------------------------------------------------------------
 
@@ -138,6 +154,8 @@ class Engine:
         for sample in parent.samples:
             self._samples[sample.request.request_id] = (parent, sample)
             self.scheduler.add_request(sample.request)
+            if self.tracer is not None:
+                self.tracer.request_arrived(sample.request)
         return prompt_ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -188,6 +206,9 @@ class Engine:
                 continue
             children = [s.request.request_id for s in parent.samples]
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            if self.tracer is not None:
+                for sample in parent.samples:
+                    self.tracer.request_aborted(sample.request)
             self._forget(parent)
 
     def _forget(self, parent: _Parent) -> None:
@@ -203,7 +224,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         sampled = self.runner.execute(scheduler_output)
-        return self._outputs(self.scheduler.update(scheduler_output, sampled), sampled)
+        outputs = self._outputs(self.scheduler.update(scheduler_output, sampled), sampled)
+        if self.tracer is not None:
+            self.tracer.step_done(scheduler_output, self.kv_manager.num_blocks_in_use)
+        return outputs
 
     def _outputs(
         self, updated: list[Request], sampled: dict[str, SampledToken]

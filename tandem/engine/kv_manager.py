@@ -40,9 +40,13 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks in use (cached free blocks count as free)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        return self.num_blocks_in_use / self.pool.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

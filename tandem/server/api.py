@@ -146,6 +146,21 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
+    @app.post("/trace/start", dependencies=guarded)
+    async def start_trace():
+        """Record every engine step from now on (tandem.trace)."""
+        await engine.call(lambda e: e.start_trace())
+        return {"tracing": True}
+
+    @app.post("/trace/stop", dependencies=guarded)
+    async def stop_trace():
+        """Stop recording; the body is the Chrome trace-event JSON (for Perfetto or
+        `tandem trace plot`). Nothing is written on the server."""
+        tracer = await engine.call(lambda e: e.stop_trace())
+        if tracer is None:
+            raise APIError(400, "no trace is being recorded", "invalid_request_error")
+        return tracer.chrome_trace()
+
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)

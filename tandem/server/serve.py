@@ -25,11 +25,14 @@ def run_server(
     served_model_name: str | None = None,
     max_waiting_requests: int | None = None,
     log_level: str = "info",
+    trace: str | None = None,
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
     name = served_model_name or Path(model).name
     metrics = ServerMetrics(name)
+    if trace is not None:
+        engine.start_trace()
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
     metrics.step_done(engine)
     app = build_app(async_engine, metrics, name, api_key)
@@ -42,3 +45,6 @@ def run_server(
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     finally:
         async_engine.shutdown()
+        if trace is not None and engine.tracer is not None:
+            engine.stop_trace(trace)
+            logger.info("trace written to %s", trace)

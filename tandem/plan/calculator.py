@@ -1,0 +1,230 @@
+"""``tandem plan``: will this model and context fit on that hardware, and how fast can it
+be at best? Back-of-the-envelope numbers from the model's config.json alone.
+
+    weights        params x bytes per weight (split over tensor-parallel ranks)
+    KV per token   2 (K and V) x layers x KV heads x head dim x bytes per KV element;
+                   a rank holds KV heads / tp of them (at least one: ranks beyond the
+                   number of KV heads hold replicas)
+    fits           (memory x utilization - weights per rank) / KV per token per rank
+    prefill floor  2 x params x prompt tokens / FLOP/s            (compute-bound)
+    decode floor   (weight bytes + batch x context x KV per token) / bandwidth
+                   (memory-bound: every step reads all weights and every sequence's KV)
+    crossover      the batch where a decode step's compute (2 x params x batch / FLOP/s)
+                   catches up with its memory time: above it, decode is compute-bound
+
+Floors ignore attention's own FLOPs, activations and kernel overheads; real systems
+reach a fraction of them (``--measure`` shows which fraction tandem reaches here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.errors import InvalidParameterError, ModelLoadError
+from tandem.models.config import ModelConfig
+from tandem.models.registry import model_class_for
+from tandem.plan.hardware import Hardware
+
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+MEMORY_UTILIZATION = 0.9  # the share of device memory given to weights + KV cache
+
+
+def read_model(path: str | Path) -> tuple[ModelConfig, int]:
+    """A model folder or a config.json file -> (ModelConfig, parameter count). The model
+    is built on the meta device, so no weights are needed and nothing is allocated."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path} is neither a model folder nor a config.json file")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
+    cls = model_class_for(raw)
+    config = cls.parse_config(raw)
+    with torch.device("meta"):
+        model = cls(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float, tp: int = 1
+) -> float:
+    """KV cache bytes one token takes on one tensor-parallel rank."""
+    heads_per_rank = max(1, math.ceil(num_kv_heads / tp))
+    return 2 * num_layers * heads_per_rank * head_dim * bytes_per_element
+
+
+def prefill_seconds(params: int, num_tokens: int, tflops: float) -> float:
+    return 2 * params * num_tokens / (tflops * 1e12)
+
+
+def decode_step_seconds(
+    weight_bytes: float, batch: int, context: float, kv_per_token: float, bandwidth_gbs: float
+) -> float:
+    return (weight_bytes + batch * context * kv_per_token) / (bandwidth_gbs * 1e9)
+
+
+def crossover_batch(
+    params: int, weight_bytes: float, context: float, kv_per_token: float, tflops: float,
+    bandwidth_gbs: float,
+) -> float | None:  # fmt: skip
+    """Smallest batch whose decode step is compute-bound; None if KV reads grow at least
+    as fast as compute (then decode never turns compute-bound)."""
+    compute_per_sequence = 2 * params / (tflops * 1e12)
+    kv_time_per_sequence = context * kv_per_token / (bandwidth_gbs * 1e9)
+    if compute_per_sequence <= kv_time_per_sequence:
+        return None
+    return weight_bytes / (bandwidth_gbs * 1e9) / (compute_per_sequence - kv_time_per_sequence)
+
+
+def plan(
+    model: str | Path,
+    hardware: Hardware,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    prompt_len: int = 1024,
+    output_len: int = 256,
+    batch: int = 1,
+    tp: int = 1,
+) -> dict[str, Any]:
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
+        if value not in BYTES_PER_ELEMENT:
+            raise InvalidParameterError(name, f"{value!r} is not one of {list(BYTES_PER_ELEMENT)}")
+    for name, value in (("prompt_len", prompt_len), ("output_len", output_len),
+                        ("batch", batch), ("tp", tp)):  # fmt: skip
+        if value < 1:
+            raise InvalidParameterError(name, "must be >= 1")
+    kv_dtype = kv_dtype or dtype
+    config, params = read_model(model)
+    weight_bytes = params * BYTES_PER_ELEMENT[dtype]
+    kv_total = kv_bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, BYTES_PER_ELEMENT[kv_dtype]
+    )
+    kv_rank = kv_bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, BYTES_PER_ELEMENT[kv_dtype], tp
+    )
+    tflops = hardware.flops_for(dtype) * tp
+    bandwidth = hardware.bandwidth_gbs * tp
+    weights_per_rank = weight_bytes / tp
+    budget = hardware.memory_gb * 1e9 * MEMORY_UTILIZATION - weights_per_rank
+    max_tokens = max(0, int(budget // kv_rank))
+    sequence = prompt_len + output_len
+    # During decode a sequence's context grows from P to P + O: the mean is read per step.
+    context = prompt_len + output_len / 2
+    # Every rank reads its share of weights and KV; in aggregate that is all of them.
+    kv_all_ranks = kv_rank * tp
+    decode_memory = decode_step_seconds(weight_bytes, batch, context, kv_all_ranks, bandwidth)
+    decode_compute = 2 * params * batch / (tflops * 1e12)
+    prefill = prefill_seconds(params, prompt_len, tflops)
+    ttft = max(prefill, weight_bytes / (bandwidth * 1e9))
+    tpot = max(decode_memory, decode_compute)
+    crossover = crossover_batch(params, weight_bytes, context, kv_all_ranks, tflops, bandwidth)
+    weights_only = crossover_batch(params, weight_bytes, 0, 0, tflops, bandwidth)
+    return {
+        "model": str(model),
+        "architecture": config.architecture,
+        "hardware": hardware.name,
+        "hardware_source": hardware.source,
+        "tp": tp,
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        "parameters": params,
+        "weight_bytes": weight_bytes,
+        "weight_bytes_per_rank": weights_per_rank,
+        "kv_bytes_per_token": kv_total,
+        "kv_bytes_per_token_per_rank": kv_rank,
+        "memory_bytes_per_rank": hardware.memory_gb * 1e9,
+        "weights_fit": budget > 0,
+        "max_kv_tokens": max_tokens,
+        "max_sequences": max_tokens // sequence,
+        "batch_fits": batch * sequence <= max_tokens,
+        "context_limit": config.max_position_embeddings,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "batch": batch,
+        "tflops": tflops,
+        "bandwidth_gbs": bandwidth,
+        "prefill_floor_s": prefill,
+        "decode_step_floor_s": decode_memory,
+        "decode_step_compute_s": decode_compute,
+        "crossover_batch": crossover,
+        "crossover_batch_weights_only": weights_only,
+        "ttft_estimate_s": ttft,
+        "tpot_estimate_s": tpot,
+        "tokens_per_s": batch / tpot,
+    }
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} bytes"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:,.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:,.2f} ms"
+    return f"{value * 1e6:,.1f} us"
+
+
+def _count(value: float) -> str:
+    return f"{value / 1e9:,.2f} B" if value >= 1e9 else f"{value / 1e6:,.2f} M"
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    r = result
+    fits = "yes" if r["weights_fit"] else "NO: the weights alone exceed the memory"
+    crossover = (
+        f"batch {r['crossover_batch']:,.0f}"
+        if r["crossover_batch"] is not None
+        else "never (KV reads grow as fast as compute)"
+    )
+    lines = [
+        f"model              {r['model']} ({r['architecture']})",
+        f"hardware           {r['hardware']} x {r['tp']}  [{r['hardware_source']}]",
+        f"                   {r['bandwidth_gbs']:,.0f} GB/s, {r['tflops']:,.1f} TFLOP/s "
+        f"({r['dtype']}), {_bytes(r['memory_bytes_per_rank'])} per device",
+        "",
+        f"parameters         {_count(r['parameters'])}",
+        f"weights ({r['dtype']})     {_bytes(r['weight_bytes'])} "
+        f"({_bytes(r['weight_bytes_per_rank'])} per rank); fit: {fits}",
+        f"KV per token       {r['kv_bytes_per_token']:,.0f} bytes in {r['kv_dtype']} "
+        f"({r['kv_bytes_per_token_per_rank']:,.0f} per rank)",
+        f"KV capacity        {r['max_kv_tokens']:,} tokens beside the weights (at "
+        f"{MEMORY_UTILIZATION:.0%} of memory) = {r['max_sequences']:,} sequences of "
+        f"{r['prompt_len']} + {r['output_len']}; batch {r['batch']} "
+        + ("fits" if r["batch_fits"] else "does NOT fit"),
+        "",
+        f"prefill floor      {_seconds(r['prefill_floor_s'])} for {r['prompt_len']} tokens "
+        "(2 x params x P / FLOP/s)",
+        f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
+        "((weights + batch x context x KV per token) / bandwidth)",
+        f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
+        "(2 x params x batch / FLOP/s)",
+        f"compute-bound at   {crossover}; counting weight reads only: batch "
+        f"{r['crossover_batch_weights_only']:,.0f}",
+        "",
+        f"TTFT estimate      {_seconds(r['ttft_estimate_s'])}",
+        f"TPOT estimate      {_seconds(r['tpot_estimate_s'])}",
+        f"throughput         {r['tokens_per_s']:,.0f} output tokens/s at batch {r['batch']}",
+    ]
+    if "measured" in r:
+        m = r["measured"]
+        lines += [
+            "",
+            "measured: tandem on this machine, this architecture with random weights",
+            f"  prefill          {_seconds(m['prefill_s'])} = {m['prefill_of_floor']:.0%} "
+            "of its floor",
+            f"  decode step      {_seconds(m['decode_step_s'])} = {m['decode_of_floor']:.0%} "
+            f"of its floor ({m['tokens_per_s']:,.0f} tokens/s)",
+        ]
+    return "\n".join(lines)

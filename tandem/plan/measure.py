@@ -1,0 +1,106 @@
+"""What this machine actually does: read bandwidth, matmul throughput, and tandem's own
+prefill and decode step on a model (``tandem plan --measure`` and the benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tandem.plan.hardware import Hardware
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth this process gets: time to sum a large float32 tensor."""
+    data = torch.ones(size_mb * (1 << 20) // 4)
+    data.sum()
+    seconds = median_time(data.sum, repeats)
+    return data.numel() * 4 / seconds / 1e9
+
+
+def matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """Peak-ish matmul throughput this process gets in ``dtype`` (TFLOP/s)."""
+    a = torch.randn(size, size).to(dtype)
+    a @ a
+    seconds = median_time(lambda: a @ a, repeats)
+    return 2 * size**3 / seconds / 1e12
+
+
+def this_machine(dtype: str = "fp32") -> Hardware:
+    """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
+    measured in ``dtype`` where torch has it on CPU, else in fp32 (what would run)."""
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    measured = dtype if dtype in TORCH_DTYPES else "fp32"
+    tflops = {measured: matmul_tflops(TORCH_DTYPES[measured])}
+    name = f"this machine ({torch.get_num_threads()} threads, measured)"
+    return Hardware(name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan")
+
+
+def measure_model(
+    config_path, result: dict, max_params: float = 2e9, decode_steps: int = 8
+) -> dict[str, float]:
+    """Run tandem on this machine with the model's architecture (random weights, CPU):
+    one prompt of ``prompt_len`` tokens, then ``batch`` sequences decoding; the achieved
+    times beside the floors in ``result`` (a plan made with this machine's hardware)."""
+    import json
+    from pathlib import Path
+
+    from tandem.errors import InvalidParameterError
+    from tandem.models.random_weights import random_model
+    from tandem.runner.static_batch import stream_with_cache
+
+    if result["parameters"] > max_params:
+        raise InvalidParameterError(
+            "measure", f"{result['parameters'] / 1e9:.1f}B parameters is too many to run here"
+        )
+    path = Path(config_path)
+    raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(result["dtype"], "float32")
+    loaded = random_model(raw, dtype=dtype)
+    vocab = loaded.config.vocab_size
+    prompt_len, batch = result["prompt_len"], result["batch"]
+    prompt = [(7 * i) % vocab for i in range(prompt_len)]
+
+    def run_once() -> tuple[float, float]:
+        start = time.perf_counter()
+        next(stream_with_cache(loaded, [prompt], 1))
+        prefill = time.perf_counter() - start
+        steps = stream_with_cache(loaded, [prompt] * batch, decode_steps + 2)
+        next(steps)  # the prefill
+        next(steps)
+        times = []
+        for _ in range(decode_steps):
+            start = time.perf_counter()
+            next(steps)
+            times.append(time.perf_counter() - start)
+        return prefill, statistics.median(times)
+
+    with torch.inference_mode():
+        run_once()  # the first run pays for page faults and kernel caches
+        prefill, step = run_once()
+    # The decode floor at the measured context (prompt + a few tokens), not the mean.
+    floor = (result["weight_bytes"] + batch * prompt_len * result["kv_bytes_per_token"]) / (
+        result["bandwidth_gbs"] * 1e9
+    )
+    floor = max(floor, result["decode_step_compute_s"])
+    return {
+        "prefill_s": prefill,
+        "prefill_of_floor": result["prefill_floor_s"] / prefill,
+        "decode_step_s": step,
+        "decode_of_floor": floor / step,
+        "tokens_per_s": batch / step,
+    }

@@ -1,0 +1,171 @@
+"""StepTracer: what every engine step did, and each request's life, as a Chrome
+trace-event file (opens in Perfetto, ui.perfetto.dev, or chrome://tracing).
+
+Tracks::
+
+    engine / steps          one slice per step: batch size, tokens (prefill, decode),
+                            KV blocks in use, preemptions; counters for blocks and tokens
+    requests / <id>         one lane per request: waiting, prefill [a, b) chunks, decode
+                            steps, preempted; instants for arrival, first token (TTFT),
+                            finish (reason)
+
+The engine calls ``request_arrived`` when a request is queued, ``step_done`` after each
+step and ``request_aborted`` on an abort; everything else is read from the step's
+SchedulerOutput and the requests' own timelines, so the trace and the request metrics
+come from the same clock readings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.engine.request import Request
+from tandem.engine.scheduler import SchedulerOutput
+
+ENGINE_PID, REQUESTS_PID = 0, 1
+
+
+@dataclass
+class _Lane:
+    request: Request
+    tid: int
+    state: str = "waiting"  # waiting | running | preempted | finished
+    state_since: float = 0.0
+    first_token_marked: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StepTracer:
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.steps: list[dict[str, Any]] = []
+        self.lanes: dict[str, _Lane] = {}
+
+    def _us(self, t: float) -> float:
+        return round((t - self.origin) * 1e6, 3)
+
+    def _slice(self, lane: _Lane, name: str, category: str, start: float, end: float, **args):
+        lane.events.append(
+            {"name": name, "cat": category, "ph": "X", "ts": self._us(start),
+             "dur": round((end - start) * 1e6, 3), "pid": REQUESTS_PID, "tid": lane.tid,
+             "args": args}
+        )  # fmt: skip
+
+    def _instant(self, lane: _Lane, name: str, t: float, **args) -> None:
+        lane.events.append(
+            {"name": name, "cat": "lifecycle", "ph": "i", "s": "t", "ts": self._us(t),
+             "pid": REQUESTS_PID, "tid": lane.tid, "args": args}
+        )  # fmt: skip
+
+    # -- hooks the engine calls --------------------------------------------------------
+
+    def request_arrived(self, request: Request) -> None:
+        lane = _Lane(request, tid=len(self.lanes) + 1, state_since=request.timeline.arrival)
+        self.lanes[request.request_id] = lane
+        self._instant(lane, "arrival", request.timeline.arrival, prompt_tokens=request.num_tokens)
+
+    def step_done(self, out: SchedulerOutput, kv_blocks_used: int) -> None:
+        start, end = out.started_at, time.perf_counter()
+        prefill_tokens = decode_tokens = 0
+        for victim in out.preempted:
+            lane = self.lanes.get(victim.request_id)
+            if lane is not None:
+                lane.state, lane.state_since = "preempted", start
+        for item in out.scheduled:
+            lane = self.lanes.get(item.request.request_id)
+            request = item.request
+            first, last = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            is_decode = item.num_new_tokens == 1 and first >= len(request.prompt_token_ids)
+            if is_decode:
+                decode_tokens += 1
+            else:
+                prefill_tokens += item.num_new_tokens
+            if lane is None:
+                continue
+            if lane.state in ("waiting", "preempted"):
+                self._slice(lane, lane.state, lane.state, lane.state_since, start)
+                lane.state = "running"
+            if is_decode:
+                self._slice(lane, "decode", "decode", start, end, position=first)
+            else:
+                # Past the prompt, a chunk recomputes a preempted request's output too.
+                name = "prefill" if last <= len(request.prompt_token_ids) else "recompute"
+                self._slice(
+                    lane, f"{name} [{first}, {last})", "prefill", start, end,
+                    tokens=item.num_new_tokens,
+                )  # fmt: skip
+            times = request.timeline.token_times
+            if times and not lane.first_token_marked:
+                ttft = times[0] - request.timeline.arrival
+                self._instant(lane, "first token", times[0], ttft_ms=round(ttft * 1e3, 3))
+                lane.first_token_marked = True
+            if request.status.finished:
+                self._finish(lane)
+        self.steps.append(
+            {"start": start, "end": end, "batch_size": len(out.scheduled),
+             "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
+             "kv_blocks_used": kv_blocks_used,
+             "preempted": [r.request_id for r in out.preempted]}
+        )  # fmt: skip
+
+    def request_aborted(self, request: Request) -> None:
+        lane = self.lanes.get(request.request_id)
+        if lane is not None and lane.state != "finished":
+            if lane.state in ("waiting", "preempted"):
+                end = request.timeline.finished or time.perf_counter()
+                self._slice(lane, lane.state, lane.state, lane.state_since, end)
+            self._finish(lane)
+
+    def _finish(self, lane: _Lane) -> None:
+        request = lane.request
+        lane.state = "finished"
+        self._instant(
+            lane, "finished", request.timeline.finished or time.perf_counter(),
+            reason=request.finish_reason, output_tokens=request.num_output_tokens,
+        )  # fmt: skip
+
+    # -- output --------------------------------------------------------------------------
+
+    def chrome_trace(self) -> dict[str, Any]:
+        events: list[dict[str, Any]] = [
+            _meta("process_name", ENGINE_PID, 0, {"name": "engine"}),
+            _meta("thread_name", ENGINE_PID, 0, {"name": "steps"}),
+            _meta("process_name", REQUESTS_PID, 0, {"name": "requests"}),
+        ]
+        for index, step in enumerate(self.steps):
+            ts = self._us(step["start"])
+            args = {k: v for k, v in step.items() if k not in ("start", "end")}
+            events.append(
+                {"name": f"step {index}", "cat": "step", "ph": "X", "ts": ts,
+                 "dur": round((step["end"] - step["start"]) * 1e6, 3), "pid": ENGINE_PID,
+                 "tid": 0, "args": args}
+            )  # fmt: skip
+            events.append(
+                {"name": "KV blocks in use", "ph": "C", "ts": ts, "pid": ENGINE_PID,
+                 "args": {"blocks": step["kv_blocks_used"]}}
+            )  # fmt: skip
+            events.append(
+                {"name": "tokens per step", "ph": "C", "ts": ts, "pid": ENGINE_PID,
+                 "args": {"prefill": step["prefill_tokens"], "decode": step["decode_tokens"]}}
+            )  # fmt: skip
+        for request_id, lane in self.lanes.items():
+            events.append(_meta("thread_name", REQUESTS_PID, lane.tid, {"name": request_id}))
+            events.append(
+                _meta("thread_sort_index", REQUESTS_PID, lane.tid, {"sort_index": lane.tid})
+            )
+            events.extend(lane.events)
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.chrome_trace()))
+        return path
+
+
+def _meta(kind: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}

@@ -1,0 +1,119 @@
+"""`tandem plan`: the formulas against hand-worked cases from the literature, the
+parameter count against transformers, and the command as users run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from tandem.errors import InvalidParameterError
+from tandem.plan.calculator import (
+    decode_step_seconds,
+    kv_bytes_per_token,
+    plan,
+    prefill_seconds,
+    read_model,
+)
+from tandem.plan.hardware import PRESETS, custom_hardware
+
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_kv_bytes_per_token_hand_worked():
+    # Llama-70B-style: 80 layers, 8 KV heads of 128, fp16: 320 KiB per token.
+    assert kv_bytes_per_token(80, 8, 128, 2) == 327_680
+    # Llama-2-13B-style (no GQA): 40 layers, 40 KV heads of 128: about 0.8 MB.
+    assert kv_bytes_per_token(40, 40, 128, 2) == pytest.approx(0.8e6, rel=0.03)
+    # Tensor parallelism splits KV heads; beyond 8 ranks each holds one (replicated).
+    assert kv_bytes_per_token(80, 8, 128, 2, tp=4) == 327_680 / 4
+    assert kv_bytes_per_token(80, 8, 128, 2, tp=16) == 327_680 / 8
+
+
+def test_time_floors_hand_worked():
+    assert prefill_seconds(7e9, 1024, 312) == pytest.approx(0.046, rel=0.01)
+    assert decode_step_seconds(14e9, 1, 0, 0, 2000) == pytest.approx(0.007)
+    assert decode_step_seconds(140e9, 1, 0, 0, 3400) == pytest.approx(0.041, rel=0.01)
+    # KV reads add batch x context x bytes per token.
+    assert decode_step_seconds(14e9, 8, 1000, 500_000, 2000) == pytest.approx(0.009)
+
+
+def test_parameter_count_matches_transformers_from_config_alone(tmp_path):
+    small = {**LLAMA_70B, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 3, "num_attention_heads": 8, "vocab_size": 1000}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    _, params = read_model(tmp_path)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    assert params == sum(p.numel() for p in hf.parameters())
+
+
+def test_a_70b_plan_on_h100s(tmp_path):
+    path = tmp_path / "llama70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    result = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512, batch=32, tp=4)
+    assert result["parameters"] == pytest.approx(70.55e9, rel=1e-3)
+    assert result["kv_bytes_per_token"] == 327_680
+    assert result["weights_fit"] and result["batch_fits"]
+    per_rank_budget = 80e9 * 0.9 - result["weight_bytes"] / 4
+    assert result["max_kv_tokens"] == int(per_rank_budget // (327_680 / 4))
+    # One H100 cannot hold 141 GB of bf16 weights.
+    alone = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512, batch=1, tp=1)
+    assert not alone["weights_fit"] and alone["max_kv_tokens"] == 0
+    # bf16 weights: decode turns compute-bound (weights only) near FLOP/s / bandwidth.
+    ratio = 989e12 / 3350e9
+    assert alone["crossover_batch_weights_only"] == pytest.approx(ratio, rel=1e-6)
+    assert alone["tpot_estimate_s"] >= alone["weight_bytes"] / 3350e9
+
+
+def test_bad_values_are_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    with pytest.raises(InvalidParameterError, match="dtype"):
+        plan(tmp_path, PRESETS["l4"], "fp4")
+    with pytest.raises(InvalidParameterError, match="batch"):
+        plan(tmp_path, PRESETS["l4"], batch=0)
+    with pytest.raises(InvalidParameterError, match="--bandwidth"):
+        custom_hardware(80, None, 100)
+
+
+def run_plan(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "plan", *args], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_the_command_prints_and_answers_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    text = run_plan("--model", str(tmp_path), "--hardware", "h200", "--tp", "2")
+    assert text.returncode == 0, text.stderr
+    assert "KV per token       327,680 bytes" in text.stdout and "TPOT estimate" in text.stdout
+    as_json = run_plan(
+        "--model", str(tmp_path), "--hardware", "custom", "--bandwidth", "1000",
+        "--flops", "100", "--memory", "200", "--json",
+    )  # fmt: skip
+    result = json.loads(as_json.stdout)
+    assert result["kv_bytes_per_token"] == 327_680 and result["bandwidth_gbs"] == 1000
+    missing = run_plan("--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "neither a model folder" in missing.stderr
+
+
+def test_measure_puts_achieved_beside_the_floor(model_dirs):
+    folder, _ = model_dirs("llama")
+    result = run_plan("--model", str(folder), "--measure", "--prompt-len", "64", "--batch", "4",
+                      "--dtype", "fp32", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)
+    measured = planned["measured"]
+    assert planned["hardware"].startswith("this machine")  # measured bandwidth and FLOP/s
+    assert measured["prefill_of_floor"] == pytest.approx(
+        planned["prefill_floor_s"] / measured["prefill_s"]
+    )
+    assert measured["tokens_per_s"] == pytest.approx(4 / measured["decode_step_s"])
