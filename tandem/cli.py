@@ -40,6 +40,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=text)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    parser.add_argument(
+        "--speculative-method", choices=["ngram", "draft"], default=None,
+        help="speculative decoding: n-gram prompt lookup or a draft model",
+    )  # fmt: skip
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default 4)")
+    parser.add_argument(
+        "--draft-model", default=None, help="the draft's folder (default: the bundled draft)"
+    )
+    parser.add_argument(
+        "--speculative-disable-by-batch-size", type=int, default=None,
+        help="no speculation while this many requests run (default 8)",
+    )  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -48,6 +60,13 @@ def engine_options(args: argparse.Namespace) -> dict:
         value = getattr(args, f"engine_{dest}")
         if value is not None:
             options[dest] = value
+    if args.speculative_method is not None:
+        speculative = {"method": args.speculative_method, "model": args.draft_model}
+        if args.num_speculative_tokens is not None:
+            speculative["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.speculative_disable_by_batch_size is not None:
+            speculative["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+        options["speculative_config"] = speculative
     return options
 
 

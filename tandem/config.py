@@ -54,6 +54,40 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses ``num_speculative_tokens`` tokens and the
+    target model verifies them in the same forward as everything else."""
+
+    method: str = "ngram"  # "ngram" (prompt lookup) | "draft" (a smaller model)
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model's folder (method "draft"; default: bundled)
+    # Speculation stops while this many requests run: verifying k extra tokens per
+    # request then costs more than it saves (measured: docs/BENCHMARKS.md).
+    disable_by_batch_size: int | None = 8
+    # n-gram lookup: the longest and shortest suffix of the sequence to match.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidParameterError(
+                "speculative_config.method",
+                f"{self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}",
+            )
+        if self.num_speculative_tokens < 1:
+            raise InvalidParameterError("speculative_config.num_speculative_tokens", "must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameterError(
+                "speculative_config.prompt_lookup_min", "must be in [1, prompt_lookup_max]"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise InvalidParameterError("speculative_config.disable_by_batch_size", "must be >= 1")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -63,11 +97,20 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        speculative = kwargs.pop("speculative_config", None)
+        if isinstance(speculative, dict):
+            unknown = set(speculative) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            if unknown:
+                raise InvalidParameterError(
+                    "speculative_config", f"unknown key(s): {', '.join(sorted(unknown))}"
+                )
+            speculative = SpeculativeConfig(**speculative)
         sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
-        top = {f.name for f in dataclasses.fields(cls)} - set(sections) - {"model"}
+        top = {f.name for f in dataclasses.fields(cls)} - set(sections) - {"model", "speculative"}
         values: dict[str, dict[str, Any]] = {name: {} for name in sections}
         own: dict[str, Any] = {}
         for key, value in kwargs.items():
@@ -82,5 +125,8 @@ class EngineConfig:
                 raise InvalidParameterError(key, "unknown engine option")
             values[section][key] = value
         return cls(
-            model=model, **own, **{name: sections[name](**values[name]) for name in sections}
+            model=model,
+            **own,
+            **{name: sections[name](**values[name]) for name in sections},
+            speculative=speculative,
         )

@@ -48,7 +48,8 @@ def run_to_completion(scheduler, *requests):
         scheduler.add_request(r)
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        scheduler.update(out, {s.request.request_id: _Token(7) for s in out.scheduled if s.samples})
+        sampled = {s.request.request_id: [_Token(7)] for s in out.scheduled if s.samples}
+        scheduler.update(out, sampled)
 
 
 class _Token:
@@ -71,7 +72,7 @@ def test_a_later_request_starts_after_the_shared_full_blocks():
     assert out.scheduled[0].token_ids == [99, 98, 97]
     assert b.num_cached_tokens == 8
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
-    scheduler.update(out, {"b": _Token(7)})
+    scheduler.update(out, {"b": [_Token(7)]})
     run_to_completion(scheduler)
     kv.check_no_leaks()
 
@@ -90,10 +91,10 @@ def test_running_requests_share_blocks_by_reference():
     scheduler, kv = make()
     a = request("a", list(range(9)), max_tokens=4)
     scheduler.add_request(a)
-    scheduler.update(scheduler.schedule(), {"a": _Token(7)})
+    scheduler.update(scheduler.schedule(), {"a": [_Token(7)]})
     b = request("b", list(range(9)))
     scheduler.add_request(b)
-    scheduler.update(scheduler.schedule(), {"a": _Token(7), "b": _Token(7)})
+    scheduler.update(scheduler.schedule(), {"a": [_Token(7)], "b": [_Token(7)]})
     table_a, table_b = kv.block_table("a"), kv.block_table("b")
     assert table_a[:2] == table_b[:2] and table_a[2] != table_b[2]
     assert [kv.pool.ref_counts[block] for block in table_a[:2]] == [2, 2]

@@ -39,7 +39,7 @@ def add(scheduler, request_id, prompt_len, max_tokens=5):
 def run_step(scheduler):
     """schedule + a fake forward that samples token 7 wherever a chunk completes."""
     out = scheduler.schedule()
-    sampled = {s.request.request_id: Token(7) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [Token(7)] for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
     return out
 

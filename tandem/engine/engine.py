@@ -15,18 +15,21 @@ from typing import Any
 
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.errors import InvalidParameterError
+from tandem.models.bundled import default_draft_model
 from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.runner.kv_cache import num_blocks_for
-from tandem.runner.model_runner import ModelRunner
+from tandem.runner.model_runner import ModelRunner, SpecDecodeStats
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import SamplingParams
+from tandem.spec.draft import DraftProposer
+from tandem.spec.ngram import NgramProposer
 from tandem.trace.recorder import StepTracer
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -80,11 +83,31 @@ class Engine:
             config.scheduler.max_num_seqs * self.max_model_len,
         )
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, num_blocks, cache.block_size, seed=config.seed)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len, config.speculative
+        )
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks,
+            cache.block_size,
+            seed=config.seed,
+            proposer=self._proposer(config.speculative, num_blocks, cache.block_size),
+        )
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self.tracer: StepTracer | None = None
+
+    def _proposer(self, spec: SpeculativeConfig | None, num_blocks: int, block_size: int):
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return DraftProposer(spec.model or default_draft_model(), self.loaded, num_blocks,
+                             block_size)  # fmt: skip
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        return self.runner.spec_stats
 
     # -- tracing -----------------------------------------------------------------------
 
@@ -224,33 +247,39 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         sampled = self.runner.execute(scheduler_output)
-        outputs = self._outputs(self.scheduler.update(scheduler_output, sampled), sampled)
+        outputs = self._outputs(self.scheduler.update(scheduler_output, sampled))
         if self.tracer is not None:
             self.tracer.step_done(scheduler_output, self.kv_manager.num_blocks_in_use)
         return outputs
 
-    def _outputs(
-        self, updated: list[Request], sampled: dict[str, SampledToken]
-    ) -> list[RequestOutput]:
+    def _outputs(self, updated: list[tuple[Request, list[SampledToken]]]) -> list[RequestOutput]:
         touched: dict[str, _Parent] = {}
-        for request in updated:
+        for request, tokens in updated:
             parent, sample = self._samples[request.request_id]
-            token = sampled[request.request_id]
-            if sample.detokenizer is not None:
-                stop = sample.detokenizer.update(token.token_id)
-                if stop is not None and not request.status.finished:
-                    request.stop_reason = stop
-                    self.scheduler.finish_requests(
-                        [request.request_id], RequestStatus.FINISHED_STOPPED
-                    )
-            if sample.logprobs is not None:
-                self._record_logprobs(sample, token)
+            for index, token in enumerate(tokens):
+                if sample.logprobs is not None:
+                    self._record_logprobs(sample, token)
+                stop = sample.detokenizer.update(token.token_id) if sample.detokenizer else None
+                if stop is not None:
+                    self._stop_at_string(request, stop, len(tokens) - index - 1)
+                    break
             touched[parent.request_id] = parent
         outputs = [self._request_output(parent) for parent in touched.values()]
         for parent in touched.values():
             if parent.finished:
                 self._forget(parent)
         return outputs
+
+    def _stop_at_string(self, request: Request, stop: str, num_after: int) -> None:
+        """A stop string ended in a token; tokens accepted after it in the same step
+        (speculation) are dropped, as if the request had stopped there."""
+        request.stop_reason = stop
+        if num_after:
+            request.drop_last_output_tokens(num_after)
+        if request.status.finished:  # a later token also hit max_tokens or EOS
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:
         decode = (lambda t: self.tokenizer.decode([t], False)) if self.tokenizer else lambda t: None

@@ -127,6 +127,17 @@ class KVCacheManager:
         self.block_tables[request.request_id] = table + cached_blocks + new_blocks
         return True
 
+    def trim(self, request: Request) -> None:
+        """Release the tail blocks past ``request``'s computed tokens: after speculation,
+        those held only rejected drafts. (The rest of the table is untouched.)"""
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(table) > keep:
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+
     def record_admission(self, request: Request, num_cached_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_cached_tokens

@@ -83,6 +83,12 @@ class Request:
         self.all_token_ids.append(token_id)
         self.timeline.token_times.append(now)
 
+    def drop_last_output_tokens(self, count: int) -> None:
+        """Forget the newest ``count`` tokens (accepted in one step, but after a stop)."""
+        del self.output_token_ids[-count:]
+        del self.all_token_ids[-count:]
+        del self.timeline.token_times[-count:]
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finishing status after the newest token, or None to continue."""
         params = self.sampling_params

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem.config import SchedulerConfig
+from tandem.config import SchedulerConfig, SpeculativeConfig
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
@@ -51,10 +51,17 @@ class ScheduledRequest:
     # Whether this chunk reaches the request's last known token, so that the logits at
     # its end give the next token (false for all but the last chunk of a prompt).
     samples: bool
+    # Speculative decoding: slots (budget and KV) reserved for this many draft tokens,
+    # which the runner's proposer fills in (it may find fewer).
+    num_spec_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids) + self.num_spec_tokens
 
 
 @dataclass
@@ -67,14 +74,19 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculative = speculative
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -142,9 +154,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk_size(request, budget, whole=False)
-            if not self._allocate_or_preempt(request, num_new, out):
+            num_spec = self._num_spec_tokens(request, num_new, budget)
+            if not self._allocate_or_preempt(request, num_new + num_spec, out):
                 continue  # the request preempted itself
-            out.scheduled.append(self._scheduled(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new, num_spec))
 
     @staticmethod
     def _tokens_left(request: Request) -> int:
@@ -162,7 +175,25 @@ class Scheduler:
             remaining = min(remaining, cap)
         return min(remaining, budget)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _num_spec_tokens(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft slots for a decoding request: k, or fewer near max_tokens, the context
+        end or the budget; none while the batch is large enough that verifying them
+        costs more than it saves."""
+        spec = self.speculative
+        if spec is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        if spec.disable_by_batch_size is not None and len(self.running) >= (
+            spec.disable_by_batch_size
+        ):
+            return 0
+        # Accepting k drafts adds k + 1 tokens, all of which must fit.
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, min(spec.num_speculative_tokens, room, budget - 1))
+
+    def _scheduled(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request,
@@ -170,6 +201,7 @@ class Scheduler:
             request.all_token_ids[start : start + num_new],
             list(self.kv.block_table(request.request_id)),
             start + num_new == request.num_tokens,
+            num_spec,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -214,23 +246,38 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
 
-    def update(self, out: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[Request]:
-        """Advance each scheduled request by its tokens, append the sampled token where
-        one was sampled, and finish requests that hit a stop condition. Returns the
-        requests that received a token."""
+    def update(
+        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        """Advance each scheduled request by the tokens whose K/V it now has, append its
+        new tokens (several when drafts were accepted) up to the first stop condition,
+        and finish requests that stop. Returns each request that received tokens, with
+        the tokens it kept."""
         now = time.perf_counter()
         updated = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = list(sampled.get(request.request_id, ()))
+            if item.num_spec_tokens and tokens:
+                # K/V is valid for the last token and the accepted drafts; the slots of
+                # rejected drafts are given back (blocks holding only those are freed).
+                request.num_computed_tokens += len(tokens)
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            if not tokens:
                 continue
-            request.append_output_token(token.token_id, now)
-            updated.append(request)
-            status = request.check_stop(self.max_model_len)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            kept = []
+            for token in tokens:
+                request.append_output_token(token.token_id, now)
+                kept.append(token)
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            else:
+                if item.num_spec_tokens:
+                    self.kv.trim(request)
+            updated.append((request, kept))
         return updated

@@ -12,10 +12,19 @@ DEFAULT_MODEL = MODELS_DIR / "stdlib-lm"
 DEFAULT_DRAFT_MODEL = MODELS_DIR / "stdlib-lm-draft"
 
 
-def default_model() -> str:
-    if not (DEFAULT_MODEL / "config.json").is_file():
+def _bundled(folder: Path) -> str:
+    if not (folder / "config.json").is_file():
         raise ModelLoadError(
-            f"no model given and the bundled model is not at {DEFAULT_MODEL} "
+            f"no model given and the bundled model is not at {folder} "
             "(install from a clone with `pip install -e .`, or pass a model folder)"
         )
-    return str(DEFAULT_MODEL)
+    return str(folder)
+
+
+def default_model() -> str:
+    return _bundled(DEFAULT_MODEL)
+
+
+def default_draft_model() -> str:
+    """The draft for speculative decoding when none is given (stdlib-lm's draft)."""
+    return _bundled(DEFAULT_DRAFT_MODEL)

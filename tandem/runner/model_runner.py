@@ -7,8 +7,8 @@ decided by the caller (the engine's block manager) and arrives as block tables.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -17,9 +17,52 @@ from tandem.runner import cpu_paged_attention
 from tandem.runner.attention import CausalAttention, PagedAttention, build_paged_metadata
 from tandem.runner.kv_cache import allocate_kv_cache
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
+from tandem.spec.rejection import verify
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
     from tandem.engine.scheduler import SchedulerOutput
+
+
+class Proposer(Protocol):
+    """Guesses draft tokens for speculating requests (tandem.spec: ngram, draft)."""
+
+    def propose(self, items, make_row, shared_generator) -> list[tuple[list[int], Any]]:
+        """Per item (a ScheduledRequest with ``num_spec_tokens``), up to that many draft
+        tokens and the distributions they were drawn from ([k, vocab], or None when
+        each guess is certain, as n-gram's are)."""
+        ...
+
+    def rollback(self, request_id: str, num_valid_tokens: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters for speculative decoding, as vLLM reports them."""
+
+    num_drafts: int = 0  # verifications of one request's draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.append(0)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: the accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -33,7 +76,12 @@ class SequenceChunk:
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -52,29 +100,76 @@ class ModelRunner:
         # preemptions; the others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        # Speculative decoding: who guesses (tandem.spec), and how well it guessed.
+        self.proposer = proposer
+        self.spec_stats = SpecDecodeStats()
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one scheduled step; the sampled token of each request that samples."""
+    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[SampledToken]]:
+        """Run one scheduled step. Returns the new tokens of each request that samples:
+        one, or with speculation the accepted draft tokens and the one after them."""
         for request_id in scheduler_output.finished_ids:
             self.generators.pop(request_id, None)
+        if self.proposer is not None:
+            for request_id in scheduler_output.finished_ids:
+                self.proposer.forget(request_id)
+            for request in scheduler_output.preempted:
+                self.proposer.forget(request.request_id)
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return {}
-        chunks = [
-            SequenceChunk(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled
-        ]
-        last_token_logits = self.forward(chunks)
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
-        if not sampling:
+        speculating = [s for s in scheduled if s.num_spec_tokens]
+        drafts = {}
+        if speculating:
+            proposals = self.proposer.propose(
+                speculating, self._sampling_row, self.shared_generator
+            )
+            drafts = {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
+        chunks, logit_rows, position = [], [], 0
+        for s in scheduled:
+            guess = drafts.get(s.request.request_id, ((), None))[0]
+            chunks.append(
+                SequenceChunk([*s.token_ids, *guess], s.num_computed_tokens, s.block_table)
+            )
+            position += len(s.token_ids) + len(guess)
+            if s.samples:  # the last token's logits, and each draft's
+                logit_rows.extend(range(position - 1 - len(guess), position))
+        if not logit_rows:
+            self.forward(chunks)
             return {}
-        requests = [scheduled[i].request for i in sampling]
-        rows = [self._sampling_row(r) for r in requests]
-        logits = last_token_logits[torch.tensor(sampling, device=self.device)]
-        tokens = sample(logits, rows, self.shared_generator)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        logits = self.forward(chunks, logit_indices=logit_rows)
+        results: dict[str, list[SampledToken]] = {}
+        plain, plain_rows, row = [], [], 0
+        for s in scheduled:
+            if not s.samples:
+                continue
+            request = s.request
+            guess, guess_probs = drafts.get(request.request_id, ((), None))
+            if not guess:
+                plain.append(request)
+                plain_rows.append(row)
+                row += 1
+                continue
+            rows = [self._sampling_row(request, guess[:i]) for i in range(len(guess) + 1)]
+            tokens = verify(
+                logits[row : row + len(guess) + 1], rows, list(guess), guess_probs,
+                self.shared_generator,
+            )  # fmt: skip
+            row += len(guess) + 1
+            results[request.request_id] = tokens
+            self.spec_stats.record(len(guess), len(tokens) - 1)
+            self.proposer.rollback(request.request_id, s.num_computed_tokens + len(tokens))
+        if plain:
+            rows = [self._sampling_row(r) for r in plain]
+            tokens = sample(logits[torch.tensor(plain_rows, device=self.device)], rows,
+                            self.shared_generator)  # fmt: skip
+            for request, token in zip(plain, tokens, strict=True):
+                results[request.request_id] = [token]
+        return results
 
-    def _sampling_row(self, request) -> SamplingRow:
+    def _sampling_row(self, request, drafts: Sequence[int] = ()) -> SamplingRow:
+        """How ``request`` samples its next token; with ``drafts``, the token after them
+        (they count as output for penalties and min_tokens)."""
         params = request.sampling_params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -83,15 +178,20 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
                 self.generators[request.request_id] = generator
         banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens + len(drafts) < params.min_tokens:
             banned = (*request.eos_token_ids, *request.stop_token_ids)
-        return SamplingRow(
-            params, request.prompt_token_ids, request.output_token_ids, generator, banned
-        )
+        output = request.output_token_ids if not drafts else [*request.output_token_ids, *drafts]
+        return SamplingRow(params, request.prompt_token_ids, output, generator, banned)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
-        """Logits of each chunk's last token [S, vocab], or of every token [T, vocab]."""
+    def forward(
+        self,
+        chunks: Sequence[SequenceChunk],
+        all_logits: bool = False,
+        logit_indices: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits of each chunk's last token [S, vocab], of every token [T, vocab], or of
+        the tokens at ``logit_indices`` in the flat batch."""
         to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         width = max(len(c.block_table) for c in chunks)
         tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
@@ -102,6 +202,7 @@ class ModelRunner:
             to_tensor([c.num_computed_tokens for c in chunks]),
             to_tensor(tables),
             all_logits,
+            None if logit_indices is None else to_tensor(list(logit_indices)),
         )
 
     @torch.inference_mode()
@@ -112,6 +213,7 @@ class ModelRunner:
         num_computed: torch.Tensor,
         block_tables: torch.Tensor,
         all_logits: bool = False,
+        logit_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The same as ``forward`` for callers that keep their batch as tensors."""
         metadata, positions = build_paged_metadata(
@@ -119,7 +221,9 @@ class ModelRunner:
         )
         attn = PagedAttention(metadata, self.kv_cache, self.decode_kernel)
         hidden = self.model(input_ids, positions, attn)
-        if not all_logits:
+        if logit_indices is not None:
+            hidden = hidden[logit_indices]
+        elif not all_logits:
             hidden = hidden[torch.cumsum(query_lens, 0) - 1]
         return self.model.compute_logits(hidden)
 

@@ -90,47 +90,72 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return probs
 
 
+def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalties and the min_tokens ban applied: the logits greedy rows take the
+    argmax of and sampled rows turn into probabilities (``sampling_probs``)."""
+    if any(_needs_penalties(r.params) for r in rows):
+        logits = apply_penalties(logits, rows)
+    else:
+        logits = logits.clone()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    return logits
+
+
+def draw(
+    probs: torch.Tensor, rows: list[SamplingRow], shared_generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row from ``probs`` [S, vocab]: argmax(p / Exp(1)), no host sync.
+    Unseeded rows share one batched draw; seeded rows draw from their own generator."""
+    noise = torch.empty_like(probs).exponential_(generator=shared_generator)
+    for i, row in enumerate(rows):
+        if row.generator is not None and not row.params.greedy:
+            noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def with_logprobs(
+    tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]
+) -> list[SampledToken]:
+    """SampledTokens, with the raw-distribution logprobs of rows that asked for them."""
+    results = [SampledToken(t) for t in tokens]
+    if raw_logprobs is None:
+        return results
+    num_logprobs = max((r.params.logprobs or 0) for r in rows)
+    index = torch.tensor(tokens, device=raw_logprobs.device)[:, None]
+    chosen = raw_logprobs.gather(1, index).flatten().tolist()
+    top_values, top_ids = raw_logprobs.topk(max(num_logprobs, 1), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
+        if k is None:
+            continue
+        results[i].logprob = chosen[i]
+        results[i].top_logprobs = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+    return results
+
+
+def raw_logprobs_if_wanted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    if any(r.params.logprobs is not None for r in rows):
+        return logits.log_softmax(dim=-1)
+    return None
+
+
 def sample(
     logits: torch.Tensor,
     rows: list[SamplingRow],
     shared_generator: torch.Generator | None = None,
 ) -> list[SampledToken]:
     """logits [S, vocab] float32, one row per request that samples this step."""
-    num_logprobs = max((r.params.logprobs or 0) for r in rows)
-    wants_logprobs = any(r.params.logprobs is not None for r in rows)
-    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
-
-    if any(_needs_penalties(r.params) for r in rows):
-        logits = apply_penalties(logits, rows)
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
-
+    raw_logprobs = raw_logprobs_if_wanted(logits, rows)
+    logits = processed_logits(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     tokens = logits.argmax(dim=-1)
     if not bool(greedy.all()):
-        probs = sampling_probs(logits, rows)
-        # Unseeded rows share one batched draw; seeded rows redraw from their own.
-        noise = torch.empty_like(probs).exponential_(generator=shared_generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None and not row.params.greedy:
-                noise[i].exponential_(generator=row.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = draw(sampling_probs(logits, rows), rows, shared_generator)
         tokens = torch.where(greedy, tokens, sampled)
-
-    token_list = tokens.tolist()
-    results = [SampledToken(t) for t in token_list]
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens[:, None]).flatten().tolist()
-        top_values, top_ids = raw_logprobs.topk(max(num_logprobs, 1), dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for i, row in enumerate(rows):
-            k = row.params.logprobs
-            if k is None:
-                continue
-            results[i].logprob = chosen[i]
-            results[i].top_logprobs = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
-    return results
+    return with_logprobs(tokens.tolist(), raw_logprobs, rows)
 
 
 def _needs_penalties(params: SamplingParams) -> bool:

@@ -86,6 +86,19 @@ class ServerMetrics(EngineObserver):
         )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self._seen_queries = self._seen_hits = 0
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verified drafts (one per request).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens the target accepted."
+        )
+        self.spec_accepted_per_position = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft.",
+            [*labels, "position"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self._seen_spec = (0, 0, 0, [])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -123,3 +136,17 @@ class ServerMetrics(EngineObserver):
         self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
         self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
         self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        spec = engine.spec_stats
+        drafts, draft_tokens, accepted, per_position = self._seen_spec
+        self.spec_drafts.inc(spec.num_drafts - drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens - accepted)
+        for position, count in enumerate(spec.accepted_per_position):
+            before = per_position[position] if position < len(per_position) else 0
+            if count > before:
+                labels = (self._model_name, str(position))
+                self.spec_accepted_per_position.labels(*labels).inc(count - before)
+        self._seen_spec = (
+            spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+            list(spec.accepted_per_position),
+        )  # fmt: skip

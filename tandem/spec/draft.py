@@ -1,0 +1,86 @@
+"""The draft-model proposer: a smaller model with the target's tokenizer proposes k
+tokens autoregressively, from the same sampling settings as the target.
+
+Its K/V live in a paged cache of its own (a second ModelRunner) that uses the target's
+block ids: the target's block table for this step already covers every position the
+draft writes (up to the last draft token), so the draft needs no allocation of its own.
+Per request it remembers how many leading tokens have valid draft K/V; each proposal
+first runs the tokens it has not seen (the whole prompt the first time, then the last
+accepted tokens), then one token per further guess. After verification that count is
+cut back to what the target accepted (``rollback``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.errors import InvalidParameterError
+from tandem.models.loader import load_model
+from tandem.runner.model_runner import ModelRunner, SequenceChunk
+from tandem.runner.sampler import draw, processed_logits, sampling_probs
+
+
+class DraftProposer:
+    def __init__(self, folder: str, target, num_blocks: int, block_size: int) -> None:
+        loaded = load_model(folder, dtype=target.dtype, device=target.device)
+        if loaded.config.vocab_size != target.config.vocab_size:
+            raise InvalidParameterError(
+                "speculative_config.model",
+                f"the draft's vocabulary ({loaded.config.vocab_size}) differs from the "
+                f"target's ({target.config.vocab_size}); they must share a tokenizer",
+            )
+        self.runner = ModelRunner(loaded, num_blocks, block_size)
+        self.num_valid: dict[str, int] = {}  # request -> leading tokens with draft K/V
+
+    @torch.inference_mode()
+    def propose(self, items, make_row, shared_generator):
+        drafts: list[list[int]] = [[] for _ in items]
+        probs: list[list[torch.Tensor]] = [[] for _ in items]
+        chunks = []
+        for item in items:
+            request = item.request
+            start = min(self.num_valid.get(request.request_id, 0), request.num_tokens - 1)
+            chunks.append(SequenceChunk(request.all_token_ids[start:], start, item.block_table))
+        active = list(range(len(items)))
+        logits = self.runner.forward(chunks)
+        while True:
+            rows = [make_row(items[i].request, drafts[i]) for i in active]
+            processed = processed_logits(logits.float(), rows)
+            tokens = processed.argmax(dim=-1)
+            q = None
+            if not all(row.params.greedy for row in rows):
+                q = sampling_probs(processed, rows)
+                sampled = draw(q, rows, shared_generator)
+                greedy = torch.tensor([r.params.greedy for r in rows], device=tokens.device)
+                tokens = torch.where(greedy, tokens, sampled)
+            for slot, (i, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
+                drafts[i].append(token)
+                if q is not None and not rows[slot].params.greedy:
+                    probs[i].append(q[slot])
+            active = [i for i in active if len(drafts[i]) < items[i].num_spec_tokens]
+            if not active:
+                break
+            logits = self.runner.forward(
+                [
+                    SequenceChunk(
+                        [drafts[i][-1]],
+                        items[i].request.num_tokens + len(drafts[i]) - 1,
+                        items[i].block_table,
+                    )
+                    for i in active
+                ]
+            )
+        for item, guess in zip(items, drafts, strict=True):
+            # Fed: everything up to the last token, then all guesses but the last.
+            self.num_valid[item.request.request_id] = item.request.num_tokens + len(guess) - 1
+        return [
+            (guess, torch.stack(p) if p else None) for guess, p in zip(drafts, probs, strict=True)
+        ]
+
+    def rollback(self, request_id: str, num_valid_tokens: int) -> None:
+        """The target kept ``num_valid_tokens`` tokens of K/V: draft K/V past them is stale."""
+        if request_id in self.num_valid:
+            self.num_valid[request_id] = min(self.num_valid[request_id], num_valid_tokens)
+
+    def forget(self, request_id: str) -> None:
+        self.num_valid.pop(request_id, None)

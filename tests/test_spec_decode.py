@@ -1,0 +1,261 @@
+"""Speculative decoding is lossless: greedy outputs equal plain decoding token for token
+(and transformers), under chunked prefill, preemption and prefix-cache hits; sampled
+outputs follow the target's distribution (chi-square against the exact marginals),
+even with a deliberately bad draft; rejected drafts leave no K/V behind."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.errors import InvalidParameterError
+from tandem.spec.ngram import ngram_proposal
+from tests.hf_models import VOCAB_SIZE
+
+
+def test_ngram_proposal_takes_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert ngram_proposal(tokens, 2, n_max=3, n_min=1) == [7, 5]  # the latest "1 2 3"
+    assert ngram_proposal([4, 5, 6], 3, n_max=3, n_min=1) == []
+    assert ngram_proposal([8, 1, 8], 3, n_max=2, n_min=1) == [1, 8]
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    return model_dirs("llama")
+
+
+@pytest.fixture(scope="module")
+def bad_draft(model_dirs):
+    """Another random model with the same vocabulary: it rarely agrees with the target."""
+    return model_dirs("llama", num_hidden_layers=1, seed=7)[0]
+
+
+def repetitive_prompts(seed: int, lengths) -> list[list[int]]:
+    """Random prompts built from a few repeated phrases, so n-gram lookup has matches."""
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(3, 6))] for _ in range(5)]
+    prompts = []
+    for length in lengths:
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += rng.choice(phrases)
+        prompts.append(ids[:length])
+    return prompts
+
+
+SETTINGS = {
+    "chunked prefill": dict(max_num_batched_tokens=24, block_size=4),
+    "preemption": dict(block_size=4, num_blocks=40, max_num_batched_tokens=64),
+    "prefix hits": dict(block_size=4),
+}
+
+
+def greedy_outputs(llm, prompts, **params):
+    sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], outputs
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-bad"])
+def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
+    folder, hf_model = target
+    prompts = repetitive_prompts(1, [30, 11, 45, 8, 26, 17])
+    if setting == "prefix hits":  # later prompts share a start with earlier ones
+        prompts += [prompts[0][:24] + prompts[3], prompts[2][:36] + prompts[1][:5]]
+    options = SETTINGS[setting]
+    plain = LLM(str(folder), **options)
+    kind, _, draft = method.partition("-")
+    spec = {"method": kind, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    if kind == "draft":
+        spec["model"] = str(folder if draft == "self" else bad_draft)
+    llm = LLM(str(folder), speculative_config=spec, **options)
+    if setting == "prefix hits":  # cache the first prompts; the later ones then hit
+        assert greedy_outputs(llm, prompts[:3])[0] == greedy_outputs(plain, prompts[:3])[0]
+    expected, _ = greedy_outputs(plain, prompts)
+    got, outputs = greedy_outputs(llm, prompts)
+    assert got == expected
+    # ... and both equal transformers, for the first prompt.
+    with torch.no_grad():
+        hf = hf_model.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
+    assert got[0] == hf[0, len(prompts[0]) :].tolist()
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    if method == "draft-self":
+        assert stats.acceptance_rate == 1.0  # the draft is the target: every guess holds
+    if setting == "preemption":
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    if setting == "prefix hits":
+        assert any(o.num_cached_tokens for o in outputs)
+    llm.engine.kv_manager.check_no_leaks()
+
+
+def test_penalties_stop_strings_and_logprobs_match_plain_decoding(target):
+    folder, _ = target
+    prompts = repetitive_prompts(2, [20, 33])
+    params = dict(repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2, min_tokens=5)
+    plain = LLM(str(folder))
+    expected, plain_outputs = greedy_outputs(plain, prompts, **params)
+    spec = LLM(str(folder), speculative_config={"method": "draft", "model": str(folder)})
+    got, spec_outputs = greedy_outputs(spec, prompts, **params)
+    assert got == expected
+    for a, b in zip(plain_outputs, spec_outputs, strict=True):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
+    # A stop string inside a run of accepted drafts ends the output where plain decoding does.
+    text = plain_outputs[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    _, stopped_plain = greedy_outputs(plain, prompts[:1], stop=[stop], **params)
+    _, stopped_spec = greedy_outputs(spec, prompts[:1], stop=[stop], **params)
+    a, b = stopped_plain[0].outputs[0], stopped_spec[0].outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
+
+
+def test_rejected_drafts_leave_no_kv(target, bad_draft):
+    folder, _ = target
+    llm = LLM(str(folder), block_size=4, speculative_config={
+        "method": "draft", "model": str(bad_draft), "num_speculative_tokens": 4,
+    })  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, prompt in enumerate(repetitive_prompts(3, [9, 14, 21])):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    kv = engine.kv_manager
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            # Exactly the blocks its computed tokens need: none holds only rejected drafts.
+            assert len(kv.block_table(request.request_id)) == kv.blocks_needed(
+                request.num_computed_tokens
+            )
+    assert engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
+    kv.check_no_leaks()
+
+
+def test_bad_settings_are_named(target, model_dirs):
+    folder, _ = target
+    with pytest.raises(InvalidParameterError, match="method"):
+        LLM(str(folder), speculative_config={"method": "eagle"})
+    with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
+        LLM(str(folder), speculative_config={"num_speculative_tokens": 0})
+    other_vocab = model_dirs("llama", vocab_size=VOCAB_SIZE + 8)[0]
+    with pytest.raises(InvalidParameterError, match="vocabulary"):
+        LLM(str(folder), speculative_config={"method": "draft", "model": str(other_vocab)})
+
+
+# -- lossless sampling -------------------------------------------------------------------
+
+VOCAB = 16
+PROMPT = [3, 9, 4, 12, 7]
+NEW_TOKENS = 4  # the first from the prompt, then two drafts and a bonus in one step
+
+
+@pytest.fixture(scope="module")
+def small_vocab(model_dirs):
+    """A target and a bad draft over 16 tokens, so every token's frequency is testable."""
+    target_folder, target_hf = model_dirs("llama", vocab_size=VOCAB)
+    draft_folder, _ = model_dirs("llama", vocab_size=VOCAB, num_hidden_layers=1, seed=3)
+    return target_folder, target_hf, draft_folder
+
+
+def target_probs(hf_model, sequences, temperature, top_k):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor(sequences)).logits[:, -1].float() / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.softmax(-1)
+
+
+def exact_marginals(hf_model, temperature, top_k) -> list[torch.Tensor]:
+    """P(token j = v) for each generated position j, by enumerating every path."""
+    paths, weights, marginals = [[]], torch.ones(1, dtype=torch.float64), []
+    for _ in range(NEW_TOKENS):
+        probs = target_probs(hf_model, [PROMPT + p for p in paths], temperature, top_k)
+        joint = weights[:, None] * probs.double()
+        marginals.append(joint.sum(0))
+        if len(marginals) < NEW_TOKENS:
+            paths = [[*p, v] for p in paths for v in range(VOCAB)]
+            weights = joint.flatten()
+    return marginals
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test; cells expected to hold fewer than 5 samples are pooled."""
+    total = float(counts.sum())
+    expected = expected_probs * total
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+def position_counts(llm, samples: int, temperature, top_k, seed) -> list[torch.Tensor]:
+    params = SamplingParams(
+        n=samples, temperature=temperature, top_k=top_k, max_tokens=NEW_TOKENS,
+        ignore_eos=True, seed=seed,
+    )  # fmt: skip
+    output = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    counts = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(NEW_TOKENS)]
+    for completion in output.outputs:
+        for position, token in enumerate(completion.token_ids):
+            counts[position][token] += 1
+    return counts
+
+
+SAMPLES = 2000
+P_VALUE_FLOOR = 1e-3  # per position; fixed seeds make the outcome deterministic
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 6)])
+@pytest.mark.parametrize("proposer", ["bad-draft", "ngram"])
+def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer, temperature, top_k):
+    target_folder, target_hf, draft_folder = small_vocab
+    if proposer == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    else:
+        spec = {"method": "draft", "model": str(draft_folder), "num_speculative_tokens": 2}
+    spec["disable_by_batch_size"] = None
+    llm = LLM(str(target_folder), max_num_seqs=512, speculative_config=spec)
+    counts = position_counts(llm, SAMPLES, temperature, top_k, seed=11)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for position, expected in enumerate(exact_marginals(target_hf, temperature, top_k)):
+        assert chi_square_p_value(counts[position], expected) > P_VALUE_FLOOR, position
+
+
+def test_the_chi_square_check_catches_a_wrong_distribution(small_vocab):
+    """Power check: the draft model's own samples (a different distribution) fail the
+    very check that speculative samples pass, at every position."""
+    _target_folder, target_hf, draft_folder = small_vocab
+    counts = position_counts(LLM(str(draft_folder), max_num_seqs=512), SAMPLES, 1.0, 0, seed=11)
+    marginals = exact_marginals(target_hf, 1.0, 0)
+    p_values = [chi_square_p_value(c, m) for c, m in zip(counts, marginals, strict=True)]
+    assert max(p_values) < P_VALUE_FLOOR
+
+
+def test_drafts_are_seed_reproducible(small_vocab):
+    target_folder, _, draft_folder = small_vocab
+    spec = {"method": "draft", "model": str(draft_folder), "disable_by_batch_size": None}
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
+    runs = [
+        [c.token_ids for c in LLM(str(target_folder), speculative_config=spec)
+         .generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs]
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in itertools.chain(runs[0])}) > 1
+    assert Counter(len(t) for t in runs[0]) == {12: 4}
