@@ -50,7 +50,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative-disable-by-batch-size", type=int, default=None,
-        help="no speculation while this many requests run (default 8)",
+        help="no speculation while this many requests run (default 64)",
     )  # fmt: skip
 
 

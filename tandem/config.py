@@ -66,8 +66,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     model: str | None = None  # the draft model's folder (method "draft"; default: bundled)
     # Speculation stops while this many requests run: verifying k extra tokens per
-    # request then costs more than it saves (measured: docs/BENCHMARKS.md).
-    disable_by_batch_size: int | None = 8
+    # request then costs more than it saves. On the bundled pair on a 2-core CPU, n-gram
+    # lookup on code still paid at 64 (1.14x throughput, down from 1.67x at 32); see
+    # docs/BENCHMARKS.md. None: never.
+    disable_by_batch_size: int | None = 64
     # n-gram lookup: the longest and shortest suffix of the sequence to match.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1

@@ -9,11 +9,13 @@ import itertools
 import random
 from collections import Counter
 
+import httpx
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
+from tandem.server.launch import tandem_process
 from tandem.spec.ngram import ngram_proposal
 from tests.hf_models import VOCAB_SIZE
 
@@ -259,3 +261,26 @@ def test_drafts_are_seed_reproducible(small_vocab):
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in itertools.chain(runs[0])}) > 1
     assert Counter(len(t) for t in runs[0]) == {12: 4}
+
+
+def test_the_server_speculates_and_reports_it(target):
+    folder, _ = target
+    with tandem_process(
+        "serve", "--model", str(folder), "--served-model-name", "tiny",
+        "--speculative-method", "draft", "--draft-model", str(folder),
+        "--num-speculative-tokens", "3",
+    ) as url:  # fmt: skip
+        prompt = repetitive_prompts(4, [20])[0]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        expected = LLM(str(folder)).generate(
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        assert text["choices"][0]["text"] == expected.outputs[0].text
+        metrics = httpx.get(f"{url}/metrics").text
+        drafts = [line for line in metrics.splitlines()
+                  if line.startswith("tandem:spec_decode_num_accepted_tokens_total")]  # fmt: skip
+        assert drafts and float(drafts[0].split()[-1]) > 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
 from tandem.bench.client import RequestResult, RequestSettings, send_request
@@ -90,10 +91,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = RequestSettings(
         base_url, model, args.endpoint, headers, args.temperature, args.ignore_eos, args.timeout
     )
+    spec_before = spec_decode_counters(base_url, headers)
     results, duration = asyncio.run(
         _benchmark(requests, texts, settings, args, progress=not args.no_progress)
     )
     summary = summarize(results, duration, slos)
+    summary.update(spec_decode_summary(spec_before, spec_decode_counters(base_url, headers)))
     print(format_table(summary, slos))
     errors = [r.error for r in results if not r.success]
     if errors:
@@ -101,6 +104,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_result:
         _save(args, model, summary, results)
     return summary
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from /metrics (tandem's or vLLM's
+    names), or None when it exports none."""
+    try:
+        response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        prefix, _, name = family.name.partition(":spec_decode_")
+        if prefix in ("tandem", "vllm") and name in SPEC_COUNTERS:
+            found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def spec_decode_summary(before, after) -> dict[str, float]:
+    """Acceptance over the run: accepted / proposed draft tokens, and tokens per
+    verification (accepted + the one the target adds)."""
+    if before is None or after is None:
+        return {}
+    delta = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    if delta["num_drafts"] <= 0:
+        return {}
+    return {
+        "spec_decode_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"],
+        "spec_decode_mean_acceptance_length": 1
+        + delta["num_accepted_tokens"] / delta["num_drafts"],
+    }
 
 
 def _first_model(base_url: str, headers: dict[str, str]) -> str:

@@ -106,6 +106,9 @@ def format_table(summary: dict[str, Any], slos: dict[str, float]) -> str:
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
     row("Prefix cache hit rate (%):", 100 * summary["prefix_cache_hit_rate"])
+    if "spec_decode_acceptance_rate" in summary:
+        row("Draft acceptance rate (%):", 100 * summary["spec_decode_acceptance_rate"])
+        row("Mean acceptance length:", summary["spec_decode_mean_acceptance_length"])
     titles = {
         "ttft": "Time to First Token",
         "tpot": "Time per Output Token (excl. 1st token)",
