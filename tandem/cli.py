@@ -145,6 +145,10 @@ def _serve(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         trace=args.trace,
+        role=args.role,
+        kv_port=args.kv_port,
+        kv_lease_seconds=args.kv_lease_seconds,
+        kv_transfer_failure=args.kv_transfer_failure,
     )
 
 
@@ -180,6 +184,15 @@ def _plan(args: argparse.Namespace) -> None:
     if args.measure:
         result["measured"] = measure_model(args.model, result)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
+
+
+def _router(args: argparse.Namespace) -> None:
+    from tandem.disagg.router import run_router
+
+    run_router(
+        args.prefill, args.decode, args.host, args.port, args.local_prefill_threshold,
+        args.timeout,
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--trace", metavar="FILE", help="trace every step; the file is written at shutdown"
     )
+    serve.add_argument(
+        "--role", choices=["both", "prefill", "decode"], default="both",
+        help="disaggregated serving: run prompts only, or decode with pulled KV",
+    )  # fmt: skip
+    serve.add_argument("--kv-port", type=int, default=0, help="KV transfer port (0: any free)")
+    serve.add_argument(
+        "--kv-lease-seconds", type=float, default=30.0,
+        help="prefill: how long finished prompts keep their blocks for a decode side",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-transfer-failure", choices=["recompute", "fail"], default="recompute",
+        help="decode: when the KV pull fails, recompute the prompt here or fail the request",
+    )  # fmt: skip
     serve.set_defaults(func=_serve)
 
     from tandem.bench.serve import add_arguments as add_bench_serve_arguments
@@ -234,6 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    router = commands.add_parser(
+        "router", help="an OpenAI-compatible front for prefill and decode instances"
+    )
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--local-prefill-threshold", type=int, default=0,
+        help="prompts shorter than this many tokens go straight to a decode instance",
+    )  # fmt: skip
+    router.add_argument("--timeout", type=float, default=600.0, help="per call, seconds")
+    router.set_defaults(func=_router)
 
     planner = commands.add_parser(
         "plan", help="KV cache and roofline calculator: will it fit, how fast at best?"

@@ -81,3 +81,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # of the first sample (all share one arrival)
+    # Disaggregated prefill: where the prompt's K/V wait for a decode instance.
+    kv_transfer_params: dict | None = None

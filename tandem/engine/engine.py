@@ -96,6 +96,11 @@ class Engine:
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self.tracer: StepTracer | None = None
+        # Disaggregated serving: requests waiting for their prompt's K/V from a prefill
+        # instance (id -> request, (remote, local) block pairs, tokens), and how long a
+        # finished prefill-only request keeps its blocks for the decode side.
+        self.pending_kv: dict[str, tuple[Request, list[tuple[int, int]], int]] = {}
+        self.kv_lease_seconds = 30.0
 
     def _proposer(self, spec: SpeculativeConfig | None, num_blocks: int, block_size: int):
         if spec is None:
@@ -147,13 +152,23 @@ class Engine:
         prompt: PromptInput,
         params: SamplingParams,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[int]:
         """Validate and queue; on a bad request raise before anything is queued.
-        Returns the prompt's token ids."""
+        Returns the prompt's token ids.
+
+        ``kv_transfer_params`` (disaggregated serving, tandem.disagg): ``{"do_remote_decode":
+        true}`` keeps the blocks under a lease when the request finishes, for a decode
+        instance; ``{"remote_block_ids": [...], "remote_num_tokens": R, ...}`` parks the
+        request with blocks for R prompt tokens until ``finish_remote_kv``."""
         if request_id in self._parents:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
         max_tokens = self._validate(prompt_ids, params)
+        transfer = kv_transfer_params or {}
+        if transfer.get("do_remote_decode") and params.n != 1:
+            raise InvalidParameterError("n", "a request decoded remotely takes n = 1")
+        remote_tokens = _remote_tokens(transfer, len(prompt_ids), self.kv_manager)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", "must be a non-empty string")
@@ -175,11 +190,42 @@ class Engine:
             parent.samples.append(sample)
         self._parents[request_id] = parent
         for sample in parent.samples:
-            self._samples[sample.request.request_id] = (parent, sample)
-            self.scheduler.add_request(sample.request)
+            request = sample.request
+            self._samples[request.request_id] = (parent, sample)
+            if transfer.get("do_remote_decode"):
+                request.lease_seconds = self.kv_lease_seconds
             if self.tracer is not None:
-                self.tracer.request_arrived(sample.request)
+                self.tracer.request_arrived(request)
+            if (
+                remote_tokens
+                and params.n == 1
+                and self.kv_manager.allocate_slots(request, remote_tokens)
+            ):
+                table = self.kv_manager.block_table(request.request_id)
+                pairs = list(zip(transfer["remote_block_ids"], table, strict=False))
+                self.pending_kv[request.request_id] = (request, pairs, remote_tokens)
+                continue
+            self.scheduler.add_request(request)
         return prompt_ids
+
+    def finish_remote_kv(self, request_id: str, ok: bool, recompute: bool = True) -> bool:
+        """The pull for a parked request ended. On success it runs from the pulled
+        tokens; on failure it recomputes its prompt here (``recompute``) or is dropped.
+        Returns False when the request was dropped (failed, or aborted meanwhile)."""
+        request, _, remote_tokens = self.pending_kv.pop(request_id)
+        if request.status.finished:  # aborted while its blocks were being written
+            self.kv_manager.free(request)
+            return False
+        if ok:
+            request.num_computed_tokens = remote_tokens
+        else:
+            self.kv_manager.free(request)
+            if not recompute:
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._forget(self._samples[request_id][0])
+                return False
+        self.scheduler.add_request(request)
+        return True
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
@@ -228,6 +274,9 @@ class Engine:
             if parent is None:
                 continue
             children = [s.request.request_id for s in parent.samples]
+            for child in children:
+                if child in self.pending_kv:  # freed when its transfer ends
+                    self.pending_kv[child][0].status = RequestStatus.FINISHED_ABORTED
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             if self.tracer is not None:
                 for sample in parent.samples:
@@ -311,6 +360,18 @@ class Engine:
                 )
             )
         first = parent.samples[0].request
+        transfer = None
+        lease = self.kv_manager.leases.get(first.request_id)
+        if lease is not None and first.status.finished:
+            # The decode side recomputes the last prompt token (to get logits), so it
+            # reads the blocks holding all tokens before it.
+            num_tokens = len(parent.prompt_token_ids) - 1
+            blocks = lease[0][: self.kv_manager.blocks_needed(num_tokens)]
+            transfer = {
+                "lease_id": first.request_id,
+                "remote_block_ids": blocks,
+                "remote_num_tokens": num_tokens,
+            }
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -319,4 +380,21 @@ class Engine:
             finished=parent.finished,
             num_cached_tokens=first.num_cached_tokens,
             metrics=completions[0].metrics,
+            kv_transfer_params=transfer,
         )
+
+
+def _remote_tokens(transfer: dict[str, Any], num_prompt_tokens: int, kv) -> int:
+    """How many prompt tokens' K/V a request should pull (0: none), validated."""
+    if "remote_block_ids" not in transfer:
+        return 0
+    tokens, blocks = transfer.get("remote_num_tokens"), transfer["remote_block_ids"]
+    if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
+        raise InvalidParameterError(
+            "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
+        )
+    if not isinstance(blocks, list) or len(blocks) < kv.blocks_needed(tokens):
+        raise InvalidParameterError(
+            "kv_transfer_params.remote_block_ids", f"must list the blocks of {tokens} tokens"
+        )
+    return tokens

@@ -62,6 +62,9 @@ class Request:
         # the full blocks so far (see kv_manager.py).
         self.cache_salt = cache_salt
         self.block_digests: list[bytes] = []
+        # Disaggregated serving: a prefill instance keeps the blocks when this finishes
+        # (lease_seconds), for a decode instance to read.
+        self.lease_seconds: float | None = None
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         self.timeline = RequestTimeline(arrival_time or time.perf_counter())

@@ -118,7 +118,10 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.timeline.finished = time.perf_counter()
-        self.kv.free(request)
+        if request.lease_seconds is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.kv.lease(request, request.lease_seconds)
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -230,18 +233,21 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            # A prefix cache hit starts the request past the tokens found there.
-            cached = self.kv.find_cached_prefix(request)
-            request.num_computed_tokens = len(cached) * self.kv.block_size
+            # A prefix cache hit starts the request past the tokens found there. (A request
+            # whose K/V came from a prefill instance starts past them already.)
+            base = request.num_computed_tokens
+            cached = [] if base else self.kv.find_cached_prefix(request)
+            request.num_computed_tokens = base or len(cached) * self.kv.block_size
             num_new = self._chunk_size(request, self._budget_left(out), whole)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
-                request.num_computed_tokens = 0
+                request.num_computed_tokens = base
                 break
             self.waiting.popleft()
-            self.kv.record_admission(request, request.num_computed_tokens)
+            num_cached = len(cached) * self.kv.block_size
+            self.kv.record_admission(request, num_cached)
             if request.timeline.first_scheduled is None:
                 request.timeline.first_scheduled = out.started_at
-                request.num_cached_tokens = request.num_computed_tokens
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))

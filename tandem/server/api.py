@@ -194,6 +194,7 @@ def build_app(
             body.stream,
             body.include_usage_in_stream,
             chat=False,
+            kv_transfer_params=body.kv_transfer_params,
         )
 
     @app.post("/v1/chat/completions", dependencies=guarded)
@@ -208,7 +209,7 @@ def build_app(
         prompt = _engine_prompt(prompt_ids, body.cache_salt)
         return await _serve(
             request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
-            chat=True,
+            chat=True, kv_transfer_params=body.kv_transfer_params,
         )  # fmt: skip
 
     async def _serve(
@@ -219,14 +220,17 @@ def build_app(
         stream: bool,
         include_usage: bool,
         chat: bool,
+        kv_transfer_params: dict[str, Any] | None = None,
     ):
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        if kv_transfer_params is not None and len(prompts) != 1:
+            raise InvalidParameterError("kv_transfer_params", "takes a single prompt")
         outputs: asyncio.Queue = asyncio.Queue()
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         added: list[str] = []
         try:
             for engine_id, prompt in zip(engine_ids, prompts, strict=True):
-                await engine.add_request(engine_id, prompt, params, outputs)
+                await engine.add_request(engine_id, prompt, params, outputs, kv_transfer_params)
                 added.append(engine_id)
         except BaseException:
             for engine_id in added:
@@ -266,9 +270,15 @@ def build_app(
                 engine.abort(engine_id)
 
     async def _collect(state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str]):
+        transfer = None
         async for output in _next_outputs(outputs, engine_ids):
             state.update(output)
-        return state.final_response()
+            transfer = output.kv_transfer_params or transfer
+        response = state.final_response()
+        if transfer is not None and engine.connector is not None:
+            # A prefill instance's answer: where the decode side reads the prompt's K/V.
+            response["kv_transfer_params"] = {**transfer, **engine.connector.address()}
+        return response
 
     async def _sse(
         state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str], include_usage: bool

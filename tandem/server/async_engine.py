@@ -75,6 +75,7 @@ class AsyncEngine:
         self.observer = observer or EngineObserver()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self.connector = None  # tandem.disagg.connector.KVConnector, on disaggregated roles
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -85,7 +86,12 @@ class AsyncEngine:
     # -- called from the event loop ------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, outputs: asyncio.Queue
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        outputs: asyncio.Queue,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Queue a request whose RequestOutputs (one per step it advances, the last
         with ``finished``) go to ``outputs``. Raises the engine's validation error, or
@@ -99,11 +105,27 @@ class AsyncEngine:
                     f"{waiting} requests are waiting (the limit is "
                     f"{self.max_waiting_requests}); retry later"
                 )
-            num_prompt = len(self.engine.add_request(request_id, prompt, params))
-            self._streams[request_id] = _Stream(loop, outputs, num_prompt)
-            self.observer.request_added(num_prompt)
+            prompt_ids = self.engine.add_request(
+                request_id, prompt, params, kv_transfer_params=kv_transfer_params
+            )
+            self._streams[request_id] = _Stream(loop, outputs, len(prompt_ids))
+            self.observer.request_added(len(prompt_ids))
+            if request_id in self.engine.pending_kv and self.connector is not None:
+                self.connector.pull(request_id, kv_transfer_params)
 
         await self._call(add)
+
+    def submit(self, function: Callable[[], Any]) -> None:
+        """Run ``function`` on the engine thread between steps (fire and forget)."""
+        self._inbox.put((function, None))
+
+    def fail(self, request_id: str, error: Exception) -> None:
+        """(Engine thread) end a request's stream with ``error``; the engine has already
+        dropped the request."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.observer.request_finished(None, "abort")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     def abort(self, request_id: str) -> None:
         """End a request and free its blocks; safe to call for finished or unknown ids

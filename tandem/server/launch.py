@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -36,10 +37,16 @@ def wait_healthy(base_url: str, process: subprocess.Popen | None = None, log=Non
     raise TandemError(f"{base_url} did not become healthy in {timeout} s")
 
 
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+
+
 @contextlib.contextmanager
-def tandem_process(*args: str) -> Iterator[str]:
-    """``python -m tandem <args> --port P`` as a child process; yields its base URL and
-    stops it on exit."""
+def tandem_server(*args: str) -> Iterator[ServerProcess]:
+    """``python -m tandem <args> --port P`` as a child process, healthy; stopped on exit
+    (tests that kill it on purpose use ``.process``)."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     # The log goes to a file: an unread pipe would fill up and stall the server.
@@ -52,10 +59,17 @@ def tandem_process(*args: str) -> Iterator[str]:
         )
         try:
             wait_healthy(base_url, process, log)
-            yield base_url
+            yield ServerProcess(base_url, process)
         finally:
             process.terminate()
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+@contextlib.contextmanager
+def tandem_process(*args: str) -> Iterator[str]:
+    """``tandem_server`` yielding just the base URL."""
+    with tandem_server(*args) as server:
+        yield server.url

@@ -99,6 +99,17 @@ class ServerMetrics(EngineObserver):
         )
         self._model_name = model_name
         self._seen_spec = (0, 0, 0, [])
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes pulled from prefill.")
+        self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks pulled from prefill.")
+        self.kv_transfer_failures = counter("kv_transfer_failures", "KV pulls that failed.")
+        self.kv_transfer_time = histogram(
+            "kv_transfer_seconds", "Duration of one request's KV pull.", LATENCY_BUCKETS
+        )
+        self.kv_lease_expiries = counter(
+            "kv_lease_expiries", "Leased prefill blocks released because nobody read them."
+        )
+        self.kv_leases = gauge("kv_leases", "Finished prefills holding blocks for a decode side.")
+        self._seen_expiries = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -136,6 +147,9 @@ class ServerMetrics(EngineObserver):
         self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
         self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
         self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        self.kv_leases.set(len(kv.leases))
+        self.kv_lease_expiries.inc(kv.num_lease_expiries - self._seen_expiries)
+        self._seen_expiries = kv.num_lease_expiries
         spec = engine.spec_stats
         drafts, draft_tokens, accepted, per_position = self._seen_spec
         self.spec_drafts.inc(spec.num_drafts - drafts)
@@ -150,3 +164,11 @@ class ServerMetrics(EngineObserver):
             spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
             list(spec.accepted_per_position),
         )  # fmt: skip
+
+    def transfer_done(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.kv_transfer_blocks.inc(num_blocks)
+        self.kv_transfer_bytes.inc(num_bytes)
+        self.kv_transfer_time.observe(seconds)
+
+    def transfer_failed(self) -> None:
+        self.kv_transfer_failures.inc()

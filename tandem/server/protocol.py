@@ -48,6 +48,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    # Disaggregated serving (tandem.disagg): {"do_remote_decode": true} to a prefill
+    # instance; the parameters it returned, to a decode instance.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:

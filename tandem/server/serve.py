@@ -26,6 +26,10 @@ def run_server(
     max_waiting_requests: int | None = None,
     log_level: str = "info",
     trace: str | None = None,
+    role: str = "both",
+    kv_port: int = 0,
+    kv_lease_seconds: float = 30.0,
+    kv_transfer_failure: str = "recompute",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
@@ -35,6 +39,13 @@ def run_server(
         engine.start_trace()
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
     metrics.step_done(engine)
+    connector = None
+    if role != "both":
+        from tandem.disagg.connector import KVConnector
+
+        connector = KVConnector(
+            async_engine, metrics, role, kv_port, host, kv_lease_seconds, kv_transfer_failure
+        )
     app = build_app(async_engine, metrics, name, api_key)
     logger.info(
         "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d)",
@@ -45,6 +56,8 @@ def run_server(
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     finally:
         async_engine.shutdown()
+        if connector is not None:
+            connector.close()
         if trace is not None and engine.tracer is not None:
             engine.stop_trace(trace)
             logger.info("trace written to %s", trace)

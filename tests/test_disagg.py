@@ -1,0 +1,205 @@
+"""Disaggregated serving with real processes on 127.0.0.1: prefill and decode instances
+behind the router give the colocated server's greedy outputs; requests spread over
+decode instances; faults (a decode side that never comes back, a dead prefill instance,
+a failed pull, a client that hangs up) leave no block in use anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from tandem.server.launch import tandem_process, tandem_server
+from tests.hf_models import VOCAB_SIZE
+
+MODEL = "tiny"
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^tandem:{name}(?:\{{.*\}})? (\S+)$", text, re.M)
+    )
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def idle(base_url: str) -> bool:
+    return all(
+        metric(base_url, name) == 0
+        for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+                     "kv_leases")
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(model_dirs):
+    return str(model_dirs("llama")[0])
+
+
+def serve(folder, *flags):
+    return tandem_process("serve", "--model", folder, "--served-model-name", MODEL, *flags)
+
+
+@pytest.fixture(scope="module")
+def cluster(folder):
+    """One prefill instance, two decode instances, a router in front."""
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(serve(folder, "--role", "prefill", "--kv-lease-seconds", "3"))
+        decodes = [stack.enter_context(serve(folder, "--role", "decode")) for _ in range(2)]
+        router = stack.enter_context(
+            tandem_process("router", "--prefill", prefill, "--decode", *decodes)
+        )
+        yield {"prefill": prefill, "decodes": decodes, "router": router}
+
+
+def prompts() -> dict[str, list[int]]:
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(2, VOCAB_SIZE) for _ in range(n)]  # noqa: E731
+    return {"long": ids(90), "block multiple": ids(64), "short": ids(5), "two tokens": ids(2)}
+
+
+def complete(base_url: str, prompt, stream: bool, max_tokens: int = 12) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    if not stream:
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_outputs_equal_the_colocated_server(cluster, tiny_server, stream):
+    for name, prompt in prompts().items():
+        expected = complete(tiny_server, prompt, stream=False)
+        assert complete(cluster["router"], prompt, stream) == expected, name
+    wait_for(lambda: idle(cluster["prefill"]))
+    assert metric(cluster["prefill"], "kv_lease_expiries_total") == 0  # every lease was read
+
+
+def test_requests_spread_over_decode_instances(cluster):
+    before = [metric(url, "kv_transfer_blocks_total") for url in cluster["decodes"]]
+    for prompt in prompts().values():
+        complete(cluster["router"], prompt, stream=False, max_tokens=2)
+    after = [metric(url, "kv_transfer_blocks_total") for url in cluster["decodes"]]
+    assert all(b > a for a, b in zip(before, after, strict=True))
+    for url in [cluster["prefill"], *cluster["decodes"]]:
+        wait_for(lambda url=url: idle(url))
+
+
+def test_a_decode_side_that_never_comes_back_leaks_nothing(cluster):
+    prefill = cluster["prefill"]
+    body = {"model": MODEL, "prompt": prompts()["long"], "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    answer = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60).json()
+    params = answer["kv_transfer_params"]
+    assert params["remote_num_tokens"] == 89 and len(params["remote_block_ids"]) == 6
+    assert params["remote_port"] > 0 and metric(prefill, "kv_leases") == 1
+    assert metric(prefill, "kv_cache_usage_perc") > 0  # held for the decode side...
+    wait_for(lambda: idle(prefill), timeout=15)  # ...until the 3 s lease expires
+    assert metric(prefill, "kv_lease_expiries_total") >= 1
+
+
+def test_a_failed_pull_recomputes_or_fails_by_setting(folder, tiny_server):
+    prompt = prompts()["long"]
+    bogus = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_block_ids": list(range(6)),
+             "remote_num_tokens": 89, "lease_id": "gone"}  # fmt: skip
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "kv_transfer_params": bogus}  # fmt: skip
+    expected = complete(tiny_server, prompt, stream=False)
+    for policy in ("recompute", "fail"):
+        with serve(folder, "--role", "decode", "--kv-transfer-failure", policy) as decode:
+            response = httpx.post(f"{decode}/v1/completions", json=body, timeout=60)
+            if policy == "recompute":
+                assert response.status_code == 200
+                assert response.json()["choices"][0]["text"] == expected
+            else:
+                assert response.status_code == 500
+                message = response.json()["error"]["message"]
+                assert "could not read the prompt's KV" in message and "connect" in message
+            assert metric(decode, "kv_transfer_failures_total") == 1
+            wait_for(lambda decode=decode: idle(decode))
+
+
+def test_a_dead_prefill_instance_is_skipped_then_reported(folder, tiny_server):
+    prompt = prompts()["block multiple"]
+    with contextlib.ExitStack() as stack:
+        dying = stack.enter_context(tandem_server("serve", "--model", folder,
+                                    "--served-model-name", MODEL, "--role", "prefill"))  # fmt: skip
+        alive = stack.enter_context(serve(folder, "--role", "prefill"))
+        decode = stack.enter_context(serve(folder, "--role", "decode"))
+        router = stack.enter_context(
+            tandem_process("router", "--prefill", dying.url, alive, "--decode", decode)
+        )
+        dying.process.kill()
+        dying.process.wait()
+        expected = complete(tiny_server, prompt, stream=False)
+        for _ in range(2):  # whichever prefill instance is tried first, the answer comes
+            assert complete(router, prompt, stream=False) == expected
+        with tandem_process("router", "--prefill", dying.url, "--decode", decode) as lonely:
+            response = httpx.post(f"{lonely}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 2})  # fmt: skip
+            assert response.status_code == 502
+            assert "no prefill instance" in response.json()["error"]["message"]
+
+
+def aborted(urls) -> float:
+    return sum(
+        float(m.group(1))
+        for url in urls
+        for m in re.finditer(r'^tandem:request_success_total\{finished_reason="abort".*\} (\S+)$',
+                             httpx.get(f"{url}/metrics").text, re.M)
+    )  # fmt: skip
+
+
+def test_a_client_hanging_up_frees_everything(cluster):
+    before = aborted(cluster["decodes"])
+    body = {"model": MODEL, "prompt": prompts()["long"], "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{cluster['router']}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+    for url in [cluster["prefill"], *cluster["decodes"]]:
+        wait_for(lambda url=url: idle(url))
+    assert aborted(cluster["decodes"]) == before + 1  # the decode request was aborted
+
+
+def test_a_killed_decode_instance_leaves_the_prefill_side_clean(folder):
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(serve(folder, "--role", "prefill", "--kv-lease-seconds", "2"))
+        decode = stack.enter_context(tandem_server("serve", "--model", folder,
+                                     "--served-model-name", MODEL, "--role", "decode"))  # fmt: skip
+        router = stack.enter_context(
+            tandem_process("router", "--prefill", prefill, "--decode", decode.url)
+        )
+        body = {"model": MODEL, "prompt": prompts()["long"], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            decode.process.kill()
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        wait_for(lambda: idle(prefill), timeout=15)
+        response = httpx.post(f"{router}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompts()["short"], "max_tokens": 2})  # fmt: skip
+        assert response.status_code == 502  # reported, not hung
+        wait_for(lambda: idle(prefill), timeout=15)
