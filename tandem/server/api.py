@@ -66,9 +66,21 @@ def _as_api_error(exc: Exception) -> APIError:
 
 
 def build_app(
-    engine: AsyncEngine, metrics: ServerMetrics, model_name: str, api_key: str | None = None
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    model_name: str,
+    api_key: str | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="tandem", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once
+        # the app has shut down, and the process ends without running later code.
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     defaults = model_sampling_defaults(engine.engine.loaded.generation_config)

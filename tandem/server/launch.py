@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -44,15 +44,16 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def tandem_server(*args: str) -> Iterator[ServerProcess]:
+def tandem_server(*args: str, launcher: Sequence[str] = ()) -> Iterator[ServerProcess]:
     """``python -m tandem <args> --port P`` as a child process, healthy; stopped on exit
-    (tests that kill it on purpose use ``.process``)."""
+    (tests that kill it on purpose use ``.process``). ``launcher`` prefixes the command,
+    e.g. ``("taskset", "-c", "0")`` to pin it to a core."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     # The log goes to a file: an unread pipe would fill up and stall the server.
     with tempfile.TemporaryFile(mode="w+") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tandem", *args, "--port", str(port)],
+            [*launcher, sys.executable, "-m", "tandem", *args, "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -69,7 +70,7 @@ def tandem_server(*args: str) -> Iterator[ServerProcess]:
 
 
 @contextlib.contextmanager
-def tandem_process(*args: str) -> Iterator[str]:
+def tandem_process(*args: str, launcher: Sequence[str] = ()) -> Iterator[str]:
     """``tandem_server`` yielding just the base URL."""
-    with tandem_server(*args) as server:
+    with tandem_server(*args, launcher=launcher) as server:
         yield server.url

@@ -46,18 +46,19 @@ def run_server(
         connector = KVConnector(
             async_engine, metrics, role, kv_port, host, kv_lease_seconds, kv_transfer_failure
         )
-    app = build_app(async_engine, metrics, name, api_key)
-    logger.info(
-        "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d)",
-        model, name, host, port, engine.kv_manager.num_blocks,
-        engine.kv_manager.block_size, engine.max_model_len,
-    )  # fmt: skip
-    try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-    finally:
+
+    def shutdown() -> None:
         async_engine.shutdown()
         if connector is not None:
             connector.close()
         if trace is not None and engine.tracer is not None:
             engine.stop_trace(trace)
             logger.info("trace written to %s", trace)
+
+    app = build_app(async_engine, metrics, name, api_key, on_shutdown=shutdown)
+    logger.info(
+        "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d)",
+        model, name, host, port, engine.kv_manager.num_blocks,
+        engine.kv_manager.block_size, engine.max_model_len,
+    )  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
