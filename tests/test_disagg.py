@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tandem import LLM, SamplingParams
 from tandem.server.launch import tandem_process, tandem_server
 from tests.hf_models import VOCAB_SIZE
 
@@ -203,3 +204,18 @@ def test_a_killed_decode_instance_leaves_the_prefill_side_clean(folder):
             "model": MODEL, "prompt": prompts()["short"], "max_tokens": 2})  # fmt: skip
         assert response.status_code == 502  # reported, not hung
         wait_for(lambda: idle(prefill), timeout=15)
+
+
+def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(folder):
+    engine = LLM(folder, block_size=16).engine
+    prompt = prompts()["long"]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    remote = {"remote_block_ids": list(range(6)), "remote_num_tokens": 89, "lease_id": "x"}
+    engine.add_request("pulling", {"prompt_token_ids": prompt}, params, kv_transfer_params=remote)
+    assert "pulling" in engine.pending_kv
+    assert len(engine.kv_manager.block_table("pulling")) == 6  # blocks for 89 tokens
+    engine.abort("pulling")  # the client left while the agent is still writing...
+    assert len(engine.kv_manager.block_table("pulling")) == 6  # ...so the blocks stay
+    assert engine.finish_remote_kv("pulling", ok=True) is False  # until the pull ends
+    engine.kv_manager.check_no_leaks()
+    assert not engine.has_unfinished_requests()
