@@ -219,3 +219,20 @@ def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(folder):
     assert engine.finish_remote_kv("pulling", ok=True) is False  # until the pull ends
     engine.kv_manager.check_no_leaks()
     assert not engine.has_unfinished_requests()
+
+
+def test_short_prompts_and_n_samples_skip_the_prefill_instance(cluster, tiny_server):
+    decodes = cluster["decodes"]
+    with tandem_process(
+        "router", "--prefill", cluster["prefill"], "--decode", *decodes,
+        "--local-prefill-threshold", "32",
+    ) as router:  # fmt: skip
+        before = sum(metric(url, "kv_transfer_blocks_total") for url in decodes)
+        short = prompts()["short"]
+        assert complete(router, short, stream=False) == complete(tiny_server, short, False)
+        body = {"model": MODEL, "prompt": prompts()["long"], "max_tokens": 3, "n": 2}
+        assert len(httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+                   .json()["choices"]) == 2  # fmt: skip
+        assert sum(metric(url, "kv_transfer_blocks_total") for url in decodes) == before
+        complete(router, prompts()["long"], stream=False, max_tokens=2)  # long: moved
+        assert sum(metric(url, "kv_transfer_blocks_total") for url in decodes) > before

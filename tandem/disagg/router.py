@@ -146,8 +146,10 @@ def build_router_app(
     async def route(path: str, request: Request):
         started = time.perf_counter()
         body = await request.json()
-        remote = not local_prefill_threshold or (
-            await prompt_tokens(path, body) >= local_prefill_threshold
+        # n > 1 samples need blocks each: the decode instance computes those prompts.
+        remote = body.get("n", 1) == 1 and (
+            not local_prefill_threshold
+            or await prompt_tokens(path, body) >= local_prefill_threshold
         )
         if remote:
             params = await prefill(path, body)
