@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> None:
         kv_port=args.kv_port,
         kv_lease_seconds=args.kv_lease_seconds,
         kv_transfer_failure=args.kv_transfer_failure,
+        kv_backend=args.kv_backend,
     )
 
 
@@ -243,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-lease-seconds", type=float, default=30.0,
         help="prefill: how long finished prompts keep their blocks for a decode side",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-backend", choices=["auto", "zmq", "nixl"], default="auto",
+        help="KV transfer: NIXL when the nixl package is installed (auto), else ZeroMQ",
     )  # fmt: skip
     serve.add_argument(
         "--kv-transfer-failure", choices=["recompute", "fail"], default="recompute",

@@ -7,17 +7,26 @@ import time
 import pytest
 import torch
 
-from tandem.disagg.transfer import KVTransferError, ZmqKVAgent
+from tandem.disagg.transfer import KVTransferError, ZmqKVAgent, make_kv_agent
 
 
+def backend_or_skip(backend: str) -> str:
+    if backend == "nixl":
+        pytest.importorskip("nixl", reason="the NIXL backend needs the nixl package")
+    return backend
+
+
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_random_blocks_arrive_bit_exact(dtype):
+def test_random_blocks_arrive_bit_exact(dtype, backend):
+    backend_or_skip(backend)
     shape = (3, 2, 12, 4, 2, 8)  # layers, K/V, blocks, block size, KV heads, head dim
     source = torch.randn(shape).to(dtype)
     target = torch.zeros(shape, dtype=dtype)
     notes = []
-    serving = ZmqKVAgent(source, on_notify=notes.append)
-    reading = ZmqKVAgent(target)
+    serving = make_kv_agent(source, on_notify=notes.append, backend=backend)
+    reading = make_kv_agent(target, backend=backend)
+    assert type(reading).__name__ == {"zmq": "ZmqKVAgent", "nixl": "NixlKVAgent"}[backend]
     try:
         pairs = [(7, 0), (2, 5), (11, 9)]
         result = reading.read_blocks(serving.metadata(), pairs).result(timeout=30)

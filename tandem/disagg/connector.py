@@ -22,7 +22,7 @@ import logging
 import threading
 import uuid
 
-from tandem.disagg.transfer import KVTransferError, ZmqKVAgent
+from tandem.disagg.transfer import KVTransferError, make_kv_agent
 from tandem.errors import TandemError
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
@@ -43,6 +43,7 @@ class KVConnector:
         lease_seconds: float = 30.0,
         on_failure: str = "recompute",
         transfer_timeout_s: float = 30.0,
+        backend: str = "auto",
     ) -> None:
         self.async_engine = async_engine
         self.engine = async_engine.engine
@@ -51,16 +52,17 @@ class KVConnector:
         self.on_failure = on_failure
         self.engine_id = uuid.uuid4().hex[:12]
         self.engine.kv_lease_seconds = lease_seconds
-        self.agent = ZmqKVAgent(
-            self.engine.runner.kv_cache, host, kv_port, self._on_notify, transfer_timeout_s
-        )
+        self.agent = make_kv_agent(
+            self.engine.runner.kv_cache, host, kv_port, self._on_notify, transfer_timeout_s,
+            backend,
+        )  # fmt: skip
         async_engine.connector = self
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, name="kv-leases", daemon=True)
         self._expiry.start()
         logger.info(
-            "%s role: KV transfer on %s:%d (engine %s)", role, self.agent.host, self.agent.port,
-            self.engine_id,
+            "%s role: KV transfer (%s) on %s:%d (engine %s)", role,
+            type(self.agent).__name__, self.agent.host, self.agent.port, self.engine_id,
         )  # fmt: skip
 
     def address(self) -> dict:

@@ -46,6 +46,10 @@ class Notify(msgspec.Struct, tag=True):
     message: dict
 
 
+class MetadataRequest(msgspec.Struct, tag=True):
+    """Ask a peer for what a one-sided backend (NIXL) needs to read its memory."""
+
+
 class BlocksHeader(msgspec.Struct):
     shape: list[int]
     dtype: str
@@ -101,7 +105,9 @@ class ZmqKVAgent:
                 continue
             identity, payload = self.server.recv_multipart()
             try:
-                message = msgspec.msgpack.decode(payload, type=ReadRequest | Notify)
+                message = msgspec.msgpack.decode(
+                    payload, type=ReadRequest | Notify | MetadataRequest
+                )
             except msgspec.DecodeError as exc:
                 header = BlocksHeader([], "", error=f"malformed request: {exc}")
                 self.server.send_multipart([identity, msgspec.msgpack.encode(header), b""])
@@ -110,6 +116,9 @@ class ZmqKVAgent:
                 if self.on_notify is not None:
                     self.on_notify(message.message)
                 self.server.send_multipart([identity, b"ok"])
+                continue
+            if isinstance(message, MetadataRequest):
+                self.server.send_multipart([identity, self.memory_metadata()])
                 continue
             try:
                 ids = torch.tensor(message.block_ids, dtype=torch.long)
@@ -123,6 +132,10 @@ class ZmqKVAgent:
             except (IndexError, RuntimeError) as exc:
                 header = BlocksHeader([], "", error=f"cannot read blocks: {exc}")
                 self.server.send_multipart([identity, msgspec.msgpack.encode(header), b""])
+
+    def memory_metadata(self) -> bytes:
+        """For one-sided backends: how a peer addresses our cache (none here)."""
+        return b""
 
     # -- reading a peer's blocks ---------------------------------------------------------
 
@@ -191,3 +204,23 @@ class ZmqKVAgent:
         self._thread.join(timeout=5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
+
+
+def make_kv_agent(
+    kv_cache: torch.Tensor,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    on_notify: Callable[[dict], None] | None = None,
+    timeout_s: float = 30.0,
+    backend: str = "auto",
+) -> ZmqKVAgent:
+    """The NIXL backend when ``nixl`` is installed (``auto``) or asked for, else ZeroMQ."""
+    if backend in ("auto", "nixl"):
+        try:
+            from tandem.disagg.nixl_transfer import NixlKVAgent
+        except ImportError:
+            if backend == "nixl":
+                raise KVTransferError("--kv-backend nixl needs the nixl package") from None
+        else:
+            return NixlKVAgent(kv_cache, host, port, on_notify, timeout_s)
+    return ZmqKVAgent(kv_cache, host, port, on_notify, timeout_s)

@@ -30,6 +30,7 @@ def run_server(
     kv_port: int = 0,
     kv_lease_seconds: float = 30.0,
     kv_transfer_failure: str = "recompute",
+    kv_backend: str = "auto",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
@@ -44,8 +45,9 @@ def run_server(
         from tandem.disagg.connector import KVConnector
 
         connector = KVConnector(
-            async_engine, metrics, role, kv_port, host, kv_lease_seconds, kv_transfer_failure
-        )
+            async_engine, metrics, role, kv_port, host, kv_lease_seconds, kv_transfer_failure,
+            backend=kv_backend,
+        )  # fmt: skip
 
     def shutdown() -> None:
         async_engine.shutdown()
