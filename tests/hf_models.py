@@ -104,6 +104,23 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([ids])).logits[0].float()
 
 
+def reference_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (no EOS stop), one at a time."""
+    results = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            results.append(out[0, len(ids) :].tolist())
+    return results
+
+
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
     """Max abs difference within ``rel`` of the reference logits' scale."""
     scale = ref.abs().max().item()

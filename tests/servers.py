@@ -1,12 +1,16 @@
-"""uvicorn on a thread of the test process, for tests that must reach inside a server
-(fault injection). Real server processes come from tandem.server.launch."""
+"""Helpers for tests of running servers: uvicorn on a thread of the test process (for
+tests that must reach inside a server), reading /metrics, waiting for a condition.
+Real server processes come from tandem.server.launch."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.server.launch import free_port, wait_healthy
 
@@ -25,3 +29,21 @@ def thread_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of the server's ``tandem:<name>`` samples whose labels include ``labels``
+    (``name`` as exposed: counters end in ``_total``, histograms in ``_count``...)."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == f"tandem:{name}" and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

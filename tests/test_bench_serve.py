@@ -5,22 +5,16 @@ computation."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pytest
 
 from tandem.bench.client import RequestResult
 from tandem.bench.summary import parse_goodput, percentile, summarize
 from tandem.errors import TandemError
-
-
-def generated_tokens(base_url: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    return float(re.search(r"^tandem:generation_tokens_total\{.*\} (\S+)$", text, re.M).group(1))
+from tests.servers import metric
 
 
 def bench(base_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -33,7 +27,7 @@ def bench(base_url: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_a_short_run_is_consistent_with_the_server(tiny_server, tmp_path, endpoint):
-    before = generated_tokens(tiny_server)
+    before = metric(tiny_server, "generation_tokens_total")
     result_file = tmp_path / "result.json"
     run = bench(
         tiny_server, "--endpoint", endpoint, "--num-prompts", "12", "--random-input-len", "40",
@@ -55,7 +49,9 @@ def test_a_short_run_is_consistent_with_the_server(tiny_server, tmp_path, endpoi
         assert sum(itls) <= e2el - ttft + 1e-6
         assert tpot == pytest.approx((e2el - ttft) / 9)
     # Every generated token was counted by the server too (plus the probe request's 10).
-    assert generated_tokens(tiny_server) - before == sum(record["output_lens"]) + 10
+    assert (
+        metric(tiny_server, "generation_tokens_total") - before == sum(record["output_lens"]) + 10
+    )
     assert record["total_output_tokens"] == 120
     assert record["request_goodput"] == pytest.approx(record["request_throughput"])
     assert record["mean_ttft_ms"] == pytest.approx(np.mean(record["ttfts"]) * 1e3)

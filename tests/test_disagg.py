@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import re
-import time
 
 import httpx
 import pytest
@@ -17,22 +15,9 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.server.launch import tandem_process, tandem_server
 from tests.hf_models import VOCAB_SIZE
+from tests.servers import metric, wait_for
 
 MODEL = "tiny"
-
-
-def metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    return sum(
-        float(m.group(1)) for m in re.finditer(rf"^tandem:{name}(?:\{{.*\}})? (\S+)$", text, re.M)
-    )
-
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def idle(base_url: str) -> bool:
@@ -162,12 +147,7 @@ def test_a_dead_prefill_instance_is_skipped_then_reported(folder, tiny_server):
 
 
 def aborted(urls) -> float:
-    return sum(
-        float(m.group(1))
-        for url in urls
-        for m in re.finditer(r'^tandem:request_success_total\{finished_reason="abort".*\} (\S+)$',
-                             httpx.get(f"{url}/metrics").text, re.M)
-    )  # fmt: skip
+    return sum(metric(url, "request_success_total", finished_reason="abort") for url in urls)
 
 
 def test_a_client_hanging_up_frees_everything(cluster):

@@ -9,7 +9,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
-from tests.hf_models import VOCAB_SIZE
+from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 MAX_NEW = 10
 PROMPT_LENS = [3, 40, 7, 25, 1, 18, 33, 5, 12, 29, 9, 2, 37, 16, 21, 11]
@@ -29,20 +29,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf_greedy(llama, prompts):
     """transformers' greedy continuation of each prompt, one prompt at a time."""
-    _, hf_model = llama
-    results = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            results.append(out[0, len(ids) :].tolist())
-    return results
+    return reference_greedy(llama[1], prompts, MAX_NEW)
 
 
 _created: list[LLM] = []

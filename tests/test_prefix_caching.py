@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import SchedulerConfig
@@ -15,7 +14,8 @@ from tandem.engine.block_pool import BlockPool, block_digest
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
-from tests.hf_models import VOCAB_SIZE
+from tests.fake_scheduling import Token, make_scheduler, run_to_completion
+from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 # -- the pool and the manager, no model ------------------------------------------------
 
@@ -43,27 +43,8 @@ def request(request_id, tokens, salt=None, max_tokens=2):
     return Request(request_id, tokens, params, cache_salt=salt)
 
 
-def run_to_completion(scheduler, *requests):
-    for r in requests:
-        scheduler.add_request(r)
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        sampled = {s.request.request_id: [_Token(7)] for s in out.scheduled if s.samples}
-        scheduler.update(out, sampled)
-
-
-class _Token:
-    def __init__(self, token_id):
-        self.token_id = token_id
-
-
-def make(num_blocks=16, block_size=4, **config):
-    kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**config), kv, 1000), kv
-
-
 def test_a_later_request_starts_after_the_shared_full_blocks():
-    scheduler, kv = make()
+    scheduler, kv = make_scheduler(num_blocks=16)
     run_to_completion(scheduler, request("a", list(range(10))))
     b = request("b", [*range(8), 99, 98, 97])
     scheduler.add_request(b)
@@ -72,14 +53,14 @@ def test_a_later_request_starts_after_the_shared_full_blocks():
     assert out.scheduled[0].token_ids == [99, 98, 97]
     assert b.num_cached_tokens == 8
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
-    scheduler.update(out, {"b": [_Token(7)]})
+    scheduler.update(out, {"b": [Token(7)]})
     run_to_completion(scheduler)
     kv.check_no_leaks()
 
 
 @pytest.mark.parametrize("length, cached", [(8, 4), (9, 8), (12, 8), (13, 12)])
 def test_a_full_prompt_hit_still_computes_its_last_token(length, cached):
-    scheduler, kv = make()
+    scheduler, kv = make_scheduler(num_blocks=16)
     run_to_completion(scheduler, request("a", list(range(length))))
     again = request("b", list(range(length)))
     run_to_completion(scheduler, again)
@@ -88,13 +69,13 @@ def test_a_full_prompt_hit_still_computes_its_last_token(length, cached):
 
 
 def test_running_requests_share_blocks_by_reference():
-    scheduler, kv = make()
+    scheduler, kv = make_scheduler(num_blocks=16)
     a = request("a", list(range(9)), max_tokens=4)
     scheduler.add_request(a)
-    scheduler.update(scheduler.schedule(), {"a": [_Token(7)]})
+    scheduler.update(scheduler.schedule(), {"a": [Token(7)]})
     b = request("b", list(range(9)))
     scheduler.add_request(b)
-    scheduler.update(scheduler.schedule(), {"a": [_Token(7)], "b": [_Token(7)]})
+    scheduler.update(scheduler.schedule(), {"a": [Token(7)], "b": [Token(7)]})
     table_a, table_b = kv.block_table("a"), kv.block_table("b")
     assert table_a[:2] == table_b[:2] and table_a[2] != table_b[2]
     assert [kv.pool.ref_counts[block] for block in table_a[:2]] == [2, 2]
@@ -103,7 +84,7 @@ def test_running_requests_share_blocks_by_reference():
 
 
 def test_eviction_is_lru_and_takes_a_sequence_tail_first():
-    scheduler, kv = make(num_blocks=6)
+    scheduler, kv = make_scheduler(num_blocks=6)
     run_to_completion(scheduler, request("old", list(range(100, 112))))  # 3 blocks cached
     run_to_completion(scheduler, request("new", list(range(200, 212))))  # 3 more
     # 4 fresh blocks needed: old's three go first (tail, middle, head), then new's tail.
@@ -115,7 +96,7 @@ def test_eviction_is_lru_and_takes_a_sequence_tail_first():
 
 
 def test_different_salts_never_share():
-    scheduler, kv = make()
+    scheduler, kv = make_scheduler(num_blocks=16)
     run_to_completion(scheduler, request("a", list(range(12)), salt="tenant-a"))
     b = request("b", list(range(12)), salt="tenant-b")
     c = request("c", list(range(12)), salt="tenant-a")
@@ -144,19 +125,6 @@ def llama(model_dirs):
     return model_dirs("llama")
 
 
-def hf_greedy(hf_model, prompts):
-    results = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            results.append(out[0, len(ids) :].tolist())
-    return results
-
-
 def tokens(rng, n):
     return [rng.randrange(2, VOCAB_SIZE) for _ in range(n)]
 
@@ -175,7 +143,7 @@ def generate(llm, prompts, salts=None):
 
 def check(llm, hf_model, prompts, salts=None):
     outputs = generate(llm, prompts, salts)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, MAX_NEW)
     return [o.num_cached_tokens for o in outputs]
 
 
@@ -210,7 +178,7 @@ def test_shared_prefix_under_preemption(llama):
     llm = LLM(str(folder), block_size=4, num_blocks=14, max_num_batched_tokens=32)
     check(llm, hf_model, [system + tokens(rng, 4)])  # the prefix is cached first
     outputs = generate(llm, prompts)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, MAX_NEW)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert outputs[0].num_cached_tokens == 24
 

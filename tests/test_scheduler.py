@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 
 import pytest
 
-from tandem.config import SchedulerConfig
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import Scheduler
 from tandem.sampling import SamplingParams
-
-
-@dataclass
-class Token:
-    token_id: int
-
-
-def make_scheduler(num_blocks=100, block_size=4, max_model_len=1000, **config):
-    kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**config), kv, max_model_len), kv
+from tests.fake_scheduling import make_scheduler, run_step
 
 
 def add(scheduler, request_id, prompt_len, max_tokens=5):
@@ -34,14 +22,6 @@ def add(scheduler, request_id, prompt_len, max_tokens=5):
     )
     scheduler.add_request(request)
     return request
-
-
-def run_step(scheduler):
-    """schedule + a fake forward that samples token 7 wherever a chunk completes."""
-    out = scheduler.schedule()
-    sampled = {s.request.request_id: [Token(7)] for s in out.scheduled if s.samples}
-    scheduler.update(out, sampled)
-    return out
 
 
 def shares(out):

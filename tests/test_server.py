@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import re
-import time
 
 import httpx
 import openai
@@ -18,7 +16,7 @@ from tandem.server.api import build_app
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.launch import tandem_process
 from tandem.server.metrics import ServerMetrics
-from tests.servers import thread_server
+from tests.servers import metric, thread_server, wait_for
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"  # the served name of the tiny_server fixture (conftest)
@@ -61,24 +59,6 @@ def reference(folder):
         return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
 
     return generate
-
-
-def metric(base_url: str, name: str, **labels) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^tandem:{name}\{{(.*)\}} (\S+)$", line)
-        if match and all(part in match.group(1) for part in label_text.split(",")):
-            total += float(match.group(2))
-    return total
-
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 # -- the happy paths --------------------------------------------------------------------

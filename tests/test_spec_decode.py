@@ -17,7 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.server.launch import tandem_process
 from tandem.spec.ngram import ngram_proposal
-from tests.hf_models import VOCAB_SIZE
+from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 
 def test_ngram_proposal_takes_the_latest_longest_match():
@@ -84,12 +84,7 @@ def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
     got, outputs = greedy_outputs(llm, prompts)
     assert got == expected
     # ... and both equal transformers, for the first prompt.
-    with torch.no_grad():
-        hf = hf_model.generate(
-            torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-            pad_token_id=0,
-        )  # fmt: skip
-    assert got[0] == hf[0, len(prompts[0]) :].tolist()
+    assert got[0] == reference_greedy(hf_model, prompts[:1], 24)[0]
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0
     if method == "draft-self":
