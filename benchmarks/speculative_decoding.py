@@ -57,20 +57,17 @@ WORKLOADS = {
 
 
 def measure(llm: LLM, prompts: list[list[int]], params: dict, seed: int) -> dict[str, float]:
-    stats = llm.engine.spec_stats
-    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    before = llm.engine.spec_stats.copy()
     sampling = [SamplingParams(**params, seed=seed + i) for i in range(len(prompts))]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    drafts = stats.num_drafts - before[0]
-    draft_tokens = stats.num_draft_tokens - before[1]
-    accepted = stats.num_accepted_tokens - before[2]
+    run = llm.engine.spec_stats.minus(before)
     return {
         "tpot": statistics.median(o.metrics.tpot for o in outputs),
         "throughput": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed,
-        "acceptance": accepted / draft_tokens if draft_tokens else 0.0,
-        "length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance": run.acceptance_rate,
+        "length": run.mean_acceptance_length or 1.0,
     }
 
 

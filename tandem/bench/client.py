@@ -31,7 +31,6 @@ class RequestResult:
     prompt_len: int = 0
     output_len: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where reported
-    generated_text: str = ""
 
     @property
     def tpot(self) -> float | None:
@@ -117,7 +116,6 @@ async def send_request(
                     result.itl.append(now - last)
                 num_chunks += 1
                 last = now
-                result.generated_text += piece
         result.e2el = time.perf_counter() - started
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"

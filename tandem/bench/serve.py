@@ -34,6 +34,7 @@ from tandem.bench.datasets import (
 )
 from tandem.bench.summary import format_table, parse_goodput, summarize
 from tandem.errors import TandemError
+from tandem.spec.stats import SpecDecodeStats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,13 +132,12 @@ def spec_decode_summary(before, after) -> dict[str, float]:
     verification (accepted + the one the target adds)."""
     if before is None or after is None:
         return {}
-    delta = {name: after[name] - before[name] for name in SPEC_COUNTERS}
-    if delta["num_drafts"] <= 0:
+    run = SpecDecodeStats(**after).minus(SpecDecodeStats(**before))
+    if run.num_drafts <= 0:
         return {}
     return {
-        "spec_decode_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"],
-        "spec_decode_mean_acceptance_length": 1
-        + delta["num_accepted_tokens"] / delta["num_drafts"],
+        "spec_decode_acceptance_rate": run.acceptance_rate,
+        "spec_decode_mean_acceptance_length": run.mean_acceptance_length,
     }
 
 

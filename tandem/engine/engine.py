@@ -15,21 +15,20 @@ from typing import Any
 
 import torch
 
-from tandem.config import EngineConfig, SpeculativeConfig
+from tandem.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.errors import InvalidParameterError
-from tandem.models.bundled import default_draft_model
 from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.runner.kv_cache import num_blocks_for
-from tandem.runner.model_runner import ModelRunner, SpecDecodeStats
+from tandem.runner.model_runner import ModelRunner
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import SamplingParams
-from tandem.spec.draft import DraftProposer
-from tandem.spec.ngram import NgramProposer
+from tandem.spec.proposer import make_proposer
+from tandem.spec.stats import SpecDecodeStats
 from tandem.trace.recorder import StepTracer
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -91,7 +90,7 @@ class Engine:
             num_blocks,
             cache.block_size,
             seed=config.seed,
-            proposer=self._proposer(config.speculative, num_blocks, cache.block_size),
+            proposer=make_proposer(config.speculative, self.loaded, num_blocks, cache.block_size),
         )
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
@@ -101,14 +100,6 @@ class Engine:
         # finished prefill-only request keeps its blocks for the decode side.
         self.pending_kv: dict[str, tuple[Request, list[tuple[int, int]], int]] = {}
         self.kv_lease_seconds = 30.0
-
-    def _proposer(self, spec: SpeculativeConfig | None, num_blocks: int, block_size: int):
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        return DraftProposer(spec.model or default_draft_model(), self.loaded, num_blocks,
-                             block_size)  # fmt: skip
 
     @property
     def spec_stats(self) -> SpecDecodeStats:

@@ -7,8 +7,8 @@ decided by the caller (the engine's block manager) and arrives as block tables.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,52 +17,12 @@ from tandem.runner import cpu_paged_attention
 from tandem.runner.attention import CausalAttention, PagedAttention, build_paged_metadata
 from tandem.runner.kv_cache import allocate_kv_cache
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
+from tandem.spec.proposer import Proposer
 from tandem.spec.rejection import verify
+from tandem.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
     from tandem.engine.scheduler import SchedulerOutput
-
-
-class Proposer(Protocol):
-    """Guesses draft tokens for speculating requests (tandem.spec: ngram, draft)."""
-
-    def propose(self, items, make_row, shared_generator) -> list[tuple[list[int], Any]]:
-        """Per item (a ScheduledRequest with ``num_spec_tokens``), up to that many draft
-        tokens and the distributions they were drawn from ([k, vocab], or None when
-        each guess is certain, as n-gram's are)."""
-        ...
-
-    def rollback(self, request_id: str, num_valid_tokens: int) -> None: ...
-
-    def forget(self, request_id: str) -> None: ...
-
-
-@dataclass
-class SpecDecodeStats:
-    """Counters for speculative decoding, as vLLM reports them."""
-
-    num_drafts: int = 0  # verifications of one request's draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.append(0)
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification: the accepted drafts plus the one the target adds."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass

@@ -46,7 +46,6 @@ class EngineStepError(TandemError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    num_prompt_tokens: int
     num_output_tokens: int = 0
 
 
@@ -108,7 +107,7 @@ class AsyncEngine:
             prompt_ids = self.engine.add_request(
                 request_id, prompt, params, kv_transfer_params=kv_transfer_params
             )
-            self._streams[request_id] = _Stream(loop, outputs, len(prompt_ids))
+            self._streams[request_id] = _Stream(loop, outputs)
             self.observer.request_added(len(prompt_ids))
             if request_id in self.engine.pending_kv and self.connector is not None:
                 self.connector.pull(request_id, kv_transfer_params)

@@ -19,6 +19,7 @@ from prometheus_client import (
 from tandem.engine.engine import Engine
 from tandem.outputs import RequestOutput
 from tandem.server.async_engine import EngineObserver
+from tandem.spec.stats import SpecDecodeStats
 
 disable_created_metrics()
 
@@ -98,7 +99,7 @@ class ServerMetrics(EngineObserver):
             registry=self.registry,
         )
         self._model_name = model_name
-        self._seen_spec = (0, 0, 0, [])
+        self._seen_spec = SpecDecodeStats()
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes pulled from prefill.")
         self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks pulled from prefill.")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV pulls that failed.")
@@ -150,20 +151,15 @@ class ServerMetrics(EngineObserver):
         self.kv_leases.set(len(kv.leases))
         self.kv_lease_expiries.inc(kv.num_lease_expiries - self._seen_expiries)
         self._seen_expiries = kv.num_lease_expiries
-        spec = engine.spec_stats
-        drafts, draft_tokens, accepted, per_position = self._seen_spec
-        self.spec_drafts.inc(spec.num_drafts - drafts)
-        self.spec_draft_tokens.inc(spec.num_draft_tokens - draft_tokens)
-        self.spec_accepted_tokens.inc(spec.num_accepted_tokens - accepted)
+        spec = engine.spec_stats.minus(self._seen_spec)
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
         for position, count in enumerate(spec.accepted_per_position):
-            before = per_position[position] if position < len(per_position) else 0
-            if count > before:
+            if count:
                 labels = (self._model_name, str(position))
-                self.spec_accepted_per_position.labels(*labels).inc(count - before)
-        self._seen_spec = (
-            spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-            list(spec.accepted_per_position),
-        )  # fmt: skip
+                self.spec_accepted_per_position.labels(*labels).inc(count)
+        self._seen_spec = engine.spec_stats.copy()
 
     def transfer_done(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_transfer_blocks.inc(num_blocks)
