@@ -100,6 +100,21 @@ def build_router_app(
         response = await http.get(f"{decodes[0].url}/v1/models")
         return JSONResponse(response.json(), status_code=response.status_code)
 
+    async def post(instance: Instance, role: str, path: str, body: dict):
+        """The instance's response, or the error to give the client: 504 on a timeout,
+        502 when it cannot be reached."""
+        instance.in_flight += 1
+        try:
+            return await http.post(f"{instance.url}{path}", json=body)
+        except httpx.TimeoutException:
+            failures.labels(f"{role} timeout").inc()
+            return _error(504, f"{role} instance {instance.url} timed out", "timeout")
+        except httpx.TransportError as exc:
+            failures.labels(f"{role} unreachable").inc()
+            return _error(502, f"{role} instance {instance.url} unreachable: {exc}", "bad_gateway")
+        finally:
+            instance.in_flight -= 1
+
     async def prompt_tokens(path: str, body: dict) -> int:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -119,20 +134,14 @@ def build_router_app(
         tried: set[str] = set()
         while (instance := _least_busy(prefills, tried)) is not None:
             tried.add(instance.url)
-            instance.in_flight += 1
             started = time.perf_counter()
-            try:
-                response = await http.post(f"{instance.url}{path}", json=request)
-            except httpx.TimeoutException:
-                failures.labels("prefill timeout").inc()
-                return _error(504, f"prefill instance {instance.url} timed out", "timeout")
-            except httpx.TransportError as exc:
-                failures.labels("prefill unreachable").inc()
-                logger.warning("prefill instance %s unreachable (%s); trying another",
-                               instance.url, exc)  # fmt: skip
-                continue
-            finally:
-                instance.in_flight -= 1
+            response = await post(instance, "prefill", path, request)
+            if isinstance(response, JSONResponse):
+                if response.status_code == 502:  # unreachable: the next one may answer
+                    logger.warning("prefill instance %s unreachable; trying another",
+                                   instance.url)  # fmt: skip
+                    continue
+                return response
             prefill_time.observe(time.perf_counter() - started)
             if response.status_code != 200:
                 return JSONResponse(response.json(), status_code=response.status_code)
@@ -160,17 +169,9 @@ def build_router_app(
         instance = _least_busy(decodes)
         if body.get("stream"):
             return await stream(instance, path, body, started)
-        instance.in_flight += 1
-        try:
-            response = await http.post(f"{instance.url}{path}", json=body)
-        except httpx.TimeoutException:
-            failures.labels("decode timeout").inc()
-            return _error(504, f"decode instance {instance.url} timed out", "timeout")
-        except httpx.TransportError as exc:
-            failures.labels("decode unreachable").inc()
-            return _error(502, f"decode instance {instance.url} unreachable: {exc}", "bad_gateway")
-        finally:
-            instance.in_flight -= 1
+        response = await post(instance, "decode", path, body)
+        if isinstance(response, JSONResponse):
+            return response
         logger.info("%s via %s: %.1f ms", path, instance.url, (time.perf_counter() - started) * 1e3)
         return JSONResponse(response.json(), status_code=response.status_code)
 
