@@ -216,3 +216,20 @@ def test_short_prompts_and_n_samples_skip_the_prefill_instance(cluster, tiny_ser
         assert sum(metric(url, "kv_transfer_blocks_total") for url in decodes) == before
         complete(router, prompts()["long"], stream=False, max_tokens=2)  # long: moved
         assert sum(metric(url, "kv_transfer_blocks_total") for url in decodes) > before
+
+
+def test_a_colocated_server_ignores_transfer_parameters(tiny_server):
+    """Without a prefill or decode role nothing could pull or expire a lease: the request
+    is computed as any other, and nothing stays held."""
+    prompt = prompts()["long"]
+    expected = complete(tiny_server, prompt, stream=False)
+    for params in (
+        {"do_remote_decode": True},
+        {"remote_host": "127.0.0.1", "remote_port": 9, "remote_block_ids": list(range(6)),
+         "remote_num_tokens": 89, "lease_id": "x"},
+    ):  # fmt: skip
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "kv_transfer_params": params}  # fmt: skip
+        answer = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60).json()
+        assert answer["choices"][0]["text"] == expected and "kv_transfer_params" not in answer
+        wait_for(lambda: idle(tiny_server))

@@ -104,8 +104,11 @@ class AsyncEngine:
                     f"{waiting} requests are waiting (the limit is "
                     f"{self.max_waiting_requests}); retry later"
                 )
+            # Only a disaggregated role (one with a connector) can lease blocks or pull
+            # them; a colocated server computes such a request as any other.
+            transfer = kv_transfer_params if self.connector is not None else None
             prompt_ids = self.engine.add_request(
-                request_id, prompt, params, kv_transfer_params=kv_transfer_params
+                request_id, prompt, params, kv_transfer_params=transfer
             )
             self._streams[request_id] = _Stream(loop, outputs)
             self.observer.request_added(len(prompt_ids))
