@@ -4,6 +4,8 @@ draft model, on two workloads:
 
 - held-out code: 256-token windows of stdlib files the models never saw, continued
   greedily (code repeats itself: n-gram lookup has something to find);
+- code, penalized: the same, with the bundled model's recommended repetition penalty
+  (1.3), which steers the target away from the repeats n-gram lookup proposes;
 - free generation: 8-token openers of the same files, sampled (temperature 0.8,
   top-p 0.95, seeded): the model's own text, less predictable.
 
@@ -48,6 +50,14 @@ def heldout_prompts(count: int, length: int) -> list[list[int]]:
 WORKLOADS = {
     "held-out code": dict(
         length=256, params=dict(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    ),
+    # The bundled model's recommended sampling: greedy with a repetition penalty, which
+    # steers away from the repeats n-gram lookup proposes.
+    "code, penalized": dict(
+        length=256,
+        params=dict(
+            temperature=0.0, repetition_penalty=1.3, max_tokens=OUTPUT_TOKENS, ignore_eos=True
+        ),
     ),
     "free generation": dict(
         length=8,

@@ -116,4 +116,6 @@ def test_measure_puts_achieved_beside_the_floor(model_dirs):
     assert measured["prefill_of_floor"] == pytest.approx(
         planned["prefill_floor_s"] / measured["prefill_s"]
     )
-    assert measured["tokens_per_s"] == pytest.approx(4 / measured["decode_step_s"])
+    # Nothing beats the roofline: prefill cannot run faster than the measured matmul rate
+    # allows (a little slack for the timer).
+    assert measured["prefill_of_floor"] <= 1.5
