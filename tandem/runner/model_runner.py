@@ -78,13 +78,7 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return {}
-        speculating = [s for s in scheduled if s.num_spec_tokens]
-        drafts = {}
-        if speculating:
-            proposals = self.proposer.propose(
-                speculating, self._sampling_row, self.shared_generator
-            )
-            drafts = {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
+        drafts = self._drafts(scheduled)
         chunks, logit_rows, position = [], [], 0
         for s in scheduled:
             guess = drafts.get(s.request.request_id, ((), None))[0]
@@ -97,7 +91,20 @@ class ModelRunner:
         if not logit_rows:
             self.forward(chunks)
             return {}
-        logits = self.forward(chunks, logit_indices=logit_rows)
+        return self._new_tokens(scheduled, drafts, self.forward(chunks, logit_indices=logit_rows))
+
+    def _drafts(self, scheduled) -> dict[str, tuple]:
+        """The proposer's (draft tokens, draft distributions) per speculating request."""
+        speculating = [s for s in scheduled if s.num_spec_tokens]
+        if not speculating:
+            return {}
+        proposals = self.proposer.propose(speculating, self._sampling_row, self.shared_generator)
+        return {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
+
+    def _new_tokens(self, scheduled, drafts, logits) -> dict[str, list[SampledToken]]:
+        """Sample the plain rows in one batch; verify each speculating request's drafts.
+        ``logits`` holds, in order, one row per plain request and 1 + k per speculating
+        one."""
         results: dict[str, list[SampledToken]] = {}
         plain, plain_rows, row = [], [], 0
         for s in scheduled:
