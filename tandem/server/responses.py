@@ -26,7 +26,6 @@ class _Choice:
     stop_reason: int | str | None = None
     sent_text: int = 0  # characters already streamed
     sent_tokens: int = 0
-    text_offset: int = 0  # completions logprobs: where the next token starts
 
 
 class ChoiceStream:
@@ -128,7 +127,7 @@ class ChoiceStream:
     def final_response(self) -> dict[str, Any]:
         choices = []
         for index, choice in enumerate(self.choices):
-            logprobs = self._logprobs(choice, 0, len(choice.token_ids), restart=True)
+            logprobs = self._logprobs(choice, 0, len(choice.token_ids))
             if self.chat:
                 choices.append(
                     {
@@ -160,17 +159,20 @@ class ChoiceStream:
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
         }
 
-    def _logprobs(self, choice: _Choice, start: int, end: int, restart: bool = False):
+    def _logprobs(self, choice: _Choice, start: int, end: int):
         if not self.want_logprobs:
             return None
-        if restart:
-            choice.text_offset = 0
         tokens = [
             (token_id, choice.logprobs[i])
             for i, token_id in enumerate(choice.token_ids[start:end], start)
         ]
         if self.chat:
             return {"content": [_chat_logprob(token_id, entry) for token_id, entry in tokens]}
+        # Where token ``start`` begins: the decoded tokens before it, laid end to end.
+        offset = sum(
+            len(choice.logprobs[i][token_id].decoded_token or "")
+            for i, token_id in enumerate(choice.token_ids[:start])
+        )
         result: dict[str, list] = {
             "tokens": [],
             "token_logprobs": [],
@@ -185,8 +187,8 @@ class ChoiceStream:
             result["top_logprobs"].append(
                 {(e.decoded_token or ""): _finite(e.logprob) for e in entry.values()}
             )
-            result["text_offset"].append(choice.text_offset)
-            choice.text_offset += len(text)
+            result["text_offset"].append(offset)
+            offset += len(text)
         return result
 
 
