@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: the benchmark model folder, machine facts, timing (the
-measurements themselves live in tandem.plan.measure, which `tandem plan --measure` uses)."""
+"""Shared by the benchmarks: the benchmark model folder and machine facts (bandwidth
+and matmul measurements live in tandem.plan.measure, which `tandem plan --measure` uses)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import platform
 from pathlib import Path
 
 import torch
-
-from tandem.plan.measure import matmul_tflops, memory_bandwidth_gbs
 
 BENCH_DIR = Path("/tmp/tandem-bench")
 
@@ -48,6 +46,3 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
-__all__ = ["matmul_tflops", "memory_bandwidth_gbs"]

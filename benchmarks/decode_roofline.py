@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from benchmarks.common import llama_125m_folder, machine, matmul_tflops, memory_bandwidth_gbs
+from benchmarks.common import llama_125m_folder, machine
 from tandem import LLM, SamplingParams
+from tandem.plan.measure import matmul_tflops, memory_bandwidth_gbs
 
 
 def tandem_step_seconds(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:

@@ -3,14 +3,19 @@ prefill and decode step on a model (``tandem plan --measure`` and the benchmarks
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from tandem.errors import InvalidParameterError
+from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
+from tandem.runner.static_batch import stream_with_cache
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,13 +61,6 @@ def measure_model(
     """Run tandem on this machine with the model's architecture (random weights, CPU):
     one prompt of ``prompt_len`` tokens, then ``batch`` sequences decoding; the achieved
     times beside the floors in ``result`` (a plan made with this machine's hardware)."""
-    import json
-    from pathlib import Path
-
-    from tandem.errors import InvalidParameterError
-    from tandem.models.random_weights import random_model
-    from tandem.runner.static_batch import stream_with_cache
-
     if result["parameters"] > max_params:
         raise InvalidParameterError(
             "measure", f"{result['parameters'] / 1e9:.1f}B parameters is too many to run here"
