@@ -52,7 +52,7 @@ class LLM:
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """The model's recommended sampling (its generation_config.json), with
         ``overrides`` on top; what ``generate`` uses when given no params."""
-        defaults = model_sampling_defaults(self.engine.loaded.generation_config)
+        defaults = model_sampling_defaults(self.engine.model_info.generation_config)
         return SamplingParams(**{**defaults, **overrides})
 
     def generate(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.runner import cpu_paged_attention
-from tandem.runner.attention import PagedAttention, build_paged_metadata
+from tandem.kernels import cpu as cpu_kernels
+from tandem.runner.attention import BACKENDS, build_paged_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
@@ -25,15 +25,19 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("decode_kernel", [False, True])
+@pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_batch_matches_brute_force(decode_kernel, window):
-    if decode_kernel and cpu_paged_attention.load() is None:
-        pytest.skip("no compiler for the CPU kernel here")
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("batch", ["mixed", "decodes"])
+def test_batch_matches_brute_force(backend, window, strided, batch):
+    if backend == "cpu-paged" and cpu_kernels.load() is None:
+        pytest.skip("no compiler for the CPU kernels here")
     torch.manual_seed(0)
     # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
     # and chunks continuing after the cache.
     shapes = [(9, 1), (0, 7), (0, 7), (0, 3), (5, 6), (13, 1), (2, 1), (20, 4)]
+    if batch == "decodes":  # one contiguous run: the kernel works in place
+        shapes = [(9, 1), (13, 1), (2, 1), (30, 1)]
     kv_cache = torch.zeros(1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     pool = torch.randperm(NUM_BLOCKS).tolist()
     tables, contexts = [], []
@@ -46,16 +50,21 @@ def test_mixed_batch_matches_brute_force(decode_kernel, window):
             block, offset = tables[-1][pos // BLOCK_SIZE], pos % BLOCK_SIZE
             kv_cache[0, 0, block, offset], kv_cache[0, 1, block, offset] = k_ctx[pos], v_ctx[pos]
         contexts.append((k_ctx, v_ctx))
-    width = max(map(len, tables))
-    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    query_lens = torch.tensor([new for _, new in shapes])
-    num_computed = torch.tensor([cached for cached, _ in shapes])
-    metadata, _ = build_paged_metadata(query_lens, num_computed, table_tensor, BLOCK_SIZE, window)
-    q = torch.randn(int(query_lens.sum()), HEADS, HEAD_DIM)
+    query_lens = [new for _, new in shapes]
+    num_computed = [cached for cached, _ in shapes]
+    metadata = build_paged_metadata(query_lens, num_computed, tables, BLOCK_SIZE, window)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
-    attention = PagedAttention(metadata, kv_cache, decode_kernel)
-    out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
+    if strided:  # as the model passes them: views into one fused qkv row
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q, k, v = (
+            part.view(len(qkv), -1, HEAD_DIM)
+            for part in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], 1)
+        )
+    attention = BACKENDS[backend][0](metadata, kv_cache)
+    with torch.inference_mode():
+        out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
     start = 0
     for (cached, new), (k_ctx, v_ctx) in zip(shapes, contexts, strict=True):
         expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)

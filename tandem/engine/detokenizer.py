@@ -13,7 +13,10 @@ of a stop string; when the request ends without one they are released, not lost.
 
 from __future__ import annotations
 
-from tandem.models.tokenizer import Tokenizer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.models.tokenizer import Tokenizer
 
 # Tokens of context decoded before the new ones; enough for any merge-sensitive decoder.
 CONTEXT_TOKENS = 6

@@ -11,9 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tandem.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
@@ -21,15 +19,14 @@ from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.errors import InvalidParameterError
-from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tandem.runner.kv_cache import num_blocks_for
-from tandem.runner.model_runner import ModelRunner
-from tandem.runner.sampler import SampledToken
 from tandem.sampling import SamplingParams
-from tandem.spec.proposer import make_proposer
-from tandem.spec.stats import SpecDecodeStats
 from tandem.trace.recorder import StepTracer
+
+if TYPE_CHECKING:  # the engine drives a runner; it never imports torch or model code
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.sampler import SampledToken
+    from tandem.spec.stats import SpecDecodeStats
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -58,39 +55,24 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """``runner``: anything with ``info`` (a RunnerInfo) and ``execute``; by default
+        a ModelRunner that loads ``config.model`` (the one place torch enters)."""
         self.config = config
-        torch.manual_seed(config.seed)
-        self.loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        self.tokenizer = self.loaded.tokenizer
-        model_config = self.loaded.config
-        limit = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise InvalidParameterError(
-                "max_model_len", f"{config.max_model_len} exceeds the model's context of {limit}"
-            )
-        self.max_model_len = config.max_model_len or limit
+        if runner is None:
+            from tandem.runner.model_runner import ModelRunner
+
+            runner = ModelRunner.from_config(config)
+        self.runner = runner
+        self.model_info = info = runner.info
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
         cache = config.cache
-        num_blocks = num_blocks_for(
-            model_config,
-            cache.block_size,
-            self.loaded.dtype,
-            self.loaded.device,
-            cache.num_blocks,
-            cache.kv_cache_memory,
-            cache.gpu_memory_utilization,
-            config.scheduler.max_num_seqs * self.max_model_len,
+        self.kv_manager = KVCacheManager(
+            info.num_blocks, info.block_size, cache.enable_prefix_caching
         )
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.max_model_len, config.speculative
-        )
-        self.runner = ModelRunner(
-            self.loaded,
-            num_blocks,
-            cache.block_size,
-            seed=config.seed,
-            proposer=make_proposer(config.speculative, self.loaded, num_blocks, cache.block_size),
         )
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
@@ -171,7 +153,12 @@ class Engine:
             child_params = params.for_child(index) if params.n > 1 else params
             child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(
-                child_id, prompt_ids, child_params, self.loaded.eos_token_ids, arrival, cache_salt
+                child_id,
+                prompt_ids,
+                child_params,
+                self.model_info.eos_token_ids,
+                arrival,
+                cache_salt,
             )
             sample = _Sample(
                 request, index, self._detokenizer(prompt_ids, child_params), None, None
@@ -221,7 +208,7 @@ class Engine:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
             raise InvalidParameterError("prompt", "is empty")
-        vocab = self.loaded.config.vocab_size
+        vocab = self.model_info.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)

@@ -71,10 +71,17 @@ class SchedulerOutput:
     # Requests that finished since the previous step: the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
     started_at: float = 0.0
+    num_batched_tokens: int = 0  # kept equal to the sum over ``scheduled``
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
+    def add(self, item: ScheduledRequest) -> None:
+        self.scheduled.append(item)
+        self.num_batched_tokens += item.num_scheduled_tokens
+
+    def remove(self, request: Request) -> None:
+        """Take back a request's share (it was preempted after being scheduled)."""
+        kept = [s for s in self.scheduled if s.request is not request]
+        self.num_batched_tokens = sum(s.num_scheduled_tokens for s in kept)
+        self.scheduled = kept
 
 
 class Scheduler:
@@ -160,7 +167,7 @@ class Scheduler:
             num_spec = self._num_spec_tokens(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new + num_spec, out):
                 continue  # the request preempted itself
-            out.scheduled.append(self._scheduled(request, num_new, num_spec))
+            out.add(self._scheduled(request, num_new, num_spec))
 
     @staticmethod
     def _tokens_left(request: Request) -> int:
@@ -224,7 +231,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
         # A victim already given tokens in this step loses them.
-        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        out.remove(request)
 
     def _admit_waiting(self, out: SchedulerOutput, whole: bool) -> None:
         while (
@@ -250,7 +257,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
+            out.add(self._scheduled(request, num_new))
 
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]

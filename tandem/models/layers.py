@@ -9,6 +9,7 @@ engine's flat mixed batches, the naive no-cache baseline and training.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.errors import ModelLoadError
+from tandem.kernels import cpu as cpu_kernels
 from tandem.models.config import RopeConfig
 
 
@@ -28,18 +30,44 @@ class AttentionContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """``norm(x)``, or with the residual stream ``norm(x, residual) -> (normed, sum)``
+    where ``sum = x + residual``: the pre-norm block's add and norm in one pass. On the
+    CPU kernel path the sum is written into ``residual`` in place."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and cpu_kernels.usable(x):
+            out = torch.empty_like(x)
+            cpu_kernels.load().rms_norm(out, x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, as the reference does, so
         # bfloat16 results agree bit for bit rather than approximately.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2N] -> silu(x[:, :N]) * x[:, N:]: the gated MLP's activation in one pass."""
+    size = x.shape[-1] // 2
+    if x.dim() == 2 and cpu_kernels.usable(x):
+        out = x.new_empty(x.shape[0], size)
+        cpu_kernels.load().silu_and_mul(out, x)
+        return out
+    return F.silu(x[..., :size]) * x[..., size:]
 
 
 def activation(name: str):
@@ -137,37 +165,74 @@ def _yarn_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torc
     return inv_freq, float(attention_factor)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate the two halves), cos/sin made per forward.
+@dataclass
+class RotaryPositions:
+    """One forward's positions, prepared once for every layer's rotary."""
 
-    cos/sin are computed from the positions of this forward only: cheap next to the
-    matmuls, and it keeps the numerics identical to the reference implementation.
+    positions: torch.Tensor  # [T] int64
+    cos_sin: torch.Tensor  # [P, rotary_dim] float32: cos | sin halves for positions < P
+    # The torch path's [T, 1, rotary_dim] cos and sin in the model dtype (None on the
+    # kernel path, which reads cos_sin directly).
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate the two halves).
+
+    cos/sin come from a float32 table over positions, grown as longer sequences
+    arrive; each entry is computed exactly as the reference computes it per forward
+    (position * inverse frequency in float32, then cos and sin, times the attention
+    factor), so the numerics do not change.
     """
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
         # Models are built on the meta device and materialised by the loader, so the
-        # frequencies are computed on first use, on the device of the positions.
+        # table is made on first use, on the device of the positions.
         self.rope = rope
         self.max_position_embeddings = max_position_embeddings
         self.rotary_dim = rope.rotary_dim
-        self._inv_freq: torch.Tensor | None = None
+        self._cos_sin: torch.Tensor | None = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
+    def _table(self, num_positions: int, device: torch.device) -> torch.Tensor:
+        table = self._cos_sin
+        if table is None or table.device != device or table.shape[0] < num_positions:
+            size = max(4096, 1 << (num_positions - 1).bit_length())
             with torch.device("cpu"):
-                inv_freq, self.attention_factor = rope_inv_freq(
-                    self.rope, self.max_position_embeddings
-                )
-            self._inv_freq = inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_factor).to(dtype)
-        sin = (emb.sin() * self.attention_factor).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+                inv_freq, factor = rope_inv_freq(self.rope, self.max_position_embeddings)
+                freqs = torch.arange(size).float()[:, None] * inv_freq[None, :]
+                table = torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
+            self._cos_sin = table = table.to(device)
+        return table
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; rotates the first ``rotary_dim`` features."""
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryPositions:
+        # The largest position is known on the host when positions live there; on a GPU
+        # the table is sized to the model's context once instead of syncing.
+        if positions.device.type == "cpu":
+            needed = int(positions.max()) + 1 if len(positions) else 1
+        else:
+            needed = self.max_position_embeddings
+        table = self._table(needed, positions.device)
+        prepared = RotaryPositions(positions, table)
+        if not cpu_kernels.enabled(positions.device, dtype):
+            half = self.rotary_dim // 2
+            rows = table[positions]
+            cos, sin = rows[:, :half], rows[:, half:]
+            prepared.cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+            prepared.sin = torch.cat((sin, sin), dim=-1).to(dtype)[:, None, :]
+        return prepared
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RotaryPositions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] -> rotated (in place on the kernel path)."""
+        if rope.cos is None:
+            cpu_kernels.load().rotary(q, k, rope.positions, rope.cos_sin)
+            return q, k
+        return self._rotated(q, rope.cos, rope.sin), self._rotated(k, rope.cos, rope.sin)
+
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)

@@ -24,7 +24,9 @@ from tandem.models.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
+    RotaryPositions,
     activation,
+    silu_and_mul,
 )
 
 
@@ -81,18 +83,18 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: RotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryPositions,
         attn: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        # Views into the fused projection's output (no copies): rows are strided.
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        q, k = rotary.rotate(q, k, rope)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -104,10 +106,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = activation(config.hidden_act)
+        self.fused_silu = config.hidden_act == "silu"
         self.intermediate_size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -119,9 +125,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, h, rotary, cos, sin, attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        rope: RotaryPositions,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block over the residual stream: takes the previous block's output
+        ``h`` and the stream before it (None for the first block), returns this block's
+        output and the stream; each norm adds its input to the stream first."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rotary, rope, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -167,10 +188,11 @@ class LlamaForCausalLM(nn.Module):
         """Flat token batch -> final hidden states [T, hidden]."""
         m = self.model
         h = m.embed_tokens(input_ids)
-        cos, sin = m.rotary.cos_sin(positions, h.dtype)
+        rope = m.rotary.prepare(positions, h.dtype)
+        residual = None
         for layer in m.layers:
-            h = layer(h, m.rotary, cos, sin, attn)
-        return m.norm(h)
+            h, residual = layer(h, residual, m.rotary, rope, attn)
+        return m.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,23 +1,29 @@
 """ModelRunner: sequences' token chunks -> tensors -> one forward pass -> logits.
 
-The runner owns the model and the KV cache memory; which blocks a sequence uses is
-decided by the caller (the engine's block manager) and arrives as block tables.
+The runner owns the model and the KV cache memory: ``ModelRunner.from_config`` loads
+the model, sizes and allocates the cache, and reports what the engine needs as a
+``RunnerInfo``. Which blocks a sequence uses is decided by the engine's block manager
+and arrives as block tables.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.models.loader import LoadedModel
-from tandem.runner import cpu_paged_attention
-from tandem.runner.attention import CausalAttention, PagedAttention, build_paged_metadata
-from tandem.runner.kv_cache import allocate_kv_cache
+from tandem.config import EngineConfig
+from tandem.errors import InvalidParameterError
+from tandem.models.loader import LoadedModel, load_model
+from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
+from tandem.runner.info import RunnerInfo
+from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
-from tandem.spec.proposer import Proposer
+from tandem.spec.proposer import Proposer, make_proposer
 from tandem.spec.rejection import verify
 from tandem.spec.stats import SpecDecodeStats
 
@@ -51,11 +57,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
         )
-        self.decode_kernel = (
-            loaded.device.type == "cpu"
-            and loaded.dtype in (torch.float32, torch.bfloat16)
-            and cpu_paged_attention.load() is not None
-        )
+        self.attention = paged_backend(loaded.device, loaded.dtype)
         # Requests with a seed sample from their own generator, kept across steps and
         # preemptions; the others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
@@ -63,6 +65,43 @@ class ModelRunner:
         # Speculative decoding: who guesses (tandem.spec), and how well it guessed.
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
+        self.info = RunnerInfo(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            vocab_size=loaded.config.vocab_size,
+            max_model_len=loaded.config.max_position_embeddings,
+            eos_token_ids=loaded.eos_token_ids,
+            tokenizer=loaded.tokenizer,
+            generation_config=loaded.generation_config,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Load ``config.model``, size the KV pool from the memory settings and build
+        the speculative proposer, if any."""
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        limit = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise InvalidParameterError(
+                "max_model_len", f"{config.max_model_len} exceeds the model's context of {limit}"
+            )
+        max_model_len = config.max_model_len or limit
+        cache = config.cache
+        num_blocks = num_blocks_for(
+            loaded.config,
+            cache.block_size,
+            loaded.dtype,
+            loaded.device,
+            cache.num_blocks,
+            cache.kv_cache_memory,
+            cache.gpu_memory_utilization,
+            config.scheduler.max_num_seqs * max_model_len,
+        )
+        proposer = make_proposer(config.speculative, loaded, num_blocks, cache.block_size)
+        runner = cls(loaded, num_blocks, cache.block_size, config.seed, proposer)
+        runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
+        return runner
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[SampledToken]]:
@@ -159,39 +198,25 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits of each chunk's last token [S, vocab], of every token [T, vocab], or of
         the tokens at ``logit_indices`` in the flat batch."""
-        to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        width = max(len(c.block_table) for c in chunks)
-        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
-        input_ids = to_tensor([t for c in chunks for t in c.token_ids])
-        return self.forward_tensors(
-            input_ids,
-            to_tensor([len(c.token_ids) for c in chunks]),
-            to_tensor([c.num_computed_tokens for c in chunks]),
-            to_tensor(tables),
-            all_logits,
-            None if logit_indices is None else to_tensor(list(logit_indices)),
+        query_lens = [len(c.token_ids) for c in chunks]
+        metadata = build_paged_metadata(
+            query_lens,
+            [c.num_computed_tokens for c in chunks],
+            [c.block_table for c in chunks],
+            self.block_size,
+            self.config.sliding_window,
+            self.device,
         )
-
-    @torch.inference_mode()
-    def forward_tensors(
-        self,
-        input_ids: torch.Tensor,
-        query_lens: torch.Tensor,
-        num_computed: torch.Tensor,
-        block_tables: torch.Tensor,
-        all_logits: bool = False,
-        logit_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The same as ``forward`` for callers that keep their batch as tensors."""
-        metadata, positions = build_paged_metadata(
-            query_lens, num_computed, block_tables, self.block_size, self.config.sliding_window
+        input_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
         )
-        attn = PagedAttention(metadata, self.kv_cache, self.decode_kernel)
-        hidden = self.model(input_ids, positions, attn)
-        if logit_indices is not None:
-            hidden = hidden[logit_indices]
-        elif not all_logits:
-            hidden = hidden[torch.cumsum(query_lens, 0) - 1]
+        hidden = self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
+        if not all_logits:
+            if logit_indices is None:
+                logit_indices = list(itertools.accumulate(query_lens))
+                logit_indices = [end - 1 for end in logit_indices]
+            if len(logit_indices) != len(hidden):
+                hidden = hidden[torch.tensor(logit_indices, device=self.device)]
         return self.model.compute_logits(hidden)
 
 

@@ -93,13 +93,15 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Penalties and the min_tokens ban applied: the logits greedy rows take the
     argmax of and sampled rows turn into probabilities (``sampling_probs``)."""
+    banning = any(r.banned_token_ids for r in rows)
     if any(_needs_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
-    else:
-        logits = logits.clone()
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
+    elif banning:
+        logits = logits.clone()  # the caller's logits stay as they were
+    if banning:
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
     return logits
 
 
@@ -150,9 +152,10 @@ def sample(
     """logits [S, vocab] float32, one row per request that samples this step."""
     raw_logprobs = raw_logprobs_if_wanted(logits, rows)
     logits = processed_logits(logits, rows)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    greedy_flags = [r.params.greedy for r in rows]
+    if not all(greedy_flags):
+        greedy = torch.tensor(greedy_flags, device=logits.device)
         sampled = draw(sampling_probs(logits, rows), rows, shared_generator)
         tokens = torch.where(greedy, tokens, sampled)
     return with_logprobs(tokens.tolist(), raw_logprobs, rows)

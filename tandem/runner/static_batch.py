@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.models.loader import LoadedModel
-from tandem.runner.model_runner import ModelRunner, forward_no_cache
+from tandem.runner.model_runner import ModelRunner, SequenceChunk, forward_no_cache
 
 
 def stream_with_cache(
@@ -32,12 +32,11 @@ def stream_with_cache(
 
     Each sequence gets its own contiguous run of blocks up front. Prompts are prefilled
     in groups of at most ``max_prefill_tokens`` tokens to bound activation memory."""
-    device = loaded.device
     batch = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    blocks_per_seq = math.ceil((int(lengths.max()) + max_new_tokens) / block_size)
+    lengths = [len(p) for p in prompts]
+    blocks_per_seq = math.ceil((max(lengths) + max_new_tokens) / block_size)
     runner = ModelRunner(loaded, batch * blocks_per_seq, block_size)
-    block_tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
+    tables = [range(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(batch)]
 
     last_logits = []
     start = 0
@@ -46,20 +45,17 @@ def stream_with_cache(
         while end < batch and (end == start or tokens + len(prompts[end]) <= max_prefill_tokens):
             tokens += len(prompts[end])
             end += 1
-        ids = torch.tensor([t for p in prompts[start:end] for t in p], device=device)
-        zeros = torch.zeros(end - start, dtype=torch.long, device=device)
-        last_logits.append(
-            runner.forward_tensors(ids, lengths[start:end], zeros, block_tables[start:end])
-        )
+        chunks = [SequenceChunk(prompts[i], 0, tables[i]) for i in range(start, end)]
+        last_logits.append(runner.forward(chunks))
         start = end
     tokens = torch.cat(last_logits).argmax(dim=-1)
     yield tokens
-    ones = torch.ones(batch, dtype=torch.long, device=device)
-    computed = lengths.clone()
-    for _ in range(max_new_tokens - 1):
-        logits = runner.forward_tensors(tokens, ones, computed, block_tables)
-        computed += 1
-        tokens = logits.argmax(dim=-1)
+    for step in range(max_new_tokens - 1):
+        chunks = [
+            SequenceChunk([token], lengths[i] + step, tables[i])
+            for i, token in enumerate(tokens.tolist())
+        ]
+        tokens = runner.forward(chunks).argmax(dim=-1)
         yield tokens
 
 

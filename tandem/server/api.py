@@ -83,7 +83,7 @@ def build_app(
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
-    defaults = model_sampling_defaults(engine.engine.loaded.generation_config)
+    defaults = model_sampling_defaults(engine.engine.model_info.generation_config)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -189,7 +189,7 @@ def build_app(
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        vocab = engine.engine.loaded.config.vocab_size
+        vocab = engine.engine.model_info.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise InvalidParameterError("tokens", f"token ids must be in [0, {vocab})")
         return {"prompt": need_tokenizer("tokens").decode(body.tokens)}

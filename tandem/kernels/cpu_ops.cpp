@@ -1,0 +1,276 @@
+// tandem's CPU kernels: everything in a decoder layer that is not a weight matmul.
+//
+// Each op replaces a chain of eager torch ops (about 40 small ops per layer become 7
+// calls), works in place on strided views where it can (q/k/v are column slices of
+// the fused qkv projection), and computes in float32. For bfloat16 tensors every op
+// rounds where the reference implementation (transformers) rounds, so results differ
+// from the torch path only where float32 math itself differs (an ulp of exp or sqrt,
+// the order of a sum), never by an extra rounding.
+//
+// Built with torch.utils.cpp_extension on first use (see cpu.py); -march=native lets
+// gcc vectorise the inner loops for the CPU it runs on (AVX2 or AVX-512).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+
+// Rows per thread task for elementwise ops: about 32k elements, so a decode step's few
+// rows run on the calling thread (waking a pool costs more than the work).
+inline int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elements));
+}
+// Round through T: identity for float, bfloat16 rounding for bf16.
+template <typename T> inline float round_t(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// -- RMSNorm -----------------------------------------------------------------------
+// out = weight * T(x / rms(x)), the norm in float32 and the scale in T, as the reference.
+// With a residual: residual = T(x + residual) first, and the norm reads the sum.
+
+template <typename T>
+void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
+                   int64_t out_stride, int64_t x_stride, int64_t res_stride, double eps) {
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * x_stride;
+      float sum = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * res_stride;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T s = static_cast<T>(to_f(xr[i]) + to_f(rr[i]));
+          rr[i] = s;
+          buf[i] = to_f(s);
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) buf[i] = to_f(xr[i]);
+      }
+      for (int64_t i = 0; i < dim; ++i) sum += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+      T* o = out + r * out_stride;
+      for (int64_t i = 0; i < dim; ++i) {
+        o[i] = static_cast<T>(to_f(weight[i]) * round_t<T>(buf[i] * inv));
+      }
+    }
+  });
+}
+
+// -- rotary (neox: rotate the two halves of the first rot_dim features) -------------
+
+template <typename T>
+void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+                 const int64_t* positions, const float* cos_sin, int64_t rot_dim) {
+  const int64_t half = rot_dim / 2;
+  at::parallel_for(0, tokens * heads, grain_rows(rot_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, h = item % heads;
+      const float* cos = cos_sin + positions[t] * rot_dim;  // [cos(half) | sin(half)]
+      const float* sin = cos + half;
+      T* v = x + t * token_stride + h * head_stride;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round_t<T>(cos[i]), s = round_t<T>(sin[i]);
+        const float a = to_f(v[i]), b = to_f(v[i + half]);
+        v[i] = static_cast<T>(round_t<T>(a * c) + round_t<T>(-b * s));
+        v[i + half] = static_cast<T>(round_t<T>(b * c) + round_t<T>(a * s));
+      }
+    }
+  });
+}
+
+// -- silu(gate) * up ---------------------------------------------------------------
+
+template <typename T>
+void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
+                       int64_t x_stride) {
+  at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + dim;
+      T* o = out + r * out_stride;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float g = to_f(gate[i]);
+        o[i] = static_cast<T>(round_t<T>(g / (1.f + std::exp(-g))) * to_f(up[i]));
+      }
+    }
+  });
+}
+
+// -- paged KV cache ------------------------------------------------------------------
+
+// k/v: [T, Hkv, D] with row stride; cache rows [num_blocks * block_size, Hkv * D].
+template <typename T>
+void write_kv_impl(const T* k, const T* v, int64_t tokens, int64_t row, int64_t k_stride,
+                   int64_t v_stride, T* k_cache, T* v_cache, const int64_t* slots) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy(k + t * k_stride, k + t * k_stride + row, k_cache + slots[t] * row);
+    std::copy(v + t * v_stride, v + t * v_stride + row, v_cache + slots[t] * row);
+  }
+}
+
+// Visit context positions [first, len) block by block: fn(pos, row offset of the token).
+template <typename Fn>
+inline void for_each_token(const int64_t* table, int64_t first, int64_t len,
+                           int64_t block_size, int64_t row, Fn fn) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t block = pos / block_size, offset = pos % block_size;
+    const int64_t stop = std::min(len, pos + block_size - offset);
+    int64_t base = (table[block] * block_size + offset) * row;
+    for (; pos < stop; ++pos, base += row) fn(pos, base);
+  }
+}
+
+// One query token per sequence, K/V read once, straight from the blocks:
+//   for each (sequence, KV head), in parallel:
+//     scores of the G query heads sharing the KV head against every context key,
+//     a float32 softmax, then the weighted sum of the values.
+template <typename T>
+void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
+                           int64_t num_seqs, int64_t num_heads, int64_t head_dim,
+                           const T* k_ptr, const T* v_ptr, int64_t block_size,
+                           int64_t num_kv_heads, const int64_t* tables, int64_t table_width,
+                           const int64_t* lens, double scale, int64_t window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * head_dim;  // one token of one block, all KV heads
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t head_offset = kv_head * head_dim;
+      const int64_t* table = tables + seq * table_width;
+      scores.resize(group * n);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qh = q + seq * q_stride + (kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(qh[d]) * scale;
+      }
+      for_each_token(table, first, len, block_size, row, [&](int64_t pos, int64_t base) {
+        const T* key = k_ptr + base + head_offset;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query.data() + g * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_f(key[d]);
+          scores[g * n + pos - first] = dot;
+        }
+      });
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        const float top = *std::max_element(s, s + n);
+        float total = 0.f;
+        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - top); total += s[t]; }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_token(table, first, len, block_size, row, [&](int64_t pos, int64_t base) {
+        const T* value = v_ptr + base + head_offset;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + pos - first];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
+        }
+      });
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + seq * out_stride + (kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  // A 2-D or 3-D view whose innermost dimensions are packed: rows may be strided.
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
+  if (t.dim() == 3) TORCH_CHECK(t.stride(1) == t.size(2), name, ": heads must be packed");
+}
+
+#define TANDEM_DISPATCH(dtype, NAME, ...)                                             \
+  if ((dtype) == torch::kFloat) { using scalar_t = float; __VA_ARGS__(); }            \
+  else if ((dtype) == torch::kBFloat16) { using scalar_t = at::BFloat16; __VA_ARGS__(); } \
+  else TORCH_CHECK(false, NAME ": float32 or bfloat16 only");
+
+}  // namespace
+
+// out [R, N] = rms_norm(x [R, N]) * weight; with ``residual`` given, residual += x
+// first (in place) and the norm reads the sum. Rows may be strided.
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual,
+              torch::Tensor weight, double eps) {
+  check_rows(out, "out"); check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  const int64_t rows = x.size(0), dim = x.size(-1);
+  TANDEM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    scalar_t* res = nullptr;
+    int64_t res_stride = 0;
+    if (residual.has_value()) {
+      check_rows(*residual, "residual");
+      res = residual->data_ptr<scalar_t>();
+      res_stride = residual->stride(0);
+    }
+    rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res,
+                            weight.data_ptr<scalar_t>(), rows, dim, out.stride(0), x.stride(0),
+                            res_stride, eps);
+  });
+}
+
+// In place on q [T, H, D] and k [T, Hkv, D] (views with strided tokens): neox rotary of
+// the first rot_dim features; cos_sin [positions, rot_dim] float32 (cos half, sin half).
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin) {
+  check_rows(q, "q"); check_rows(k, "k");
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == torch::kLong);
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.scalar_type() == torch::kFloat);
+  const int64_t rot_dim = cos_sin.size(1);
+  TANDEM_DISPATCH(q.scalar_type(), "rotary", [&] {
+    for (auto* t : {&q, &k}) {
+      rotary_impl<scalar_t>(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->stride(0),
+                            t->stride(1), positions.data_ptr<int64_t>(),
+                            cos_sin.data_ptr<float>(), rot_dim);
+    }
+  });
+}
+
+// out [R, N] = silu(x[:, :N]) * x[:, N:]
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  check_rows(out, "out"); check_rows(x, "x");
+  TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0),
+                                out.size(1), out.stride(0), x.stride(0));
+  });
+}
+
+// Write k/v [T, Hkv, D] (strided tokens) into the caches [blocks, block_size, Hkv, D]
+// at flat slots (block * block_size + offset).
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  check_rows(k, "k"); check_rows(v, "v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous());
+  TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
+                            k.size(1) * k.size(2), k.stride(0), v.stride(0),
+                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            slots.data_ptr<int64_t>());
+  });
+}
+
+// out [S, H, D] (strided rows allowed) = attention of q [S, H, D] (one token per
+// sequence) over the paged K/V of each sequence's first context_lens[s] tokens.
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor block_tables,
+                      torch::Tensor context_lens, double scale, int64_t window) {
+  check_rows(out, "out"); check_rows(q, "q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
+  TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(
+        out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
+        q.size(0), q.size(1), q.size(2), k_cache.data_ptr<scalar_t>(),
+        v_cache.data_ptr<scalar_t>(), k_cache.size(1), k_cache.size(2),
+        block_tables.data_ptr<int64_t>(), block_tables.size(1),
+        context_lens.data_ptr<int64_t>(), scale, window);
+  });
+}

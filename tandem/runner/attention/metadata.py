@@ -1,0 +1,174 @@
+"""Attention metadata: where one forward's tokens sit in the paged cache and who attends
+to what, built once per forward on the host from plain integers (no device syncs) and
+shared by every layer.
+
+A forward carries a flat batch of T tokens from S sequences, each at its own position:
+whole prompts, prompt chunks that continue after cached tokens, single decode tokens.
+Token t of sequence s, at position p, has its K/V written to cache slot
+``block_table[s][p // block_size] * block_size + p % block_size``.
+
+Sequences are grouped so that no group pays for another's shape:
+
+    decodes          one query each; padded to [S, 1] queries x [S, Lk] keys
+    continuing       prompt chunks after cached tokens; padded to [S, Lq] x [S, Lk]
+    fresh prompts    nothing cached: causal attention over this forward's own K/V,
+                     batched by length (no gather, no padding, no explicit mask)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+def _long(values, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together, padded to [S, Lq] queries and [S, Lk] keys, with
+    Lk = Nb * block_size."""
+
+    query_index: torch.Tensor  # [S, Lq] token index into the flat batch (padding: 0)
+    block_tables: torch.Tensor  # [S, Nb] blocks holding the context
+    valid_rows: torch.Tensor | None  # rows of the [S*Lq] queries that are real; None: all
+    valid_tokens: torch.Tensor  # flat-batch token index of each real row
+    context_lens: torch.Tensor  # [S] tokens of context, the new ones included
+    # Host copies, for the mask (built only by backends that need one).
+    query_lens_host: list[int]
+    num_computed_host: list[int]
+    sliding_window: int | None
+    block_size: int
+    # When the group's queries are flat-batch tokens [first, first + S), one each, a
+    # kernel reads and writes them in place (a slice, no gather or scatter).
+    contiguous_from: int | None = None
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[S, 1, Lq, Lk] True where a query may attend a key (causal, within the
+        context, within the sliding window)."""
+        device = self.block_tables.device
+        q_lens = torch.tensor(self.query_lens_host, device=device)
+        computed = torch.tensor(self.num_computed_host, device=device)
+        max_q = max(self.query_lens_host)
+        max_k = self.block_tables.shape[1] * self.block_size
+        q_pos = computed[:, None] + torch.arange(max_q, device=device)[None, :]
+        k_pos = torch.arange(max_k, device=device)
+        k_real = k_pos[None, :] < (computed + q_lens)[:, None]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_real[:, None, :]
+        if self.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        return mask[:, None]
+
+
+@dataclass
+class FreshPromptGroup:
+    """Prompts with nothing cached yet, all of one length: plain causal attention over
+    this forward's own K/V."""
+
+    token_index: torch.Tensor  # [S, L] flat-batch token indices
+
+
+@dataclass
+class PagedAttentionMetadata:
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    groups: list[AttentionGroup]  # decodes; prompt chunks that continue after the cache
+    fresh_prompts: list[FreshPromptGroup]
+    sliding_window: int | None  # keys older than this many positions are not attended
+    num_tokens: int = 0
+
+
+def build_paged_metadata(
+    query_lens: Sequence[int],
+    num_computed: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> PagedAttentionMetadata:
+    """Metadata for S sequences contributing ``query_lens[s]`` tokens each, positioned
+    after ``num_computed[s]`` cached tokens, their blocks in ``block_tables[s]``."""
+    device = torch.device(device)
+    positions: list[int] = []
+    slots: list[int] = []
+    starts: list[int] = []
+    decodes: list[int] = []
+    continuing: list[int] = []
+    fresh: dict[int, list[int]] = {}
+    for s, (q_len, computed) in enumerate(zip(query_lens, num_computed, strict=True)):
+        table = block_tables[s]
+        starts.append(len(positions))
+        for pos in range(computed, computed + q_len):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if q_len == 1:
+            decodes.append(s)
+        elif computed == 0 and (sliding_window is None or q_len <= sliding_window):
+            fresh.setdefault(q_len, []).append(s)
+        else:
+            continuing.append(s)
+    groups = [
+        _group(members, query_lens, num_computed, starts, block_tables, block_size,
+               sliding_window, device)
+        for members in (decodes, continuing)
+        if members
+    ]  # fmt: skip
+    fresh_prompts = [
+        FreshPromptGroup(_long([range(starts[s], starts[s] + length) for s in members], device))
+        for length, members in fresh.items()
+    ]
+    return PagedAttentionMetadata(
+        _long(positions, device),
+        _long(slots, device),
+        groups,
+        fresh_prompts,
+        sliding_window,
+        len(positions),
+    )
+
+
+def _group(
+    members: list[int],
+    query_lens: Sequence[int],
+    num_computed: Sequence[int],
+    starts: list[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionGroup:
+    q_lens = [query_lens[s] for s in members]
+    computed = [num_computed[s] for s in members]
+    context = [c + q for c, q in zip(computed, q_lens, strict=True)]
+    max_q = max(q_lens)
+    width = -(-max(context) // block_size)
+    query_index, valid_rows, valid_tokens = [], [], []
+    for row, (s, q_len) in enumerate(zip(members, q_lens, strict=True)):
+        tokens = list(range(starts[s], starts[s] + q_len))
+        query_index.append(tokens + [0] * (max_q - q_len))
+        valid_rows.extend(range(row * max_q, row * max_q + q_len))
+        valid_tokens.extend(tokens)
+    tables = []
+    for s in members:
+        table = list(block_tables[s][:width])
+        tables.append(table + [table[0]] * (width - len(table)))
+    all_real = len(valid_rows) == len(members) * max_q
+    first = valid_tokens[0]
+    contiguous = max_q == 1 and valid_tokens == list(range(first, first + len(members)))
+    return AttentionGroup(
+        query_index=_long(query_index, device),
+        block_tables=_long(tables, device),
+        valid_rows=None if all_real else _long(valid_rows, device),
+        valid_tokens=_long(valid_tokens, device),
+        context_lens=_long(context, device),
+        query_lens_host=q_lens,
+        num_computed_host=computed,
+        sliding_window=sliding_window,
+        block_size=block_size,
+        contiguous_from=first if contiguous else None,
+    )

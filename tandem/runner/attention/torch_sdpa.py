@@ -1,0 +1,110 @@
+"""The torch backend for the paged cache: index_copy_ writes, block gathers and
+``scaled_dot_product_attention``; runs on any device and dtype.
+
+Per layer it writes the new K/V rows at their slots, then per group gathers each
+sequence's context whole blocks at a time (as rows of a 2-D view, so index_select
+copies contiguous runs at memcpy speed) and runs one masked, batched attention; fresh
+prompts attend causally over this forward's own K/V. Grouped-query heads are folded
+into the query axis instead of repeating K/V::
+
+    q [S, Lq, Hkv*G, D] -> [S, Hkv, G*Lq, D]     k/v [S, Lk, Hkv, D] -> [S, Hkv, Lk, D]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.runner.attention.metadata import AttentionGroup, PagedAttentionMetadata
+
+
+def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """q [S, Lq, H, D], k/v [S, Lk, Hkv, D], mask [S, 1, G*Lq, Lk] -> [S, Lq, H, D]."""
+    s, lq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qg = q.view(s, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * lq, d)
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.view(s, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(s, lq, h, d)
+
+
+def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=None):
+    """num_seqs sequences of ``length`` tokens, flattened: q [n*L, H, D], k/v
+    [n*L, Hkv, D] -> [n*L, H, D]; causal unless an explicit ``mask`` is given."""
+    h, hkv = q.shape[1], k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.reshape(num_seqs, length, h, -1).transpose(1, 2),
+        k.reshape(num_seqs, length, hkv, -1).transpose(1, 2),
+        v.reshape(num_seqs, length, hkv, -1).transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=h != hkv,
+    )
+    return out.transpose(1, 2).reshape(num_seqs * length, h, -1)
+
+
+class TorchPagedAttention:
+    """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D] (see kv_cache.py)."""
+
+    def __init__(self, metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> None:
+        self.metadata = metadata
+        self.kv_cache = kv_cache
+        # Gather buffers and head-repeated masks, one per group, reused by every layer
+        # of this forward: fresh multi-MB allocations per layer cost page faults on CPU.
+        self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
+        k_blocks, v_blocks = self.kv_cache[layer_idx]  # [num_blocks, block_size, Hkv, D]
+        self.write_kv(k, v, k_blocks, v_blocks)
+        out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
+        for index, group in enumerate(self.metadata.groups):
+            self.attend_group(index, group, q, k_blocks, v_blocks, out, scale)
+        for group in self.metadata.fresh_prompts:
+            num_seqs, length = group.token_index.shape
+            tokens = group.token_index.flatten()
+            group_out = causal_attention(
+                q.index_select(0, tokens),
+                k.index_select(0, tokens),
+                v.index_select(0, tokens),
+                num_seqs,
+                length,
+                scale,
+            )
+            out.index_copy_(0, tokens, group_out)
+        return out
+
+    def write_kv(self, k, v, k_blocks, v_blocks) -> None:
+        num_kv_heads, head_dim = k_blocks.shape[-2:]
+        slots = self.metadata.slot_mapping
+        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+    def attend_group(
+        self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float
+    ) -> None:
+        num_kv_heads, head_dim = k_blocks.shape[-2:]
+        k_rows = k_blocks.view(k_blocks.shape[0], -1)
+        v_rows = v_blocks.view(v_blocks.shape[0], -1)
+        num_seqs, num_q = group.query_index.shape
+        blocks = group.block_tables.flatten()
+        if index not in self._workspaces:
+            shape = (len(blocks), k_rows.shape[1])
+            self._workspaces[index] = (k_rows.new_empty(shape), v_rows.new_empty(shape))
+        k_buffer, v_buffer = self._workspaces[index]
+        kv_shape = (num_seqs, -1, num_kv_heads, head_dim)
+        keys = torch.index_select(k_rows, 0, blocks, out=k_buffer).view(kv_shape)
+        values = torch.index_select(v_rows, 0, blocks, out=v_buffer).view(kv_shape)
+        queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
+        if index not in self._masks:
+            # The query heads sharing a KV head are stacked on the query axis, so the
+            # mask repeats once per head of the group (built once per forward).
+            self._masks[index] = group.mask.repeat(1, 1, q.shape[1] // num_kv_heads, 1)
+        group_out = _grouped_attention(queries, keys, values, self._masks[index], scale)
+        group_out = group_out.flatten(0, 1)
+        if group.valid_rows is not None:
+            group_out = group_out.index_select(0, group.valid_rows)
+        out.index_copy_(0, group.valid_tokens, group_out)
