@@ -5,9 +5,10 @@ everything else: norms, rotary, attention, residual adds, op dispatch).
 Per model and batch size, ``batch`` requests with short prompts decode together; every
 step after the prompts is timed whole (``engine.step()``) and the model forward inside
 it (a timer around the model's ``forward`` and ``compute_logits``); host time is the
-difference. The forward is then split into weight matmuls (the same linear layers,
-the LM head included, run on their own in model order) and the rest. One step runs
-under the torch profiler to count the aten ops dispatched. Medians over decode steps.
+difference. Three steps in the middle time every linear layer (hooks around each
+call, the LM head included), which splits the forward into weight matmuls and the
+rest; one more runs under the torch profiler to count the aten ops dispatched.
+Medians over decode steps.
 
 Models: the bundled stdlib-lm, and a random-weight Llama shaped like SmolLM2-135M
 (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152, tied).
@@ -34,6 +35,7 @@ import torch
 
 import tandem
 from benchmarks.common import BENCH_DIR, machine
+from benchmarks.decode_roofline import transformers_step_seconds
 from tandem import LLM, SamplingParams
 
 SMOLLM2_SHAPE = dict(
@@ -48,8 +50,6 @@ SMOLLM2_SHAPE = dict(
     rope_theta=100000.0,
     tie_word_embeddings=True,
 )
-
-MATMUL_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")
 
 
 def smollm2_shaped_folder() -> Path:
@@ -108,7 +108,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) 
         engine.add_request(f"ovh-{batch}-{i}", {"prompt_token_ids": prompt}, params)
     timer = ForwardTimer(target_model(llm))
     steps: list[tuple[float, float]] = []
-    num_ops = None
+    matmul = num_ops = None
     try:
         while engine.has_unfinished_requests():
             timer.seconds.clear()
@@ -116,49 +116,62 @@ def measure(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) 
             engine.step()
             total = time.perf_counter() - start
             steps.append((total, sum(timer.seconds)))
-            if num_ops is None and len(steps) == new_tokens // 2:
-                num_ops = count_ops(engine)  # (that step is not timed)
+            if matmul is None and len(steps) == new_tokens // 2:  # (steps not timed)
+                matmul = matmul_seconds(engine, target_model(llm))
+                num_ops = count_ops(engine)
     finally:
         timer.remove()
     decode = steps[-(new_tokens - 2) :]  # after every prompt has run
     step = statistics.median(s for s, _ in decode)
     forward = statistics.median(f for _, f in decode)
-    matmul = matmul_seconds(target_model(llm), batch)
     return {"step": step, "forward": forward, "host": step - forward, "matmul": matmul,
             "num_ops": num_ops}  # fmt: skip
 
 
-def count_ops(engine) -> int:
-    """aten ops dispatched in one step (under the torch profiler; not timed)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-
-
-def matmul_seconds(model: torch.nn.Module, batch: int, repeats: int = 9) -> float:
-    """The weight matmuls of one decode step on their own: every linear layer (the LM
-    head included) applied to ``batch`` rows, in model order, so that each weight is
-    streamed from memory as in the forward. Median of ``repeats`` passes."""
-    linears = [
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module holding a weight matrix that multiplies activations (the LM head
+    included; a tied head shares the embedding's weight but is its own module)."""
+    return [
         m for m in model.modules()
         if isinstance(getattr(m, "weight", None), torch.Tensor)
         and m.weight.dim() == 2
         and not isinstance(m, torch.nn.Embedding)
     ]  # fmt: skip
-    dtype = linears[0].weight.dtype
-    inputs = {
-        m.weight.shape[1]: torch.randn(batch, m.weight.shape[1], dtype=dtype) for m in linears
-    }
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            for m in linears:
-                m(inputs[m.weight.shape[1]])
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+
+
+def matmul_seconds(engine, model: torch.nn.Module, num_steps: int = 3) -> float:
+    """Seconds per step spent inside the linear layers (forward hooks around each
+    call, whatever kernel it runs: BLAS, oneDNN or tandem's), over ``num_steps``."""
+    spent = [0.0]
+    started: dict[int, float] = {}
+
+    def before(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def after(module, args, output):
+        spent[0] += time.perf_counter() - started[id(module)]
+
+    handles = []
+    for module in linear_layers(model):
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    try:
+        for _ in range(num_steps):
+            engine.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return spent[0] / num_steps
+
+
+def count_ops(engine) -> int:
+    """aten ops dispatched in one step (under the torch profiler; tandem's compiled
+    kernels are single calls it does not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
 def main() -> None:
@@ -168,6 +181,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--models", nargs="+", default=["bundled", "smollm2-shape"])
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also time transformers' decode step (on the SmolLM2-shaped model)",
+    )
     args = parser.parse_args()
     folders = {"bundled": bundled_folder, "smollm2-shape": smollm2_shaped_folder}
     print(f"machine: {machine()}")
@@ -181,17 +199,27 @@ def main() -> None:
         folder = folders[name]()
         llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.batch))
         vocab = llm.engine.tokenizer.vocab_size if name == "bundled" else 49152
+        hf_model = None
+        if args.transformers and vocab >= 32000:  # its prompts use ids below 32000
+            import transformers
+
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=getattr(torch, args.dtype)
+            ).eval()
         for batch in args.batch:
             r = measure(llm, batch, args.prompt_len, args.new_tokens, vocab)
             matmul = r["matmul"]
             print(
                 f"{name:<15}{batch:>6}{r['step'] * 1e3:>9.2f}{r['forward'] * 1e3:>9.2f}"
                 f"{r['host'] * 1e3:>8.2f}{matmul * 1e3:>9.2f}"
-                f"{(r['forward'] - matmul) * 1e3:>8.2f}{r.get('num_ops', 0):>10}"
+                f"{(r['forward'] - matmul) * 1e3:>8.2f}{r['num_ops']:>10.0f}"
             )
+            if hf_model is not None:
+                hf = transformers_step_seconds(hf_model, batch, args.prompt_len, args.new_tokens)
+                print(f"{'  transformers':<15}{batch:>6}{hf * 1e3:>9.2f}")
     print(
         "\nforward: the model's forward and LM head; host: the rest of the step; matmul: "
-        "the same linear layers on their own; other: forward - matmul; aten ops: one step"
+        "time inside linear layers; other: forward - matmul; aten ops: per step"
     )
 
 

@@ -27,7 +27,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-FUNCTIONS = ["rms_norm", "rotary", "silu_and_mul", "write_kv", "decode_attention"]
+FUNCTIONS = [
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "write_kv",
+    "decode_attention",
+    "small_linear",
+]
 
 
 def _cpu_tag() -> str:
@@ -72,19 +79,20 @@ def load():
         return None
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``: a CPU float32/bfloat16 tensor, with autograd off
-    (inference; training keeps the torch ops, which have gradients)."""
-    return enabled(x.device, x.dtype)
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels run on ``device`` in ``dtype`` (CPU, float32 / bfloat16, and
+    the module built)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and load() is not None
 
 
 def enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and not torch.is_grad_enabled()
-        and load() is not None
-    )
+    """``available``, and autograd off: inference. Training keeps the torch ops, which
+    have gradients."""
+    return not torch.is_grad_enabled() and available(device, dtype)
+
+
+def usable(x: torch.Tensor) -> bool:
+    return enabled(x.device, x.dtype)
 
 
 def decode_attention(

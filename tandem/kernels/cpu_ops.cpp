@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <vector>
 
@@ -272,5 +274,85 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
         v_cache.data_ptr<scalar_t>(), k_cache.size(1), k_cache.size(2),
         block_tables.data_ptr<int64_t>(), block_tables.size(1),
         context_lens.data_ptr<int64_t>(), scale, window);
+  });
+}
+
+// -- small-batch linear ----------------------------------------------------------------
+// out [M, N] = x [M, K] @ W[N, K]^T (+ bias) for the few rows of a decode step, where the
+// time is one pass over W and BLAS libraries reach a fraction of the memory bandwidth.
+// Tiles of 4 weight rows are loaded once (they stay in L1) and dotted with every row of
+// x; threads take disjoint runs of weight rows, so W streams through memory once.
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+template <typename T> inline float load_f(const T* p, int64_t i) { return to_f(p[i]); }
+template <> inline float load_f<at::BFloat16>(const at::BFloat16* p, int64_t i) {
+  return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+
+constexpr int64_t kTile = 4;   // weight rows per tile
+constexpr int64_t kLanes = 16; // partial sums per row (vector width x unroll)
+
+template <typename T>
+void small_linear_impl(T* out, const T* x, const T* w, const T* bias, int64_t M, int64_t N,
+                       int64_t K, int64_t out_stride, int64_t x_stride) {
+  const int64_t K_main = K - K % kLanes;
+  // x in float32 once (it is tiny and read N / kTile times).
+  std::vector<float> xf(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = load_f(x + m * x_stride, k);
+  const int64_t num_tiles = N / kTile;
+  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTile;
+      const T* w0 = w + n0 * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = xf.data() + m * K;
+        // Four rows at once: each chunk of x is loaded once for four independent
+        // accumulator sets (more loads in flight, fewer x loads per FMA).
+        float acc[kTile][kLanes] = {};
+        for (int64_t k = 0; k < K_main; k += kLanes)
+          for (int64_t r = 0; r < kTile; ++r)
+            for (int64_t l = 0; l < kLanes; ++l)
+              acc[r][l] += load_f(w0 + r * K, k + l) * xm[k + l];
+        for (int64_t r = 0; r < kTile; ++r) {
+          float sum = 0.f;
+          for (int64_t l = 0; l < kLanes; ++l) sum += acc[r][l];
+          for (int64_t k = K_main; k < K; ++k) sum += load_f(w0 + r * K, k) * xm[k];
+          if (bias != nullptr) sum += to_f(bias[n0 + r]);
+          out[m * out_stride + n0 + r] = static_cast<T>(sum);
+        }
+      }
+    }
+  });
+  // The last N % kTile rows, one at a time.
+  for (int64_t n = num_tiles * kTile; n < N; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += load_f(w + n * K, k) * xf[m * K + k];
+      if (bias != nullptr) sum += to_f(bias[n]);
+      out[m * out_stride + n] = static_cast<T>(sum);
+    }
+  }
+}
+
+}  // namespace
+
+void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight,
+                  c10::optional<torch::Tensor> bias) {
+  check_rows(out, "out"); check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  TANDEM_DISPATCH(x.scalar_type(), "small_linear", [&] {
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    small_linear_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                weight.data_ptr<scalar_t>(), b, x.size(0), weight.size(0),
+                                weight.size(1), out.stride(0), x.stride(0));
   });
 }

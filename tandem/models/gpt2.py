@@ -13,6 +13,7 @@ from torch import nn
 
 from tandem.models.config import ModelConfig, architecture_of, checkpoint_dtype, eos_ids, require
 from tandem.models.layers import AttentionContext, activation
+from tandem.models.linear import Linear
 
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
@@ -23,12 +24,12 @@ class GPT2Block(nn.Module):
         e = config.hidden_size
         self.ln_1 = nn.LayerNorm(e, eps=config.norm_eps)
         self.attn = nn.Module()
-        self.attn.c_attn = nn.Linear(e, 3 * e)
-        self.attn.c_proj = nn.Linear(e, e)
+        self.attn.c_attn = Linear(e, 3 * e)
+        self.attn.c_proj = Linear(e, e)
         self.ln_2 = nn.LayerNorm(e, eps=config.norm_eps)
         self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(e, config.intermediate_size)
-        self.mlp.c_proj = nn.Linear(config.intermediate_size, e)
+        self.mlp.c_fc = Linear(e, config.intermediate_size)
+        self.mlp.c_proj = Linear(config.intermediate_size, e)
         self.act = activation(config.hidden_act)
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -90,7 +91,7 @@ class GPT2LMHeadModel(nn.Module):
             blocks.append(GPT2Block(config, i, scale))
         self.transformer.h = nn.ModuleList(blocks)
         self.transformer.ln_f = nn.LayerNorm(e, eps=config.norm_eps)
-        self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+        self.lm_head = Linear(e, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

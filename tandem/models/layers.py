@@ -82,23 +82,6 @@ def activation(name: str):
     raise ModelLoadError(f"activation {name!r} is not supported")
 
 
-class MergedLinear(nn.Linear):
-    """One matmul for several projections that read the same input (q/k/v, gate/up).
-
-    Checkpoints store the parts separately; ``load_shard`` copies part ``index`` into
-    its rows. Fewer, larger matmuls matter most for decode, where every kernel launch
-    and every pass over the activations is overhead.
-    """
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = output_sizes
-
-    def shard_rows(self, index: int) -> slice:
-        start = sum(self.output_sizes[:index])
-        return slice(start, start + self.output_sizes[index])
-
-
 def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin multiplier for each rope scaling type.
 

@@ -21,13 +21,13 @@ from tandem.models.config import (
 )
 from tandem.models.layers import (
     AttentionContext,
-    MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     RotaryPositions,
     activation,
     silu_and_mul,
 )
+from tandem.models.linear import Linear, MergedLinear
 
 
 def parse_llama_config(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -104,7 +104,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = activation(config.hidden_act)
         self.fused_silu = config.hidden_act == "silu"
         self.intermediate_size = size
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, eos_ids
-from tandem.models.layers import MergedLinear
+from tandem.models.linear import MergedLinear
 from tandem.models.registry import model_class_for
 from tandem.models.tokenizer import Tokenizer
 

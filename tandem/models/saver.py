@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tandem.models.layers import MergedLinear
+from tandem.models.linear import MergedLinear
 from tandem.models.llama import LlamaForCausalLM
 
 

@@ -18,10 +18,13 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
+from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
+from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.info import RunnerInfo
 from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
+from tandem.runner.linear import linear_method_for
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
 from tandem.spec.proposer import Proposer, make_proposer
 from tandem.spec.rejection import verify
@@ -58,6 +61,9 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
         )
         self.attention = paged_backend(loaded.device, loaded.dtype)
+        set_linear_method(loaded.model, linear_method_for(loaded.device, loaded.dtype))
+        if loaded.device.type == "cpu":
+            host_memory.keep_large_temporaries()
         # Requests with a seed sample from their own generator, kept across steps and
         # preemptions; the others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
@@ -167,8 +173,9 @@ class ModelRunner:
             self.proposer.rollback(request.request_id, s.num_computed_tokens + len(tokens))
         if plain:
             rows = [self._sampling_row(r) for r in plain]
-            tokens = sample(logits[torch.tensor(plain_rows, device=self.device)], rows,
-                            self.shared_generator)  # fmt: skip
+            if len(plain_rows) != len(logits):  # else every row, in order: no copy
+                logits = logits[torch.tensor(plain_rows, device=self.device)]
+            tokens = sample(logits, rows, self.shared_generator)
             for request, token in zip(plain, tokens, strict=True):
                 results[request.request_id] = [token]
         return results

@@ -48,8 +48,4 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and cpu_kernels.load() is not None
-    )
+    return cpu_kernels.available(device, dtype)
