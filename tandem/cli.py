@@ -54,6 +54,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def backslash_escapes(value: str) -> str:
+    """``\\n``, ``\\t``, ``\\uXXXX`` ... as the characters they name (a shell passes
+    ``"\\n"`` as two characters); other text, non-ASCII included, is kept as it is."""
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     options = {}
     for dest, _, _ in ENGINE_FLAGS.values():
@@ -91,7 +97,6 @@ def _generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    engine = llm.engine
     if args.chat:
         prompt = {
             "prompt_token_ids": llm.get_tokenizer().encode_chat(
@@ -101,28 +106,25 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         prompt = args.prompt
     if args.trace:
-        engine.start_trace()
-    engine.add_request("cli", prompt, params)
-    printed = ""
-    final = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            text = output.outputs[0].text
-            sys.stdout.write(text[len(printed) :])
-            sys.stdout.flush()
-            printed = text
-            final = output
+        llm.start_trace()
+    num_tokens = 0
+    for output in llm.stream(prompt, params, request_id="cli"):
+        completion = output.outputs[0]
+        sys.stdout.write(completion.text)
+        sys.stdout.flush()
+        num_tokens += len(completion.token_ids)
+        final = output
     sys.stdout.write("\n")
     if args.trace:
-        engine.stop_trace(args.trace)
+        llm.stop_trace(args.trace)
     completion = final.outputs[0]
     m = completion.metrics
     elapsed = m.token_times[-1] - m.arrival_time
     tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
     print(
-        f"[{len(final.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+        f"[{len(final.prompt_token_ids)} prompt tokens, {num_tokens} generated, "
         f"finish: {completion.finish_reason}] TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}, "
-        f"{len(completion.token_ids) / elapsed:.1f} tokens/s",
+        f"{num_tokens / elapsed:.1f} tokens/s",
         file=sys.stderr,
     )
 
@@ -210,7 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, help=model_default)
     generate.add_argument("--repetition-penalty", type=float, help=model_default)
     generate.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    generate.add_argument("--stop", action="append", default=None, help="stop string (repeat)")
+    generate.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        type=backslash_escapes,
+        metavar="TEXT",
+        help="stop string; backslash escapes are read, so '\\n\\n' is two newlines (repeat)",
+    )
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template"

@@ -7,9 +7,10 @@ outputs = llm.generate(["Hello", "The KV cache"], SamplingParams(max_tokens=32))
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -19,7 +20,7 @@ from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
 from tandem.models.bundled import default_model
 from tandem.outputs import RequestOutput
-from tandem.sampling import SamplingParams, model_sampling_defaults
+from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 
 Conversation = list[dict[str, Any]]
 
@@ -75,16 +76,40 @@ class LLM:
             raise InvalidParameterError(
                 "sampling_params", f"{len(params)} given for {len(prompts)} prompts"
             )
+        # Batch generation reads only the end: no per-step outputs, text decoded once.
+        final_only = RequestOutputKind.FINAL_ONLY
+        params = [dataclasses.replace(p, output_kind=final_only) for p in params]
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
-                self.engine.add_request(request_id, prompt, p)
-                added.append(request_id)
-        except Exception:
-            self.engine.abort(added)
-            raise
+        processed = [
+            self.engine.input_processor.process(request_id, prompt, p)
+            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
+        ]
+        for request in processed:
+            self.engine.add(request)
         return self._run(request_ids, use_tqdm)
+
+    def stream(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding what is new each step (text, tokens; the
+        last output has ``finished``). Stopping the iteration aborts the request."""
+        params = sampling_params or self.get_default_sampling_params()
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        request_id = request_id or f"llm-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
 
     def chat(
         self,

@@ -7,11 +7,20 @@ the field before anything is queued.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 from tandem.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step it advances
+    DELTA = 1  # only what is new since its previous output (streaming)
+    FINAL_ONLY = 2  # one output, when it finishes (batch generation)
 
 
 @dataclass
@@ -33,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

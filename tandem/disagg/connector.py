@@ -23,6 +23,7 @@ import threading
 import uuid
 
 from tandem.disagg.transfer import KVTransferError, make_kv_agent
+from tandem.engine.input_processor import KVTransferParams
 from tandem.errors import TandemError
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
@@ -83,7 +84,7 @@ class KVConnector:
 
     def _release(self, lease_id: str) -> None:
         self.engine.kv_manager.release_lease(lease_id)
-        self.metrics.step_done(self.engine)
+        self.engine.notify_changed()
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -94,15 +95,15 @@ class KVConnector:
         expired = self.engine.kv_manager.expire_leases()
         if expired:
             logger.warning("%d KV lease(s) expired unread; their blocks are free", expired)
-            self.metrics.step_done(self.engine)
+            self.engine.notify_changed()
 
     # -- decode side ---------------------------------------------------------------------
 
-    def pull(self, request_id: str, params: dict) -> None:
+    def pull(self, request_id: str, params: KVTransferParams) -> None:
         """(Engine thread) start reading a parked request's blocks from the prefill side."""
         _, pairs, _ = self.engine.pending_kv[request_id]
-        peer = {"host": params.get("remote_host"), "port": params.get("remote_port")}
-        lease_id = params.get("lease_id")
+        peer = {"host": params.remote_host, "port": params.remote_port}
+        lease_id = params.lease_id
         future = self.agent.read_blocks(peer, pairs)
 
         def done(_) -> None:  # (agent thread) hand the outcome to the engine thread
@@ -136,7 +137,7 @@ class KVConnector:
                     else f"KV transfer failed: {error}"
                 ),
             )
-        self.metrics.step_done(self.engine)
+        self.engine.notify_changed()
 
     def close(self) -> None:
         self._stop.set()

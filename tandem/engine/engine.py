@@ -1,57 +1,37 @@
-"""Engine: add_request / step / abort. It owns the scheduler, the block manager, the
-runner and the per-request detokenizers; ``step`` is schedule, execute, update.
+"""Engine: add_request / step / abort. The wiring of one engine instance:
 
-A request with ``n > 1`` becomes n child requests (``<id>-0`` ...) that are scheduled
-independently and reported together in one RequestOutput.
+    InputProcessor   prompt + params -> validated EngineRequest (before any queue)
+    Scheduler        token budget per step; KVCacheManager for blocks and prefix hits
+    runner           the model and the KV memory (tandem.runner; the engine never
+                     imports torch or model code, so it can drive a simulated runner)
+    OutputProcessor  tokens -> RequestOutputs: n > 1 fan-out, text, logprobs, stop
+                     strings, output kinds
+
+``step`` is schedule, execute, update, then the output processor.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.observer import EngineObserver, StepStats
+from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.errors import InvalidParameterError
-from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
 from tandem.trace.recorder import StepTracer
 
 if TYPE_CHECKING:  # the engine drives a runner; it never imports torch or model code
     from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.sampler import SampledToken
     from tandem.spec.stats import SpecDecodeStats
 
-PromptInput = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class _Sample:
-    """Engine-side state of one child request: text, logprobs."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.status.finished for s in self.samples)
+__all__ = ["Engine", "PromptInput"]
 
 
 class Engine:
@@ -67,15 +47,23 @@ class Engine:
         self.model_info = info = runner.info
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
-        cache = config.cache
         self.kv_manager = KVCacheManager(
-            info.num_blocks, info.block_size, cache.enable_prefix_caching
+            info.num_blocks, info.block_size, config.cache.enable_prefix_caching
         )
+        self.observers: list[EngineObserver] = []
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.max_model_len, config.speculative
+            config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            config.speculative,
+            on_finish=self._notify_finished,
         )
-        self._parents: dict[str, _Parent] = {}
-        self._samples: dict[str, tuple[_Parent, _Sample]] = {}
+        self.input_processor = InputProcessor(
+            info.tokenizer, info.vocab_size, info.max_model_len, info.block_size, info.num_blocks
+        )
+        self.output_processor = OutputProcessor(
+            info.tokenizer, self._stop_at_string, self._transfer_params
+        )
         self.tracer: StepTracer | None = None
         # Disaggregated serving: requests waiting for their prompt's K/V from a prefill
         # instance (id -> request, (remote, local) block pairs, tokens), and how long a
@@ -87,37 +75,59 @@ class Engine:
     def spec_stats(self) -> SpecDecodeStats:
         return self.runner.spec_stats
 
-    # -- tracing -----------------------------------------------------------------------
+    # -- observers and tracing ---------------------------------------------------------
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self.observers.remove(observer)
+
+    def stats(self, out: SchedulerOutput | None = None, num_generated: int = 0) -> StepStats:
+        """A snapshot of the engine's gauges and counters (``out``: the step just run)."""
+        kv = self.kv_manager
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_in_use=kv.num_blocks_in_use,
+            kv_usage=kv.usage,
+            num_batched_tokens=out.num_batched_tokens if out else 0,
+            num_generated_tokens=num_generated,
+            num_preempted=len(out.preempted) if out else 0,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_kv_leases=len(kv.leases),
+            num_lease_expiries=kv.num_lease_expiries,
+            spec=self.spec_stats.copy() if self.config.speculative else None,
+        )
+
+    def notify_changed(self) -> None:
+        """Tell the observers that state changed between steps (leases, aborts)."""
+        if self.observers:
+            stats = self.stats()
+            for observer in self.observers:
+                observer.step_done(None, stats)
+
+    def _notify_finished(self, request: Request) -> None:
+        for observer in self.observers:
+            observer.request_finished(request)
 
     def start_trace(self) -> None:
         """Record every step from now on (requests already queued are not drawn)."""
-        self.tracer = StepTracer()
+        if self.tracer is None:
+            self.tracer = StepTracer()
+            self.add_observer(self.tracer)
 
     def stop_trace(self, path: str | Path | None = None) -> StepTracer | None:
         """Stop recording; write the Chrome trace to ``path`` if given."""
         tracer, self.tracer = self.tracer, None
-        if tracer is not None and path is not None:
-            tracer.write(path)
+        if tracer is not None:
+            self.remove_observer(tracer)
+            if path is not None:
+                tracer.write(path)
         return tracer
 
     # -- requests --------------------------------------------------------------------
-
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParameterError(
-                    "prompt", "this model has no tokenizer; pass prompt_token_ids"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidParameterError(
-            "prompt", "must be a string, a list of token ids or {'prompt_token_ids': [...]}"
-        )
 
     def add_request(
         self,
@@ -127,64 +137,51 @@ class Engine:
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Validate and queue; on a bad request raise before anything is queued.
-        Returns the prompt's token ids.
+        """Validate (InputProcessor) and queue; on a bad request raise before anything
+        is queued. Returns the prompt's token ids. See ``add``."""
+        request = self.input_processor.process(
+            request_id, prompt, params, arrival_time, kv_transfer_params
+        )
+        self.add(request)
+        return request.prompt_token_ids
 
-        ``kv_transfer_params`` (disaggregated serving, tandem.disagg): ``{"do_remote_decode":
-        true}`` keeps the blocks under a lease when the request finishes, for a decode
-        instance; ``{"remote_block_ids": [...], "remote_num_tokens": R, ...}`` parks the
-        request with blocks for R prompt tokens until ``finish_remote_kv``."""
-        if request_id in self._parents:
-            raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
-        text, prompt_ids = self.tokenize_prompt(prompt)
-        max_tokens = self._validate(prompt_ids, params)
-        transfer = kv_transfer_params or {}
-        if transfer.get("do_remote_decode") and params.n != 1:
-            raise InvalidParameterError("n", "a request decoded remotely takes n = 1")
-        remote_tokens = _remote_tokens(transfer, len(prompt_ids), self.kv_manager)
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidParameterError("cache_salt", "must be a non-empty string")
-        if max_tokens != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        parent = _Parent(request_id, text, prompt_ids)
-        arrival = arrival_time or time.perf_counter()
+    def add(self, request: EngineRequest) -> None:
+        """Queue a processed request: n child requests, scheduled independently.
+
+        Its ``kv_transfer`` (disaggregated serving, tandem.disagg): ``do_remote_decode``
+        keeps the blocks under a lease when the request finishes, for a decode instance;
+        remote blocks park it with blocks for their tokens until ``finish_remote_kv``."""
+        if request.request_id in self.output_processor:
+            raise InvalidParameterError("request_id", f"{request.request_id!r} is already in use")
+        params, transfer = request.params, request.kv_transfer
+        children = []
         for index in range(params.n):
             child_params = params.for_child(index) if params.n > 1 else params
-            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
-            request = Request(
-                child_id,
-                prompt_ids,
-                child_params,
-                self.model_info.eos_token_ids,
-                arrival,
-                cache_salt,
+            child_id = request.request_id if params.n == 1 else f"{request.request_id}-{index}"
+            children.append(
+                Request(
+                    child_id,
+                    request.prompt_token_ids,
+                    child_params,
+                    self.model_info.eos_token_ids,
+                    request.arrival_time,
+                    request.cache_salt,
+                )
             )
-            sample = _Sample(
-                request, index, self._detokenizer(prompt_ids, child_params), None, None
-            )
-            if child_params.logprobs is not None:
-                sample.logprobs, sample.cumulative_logprob = [], 0.0
-            parent.samples.append(sample)
-        self._parents[request_id] = parent
-        for sample in parent.samples:
-            request = sample.request
-            self._samples[request.request_id] = (parent, sample)
-            if transfer.get("do_remote_decode"):
-                request.lease_seconds = self.kv_lease_seconds
-            if self.tracer is not None:
-                self.tracer.request_arrived(request)
-            if (
-                remote_tokens
-                and params.n == 1
-                and self.kv_manager.allocate_slots(request, remote_tokens)
-            ):
-                table = self.kv_manager.block_table(request.request_id)
-                pairs = list(zip(transfer["remote_block_ids"], table, strict=False))
-                self.pending_kv[request.request_id] = (request, pairs, remote_tokens)
+        self.output_processor.add_request(request, children)
+        for child in children:
+            if transfer is not None and transfer.do_remote_decode:
+                child.lease_seconds = self.kv_lease_seconds
+            for observer in self.observers:
+                observer.request_added(child)
+            # (n > 1 computes its prompt here: the children could not share one pull.)
+            remote_tokens = transfer.remote_num_tokens if transfer and params.n == 1 else 0
+            if remote_tokens and self.kv_manager.allocate_slots(child, remote_tokens):
+                table = self.kv_manager.block_table(child.request_id)
+                pairs = list(zip(transfer.remote_block_ids, table, strict=False))
+                self.pending_kv[child.request_id] = (child, pairs, remote_tokens)
                 continue
-            self.scheduler.add_request(request)
-        return prompt_ids
+            self.scheduler.add_request(child)
 
     def finish_remote_kv(self, request_id: str, ok: bool, recompute: bool = True) -> bool:
         """The pull for a parked request ended. On success it runs from the pulled
@@ -200,71 +197,26 @@ class Engine:
             self.kv_manager.free(request)
             if not recompute:
                 request.status = RequestStatus.FINISHED_ABORTED
-                self._forget(self._samples[request_id][0])
+                self.output_processor.forget(request_id)
+                self._notify_finished(request)
                 return False
         self.scheduler.add_request(request)
         return True
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        if not prompt_ids:
-            raise InvalidParameterError("prompt", "is empty")
-        vocab = self.model_info.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InvalidParameterError(
-                "prompt",
-                f"is {len(prompt_ids)} tokens; the context (max_model_len) is "
-                f"{self.max_model_len}, leaving no room to generate",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidParameterError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})",
-            )
-        needed = self.kv_manager.blocks_needed(len(prompt_ids) + max_tokens)
-        if needed > self.kv_manager.num_blocks:
-            raise InvalidParameterError(
-                "max_tokens",
-                f"the request needs {needed} KV blocks but the cache has only "
-                f"{self.kv_manager.num_blocks}; raise num_blocks or kv_cache_memory",
-            )
-        return max_tokens
-
-    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            params.stop_strings,
-            params.skip_special_tokens,
-            params.include_stop_str_in_output,
-        )
-
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for request_id in ids:
-            parent = self._parents.get(request_id)
-            if parent is None:
+            children = self.output_processor.children(request_id)
+            if not children:
                 continue
-            children = [s.request.request_id for s in parent.samples]
             for child in children:
-                if child in self.pending_kv:  # freed when its transfer ends
-                    self.pending_kv[child][0].status = RequestStatus.FINISHED_ABORTED
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            if self.tracer is not None:
-                for sample in parent.samples:
-                    self.tracer.request_aborted(sample.request)
-            self._forget(parent)
-
-    def _forget(self, parent: _Parent) -> None:
-        del self._parents[parent.request_id]
-        for sample in parent.samples:
-            self._samples.pop(sample.request.request_id, None)
+                if child.request_id in self.pending_kv:  # freed when its transfer ends
+                    child.status = RequestStatus.FINISHED_ABORTED
+                    self._notify_finished(child)
+            self.scheduler.finish_requests(
+                [c.request_id for c in children], RequestStatus.FINISHED_ABORTED
+            )
+            self.output_processor.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -274,27 +226,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         sampled = self.runner.execute(scheduler_output)
-        outputs = self._outputs(self.scheduler.update(scheduler_output, sampled))
-        if self.tracer is not None:
-            self.tracer.step_done(scheduler_output, self.kv_manager.num_blocks_in_use)
-        return outputs
-
-    def _outputs(self, updated: list[tuple[Request, list[SampledToken]]]) -> list[RequestOutput]:
-        touched: dict[str, _Parent] = {}
-        for request, tokens in updated:
-            parent, sample = self._samples[request.request_id]
-            for index, token in enumerate(tokens):
-                if sample.logprobs is not None:
-                    self._record_logprobs(sample, token)
-                stop = sample.detokenizer.update(token.token_id) if sample.detokenizer else None
-                if stop is not None:
-                    self._stop_at_string(request, stop, len(tokens) - index - 1)
-                    break
-            touched[parent.request_id] = parent
-        outputs = [self._request_output(parent) for parent in touched.values()]
-        for parent in touched.values():
-            if parent.finished:
-                self._forget(parent)
+        updated = self.scheduler.update(scheduler_output, sampled)
+        outputs = self.output_processor.process(updated)
+        if self.observers:
+            stats = self.stats(scheduler_output, sum(len(tokens) for _, tokens in updated))
+            for observer in self.observers:
+                observer.step_done(scheduler_output, stats)
         return outputs
 
     def _stop_at_string(self, request: Request, stop: str, num_after: int) -> None:
@@ -308,71 +245,16 @@ class Engine:
         else:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:
-        decode = (lambda t: self.tokenizer.decode([t], False)) if self.tokenizer else lambda t: None
-        entry = {
-            t: Logprob(value, rank, decode(t))
-            for rank, (t, value) in enumerate(token.top_logprobs or [], start=1)
+    def _transfer_params(self, request: Request, num_prompt_tokens: int) -> dict | None:
+        """Where a finished prefill-only request's K/V wait for a decode instance."""
+        lease = self.kv_manager.leases.get(request.request_id)
+        if lease is None:
+            return None
+        # The decode side recomputes the last prompt token (to get logits), so it reads
+        # the blocks holding all tokens before it.
+        num_tokens = num_prompt_tokens - 1
+        return {
+            "lease_id": request.request_id,
+            "remote_block_ids": lease[0][: self.kv_manager.blocks_needed(num_tokens)],
+            "remote_num_tokens": num_tokens,
         }
-        if token.token_id not in entry:
-            entry[token.token_id] = Logprob(token.logprob, None, decode(token.token_id))
-        sample.logprobs.append(entry)
-        sample.cumulative_logprob += token.logprob
-
-    def _request_output(self, parent: _Parent) -> RequestOutput:
-        completions = []
-        for sample in parent.samples:
-            request = sample.request
-            finished = request.status.finished
-            detok = sample.detokenizer
-            completions.append(
-                CompletionOutput(
-                    index=sample.index,
-                    text=detok.visible_text(finished) if detok else "",
-                    token_ids=list(request.output_token_ids),
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    logprobs=sample.logprobs,
-                    cumulative_logprob=sample.cumulative_logprob,
-                    metrics=RequestMetrics.from_timeline(request.timeline),
-                )
-            )
-        first = parent.samples[0].request
-        transfer = None
-        lease = self.kv_manager.leases.get(first.request_id)
-        if lease is not None and first.status.finished:
-            # The decode side recomputes the last prompt token (to get logits), so it
-            # reads the blocks holding all tokens before it.
-            num_tokens = len(parent.prompt_token_ids) - 1
-            blocks = lease[0][: self.kv_manager.blocks_needed(num_tokens)]
-            transfer = {
-                "lease_id": first.request_id,
-                "remote_block_ids": blocks,
-                "remote_num_tokens": num_tokens,
-            }
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=parent.finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=completions[0].metrics,
-            kv_transfer_params=transfer,
-        )
-
-
-def _remote_tokens(transfer: dict[str, Any], num_prompt_tokens: int, kv) -> int:
-    """How many prompt tokens' K/V a request should pull (0: none), validated."""
-    if "remote_block_ids" not in transfer:
-        return 0
-    tokens, blocks = transfer.get("remote_num_tokens"), transfer["remote_block_ids"]
-    if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
-        raise InvalidParameterError(
-            "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
-        )
-    if not isinstance(blocks, list) or len(blocks) < kv.blocks_needed(tokens):
-        raise InvalidParameterError(
-            "kv_transfer_params.remote_block_ids", f"must list the blocks of {tokens} tokens"
-        )
-    return tokens

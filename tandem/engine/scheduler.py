@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -91,8 +91,11 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        on_finish: Callable[[Request], None] = lambda request: None,
     ) -> None:
+        """``on_finish`` hears of every request that finishes (stop, length, abort)."""
         self.config = config
+        self.on_finish = on_finish
         self.speculative = speculative
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -131,6 +134,7 @@ class Scheduler:
             self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.on_finish(request)
 
     # -- one step ------------------------------------------------------------------
 

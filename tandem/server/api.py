@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.outputs import RequestOutput
-from tandem.sampling import SamplingParams, model_sampling_defaults
+from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 from tandem.server.async_engine import AsyncEngine, QueueFullError
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
@@ -235,6 +236,9 @@ def build_app(
         kv_transfer_params: dict[str, Any] | None = None,
     ):
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # A stream sends what is new each step; a response needs only the end.
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = dataclasses.replace(params, output_kind=kind)
         if kv_transfer_params is not None and len(prompts) != 1:
             raise InvalidParameterError("kv_transfer_params", "takes a single prompt")
         outputs: asyncio.Queue = asyncio.Queue()

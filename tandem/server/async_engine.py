@@ -1,18 +1,21 @@
 """AsyncEngine: the engine's step loop on a thread of its own, fed from asyncio.
 
 The engine is not thread-safe and a step is heavy (a forward pass), so exactly one
-thread, the engine thread, ever touches it. The event loop talks to it through an
-inbox of commands (add, abort) and gets outputs back on per-request asyncio queues:
+thread, the engine thread, ever touches it. The event loop validates a request first
+(the InputProcessor: tokenizing, limits; a bad request fails its own call with
+nothing queued), then talks to the engine thread through an inbox of commands (add,
+abort) and gets outputs back on per-request asyncio queues:
 
-    HTTP handler --add_request()--> inbox --> engine thread: engine.add_request
-                                              loop: drain inbox, engine.step()
+    HTTP handler: InputProcessor.process --add--> inbox --> engine thread: engine.add
+                                                   loop: drain inbox, engine.step()
     HTTP handler <--asyncio.Queue-- RequestOutput (or an exception) per step
 
-Validation errors raised by ``Engine.add_request`` travel back through a future, so a
-bad request fails its own call with nothing queued. An exception inside a step fails
-the requests in flight (their streams receive it) and the loop goes on serving new
-ones. Aborts are fire-and-forget: a disconnected client's blocks are freed before the
-next step.
+Outputs are whatever the request's ``output_kind`` asks for (the server asks for
+deltas when streaming and the final output otherwise). An exception inside a step
+fails the requests in flight (their streams receive it) and the loop goes on serving
+new ones. Aborts are fire-and-forget: a disconnected client's blocks are freed before
+the next step. Metrics and traces watch the engine itself (EngineObserver), not
+these queues.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.engine import Engine, PromptInput
+from tandem.engine.observer import EngineObserver
 from tandem.errors import TandemError
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
@@ -49,19 +53,6 @@ class _Stream:
     num_output_tokens: int = 0
 
 
-class EngineObserver:
-    """What the engine thread reports; ServerMetrics implements it."""
-
-    def request_added(self, num_prompt_tokens: int) -> None: ...
-
-    def tokens_generated(self, count: int) -> None: ...
-
-    def request_finished(self, output: RequestOutput | None, finish_reason: str) -> None:
-        """``output`` is None for an aborted request."""
-
-    def step_done(self, engine: Engine) -> None: ...
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -71,7 +62,8 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.observer = observer or EngineObserver()
+        if observer is not None:
+            engine.add_observer(observer)
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self.connector = None  # tandem.disagg.connector.KVConnector, on disaggregated roles
@@ -92,10 +84,16 @@ class AsyncEngine:
         outputs: asyncio.Queue,
         kv_transfer_params: dict | None = None,
     ) -> None:
-        """Queue a request whose RequestOutputs (one per step it advances, the last
-        with ``finished``) go to ``outputs``. Raises the engine's validation error, or
+        """Queue a request whose RequestOutputs (as its ``output_kind`` says, the last
+        with ``finished``) go to ``outputs``. Raises the validation error, or
         QueueFullError, with nothing queued."""
         loop = asyncio.get_running_loop()
+        # Only a disaggregated role (one with a connector) can lease blocks or pull
+        # them; a colocated server computes such a request as any other.
+        transfer = kv_transfer_params if self.connector is not None else None
+        request = self.engine.input_processor.process(
+            request_id, prompt, params, kv_transfer_params=transfer
+        )
 
         def add() -> None:
             waiting = len(self.engine.scheduler.waiting)
@@ -104,16 +102,10 @@ class AsyncEngine:
                     f"{waiting} requests are waiting (the limit is "
                     f"{self.max_waiting_requests}); retry later"
                 )
-            # Only a disaggregated role (one with a connector) can lease blocks or pull
-            # them; a colocated server computes such a request as any other.
-            transfer = kv_transfer_params if self.connector is not None else None
-            prompt_ids = self.engine.add_request(
-                request_id, prompt, params, kv_transfer_params=transfer
-            )
+            self.engine.add(request)
             self._streams[request_id] = _Stream(loop, outputs)
-            self.observer.request_added(len(prompt_ids))
             if request_id in self.engine.pending_kv and self.connector is not None:
-                self.connector.pull(request_id, kv_transfer_params)
+                self.connector.pull(request_id, request.kv_transfer)
 
         await self._call(add)
 
@@ -126,7 +118,6 @@ class AsyncEngine:
         dropped the request."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self.observer.request_finished(None, "abort")
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     def abort(self, request_id: str) -> None:
@@ -194,16 +185,11 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            self.observer.tokens_generated(num_tokens - stream.num_output_tokens)
-            stream.num_output_tokens = num_tokens
+            stream.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
             if output.finished:
                 del self._streams[output.request_id]
-                reason = output.outputs[0].finish_reason
-                self.observer.request_finished(output, reason)
-                _log_finished(output)
+                _log_finished(output, stream.num_output_tokens)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
-        self.observer.step_done(self.engine)
 
     def _abort(self, request_id: str, error: Exception | None = None) -> None:
         stream = self._streams.pop(request_id, None)
@@ -213,13 +199,12 @@ class AsyncEngine:
         logger.info(
             "request %s aborted after %d output tokens", request_id, stream.num_output_tokens
         )
-        self.observer.request_finished(None, "abort")
         if error is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        self.observer.step_done(self.engine)
+        self.engine.notify_changed()
 
 
-def _log_finished(output: RequestOutput) -> None:
+def _log_finished(output: RequestOutput, num_output_tokens: int) -> None:
     metrics = output.metrics
     ttft = f"{metrics.ttft * 1e3:.1f} ms" if metrics and metrics.ttft is not None else "n/a"
     logger.info(
@@ -227,7 +212,7 @@ def _log_finished(output: RequestOutput) -> None:
         output.request_id,
         len(output.prompt_token_ids),
         output.num_cached_tokens,
-        sum(len(c.token_ids) for c in output.outputs),
+        num_output_tokens,
         ttft,
         ",".join(str(c.finish_reason) for c in output.outputs),
     )

@@ -1,8 +1,9 @@
 """ServerMetrics: Prometheus metrics with vLLM's names under the ``tandem:`` prefix.
 
-Latencies come from each request's timeline (recorded by the engine as things happen);
-gauges are refreshed after every step. One registry per server, so that several
-servers in one process (tests) do not collide.
+An EngineObserver: latencies come from each finished request's timeline (recorded by
+the engine as things happen), counters and gauges from the StepStats after every
+step. One registry per server, so that several servers in one process (tests) do not
+collide.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tandem.engine.engine import Engine
-from tandem.outputs import RequestOutput
-from tandem.server.async_engine import EngineObserver
+from tandem.engine.observer import EngineObserver, StepStats
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.outputs import RequestMetrics
 from tandem.spec.stats import SpecDecodeStats
 
 disable_created_metrics()
@@ -117,41 +119,39 @@ class ServerMetrics(EngineObserver):
 
     # -- EngineObserver ---------------------------------------------------------------
 
-    def request_added(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def request_added(self, request: Request) -> None:
+        self.prompt_tokens.inc(len(request.prompt_token_ids))
 
-    def tokens_generated(self, count: int) -> None:
-        self.generation_tokens.inc(count)
-
-    def request_finished(self, output: RequestOutput | None, finish_reason: str) -> None:
-        self.success[finish_reason].inc()
-        if output is None:
+    def request_finished(self, request: Request) -> None:
+        self.success[request.status.value].inc()
+        if request.status == RequestStatus.FINISHED_ABORTED:
             return
-        for completion in output.outputs:
-            metrics = completion.metrics
-            self.preemptions.inc(metrics.num_preemptions)
-            if metrics.ttft is not None:
-                self.ttft.observe(metrics.ttft)
-            for gap in metrics.inter_token_latencies:
-                self.itl.observe(gap)
-            if metrics.finished_time is not None:
-                self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-            if metrics.first_scheduled_time is not None:
-                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        metrics = RequestMetrics.from_timeline(request.timeline)
+        self.preemptions.inc(metrics.num_preemptions)
+        if metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        for gap in metrics.inter_token_latencies:
+            self.itl.observe(gap)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
 
-    def step_done(self, engine: Engine) -> None:
-        kv = engine.kv_manager
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_usage.set(kv.usage)
+    def step_done(self, out: SchedulerOutput | None, stats: StepStats) -> None:
+        self.generation_tokens.inc(stats.num_generated_tokens)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
         # The manager counts prompt tokens looked up and found at each admission.
-        self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
-        self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
-        self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        self.kv_leases.set(len(kv.leases))
-        self.kv_lease_expiries.inc(kv.num_lease_expiries - self._seen_expiries)
-        self._seen_expiries = kv.num_lease_expiries
-        spec = engine.spec_stats.minus(self._seen_spec)
+        self.prefix_queries.inc(stats.prefix_cache_queries - self._seen_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.kv_leases.set(stats.num_kv_leases)
+        self.kv_lease_expiries.inc(stats.num_lease_expiries - self._seen_expiries)
+        self._seen_expiries = stats.num_lease_expiries
+        if stats.spec is None:
+            return
+        spec = stats.spec.minus(self._seen_spec)
         self.spec_drafts.inc(spec.num_drafts)
         self.spec_draft_tokens.inc(spec.num_draft_tokens)
         self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
@@ -159,7 +159,7 @@ class ServerMetrics(EngineObserver):
             if count:
                 labels = (self._model_name, str(position))
                 self.spec_accepted_per_position.labels(*labels).inc(count)
-        self._seen_spec = engine.spec_stats.copy()
+        self._seen_spec = stats.spec
 
     def transfer_done(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_transfer_blocks.inc(num_blocks)

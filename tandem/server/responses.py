@@ -1,5 +1,6 @@
-"""OpenAI response shapes: turns the engine's cumulative RequestOutputs into stream
-chunks (deltas) and final responses, for completions and chat completions.
+"""OpenAI response shapes: turns the engine's RequestOutputs (deltas when streaming,
+the final output otherwise) into stream chunks and final responses, for completions
+and chat completions.
 
 One HTTP request may hold several engine requests (a list of prompts), each with n
 samples; choice ``i * n + j`` is sample j of prompt i, as OpenAI numbers them.
@@ -24,8 +25,8 @@ class _Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    sent_text: int = 0  # characters already streamed
-    sent_tokens: int = 0
+    sent_tokens: int = 0  # tokens whose logprobs were streamed
+    sent_offset: int = 0  # characters those tokens decode to (completions' text_offset)
 
 
 class ChoiceStream:
@@ -53,8 +54,9 @@ class ChoiceStream:
         return len(self.choices)
 
     def update(self, output: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
-        """Take the latest cumulative output of one engine request; return the choices
-        that changed with their delta (new text, new tokens' logprobs, finish)."""
+        """Take one engine request's output (its completions carry only what is new:
+        the DELTA or FINAL_ONLY output kinds); return the choices that changed with
+        their delta (new text, new tokens' logprobs, finish)."""
         prompt_index = self._prompt_index[output.request_id]
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = output.num_cached_tokens
@@ -62,24 +64,30 @@ class ChoiceStream:
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
             choice = self.choices[index]
-            was_finished = choice.finish_reason is not None
-            choice.text, choice.token_ids = completion.text, completion.token_ids
-            choice.logprobs = completion.logprobs or []
+            choice.text += completion.text
+            choice.token_ids.extend(completion.token_ids)
+            choice.logprobs.extend(completion.logprobs or [])
+            finishing = completion.finish_reason is not None and choice.finish_reason is None
             choice.finish_reason, choice.stop_reason = (
                 completion.finish_reason,
                 completion.stop_reason,
             )
-            new_text = choice.text[choice.sent_text :]
-            finishing = choice.finish_reason is not None and not was_finished
-            if not new_text and not finishing:
+            if not completion.text and not finishing:
                 continue
+            end = len(choice.token_ids)
             delta = {
-                "text": new_text,
-                "logprobs": self._logprobs(choice, choice.sent_tokens, len(choice.token_ids)),
+                "text": completion.text,
+                "logprobs": self._logprobs(choice, choice.sent_tokens, end, choice.sent_offset),
                 "finish_reason": choice.finish_reason if finishing else None,
                 "stop_reason": choice.stop_reason if finishing else None,
             }
-            choice.sent_text, choice.sent_tokens = len(choice.text), len(choice.token_ids)
+            if self.want_logprobs:
+                choice.sent_offset += sum(
+                    len(choice.logprobs[i][token].decoded_token or "")
+                    for i, token in enumerate(choice.token_ids[choice.sent_tokens : end],
+                                              choice.sent_tokens)
+                )  # fmt: skip
+            choice.sent_tokens = end
             deltas.append((index, delta))
         return deltas
 
@@ -159,7 +167,9 @@ class ChoiceStream:
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
         }
 
-    def _logprobs(self, choice: _Choice, start: int, end: int):
+    def _logprobs(self, choice: _Choice, start: int, end: int, offset: int = 0):
+        """Logprobs of tokens [start, end) in OpenAI's shape; ``offset``: where token
+        ``start`` begins in the text (the decoded tokens before it, end to end)."""
         if not self.want_logprobs:
             return None
         tokens = [
@@ -168,11 +178,6 @@ class ChoiceStream:
         ]
         if self.chat:
             return {"content": [_chat_logprob(token_id, entry) for token_id, entry in tokens]}
-        # Where token ``start`` begins: the decoded tokens before it, laid end to end.
-        offset = sum(
-            len(choice.logprobs[i][token_id].decoded_token or "")
-            for i, token_id in enumerate(choice.token_ids[:start])
-        )
         result: dict[str, list] = {
             "tokens": [],
             "token_logprobs": [],

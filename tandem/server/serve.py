@@ -39,7 +39,7 @@ def run_server(
     if trace is not None:
         engine.start_trace()
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
-    metrics.step_done(engine)
+    engine.notify_changed()  # the gauges start from the idle engine
     connector = None
     if role != "both":
         from tandem.disagg.connector import KVConnector

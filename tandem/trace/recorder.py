@@ -9,10 +9,10 @@ Tracks::
                             steps, preempted; instants for arrival, first token (TTFT),
                             finish (reason)
 
-The engine calls ``request_arrived`` when a request is queued, ``step_done`` after each
-step and ``request_aborted`` on an abort; everything else is read from the step's
-SchedulerOutput and the requests' own timelines, so the trace and the request metrics
-come from the same clock readings.
+The tracer is an EngineObserver (``Engine.start_trace`` attaches one): it hears of
+requests being queued and aborted and of every step; everything else is read from the
+step's SchedulerOutput and the requests' own timelines, so the trace and the request
+metrics come from the same clock readings.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.request import Request
+from tandem.engine.observer import EngineObserver, StepStats
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
 
 ENGINE_PID, REQUESTS_PID = 0, 1
@@ -39,7 +40,7 @@ class _Lane:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-class StepTracer:
+class StepTracer(EngineObserver):
     def __init__(self) -> None:
         self.origin = time.perf_counter()
         self.steps: list[dict[str, Any]] = []
@@ -61,14 +62,16 @@ class StepTracer:
              "pid": REQUESTS_PID, "tid": lane.tid, "args": args}
         )  # fmt: skip
 
-    # -- hooks the engine calls --------------------------------------------------------
+    # -- EngineObserver ----------------------------------------------------------------
 
-    def request_arrived(self, request: Request) -> None:
+    def request_added(self, request: Request) -> None:
         lane = _Lane(request, tid=len(self.lanes) + 1, state_since=request.timeline.arrival)
         self.lanes[request.request_id] = lane
         self._instant(lane, "arrival", request.timeline.arrival, prompt_tokens=request.num_tokens)
 
-    def step_done(self, out: SchedulerOutput, kv_blocks_used: int) -> None:
+    def step_done(self, out: SchedulerOutput | None, stats: StepStats) -> None:
+        if out is None:
+            return
         start, end = out.started_at, time.perf_counter()
         prefill_tokens = decode_tokens = 0
         for victim in out.preempted:
@@ -108,11 +111,15 @@ class StepTracer:
         self.steps.append(
             {"start": start, "end": end, "batch_size": len(out.scheduled),
              "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
-             "kv_blocks_used": kv_blocks_used,
+             "kv_blocks_used": stats.kv_blocks_in_use,
              "preempted": [r.request_id for r in out.preempted]}
         )  # fmt: skip
 
-    def request_aborted(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> None:
+        # A request that finishes in a step is drawn by step_done; an abort ends its
+        # lane here.
+        if request.status != RequestStatus.FINISHED_ABORTED:
+            return
         lane = self.lanes.get(request.request_id)
         if lane is not None and lane.state != "finished":
             if lane.state in ("waiting", "preempted"):

@@ -1,0 +1,196 @@
+"""InputProcessor: a user's prompt and parameters -> a validated, typed EngineRequest.
+
+Everything a request can be refused for is checked here, before it crosses a thread
+or a process: the prompt's form and token ids (within the vocabulary), its length
+against the context, max_tokens against the context and the KV capacity, the prefix
+cache salt, and the disaggregation parameters (parsed once into KVTransferParams).
+``LLM``, the server and the CLI all go through it, so the HTTP and Python APIs refuse
+exactly the same things with the same messages; a refused request leaves nothing
+behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tandem.errors import InvalidParameterError
+from tandem.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.models.tokenizer import Tokenizer
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Disaggregated serving (tandem.disagg), as a client or router sent them.
+
+    Prefill side: ``do_remote_decode`` keeps the blocks when the request finishes, for a
+    decode instance to read. Decode side: ``remote_block_ids`` hold the first
+    ``remote_num_tokens`` prompt tokens' K/V on the instance at ``remote_host:port``,
+    under lease ``lease_id``."""
+
+    do_remote_decode: bool = False
+    remote_block_ids: tuple[int, ...] = ()
+    remote_num_tokens: int = 0
+    lease_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_engine_id: str | None = None
+
+    @property
+    def pulls(self) -> bool:
+        """Whether the request reads its prompt's K/V from a prefill instance."""
+        return self.remote_num_tokens > 0
+
+    @classmethod
+    def parse(
+        cls, raw: dict[str, Any], num_prompt_tokens: int, block_size: int
+    ) -> KVTransferParams:
+        do_remote_decode = bool(raw.get("do_remote_decode"))
+        if "remote_block_ids" not in raw:
+            return cls(do_remote_decode=do_remote_decode)
+        tokens, blocks = raw.get("remote_num_tokens"), raw["remote_block_ids"]
+        if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
+            raise InvalidParameterError(
+                "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
+            )
+        needed = -(-tokens // block_size)
+        if (
+            not isinstance(blocks, list)
+            or len(blocks) < needed
+            or not all(isinstance(b, int) and b >= 0 for b in blocks)
+        ):
+            raise InvalidParameterError(
+                "kv_transfer_params.remote_block_ids",
+                f"must list the {needed} block ids (integers) of {tokens} tokens",
+            )
+        port = raw.get("remote_port")
+        return cls(
+            do_remote_decode=do_remote_decode,
+            remote_block_ids=tuple(blocks[:needed]),
+            remote_num_tokens=tokens,
+            lease_id=_optional_str(raw, "lease_id"),
+            remote_host=_optional_str(raw, "remote_host"),
+            remote_port=port if isinstance(port, int) else None,
+            remote_engine_id=_optional_str(raw, "remote_engine_id"),
+        )
+
+
+def _optional_str(raw: dict[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request that passed validation: what the engine core needs, as plain data."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved (never None)
+    arrival_time: float
+    cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> EngineRequest:
+        """Validate and normalise; raise InvalidParameterError naming the field."""
+        text, prompt_ids = self.tokenize(prompt)
+        max_tokens = self._validate(prompt_ids, params)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "must be a non-empty string")
+        transfer = None
+        if kv_transfer_params:
+            transfer = KVTransferParams.parse(kv_transfer_params, len(prompt_ids), self.block_size)
+            if transfer.do_remote_decode and params.n != 1:
+                raise InvalidParameterError("n", "a request decoded remotely takes n = 1")
+        return EngineRequest(
+            request_id,
+            text,
+            prompt_ids,
+            params,
+            arrival_time or time.perf_counter(),
+            cache_salt,
+            transfer,
+        )
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise InvalidParameterError("prompt_token_ids", "must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "prompt", "this model has no tokenizer; pass prompt_token_ids"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidParameterError(
+            "prompt", "must be a string, a list of token ids or {'prompt_token_ids': [...]}"
+        )
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Check the prompt and the token budget; returns max_tokens resolved."""
+        if not prompt_ids:
+            raise InvalidParameterError("prompt", "is empty")
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidParameterError(
+                "prompt",
+                f"is {len(prompt_ids)} tokens; the context (max_model_len) is "
+                f"{self.max_model_len}, leaving no room to generate",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+            )
+        needed = -(-(len(prompt_ids) + max_tokens) // self.block_size)
+        if needed > self.num_blocks:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"the request needs {needed} KV blocks but the cache has only "
+                f"{self.num_blocks}; raise num_blocks or kv_cache_memory",
+            )
+        return max_tokens

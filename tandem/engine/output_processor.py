@@ -1,0 +1,219 @@
+"""OutputProcessor: sampled tokens -> RequestOutputs, with text, logprobs and stop strings.
+
+It owns the user-facing side of every request the engine runs: the ``n > 1`` fan-out
+(one parent, n child requests ``<id>-0`` ...; reported together), incremental
+detokenization, logprobs with decoded tokens, and stop strings (a match finishes the
+child through ``finish_child``, dropping tokens accepted after it in the same step).
+
+What each output carries follows the request's ``output_kind``:
+
+    CUMULATIVE   everything so far, each step the request advances
+    DELTA        only the text, tokens and logprobs new since its previous output
+                 (the server streams these as they are; nothing is diffed again)
+    FINAL_ONLY   one output when the request finishes; without stop strings the text
+                 is not even decoded before then (batch generation pays nothing per step)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.input_processor import EngineRequest
+from tandem.engine.request import Request
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.sampling import RequestOutputKind
+
+if TYPE_CHECKING:
+    from tandem.models.tokenizer import Tokenizer
+
+
+class SampledToken(Protocol):
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class _Sample:
+    """One child request's user-facing state, and how much of it was reported."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    # Detokenize as tokens arrive (stop strings, streaming) or once at the end.
+    eager_text: bool = True
+    num_detokenized: int = 0
+    sent_text: int = 0  # characters, tokens and logprobs already reported (DELTA)
+    sent_tokens: int = 0
+    reported_finish: bool = False
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        finish_child: Callable[[Request, str, int], None],
+        transfer_params: Callable[[Request, int], dict[str, Any] | None] = lambda r, n: None,
+    ) -> None:
+        """``finish_child(request, stop_string, num_tokens_after)`` ends a child whose
+        text hit a stop string; ``transfer_params(request, num_prompt_tokens)`` names
+        the K/V a finished prefill-only request leaves for a decode instance."""
+        self.tokenizer = tokenizer
+        self.finish_child = finish_child
+        self.transfer_params = transfer_params
+        self.parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Sample]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def add_request(self, request: EngineRequest, children: list[Request]) -> None:
+        params = request.params
+        parent = _Parent(
+            request.request_id, request.prompt, request.prompt_token_ids, params.output_kind
+        )
+        eager = bool(params.stop_strings) or params.output_kind != RequestOutputKind.FINAL_ONLY
+        for index, child in enumerate(children):
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    params.stop_strings,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+            sample = _Sample(child, index, detokenizer, None, None, eager)
+            if params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            parent.samples.append(sample)
+            self._children[child.request_id] = (parent, sample)
+        self.parents[request.request_id] = parent
+
+    def children(self, request_id: str) -> list[Request]:
+        parent = self.parents.get(request_id)
+        return [] if parent is None else [s.request for s in parent.samples]
+
+    def forget(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for sample in parent.samples if parent else ():
+            self._children.pop(sample.request.request_id, None)
+
+    def process(self, updated: list[tuple[Request, list[SampledToken]]]) -> list[RequestOutput]:
+        """Take each child's new tokens from a step; return the outputs due now."""
+        touched: dict[str, _Parent] = {}
+        for request, tokens in updated:
+            parent, sample = self._children[request.request_id]
+            for index, token in enumerate(tokens):
+                if sample.logprobs is not None:
+                    self._record_logprobs(sample, token)
+                if sample.eager_text and self._detokenize(sample, token.token_id):
+                    self.finish_child(
+                        request, sample.detokenizer.matched_stop, len(tokens) - index - 1
+                    )
+                    break
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            output = self._request_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self.forget(parent.request_id)
+        return outputs
+
+    def _detokenize(self, sample: _Sample, token_id: int) -> bool:
+        """Feed one token to the detokenizer; True when a stop string just matched."""
+        sample.num_detokenized += 1
+        detokenizer = sample.detokenizer
+        return detokenizer is not None and detokenizer.update(token_id) is not None
+
+    def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:
+        decode = (lambda t: self.tokenizer.decode([t], False)) if self.tokenizer else lambda t: None
+        entry = {
+            t: Logprob(value, rank, decode(t))
+            for rank, (t, value) in enumerate(token.top_logprobs or [], start=1)
+        }
+        if token.token_id not in entry:
+            entry[token.token_id] = Logprob(token.logprob, None, decode(token.token_id))
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += token.logprob
+
+    def _request_output(self, parent: _Parent) -> RequestOutput | None:
+        kind = parent.output_kind
+        finished = parent.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = [self._completion(sample, kind) for sample in parent.samples]
+        if kind == RequestOutputKind.DELTA:
+            completions = [c for c in completions if c is not None]
+            if not completions:
+                return None
+        first = parent.samples[0].request
+        metrics = RequestMetrics.from_timeline(first.timeline)
+        transfer = None
+        if first.status.finished:
+            transfer = self.transfer_params(first, len(parent.prompt_token_ids))
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=metrics,
+            kv_transfer_params=transfer,
+        )
+
+    def _completion(self, sample: _Sample, kind: RequestOutputKind) -> CompletionOutput | None:
+        """The sample's output so far (DELTA: only what is new; None if nothing is)."""
+        request = sample.request
+        finished = request.status.finished
+        if finished and not sample.eager_text:
+            for token_id in request.output_token_ids[sample.num_detokenized :]:
+                self._detokenize(sample, token_id)
+        detok = sample.detokenizer
+        text = detok.visible_text(finished) if detok else ""
+        token_ids = request.output_token_ids
+        logprobs = sample.logprobs
+        if kind == RequestOutputKind.DELTA:
+            finishing = finished and not sample.reported_finish
+            unchanged = len(text) == sample.sent_text and len(token_ids) == sample.sent_tokens
+            if unchanged and not finishing:
+                return None
+            start = sample.sent_tokens
+            text, token_ids = text[sample.sent_text :], token_ids[start:]
+            logprobs = None if logprobs is None else logprobs[start:]
+            sample.sent_text += len(text)
+            sample.sent_tokens += len(token_ids)
+        else:
+            token_ids = list(token_ids)
+        sample.reported_finish = finished
+        return CompletionOutput(
+            index=sample.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sample.cumulative_logprob,
+            metrics=RequestMetrics.from_timeline(request.timeline),
+        )

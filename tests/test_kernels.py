@@ -1,0 +1,92 @@
+"""tandem's CPU kernels against the torch ops they replace (the same layers with the
+kernels off), in float32 and bfloat16, on the strided views the model passes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import cpu as cpu_kernels
+from tandem.models.config import RopeConfig
+from tandem.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tandem.models.linear import Linear
+from tandem.runner.linear.cpu_small_batch import CpuSmallBatchLinearMethod
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bfloat16: the kernels round where torch rounds, so they differ only where float32
+# math differs by an ulp before a rounding (then by one bfloat16 ulp, 2**-8 relative).
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=2**-7)}
+
+
+def both_paths(fn):
+    """fn() with the kernels (inference) and with torch ops (autograd on, no grads)."""
+    with torch.inference_mode():
+        kernel = fn()
+    with torch.enable_grad():
+        reference = fn()
+    return kernel, reference
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(7, 96, dtype=dtype)
+    residual = torch.randn(7, 96, dtype=dtype)
+    assert_close(*both_paths(lambda: norm(x)), dtype)
+    (k_out, k_sum), (r_out, r_sum) = both_paths(lambda: norm(x, residual.clone()))
+    assert_close(k_sum, r_sum, dtype)
+    assert_close(k_out, r_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # whole head, and partial rotary
+def test_rotary_in_place_on_strided_views(dtype, rotary_dim):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, tokens = 6, 2, 32, 5
+    rotary = RotaryEmbedding(RopeConfig(10000.0, rotary_dim, None, {}), 2048)
+    positions = torch.tensor([0, 3, 17, 1000, 4095])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+
+    def rotate():
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        q, k, _ = qkv.clone().split(sizes, dim=-1)
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+        return rotary.rotate(q, k, rotary.prepare(positions, dtype))
+
+    (kq, kk), (rq, rk) = both_paths(rotate)
+    assert_close(kq, rq, dtype)
+    assert_close(kk, rk, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(9, 2 * 48, dtype=dtype) * 3
+    assert_close(*both_paths(lambda: silu_and_mul(x)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (37, 40), (8, 7)])
+def test_small_linear_matches_torch(dtype, rows, out_features, in_features):
+    """Every tile shape: whole tiles of four rows and a remainder, K a multiple of the
+    vector width and not, with and without bias."""
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=True).to(dtype)
+    layer.method = CpuSmallBatchLinearMethod(dtype)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    with torch.inference_mode():
+        got = layer(x)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    # Both round the float32 sum once to the output dtype.
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
