@@ -29,7 +29,7 @@ def runtime_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("engine", ("torch", "tandem.models", "tandem.runner", "tandem.spec")),
+        ("engine", ("torch", "tandem.models", "tandem.runner", "tandem.spec_decode")),
         ("kernels", ("tandem.",)),
     ],
 )
@@ -41,7 +41,7 @@ def test_package_imports(package, forbidden):
             for name in runtime_imports(path)
             if any(name == f or name.startswith(f if f.endswith(".") else f + ".")
                    for f in forbidden)
-            and not name.startswith("tandem.spec.stats")
+            and not name.startswith("tandem.spec_decode.stats")
         ]  # fmt: skip
         if bad:
             offenders[path.name] = bad

@@ -16,7 +16,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.server.launch import tandem_process
-from tandem.spec.ngram import ngram_proposal
+from tandem.spec_decode.ngram import ngram_proposal
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 

@@ -29,7 +29,7 @@ from tandem.trace.recorder import StepTracer
 
 if TYPE_CHECKING:  # the engine drives a runner; it never imports torch or model code
     from tandem.runner.model_runner import ModelRunner
-    from tandem.spec.stats import SpecDecodeStats
+    from tandem.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["Engine", "PromptInput"]
 

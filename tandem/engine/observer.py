@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.spec.stats import SpecDecodeStats
+from tandem.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request

@@ -26,9 +26,9 @@ from tandem.runner.info import RunnerInfo
 from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.runner.linear import linear_method_for
 from tandem.runner.sampler import SampledToken, SamplingRow, sample
-from tandem.spec.proposer import Proposer, make_proposer
-from tandem.spec.rejection import verify
-from tandem.spec.stats import SpecDecodeStats
+from tandem.spec_decode.proposer import Proposer, make_proposer
+from tandem.spec_decode.rejection import verify
+from tandem.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
     from tandem.engine.scheduler import SchedulerOutput
@@ -68,7 +68,7 @@ class ModelRunner:
         # preemptions; the others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
-        # Speculative decoding: who guesses (tandem.spec), and how well it guessed.
+        # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
         self.info = RunnerInfo(

@@ -21,7 +21,7 @@ from tandem.engine.observer import EngineObserver, StepStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.outputs import RequestMetrics
-from tandem.spec.stats import SpecDecodeStats
+from tandem.spec_decode.stats import SpecDecodeStats
 
 disable_created_metrics()
 

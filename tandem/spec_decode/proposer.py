@@ -28,9 +28,9 @@ def make_proposer(
     if spec is None:
         return None
     if spec.method == "ngram":
-        from tandem.spec.ngram import NgramProposer
+        from tandem.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-    from tandem.spec.draft import DraftProposer  # it builds a ModelRunner of its own
+    from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
 
     return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)
