@@ -1,6 +1,8 @@
-"""Engine settings as dataclasses; ``EngineConfig.from_kwargs`` sorts flat keyword
-options (as ``LLM(...)`` and the CLI take them) into their sections and rejects
-unknown ones by name."""
+"""Engine settings as frozen dataclasses; ``EngineConfig.from_kwargs`` sorts flat
+keyword options (as ``LLM(...)`` and the CLI take them) into their sections and
+rejects unknown ones by name. Each field's ``help`` (and ``metavar``) metadata is what
+the command line shows: its engine flags are generated from these fields
+(tandem/cli/engine_args.py), so a new setting is one field here."""
 
 from __future__ import annotations
 
@@ -13,16 +15,28 @@ from tandem.errors import InvalidParameterError
 SCHEDULING_POLICIES = ("chunked", "prefill-first")
 
 
-@dataclass
+def setting(default: Any, help: str, metavar: str | None = None, flag: str | None = None):
+    """A config field with the text the command line shows for it."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "flag": flag})
+
+
+@dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = setting(16, "tokens per KV cache block", "TOKENS")
     # Size of the KV pool: num_blocks wins, then kv_cache_memory (bytes); otherwise a
     # fraction of GPU memory on CUDA, or a default budget on CPU.
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    # Reuse the KV blocks of prompt starts seen before (automatic prefix caching).
-    enable_prefix_caching: bool = True
+    num_blocks: int | None = setting(
+        None, "KV cache blocks (default: what the memory budget holds)", "N"
+    )
+    kv_cache_memory: int | None = setting(
+        None, "KV cache budget in bytes (default: 2 GiB on CPU)", "BYTES"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: the fraction of GPU memory for weights + KV cache", "FRACTION"
+    )
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of prompt starts seen before (automatic prefix caching)"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -33,12 +47,16 @@ class CacheConfig:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    max_num_seqs: int = 128  # requests running at once
-    long_prefill_token_threshold: int = 0  # cap on one request's chunk per step; 0: none
-    scheduling_policy: str = "chunked"
+    max_num_batched_tokens: int = setting(2048, "the token budget of one step", "TOKENS")
+    max_num_seqs: int = setting(128, "requests running at once", "N")
+    long_prefill_token_threshold: int = setting(
+        0, "cap on one request's prompt chunk per step (0: none)", "TOKENS"
+    )
+    scheduling_policy: str = setting(
+        "chunked", f"one of {', '.join(SCHEDULING_POLICIES)}", "POLICY"
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -57,22 +75,28 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses ``num_speculative_tokens`` tokens and the
     target model verifies them in the same forward as everything else."""
 
-    method: str = "ngram"  # "ngram" (prompt lookup) | "draft" (a smaller model)
-    num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model's folder (method "draft"; default: bundled)
-    # Speculation stops while this many requests run: verifying k extra tokens per
-    # request then costs more than it saves. On the bundled pair on a 2-core CPU, n-gram
-    # lookup on code still paid at 64 (1.14x throughput, down from 1.67x at 32); see
-    # docs/BENCHMARKS.md. None: never.
-    disable_by_batch_size: int | None = 64
-    # n-gram lookup: the longest and shortest suffix of the sequence to match.
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    method: str = setting(
+        "ngram", "ngram (prompt lookup) or draft (a smaller model)", "METHOD",
+        "--speculative-method",
+    )  # fmt: skip
+    num_speculative_tokens: int = setting(4, "draft tokens per step (k)", "K")
+    model: str | None = setting(
+        None, "the draft model's folder (default: the bundled draft)", "DIR", "--draft-model"
+    )
+    # On the bundled pair on a 2-core CPU, n-gram lookup on code still paid at 64
+    # (1.14x throughput, down from 1.67x at 32); see docs/BENCHMARKS.md.
+    disable_by_batch_size: int | None = setting(
+        64, "no speculation while this many requests run: verifying k more tokens each "
+        "then costs more than it saves (None: never)", "N",
+        "--speculative-disable-by-batch-size",
+    )  # fmt: skip
+    prompt_lookup_max: int = setting(4, "n-gram: the longest suffix to match", "TOKENS")
+    prompt_lookup_min: int = setting(1, "n-gram: the shortest suffix to match", "TOKENS")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -90,13 +114,15 @@ class SpeculativeConfig:
             raise InvalidParameterError("speculative_config.disable_by_batch_size", "must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = setting(
+        "auto", "auto (CPU: float32, CUDA: bfloat16), float32, bfloat16 or float16", "DTYPE"
+    )
+    device: str = setting("cpu", "cpu or cuda", "DEVICE")
+    seed: int = setting(0, "seed of the engine's shared random generator", "N")
+    max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None

@@ -8,6 +8,27 @@ from tests.hf_models import save_model
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+# Test tiers (pytest -m unit | model | system), by module: a module is in the tier of
+# its slowest tests.
+#   unit    fake token ids, kernels and pure functions: seconds in all
+#   model   real forward passes, checked against transformers or brute force
+#   system  real processes: servers, the CLI, load generators, multi-instance setups
+UNIT = {
+    "test_attention", "test_kernels", "test_layering", "test_sampler", "test_scheduler",
+    "test_kv_transfer", "test_detokenizer", "test_tokenizer",
+}  # fmt: skip
+SYSTEM = {
+    "test_server", "test_disagg", "test_bench_serve", "test_cli", "test_readme", "test_trace",
+    "test_training", "test_plan",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        tier = "unit" if module in UNIT else "system" if module in SYSTEM else "model"
+        item.add_marker(getattr(pytest.mark, tier))
+
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):

@@ -23,7 +23,7 @@ def make_scheduler(num_blocks=100, block_size=4, max_model_len=1000, **config):
 def run_step(scheduler):
     """schedule + a fake forward that samples token 7 wherever a chunk completes."""
     out = scheduler.schedule()
-    sampled = {s.request.request_id: [Token(7)] for s in out.scheduled if s.samples}
+    sampled = {s.request_id: [Token(7)] for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
     return out
 

@@ -58,3 +58,30 @@ def test_generate_uses_the_bundled_model_by_default():
     assert params.repetition_penalty != 1.0
     expected = llm.generate("import os", params, use_tqdm=False)[0]
     assert result.stdout == expected.outputs[0].text + "\n"
+
+
+def test_every_engine_setting_is_a_flag_with_help():
+    """The engine flags are generated from the config dataclasses: each field has a
+    flag, a help text and a metavar that reads as a value; --version answers."""
+    import dataclasses
+
+    from tandem.cli import build_parser
+    from tandem.cli.engine_args import SECTIONS, _flags
+    from tandem.config import SpeculativeConfig
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    actions = {a.option_strings[0]: a for a in generate._actions if a.option_strings}
+    fields = [
+        flag for cls, skipped in SECTIONS for f, flag, _ in _flags(cls) if f.name not in skipped
+    ]
+    fields += [flag for _, flag, _ in _flags(SpeculativeConfig)]
+    assert len(fields) == sum(
+        len(dataclasses.fields(cls)) - len(skipped) for cls, skipped in SECTIONS
+    ) + len(dataclasses.fields(SpeculativeConfig))
+    for flag in fields:
+        action = actions[flag]
+        assert action.help and "ENGINE" not in str(action.metavar), flag
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("tandem ")
+    options = run_cli("generate", "--help").stdout
+    assert "--max-num-batched-tokens TOKENS" in options and "(default: 2048)" in options

@@ -50,7 +50,8 @@ def test_a_later_request_starts_after_the_shared_full_blocks():
     scheduler.add_request(b)
     out = scheduler.schedule()
     assert out.scheduled[0].num_computed_tokens == 8  # two full blocks of 4 reused
-    assert out.scheduled[0].token_ids == [99, 98, 97]
+    assert out.scheduled[0].num_new_tokens == 3  # [99, 98, 97]
+    assert out.new_requests[0].prompt_token_ids[8:] == [99, 98, 97]
     assert b.num_cached_tokens == 8
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
     scheduler.update(out, {"b": [Token(7)]})

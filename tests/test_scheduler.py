@@ -25,7 +25,7 @@ def add(scheduler, request_id, prompt_len, max_tokens=5):
 
 
 def shares(out):
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    return {s.request_id: s.num_new_tokens for s in out.scheduled}
 
 
 def test_admission_fills_the_budget_with_chunks():
@@ -78,9 +78,9 @@ def test_preemption_takes_the_newest_request_and_admits_nothing():
     out = run_step(scheduler)  # a and b decode token 8 into a 3rd block each: pool full
     assert shares(out) == {"a": 1, "b": 1}  # c cannot be admitted
     for _ in range(3):  # tokens 9, 10, 11 fill the 3rd blocks
-        assert not run_step(scheduler).preempted
+        assert not run_step(scheduler).preempted_ids
     out = run_step(scheduler)  # token 12 needs a 4th block for a: b must give way
-    assert [r.request_id for r in out.preempted] == ["b"]  # the most recently admitted
+    assert out.preempted_ids == ["b"]  # the most recently admitted
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # b first
     assert shares(out) == {"a": 1}  # nothing admitted in a step that preempted
@@ -168,3 +168,23 @@ def test_block_manager_tables_grow_and_release():
     assert kv.usage == pytest.approx(0.8)
     kv.free(request)
     kv.check_no_leaks()
+
+
+def test_scheduler_output_is_plain_data():
+    """What the runner receives survives msgpack unchanged (the engine core can move to
+    another process, a simulator can consume it): ids, counts, block diffs, params."""
+    import msgspec
+
+    from tandem.engine.scheduler import SchedulerOutput
+
+    scheduler, _ = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=16)
+    for name, length in (("a", 9), ("b", 7)):
+        add(scheduler, name, length, max_tokens=8)
+    seen_new = seen_preempted = 0
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput)
+        assert back == out
+        seen_new += len(out.new_requests)
+        seen_preempted += len(out.preempted_ids)
+    assert seen_preempted and seen_new == 2 + seen_preempted  # resumed requests come anew

@@ -279,3 +279,37 @@ def test_the_server_speculates_and_reports_it(target):
         drafts = [line for line in metrics.splitlines()
                   if line.startswith("tandem:spec_decode_num_accepted_tokens_total")]  # fmt: skip
         assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_runner_copy_of_every_request_matches_the_scheduler(target, bad_draft, method):
+    """The scheduler sends diffs (new requests once, then block-table changes); the
+    runner keeps its own tokens and tables. Under preemption, prefix hits and drafts
+    rejected and freed, both sides must agree after every step."""
+    folder, _ = target
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    if method == "draft":
+        spec["model"] = str(bad_draft)
+    llm = LLM(str(folder), speculative_config=spec, block_size=4, num_blocks=40,
+              max_num_batched_tokens=64)  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = repetitive_prompts(5, [9, 14, 21, 30, 9, 14])
+    for i, prompt in enumerate([*prompts, prompts[0]]):  # the last one: a prefix hit
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    preempted = 0
+    batch = engine.runner.input_batch
+    while engine.has_unfinished_requests():
+        engine.step()
+        preempted += sum(len(r.timeline.preemption_times) for r in engine.scheduler.waiting)
+        for request in engine.scheduler.running:
+            state = batch.requests[request.request_id]
+            table = engine.kv_manager.block_table(request.request_id)
+            # Past the table: blocks freed after rejected drafts, replaced when the
+            # request is next scheduled (never read before).
+            assert state.block_ids[: len(table)] == table
+            assert state.token_ids == request.all_token_ids
+    assert preempted and engine.spec_stats.num_draft_tokens
+    engine.step()  # an empty step tells the runner of the last finished requests
+    assert not batch.requests and not batch.generators
+    engine.kv_manager.check_no_leaks()

@@ -93,7 +93,7 @@ class Engine:
             kv_usage=kv.usage,
             num_batched_tokens=out.num_batched_tokens if out else 0,
             num_generated_tokens=num_generated,
-            num_preempted=len(out.preempted) if out else 0,
+            num_preempted=len(out.preempted_ids) if out else 0,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_kv_leases=len(kv.leases),

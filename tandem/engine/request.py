@@ -62,6 +62,8 @@ class Request:
         # the full blocks so far (see kv_manager.py).
         self.cache_salt = cache_salt
         self.block_digests: list[bytes] = []
+        # Leading blocks of its table the runner holds a copy of (see ScheduledRequest).
+        self.num_blocks_sent = 0
         # Disaggregated serving: a prefill instance keeps the blocks when this finishes
         # (lease_seconds), for a decode instance to read.
         self.lease_seconds: float | None = None

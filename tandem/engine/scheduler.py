@@ -34,6 +34,7 @@ from typing import Protocol
 from tandem.config import SchedulerConfig, SpeculativeConfig
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+from tandem.sampling import SamplingParams
 
 
 class SampledToken(Protocol):
@@ -41,47 +42,66 @@ class SampledToken(Protocol):
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step, fixed when the step is scheduled."""
+class NewRequestData:
+    """A request the runner has not seen (or has forgotten: preempted), sent once when
+    it is admitted; afterwards only its ScheduledRequest entries say what changed."""
 
-    request: Request
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption (recomputed now)
+    sampling_params: SamplingParams
+    # Banned while the output is shorter than min_tokens: EOS (unless ignored), stop ids.
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, fixed when the step is scheduled. Plain data:
+    the runner keeps each request's tokens and block table itself and applies this."""
+
+    request_id: str
     num_computed_tokens: int  # before this step
-    token_ids: list[int]  # the tokens to run: all_token_ids[computed : computed + new]
-    block_table: list[int]
+    num_new_tokens: int  # tokens to run: the request's tokens [computed, computed + new)
     # Whether this chunk reaches the request's last known token, so that the logits at
     # its end give the next token (false for all but the last chunk of a prompt).
     samples: bool
     # Speculative decoding: slots (budget and KV) reserved for this many draft tokens,
     # which the runner's proposer fills in (it may find fewer).
     num_spec_tokens: int = 0
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
+    # The block table as a diff: keep the runner's copy up to ``block_ids_from`` and
+    # append ``new_block_ids`` (a new request: 0 and its whole table).
+    block_ids_from: int = 0
+    new_block_ids: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids) + self.num_spec_tokens
+        return self.num_new_tokens + self.num_spec_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    """One step, as the runner needs it: serialisable (ints, strings, SamplingParams)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)  # the runner forgets them
     # Requests that finished since the previous step: the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
     started_at: float = 0.0
     num_batched_tokens: int = 0  # kept equal to the sum over ``scheduled``
 
-    def add(self, item: ScheduledRequest) -> None:
+    def add(self, item: ScheduledRequest, new: NewRequestData | None = None) -> None:
         self.scheduled.append(item)
         self.num_batched_tokens += item.num_scheduled_tokens
+        if new is not None:
+            self.new_requests.append(new)
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request_id: str) -> None:
         """Take back a request's share (it was preempted after being scheduled)."""
-        kept = [s for s in self.scheduled if s.request is not request]
+        kept = [s for s in self.scheduled if s.request_id != request_id]
         self.num_batched_tokens = sum(s.num_scheduled_tokens for s in kept)
         self.scheduled = kept
+        self.new_requests = [n for n in self.new_requests if n.request_id != request_id]
 
 
 class Scheduler:
@@ -149,7 +169,7 @@ class Scheduler:
                 self._schedule_running(out)
             return out
         self._schedule_running(out)
-        if not out.preempted:
+        if not out.preempted_ids:
             self._admit_waiting(out, whole=False)
         return out
 
@@ -209,13 +229,19 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
+        table = self.kv.block_table(request.request_id)
+        # Blocks the runner has not been sent (``update`` lowers the count when it frees
+        # blocks that held only rejected drafts).
+        sent = request.num_blocks_sent
+        request.num_blocks_sent = len(table)
         return ScheduledRequest(
-            request,
+            request.request_id,
             start,
-            request.all_token_ids[start : start + num_new],
-            list(self.kv.block_table(request.request_id)),
+            num_new,
             start + num_new == request.num_tokens,
             num_spec,
+            sent,
+            tuple(table[sent:]),
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -231,11 +257,12 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_blocks_sent = 0  # the runner forgets it; resuming sends it anew
         request.timeline.preemption_times.append(time.perf_counter())
         self.waiting.appendleft(request)
-        out.preempted.append(request)
+        out.preempted_ids.append(request.request_id)
         # A victim already given tokens in this step loses them.
-        out.remove(request)
+        out.remove(request.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, whole: bool) -> None:
         while (
@@ -261,7 +288,18 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.add(self._scheduled(request, num_new))
+            request.num_blocks_sent = 0
+            out.add(self._scheduled(request, num_new), self._new_request_data(request))
+
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        return NewRequestData(
+            request.request_id,
+            request.prompt_token_ids,
+            list(request.output_token_ids),
+            request.sampling_params,
+            (*request.eos_token_ids, *request.stop_token_ids),
+        )
 
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
@@ -273,8 +311,8 @@ class Scheduler:
         now = time.perf_counter()
         updated = []
         for item in out.scheduled:
-            request = item.request
-            tokens = list(sampled.get(request.request_id, ()))
+            request = self.requests[item.request_id]
+            tokens = list(sampled.get(item.request_id, ()))
             if item.num_spec_tokens and tokens:
                 # K/V is valid for the last token and the accepted drafts; the slots of
                 # rejected drafts are given back (blocks holding only those are freed).
@@ -296,5 +334,8 @@ class Scheduler:
             else:
                 if item.num_spec_tokens:
                     self.kv.trim(request)
+                    # Blocks freed here may come back with other ids: resend from there.
+                    table_len = len(self.kv.block_table(request.request_id))
+                    request.num_blocks_sent = min(request.num_blocks_sent, table_len)
             updated.append((request, kept))
         return updated

@@ -23,9 +23,10 @@ from tandem.models.loader import LoadedModel, load_model
 from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.info import RunnerInfo
+from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.runner.linear import linear_method_for
-from tandem.runner.sampler import SampledToken, SamplingRow, sample
+from tandem.runner.sampler import SampledToken, sample
 from tandem.spec_decode.proposer import Proposer, make_proposer
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
@@ -41,6 +42,15 @@ class SequenceChunk:
     token_ids: Sequence[int]  # tokens to run now
     num_computed_tokens: int  # tokens of this sequence already in the cache before them
     block_table: Sequence[int]  # blocks holding this sequence, covering all its tokens
+
+
+@dataclass
+class SpecItem:
+    """What a proposer sees of a speculating request (spec_decode/proposer.py)."""
+
+    request: RequestState  # its tokens (all_token_ids, num_tokens) and sampling
+    block_table: Sequence[int]  # covers every position a draft writes this step
+    num_spec_tokens: int
 
 
 class ModelRunner:
@@ -64,10 +74,10 @@ class ModelRunner:
         set_linear_method(loaded.model, linear_method_for(loaded.device, loaded.dtype))
         if loaded.device.type == "cpu":
             host_memory.keep_large_temporaries()
-        # Requests with a seed sample from their own generator, kept across steps and
-        # preemptions; the others share this one.
+        # Requests with a seed sample from their own generator (input_batch.py); the
+        # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
-        self.generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch(loaded.device)
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
@@ -113,37 +123,50 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Run one scheduled step. Returns the new tokens of each request that samples:
         one, or with speculation the accepted draft tokens and the one after them."""
+        batch = self.input_batch
         for request_id in scheduler_output.finished_ids:
-            self.generators.pop(request_id, None)
+            batch.finished(request_id)
+        for request_id in scheduler_output.preempted_ids:
+            batch.preempted(request_id)
         if self.proposer is not None:
-            for request_id in scheduler_output.finished_ids:
+            for request_id in (*scheduler_output.finished_ids, *scheduler_output.preempted_ids):
                 self.proposer.forget(request_id)
-            for request in scheduler_output.preempted:
-                self.proposer.forget(request.request_id)
-        scheduled = scheduler_output.scheduled
+        for new in scheduler_output.new_requests:
+            batch.add(new)
+        scheduled = [(item, batch.update_blocks(item)) for item in scheduler_output.scheduled]
         if not scheduled:
             return {}
         drafts = self._drafts(scheduled)
         chunks, logit_rows, position = [], [], 0
-        for s in scheduled:
-            guess = drafts.get(s.request.request_id, ((), None))[0]
-            chunks.append(
-                SequenceChunk([*s.token_ids, *guess], s.num_computed_tokens, s.block_table)
-            )
-            position += len(s.token_ids) + len(guess)
-            if s.samples:  # the last token's logits, and each draft's
+        for item, state in scheduled:
+            guess = drafts.get(item.request_id, ((), None))[0]
+            start = item.num_computed_tokens
+            tokens = state.token_ids[start : start + item.num_new_tokens]
+            chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids))
+            position += len(tokens) + len(guess)
+            if item.samples:  # the last token's logits, and each draft's
                 logit_rows.extend(range(position - 1 - len(guess), position))
         if not logit_rows:
             self.forward(chunks)
             return {}
-        return self._new_tokens(scheduled, drafts, self.forward(chunks, logit_indices=logit_rows))
+        logits = self.forward(chunks, logit_indices=logit_rows)
+        results = self._new_tokens(scheduled, drafts, logits)
+        for request_id, tokens in results.items():
+            batch.requests[request_id].append([t.token_id for t in tokens])
+        return results
 
     def _drafts(self, scheduled) -> dict[str, tuple]:
         """The proposer's (draft tokens, draft distributions) per speculating request."""
-        speculating = [s for s in scheduled if s.num_spec_tokens]
+        speculating = [
+            SpecItem(state, state.block_ids, item.num_spec_tokens)
+            for item, state in scheduled
+            if item.num_spec_tokens
+        ]
         if not speculating:
             return {}
-        proposals = self.proposer.propose(speculating, self._sampling_row, self.shared_generator)
+        proposals = self.proposer.propose(
+            speculating, lambda state, drafts=(): state.sampling_row(drafts), self.shared_generator
+        )
         return {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
 
     def _new_tokens(self, scheduled, drafts, logits) -> dict[str, list[SampledToken]]:
@@ -152,49 +175,32 @@ class ModelRunner:
         one."""
         results: dict[str, list[SampledToken]] = {}
         plain, plain_rows, row = [], [], 0
-        for s in scheduled:
-            if not s.samples:
+        for item, state in scheduled:
+            if not item.samples:
                 continue
-            request = s.request
-            guess, guess_probs = drafts.get(request.request_id, ((), None))
+            guess, guess_probs = drafts.get(item.request_id, ((), None))
             if not guess:
-                plain.append(request)
+                plain.append(state)
                 plain_rows.append(row)
                 row += 1
                 continue
-            rows = [self._sampling_row(request, guess[:i]) for i in range(len(guess) + 1)]
+            rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
             tokens = verify(
                 logits[row : row + len(guess) + 1], rows, list(guess), guess_probs,
                 self.shared_generator,
             )  # fmt: skip
             row += len(guess) + 1
-            results[request.request_id] = tokens
+            results[item.request_id] = tokens
             self.spec_stats.record(len(guess), len(tokens) - 1)
-            self.proposer.rollback(request.request_id, s.num_computed_tokens + len(tokens))
+            self.proposer.rollback(item.request_id, item.num_computed_tokens + len(tokens))
         if plain:
-            rows = [self._sampling_row(r) for r in plain]
+            rows = [state.sampling_row() for state in plain]
             if len(plain_rows) != len(logits):  # else every row, in order: no copy
                 logits = logits[torch.tensor(plain_rows, device=self.device)]
             tokens = sample(logits, rows, self.shared_generator)
-            for request, token in zip(plain, tokens, strict=True):
-                results[request.request_id] = [token]
+            for state, token in zip(plain, tokens, strict=True):
+                results[state.request_id] = [token]
         return results
-
-    def _sampling_row(self, request, drafts: Sequence[int] = ()) -> SamplingRow:
-        """How ``request`` samples its next token; with ``drafts``, the token after them
-        (they count as output for penalties and min_tokens)."""
-        params = request.sampling_params
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = self.generators.get(request.request_id)
-            if generator is None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
-                self.generators[request.request_id] = generator
-        banned: tuple[int, ...] = ()
-        if request.num_output_tokens + len(drafts) < params.min_tokens:
-            banned = (*request.eos_token_ids, *request.stop_token_ids)
-        output = request.output_token_ids if not drafts else [*request.output_token_ids, *drafts]
-        return SamplingRow(params, request.prompt_token_ids, output, generator, banned)
 
     @torch.inference_mode()
     def forward(

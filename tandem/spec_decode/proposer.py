@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.config import SpeculativeConfig
 from tandem.models.bundled import default_draft_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.runner.input_batch import RequestState
+    from tandem.runner.model_runner import SpecItem
+    from tandem.runner.sampler import SamplingRow
+
+# How a request samples the token after some draft tokens (penalties, min_tokens and
+# seeds see the drafts as output): the proposer draws its guesses the same way.
+MakeRow = Callable[["RequestState", Sequence[int]], "SamplingRow"]
 
 
 class Proposer(Protocol):
     """Guesses draft tokens for speculating requests (ngram.py, draft.py)."""
 
-    def propose(self, items, make_row, shared_generator) -> list[tuple[list[int], Any]]:
-        """Per item (a ScheduledRequest with ``num_spec_tokens``), up to that many draft
-        tokens and the distributions they were drawn from ([k, vocab], or None when
-        each guess is certain, as n-gram's are)."""
+    def propose(
+        self, items: list[SpecItem], make_row: MakeRow, shared_generator: torch.Generator
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Per item, up to ``item.num_spec_tokens`` draft tokens and the distributions
+        they were drawn from ([k, vocab], or None when each guess is certain, as
+        n-gram's are)."""
         ...
 
-    def rollback(self, request_id: str, num_valid_tokens: int) -> None: ...
+    def rollback(self, request_id: str, num_valid_tokens: int) -> None:
+        """The target kept K/V for ``num_valid_tokens`` tokens: forget guesses past it."""
+        ...
 
-    def forget(self, request_id: str) -> None: ...
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted."""
+        ...
 
 
 def make_proposer(

@@ -74,21 +74,23 @@ class StepTracer(EngineObserver):
             return
         start, end = out.started_at, time.perf_counter()
         prefill_tokens = decode_tokens = 0
-        for victim in out.preempted:
-            lane = self.lanes.get(victim.request_id)
+        for victim_id in out.preempted_ids:
+            lane = self.lanes.get(victim_id)
             if lane is not None:
                 lane.state, lane.state_since = "preempted", start
         for item in out.scheduled:
-            lane = self.lanes.get(item.request.request_id)
-            request = item.request
+            lane = self.lanes.get(item.request_id)
             first, last = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            if lane is None:  # queued before tracing began: not drawn; one token = decode
+                prefill_tokens += item.num_new_tokens if item.num_new_tokens > 1 else 0
+                decode_tokens += item.num_new_tokens == 1
+                continue
+            request = lane.request
             is_decode = item.num_new_tokens == 1 and first >= len(request.prompt_token_ids)
             if is_decode:
                 decode_tokens += 1
             else:
                 prefill_tokens += item.num_new_tokens
-            if lane is None:
-                continue
             if lane.state in ("waiting", "preempted"):
                 self._slice(lane, lane.state, lane.state, lane.state_since, start)
                 lane.state = "running"
@@ -112,7 +114,7 @@ class StepTracer(EngineObserver):
             {"start": start, "end": end, "batch_size": len(out.scheduled),
              "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
              "kv_blocks_used": stats.kv_blocks_in_use,
-             "preempted": [r.request_id for r in out.preempted]}
+             "preempted": list(out.preempted_ids)}
         )  # fmt: skip
 
     def request_finished(self, request: Request) -> None:

@@ -1,0 +1,78 @@
+"""The ``tandem`` command line: one module per subcommand, each an ``add_arguments``
+/ ``run`` pair (engine flags come from the config dataclasses, engine_args.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from tandem.cli import bench, generate, plan, router, serve, trace
+from tandem.errors import TandemError
+
+DESCRIPTION = """\
+tandem: an LLM inference engine you can read. Paged KV cache, continuous batching,
+chunked prefill, prefix caching, speculative decoding and disaggregated serving,
+on a CPU or a CUDA GPU, measured in TTFT, TPOT and goodput."""
+
+EPILOG = """\
+examples:
+  tandem generate "import os" --max-tokens 32
+  tandem serve --port 8000                  (then any OpenAI client at /v1)
+  tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 50
+  tandem plan --model DIR --hardware h100-sxm --prompt-len 2048
+'help' of each: tandem COMMAND --help"""
+
+
+def _version() -> str:
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(subparsers, name: str, module) -> None:
+        description = module.__doc__.replace("``", "").strip()
+        sub = subparsers.add_parser(name, help=module.HELP, description=description)
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
+
+    add(commands, "generate", generate)
+    add(commands, "serve", serve)
+    add(commands, "router", router)
+    benchmarks = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench", required=True, metavar="BENCHMARK"
+    )
+    add(benchmarks, "serve", bench)
+    add(commands, "plan", plan)
+    traces = commands.add_parser("trace", help="step traces").add_subparsers(
+        dest="trace_command", required=True, metavar="ACTION"
+    )
+    add(traces, "plot", trace)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TandemError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

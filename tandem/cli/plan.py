@@ -1,0 +1,53 @@
+"""``tandem plan``: will it fit, and how fast at best (tandem/plan/)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "KV cache and roofline calculator: will it fit, how fast at best?"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="PATH", help="a folder or a config.json")
+    parser.add_argument(
+        "--hardware", default="h100-sxm",
+        choices=["a100-80g", "h100-sxm", "h200", "l4", "t4", "cpu", "custom"],
+        help="a datasheet preset; cpu: this machine, measured; custom: give the three below",
+    )  # fmt: skip
+    parser.add_argument("--bandwidth", type=float, metavar="GB/S", help="(custom)")
+    parser.add_argument("--flops", type=float, metavar="TFLOP/S", help="(custom)")
+    parser.add_argument("--memory", type=float, metavar="GB", help="per device (custom)")
+    parser.add_argument(
+        "--dtype", default="bf16", metavar="DTYPE", help="weights: fp32 bf16 fp16 fp8 int8"
+    )
+    parser.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="(default: --dtype)")
+    parser.add_argument("--prompt-len", type=int, default=1024, metavar="TOKENS")
+    parser.add_argument("--output-len", type=int, default=256, metavar="TOKENS")
+    parser.add_argument("--batch", type=int, default=1, metavar="N")
+    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel devices")
+    parser.add_argument(
+        "--measure", action="store_true", help="measure this machine and run tandem on it"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> None:
+    import json
+
+    from tandem.plan.calculator import format_plan, plan
+    from tandem.plan.hardware import PRESETS, custom_hardware
+    from tandem.plan.measure import measure_model, this_machine
+
+    if args.measure or args.hardware == "cpu":
+        hardware = this_machine(args.dtype)
+    elif args.hardware == "custom":
+        hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
+    else:
+        hardware = PRESETS[args.hardware]
+    result = plan(
+        args.model, hardware, args.dtype, args.kv_dtype, args.prompt_len, args.output_len,
+        args.batch, args.tp,
+    )  # fmt: skip
+    if args.measure:
+        result["measured"] = measure_model(args.model, result)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))

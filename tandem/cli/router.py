@@ -1,0 +1,30 @@
+"""``tandem router``: one OpenAI-compatible front for prefill and decode instances."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "an OpenAI-compatible front for prefill and decode instances"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    parser.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="(default: loopback)")
+    parser.add_argument("--port", type=int, default=8000, metavar="PORT", help="(default: 8000)")
+    parser.add_argument(
+        "--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+        help="prompts shorter than this go straight to a decode instance (default: 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="per call (default: 600)"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from tandem.disagg.router import run_router
+
+    run_router(
+        args.prefill, args.decode, args.host, args.port, args.local_prefill_threshold,
+        args.timeout,
+    )  # fmt: skip

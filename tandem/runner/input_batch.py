@@ -1,0 +1,96 @@
+"""The runner's own copy of every running request: tokens, block table, sampling state.
+
+The scheduler sends a request whole once (NewRequestData, when it is admitted or
+resumed after a preemption) and afterwards only what changed each step (the tokens to
+run, new block ids; see ScheduledRequest). The runner appends the tokens it samples
+itself, so nothing is re-sent or re-copied per step. A request leaves when it
+finishes or is preempted.
+
+Invariant, after every step, for every running request: ``token_ids`` equals the
+scheduler's ``all_token_ids``, and ``block_ids`` starts with its block table; blocks
+past the table (freed after rejected drafts) are replaced when the request is next
+scheduled, before anything reads them. tests/test_spec_decode.py checks this after
+every step under preemption, prefix hits and speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.scheduler import NewRequestData, ScheduledRequest
+from tandem.runner.sampler import SamplingRow
+from tandem.sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output: what the proposers read
+    sampling_params: SamplingParams
+    stop_token_ids: tuple[int, ...]  # banned below min_tokens
+    block_ids: list[int]
+    generator: torch.Generator | None  # its own, when it has a seed and samples
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
+
+    def sampling_row(self, drafts: list[int] | tuple[int, ...] = ()) -> SamplingRow:
+        """How this request samples its next token; with ``drafts``, the token after
+        them (they count as output for penalties and min_tokens)."""
+        params = self.sampling_params
+        output = self.output_token_ids if not drafts else [*self.output_token_ids, *drafts]
+        banned = self.stop_token_ids if len(output) < params.min_tokens else ()
+        return SamplingRow(params, self.prompt_token_ids, output, self.generator, banned)
+
+
+class InputBatch:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        # Seeded requests' generators live until the request finishes, across
+        # preemptions, so a preempted request draws exactly what it would have drawn.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def add(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        generator = self.generators.get(new.request_id)
+        if generator is None and params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.generators[new.request_id] = generator
+        self.requests[new.request_id] = RequestState(
+            new.request_id,
+            list(new.prompt_token_ids),
+            list(new.output_token_ids),
+            [*new.prompt_token_ids, *new.output_token_ids],
+            params,
+            new.stop_token_ids,
+            [],
+            generator,
+        )
+
+    def update_blocks(self, item: ScheduledRequest) -> RequestState:
+        state = self.requests[item.request_id]
+        if item.new_block_ids or item.block_ids_from != len(state.block_ids):
+            del state.block_ids[item.block_ids_from :]
+            state.block_ids.extend(item.new_block_ids)
+        return state
+
+    def preempted(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.generators.pop(request_id, None)
