@@ -36,13 +36,23 @@ def llama_125m_folder() -> Path:
     return folder
 
 
+# The instruction sets CPU kernels dispatch on; a figure is only comparable with
+# figures from a CPU with the same ones.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")
+
+
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    """The CPU model, its vector extensions, threads and torch version."""
+    cpu, flags = None, None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() == "flags" and flags is None:
+                flags = [flag for flag in ISA_FLAGS if flag in value.split()]
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    cpu = cpu or platform.processor() or platform.machine()
+    isa = " ".join(flags) or "flags unknown"
+    return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -114,6 +114,48 @@ class SpeculativeConfig:
             raise InvalidParameterError("speculative_config.disable_by_batch_size", "must be >= 1")
 
 
+KV_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated serving: this instance's role and how its KV connector behaves
+    (tandem/disagg/connector.py; `tandem serve --role`)."""
+
+    role: str = setting(
+        "both", "prefill: run prompts and keep their K/V for a decode instance; decode: "
+        "pull prompts' K/V, then decode; both: neither", "ROLE", "--role",
+    )  # fmt: skip
+    kv_port: int = setting(0, "the KV transfer port (0: any free one)", "PORT", "--kv-port")
+    lease_seconds: float = setting(
+        30.0, "prefill: how long a finished prompt keeps its blocks for a decode side",
+        "SECONDS", "--kv-lease-seconds",
+    )  # fmt: skip
+    on_failure: str = setting(
+        "recompute", "decode: when a pull fails, recompute the prompt here or fail the "
+        "request (recompute | fail)", "POLICY", "--kv-transfer-failure",
+    )  # fmt: skip
+    backend: str = setting(
+        "auto", "auto (NIXL when the nixl package is installed, else ZeroMQ), zmq or nixl",
+        "BACKEND", "--kv-backend",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        choices = {
+            "role": KV_ROLES,
+            "on_failure": ("recompute", "fail"),
+            "backend": ("auto", "zmq", "nixl"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidParameterError(
+                    f"kv_transfer_config.{name}",
+                    f"{getattr(self, name)!r} is not one of {', '.join(allowed)}",
+                )
+        if self.lease_seconds <= 0:
+            raise InvalidParameterError("kv_transfer_config.lease_seconds", "must be > 0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -126,19 +168,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        speculative = kwargs.pop("speculative_config", None)
-        if isinstance(speculative, dict):
-            unknown = set(speculative) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
-            if unknown:
-                raise InvalidParameterError(
-                    "speculative_config", f"unknown key(s): {', '.join(sorted(unknown))}"
-                )
-            speculative = SpeculativeConfig(**speculative)
+        speculative = _section(kwargs.pop("speculative_config", None), SpeculativeConfig,
+                               "speculative_config")  # fmt: skip
+        kv_transfer = _section(kwargs.pop("kv_transfer_config", None), KVTransferConfig,
+                               "kv_transfer_config")  # fmt: skip
         sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
-        top = {f.name for f in dataclasses.fields(cls)} - set(sections) - {"model", "speculative"}
+        top = {f.name for f in dataclasses.fields(cls)} - set(sections)
+        top -= {"model", "speculative", "kv_transfer"}
         values: dict[str, dict[str, Any]] = {name: {} for name in sections}
         own: dict[str, Any] = {}
         for key, value in kwargs.items():
@@ -157,4 +197,15 @@ class EngineConfig:
             **own,
             **{name: sections[name](**values[name]) for name in sections},
             speculative=speculative,
+            kv_transfer=kv_transfer,
         )
+
+
+def _section(value: Any, cls: type, name: str) -> Any:
+    """A section given as a dict (``speculative_config={...}``) -> its dataclass."""
+    if not isinstance(value, dict):
+        return value
+    unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise InvalidParameterError(name, f"unknown key(s): {', '.join(sorted(unknown))}")
+    return cls(**value)

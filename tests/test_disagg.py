@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.engine.kv_connector import FinishedTransfer
+from tandem.engine.observer import EngineObserver
 from tandem.server.launch import tandem_process, tandem_server
 from tests.hf_models import VOCAB_SIZE
 from tests.servers import metric, wait_for
@@ -186,19 +188,84 @@ def test_a_killed_decode_instance_leaves_the_prefill_side_clean(folder):
         wait_for(lambda: idle(prefill), timeout=15)
 
 
+class HeldPulls:
+    """A KV connector whose receives end when the test says so (the seam's contract,
+    without a transport)."""
+
+    num_leases = num_lease_expiries = 0
+
+    def __init__(self):
+        self.started, self.ended = {}, []
+
+    def num_remote_tokens(self, request):
+        return request.kv_transfer.remote_num_tokens if request.kv_transfer else 0
+
+    def on_blocks_allocated(self, request, block_ids, num_tokens):
+        self.started[request.request_id] = (block_ids, num_tokens)
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def finished_transfers(self):
+        ended, self.ended = self.ended, []
+        return ended
+
+
+REMOTE = {"remote_block_ids": list(range(6)), "remote_num_tokens": 89, "lease_id": "x"}
+
+
 def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(folder):
     engine = LLM(folder, block_size=16).engine
+    connector = HeldPulls()
+    engine.set_kv_connector(connector)
     prompt = prompts()["long"]
     params = SamplingParams(temperature=0, max_tokens=4)
-    remote = {"remote_block_ids": list(range(6)), "remote_num_tokens": 89, "lease_id": "x"}
-    engine.add_request("pulling", {"prompt_token_ids": prompt}, params, kv_transfer_params=remote)
-    assert "pulling" in engine.pending_kv
+    engine.add_request("pulling", {"prompt_token_ids": prompt}, params, kv_transfer_params=REMOTE)
+    assert connector.started["pulling"][1] == 89
     assert len(engine.kv_manager.block_table("pulling")) == 6  # blocks for 89 tokens
+    assert not engine.has_unfinished_requests()  # parked: nothing to step
     engine.abort("pulling")  # the client left while the agent is still writing...
     assert len(engine.kv_manager.block_table("pulling")) == 6  # ...so the blocks stay
-    assert engine.finish_remote_kv("pulling", ok=True) is False  # until the pull ends
+    connector.ended.append(FinishedTransfer("pulling", ok=True))
+    assert engine.poll_kv_transfers() == []  # until the pull ends
     engine.kv_manager.check_no_leaks()
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("outcome", ["ok", "recompute", "fail"])
+def test_a_parked_request_runs_recomputes_or_fails_when_its_pull_ends(folder, outcome):
+    """After a pull ends the request runs from the pulled tokens (only the last prompt
+    token is computed here), recomputes its prompt, or fails, with nothing leaked."""
+    engine = LLM(folder, block_size=16).engine
+    connector = HeldPulls()
+    engine.set_kv_connector(connector)
+    prompt = prompts()["long"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": prompt}, params, kv_transfer_params=REMOTE)
+    connector.ended.append(FinishedTransfer("r", outcome == "ok", outcome == "recompute"))
+    failed = engine.poll_kv_transfers()
+    assert failed == (["r"] if outcome == "fail" else [])
+    steps = StepTokens()
+    engine.add_observer(steps)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    if outcome == "fail":
+        assert not outputs and not steps.tokens
+    else:
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+        # The first step ran the last prompt token only, or the whole prompt again.
+        assert steps.tokens[0] == (1 if outcome == "ok" else len(prompt))
+    engine.kv_manager.check_no_leaks()
+
+
+class StepTokens(EngineObserver):
+    def __init__(self):
+        self.tokens = []
+
+    def step_done(self, out, stats):
+        if out is not None:
+            self.tokens.append(stats.num_batched_tokens)
 
 
 def test_short_prompts_and_n_samples_skip_the_prefill_instance(cluster, tiny_server):

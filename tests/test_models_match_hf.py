@@ -24,7 +24,6 @@ ROPE_VARIANTS = {
         }
     ),
     "linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "dynamic": dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     "yarn": dict(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     ),

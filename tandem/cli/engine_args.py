@@ -11,11 +11,17 @@ import types
 import typing
 from typing import Any
 
-from tandem.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 # (config class, fields left out): the sections whose fields are flat engine options.
 SECTIONS = [
-    (EngineConfig, {"model", "cache", "scheduler", "speculative"}),
+    (EngineConfig, {"model", "cache", "scheduler", "speculative", "kv_transfer"}),
     (CacheConfig, set()),
     (SchedulerConfig, set()),
 ]
@@ -51,7 +57,8 @@ def _add(group, f: dataclasses.Field, flag: str, kind: type, dest: str) -> None:
     )  # fmt: skip
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = False) -> None:
+    """The engine's flags; with ``kv_transfer``, the disaggregated-serving ones too."""
     parser.add_argument(
         "--model", default=None, metavar="DIR",
         help="a local Hugging Face model folder (default: the bundled stdlib-lm)",
@@ -69,6 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for f, flag, kind in _flags(SpeculativeConfig):
         _add(speculative, f, flag, kind, f"speculative_{f.name}")
+    if kv_transfer:
+        disagg = parser.add_argument_group("disaggregated serving")
+        for f, flag, kind in _flags(KVTransferConfig):
+            _add(disagg, f, flag, kind, f"kv_transfer_{f.name}")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +98,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     if "method" in speculative:
         options["speculative_config"] = speculative
+    kv_transfer = {
+        f.name: getattr(args, f"kv_transfer_{f.name}")
+        for f, _, _ in _flags(KVTransferConfig)
+        if getattr(args, f"kv_transfer_{f.name}", None) is not None
+    }
+    if kv_transfer:
+        options["kv_transfer_config"] = kv_transfer
     return options
 
 

@@ -34,28 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--trace", metavar="FILE", help="trace every step; the file is written at shutdown"
     )
-    disagg = parser.add_argument_group("disaggregated serving")
-    disagg.add_argument(
-        "--role", choices=["both", "prefill", "decode"], default="both",
-        help="run prompts only (prefill) or decode with pulled KV (decode); default: both",
-    )  # fmt: skip
-    disagg.add_argument(
-        "--kv-port", type=int, default=0, metavar="PORT", help="KV transfer port (0: any free)"
-    )
-    disagg.add_argument(
-        "--kv-lease-seconds", type=float, default=30.0, metavar="S",
-        help="prefill: how long finished prompts keep their blocks for a decode side "
-        "(default: 30)",
-    )  # fmt: skip
-    disagg.add_argument(
-        "--kv-backend", choices=["auto", "zmq", "nixl"], default="auto",
-        help="KV transfer: NIXL when the nixl package is installed (auto), else ZeroMQ",
-    )  # fmt: skip
-    disagg.add_argument(
-        "--kv-transfer-failure", choices=["recompute", "fail"], default="recompute",
-        help="decode: when the KV pull fails, recompute the prompt here or fail the request",
-    )  # fmt: skip
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, kv_transfer=True)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -73,9 +52,4 @@ def run(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         trace=args.trace,
-        role=args.role,
-        kv_port=args.kv_port,
-        kv_lease_seconds=args.kv_lease_seconds,
-        kv_transfer_failure=args.kv_transfer_failure,
-        kv_backend=args.kv_backend,
     )

@@ -1,78 +1,129 @@
-"""KVConnector: one server's side of disaggregated prefill/decode.
+"""DisaggConnector: the KV connector (engine/kv_connector.py) of a `tandem serve
+--role prefill|decode` instance.
 
     prefill role   a request with kv_transfer_params {"do_remote_decode": true} runs its
-                   prompt (max_tokens 1); when it finishes, its blocks stay under a lease
-                   and the response carries {lease_id, remote_block_ids,
+                   prompt (max_tokens 1); when it finishes, the connector keeps its blocks
+                   under a lease and its output carries {lease_id, remote_block_ids,
                    remote_num_tokens, remote_host, remote_port, remote_engine_id}. The
                    lease ends when the decode side says it has read the blocks, or when
                    it expires (a decode side that never comes back leaks nothing).
     decode role    a request carrying those parameters gets blocks for the first
-                   remote_num_tokens prompt tokens, pulls them (KV agent, in the
-                   background), then runs from there: it recomputes only the last prompt
-                   token. If the pull fails, it recomputes the prompt, or fails with a
-                   clear error (``on_failure``).
+                   remote_num_tokens prompt tokens (the scheduler allocates them and
+                   parks the request), the agent pulls them in the background, then the
+                   request runs from there: only its last prompt token is computed here.
+                   If the pull fails, it recomputes the prompt, or fails with a clear
+                   error (``on_failure``).
 
-Every engine-state change happens on the engine thread (AsyncEngine.submit); the agent's
-threads only move bytes between leased or freshly allocated blocks.
+Every engine-state change happens on the engine thread (AsyncEngine.submit): the
+scheduler's hooks run there, and the agent's threads hand their results over through
+it; the agent only moves bytes between leased or freshly allocated blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from typing import Any
 
+from tandem.config import KVTransferConfig
 from tandem.disagg.transfer import KVTransferError, make_kv_agent
-from tandem.engine.input_processor import KVTransferParams
+from tandem.engine.kv_connector import FinishedTransfer
+from tandem.engine.request import Request, RequestStatus
 from tandem.errors import TandemError
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.disagg")
 
-ROLES = ("prefill", "decode", "both")
 
-
-class KVConnector:
+class DisaggConnector:
     def __init__(
         self,
         async_engine: AsyncEngine,
         metrics: ServerMetrics,
-        role: str,
-        kv_port: int = 0,
+        config: KVTransferConfig,
         host: str = "127.0.0.1",
-        lease_seconds: float = 30.0,
-        on_failure: str = "recompute",
         transfer_timeout_s: float = 30.0,
-        backend: str = "auto",
     ) -> None:
         self.async_engine = async_engine
-        self.engine = async_engine.engine
+        self.engine = engine = async_engine.engine
         self.metrics = metrics
-        self.role = role
-        self.on_failure = on_failure
+        self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
-        self.engine.kv_lease_seconds = lease_seconds
         self.agent = make_kv_agent(
-            self.engine.runner.kv_cache, host, kv_port, self._on_notify, transfer_timeout_s,
-            backend,
+            engine.runner.kv_cache, host, config.kv_port, self._on_notify, transfer_timeout_s,
+            config.backend,
         )  # fmt: skip
-        async_engine.connector = self
+        # Prefill side: lease id -> (blocks, deadline); decode side: finished pulls not
+        # yet taken by the scheduler, and why failed ones failed.
+        self.leases: dict[str, tuple[list[int], float]] = {}
+        self.num_lease_expiries = 0
+        self._finished: list[FinishedTransfer] = []
+        engine.set_kv_connector(self)
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, name="kv-leases", daemon=True)
         self._expiry.start()
         logger.info(
-            "%s role: KV transfer (%s) on %s:%d (engine %s)", role,
+            "%s role: KV transfer (%s) on %s:%d (engine %s)", config.role,
             type(self.agent).__name__, self.agent.host, self.agent.port, self.engine_id,
         )  # fmt: skip
 
-    def address(self) -> dict:
-        """What the prefill side adds to its answer: where to read the blocks."""
-        return {
+    @property
+    def num_leases(self) -> int:
+        return len(self.leases)
+
+    # -- the scheduler's hooks (engine thread) ----------------------------------------
+
+    def num_remote_tokens(self, request: Request) -> int:
+        transfer = request.kv_transfer
+        return transfer.remote_num_tokens if transfer is not None else 0
+
+    def on_blocks_allocated(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        """Start reading the remote blocks into ours, in the background."""
+        transfer = request.kv_transfer
+        pairs = list(zip(transfer.remote_block_ids, block_ids, strict=False))
+        peer = {"host": transfer.remote_host, "port": transfer.remote_port}
+        future = self.agent.read_blocks(peer, pairs)
+        request_id, lease_id = request.request_id, transfer.lease_id
+
+        def done(_) -> None:  # (agent thread) hand the outcome to the engine thread
+            self.async_engine.submit(lambda: self._pulled(request_id, future, peer, lease_id))
+
+        future.add_done_callback(done)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill side: keep a finished prompt's blocks under a lease for the decode
+        instance, and say where they are."""
+        transfer = request.kv_transfer
+        if (
+            transfer is None
+            or not transfer.do_remote_decode
+            or request.status == RequestStatus.FINISHED_ABORTED
+        ):
+            return False, None
+        deadline = time.monotonic() + self.config.lease_seconds
+        self.leases[request.request_id] = (block_ids, deadline)
+        # The decode side recomputes the last prompt token (for its logits), so it reads
+        # the blocks of every token before it.
+        num_tokens = len(request.prompt_token_ids) - 1
+        needed = self.engine.kv_manager.blocks_needed(num_tokens)
+        params = {
+            "lease_id": request.request_id,
+            "remote_block_ids": block_ids[:needed],
+            "remote_num_tokens": num_tokens,
             "remote_host": self.agent.host,
             "remote_port": self.agent.port,
             "remote_engine_id": self.engine_id,
         }
+        return True, params
+
+    def finished_transfers(self) -> list[FinishedTransfer]:
+        finished, self._finished = self._finished, []
+        return finished
 
     # -- prefill side --------------------------------------------------------------------
 
@@ -82,36 +133,32 @@ class KVConnector:
         if isinstance(lease_id, str):
             self.async_engine.submit(lambda: self._release(lease_id))
 
-    def _release(self, lease_id: str) -> None:
-        self.engine.kv_manager.release_lease(lease_id)
-        self.engine.notify_changed()
+    def _release(self, lease_id: str) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.engine.kv_manager.release_detached(lease[0])
+            self.engine.notify_changed()
+        return lease is not None
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.5):
-            if self.engine.kv_manager.leases:
+            if self.leases:
                 self.async_engine.submit(self._expire)
 
     def _expire(self) -> None:
-        expired = self.engine.kv_manager.expire_leases()
+        now = time.monotonic()
+        expired = [lease_id for lease_id, (_, deadline) in self.leases.items() if deadline < now]
+        for lease_id in expired:
+            self._release(lease_id)
+        self.num_lease_expiries += len(expired)
         if expired:
-            logger.warning("%d KV lease(s) expired unread; their blocks are free", expired)
+            logger.warning("%d KV lease(s) expired unread; their blocks are free", len(expired))
             self.engine.notify_changed()
 
     # -- decode side ---------------------------------------------------------------------
 
-    def pull(self, request_id: str, params: KVTransferParams) -> None:
-        """(Engine thread) start reading a parked request's blocks from the prefill side."""
-        _, pairs, _ = self.engine.pending_kv[request_id]
-        peer = {"host": params.remote_host, "port": params.remote_port}
-        lease_id = params.lease_id
-        future = self.agent.read_blocks(peer, pairs)
-
-        def done(_) -> None:  # (agent thread) hand the outcome to the engine thread
-            self.async_engine.submit(lambda: self._pulled(request_id, future, peer, lease_id))
-
-        future.add_done_callback(done)
-
     def _pulled(self, request_id: str, future, peer: dict, lease_id: str | None) -> None:
+        """(Engine thread) a pull ended: record it, let the scheduler take it."""
         error = future.exception()
         if error is None:
             result = future.result()
@@ -126,11 +173,11 @@ class KVConnector:
             logger.warning("request %s: KV pull failed: %s", request_id, error)
         if lease_id is not None and peer.get("host"):
             self.agent.notify(peer, {"release": lease_id})  # read or not, the lease can go
-        recompute = self.on_failure == "recompute"
-        kept = self.engine.finish_remote_kv(request_id, error is None, recompute)
-        if error is not None and not kept:
+        recompute = self.config.on_failure == "recompute"
+        self._finished.append(FinishedTransfer(request_id, error is None, recompute))
+        for failed_id in self.engine.poll_kv_transfers():
             self.async_engine.fail(
-                request_id,
+                failed_id,
                 TandemError(
                     f"could not read the prompt's KV from the prefill instance: {error}"
                     if isinstance(error, KVTransferError)

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from tandem.server.errors import error_response
 from tandem.server.metrics import LATENCY_BUCKETS
 
 logger = logging.getLogger("tandem.router")
@@ -47,11 +48,6 @@ def _least_busy(instances: list[Instance], skip: set[str] = frozenset()) -> Inst
     choice = min(candidates, key=lambda i: (i.in_flight, i.picked))
     choice.picked += 1
     return choice
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 def build_router_app(
@@ -108,10 +104,12 @@ def build_router_app(
             return await http.post(f"{instance.url}{path}", json=body)
         except httpx.TimeoutException:
             failures.labels(f"{role} timeout").inc()
-            return _error(504, f"{role} instance {instance.url} timed out", "timeout")
+            return error_response(504, f"{role} instance {instance.url} timed out", code="timeout")
         except httpx.TransportError as exc:
             failures.labels(f"{role} unreachable").inc()
-            return _error(502, f"{role} instance {instance.url} unreachable: {exc}", "bad_gateway")
+            return error_response(
+                502, f"{role} instance {instance.url} unreachable: {exc}", code="bad_gateway"
+            )
         finally:
             instance.in_flight -= 1
 
@@ -147,10 +145,12 @@ def build_router_app(
                 return JSONResponse(response.json(), status_code=response.status_code)
             params = response.json().get("kv_transfer_params")
             if params is None:
-                return _error(502, f"{instance.url} is not a prefill instance", "bad_gateway")
+                return error_response(
+                    502, f"{instance.url} is not a prefill instance", code="bad_gateway"
+                )
             return params
         failures.labels("no prefill instance").inc()
-        return _error(502, "no prefill instance could be reached", "bad_gateway")
+        return error_response(502, "no prefill instance could be reached", code="bad_gateway")
 
     async def route(path: str, request: Request):
         started = time.perf_counter()
@@ -183,7 +183,9 @@ def build_router_app(
         except httpx.TransportError as exc:
             instance.in_flight -= 1
             failures.labels("decode unreachable").inc()
-            return _error(502, f"decode instance {instance.url} unreachable: {exc}", "bad_gateway")
+            return error_response(
+                502, f"decode instance {instance.url} unreachable: {exc}", code="bad_gateway"
+            )
         if response.status_code != 200:
             content = await response.aread()
             await upstream.__aexit__(None, None, None)

@@ -35,7 +35,7 @@ import msgspec
 import torch
 import zmq
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tandem.models.dtypes import DTYPES, torch_dtype_name
 
 
 class ReadRequest(msgspec.Struct, tag=True):
@@ -123,7 +123,7 @@ class ZmqKVAgent:
             try:
                 ids = torch.tensor(message.block_ids, dtype=torch.long)
                 blocks = self.kv_cache[:, :, ids.to(self.kv_cache.device)].contiguous().cpu()
-                dtype = str(blocks.dtype).removeprefix("torch.")
+                dtype = torch_dtype_name(blocks.dtype)
                 header = BlocksHeader(list(blocks.shape), dtype)
                 data = blocks.view(torch.uint8).numpy()
                 self.server.send_multipart(
@@ -175,7 +175,8 @@ class ZmqKVAgent:
         header = msgspec.msgpack.decode(frames[0].bytes, type=BlocksHeader)
         if header.error:
             raise KVTransferError(header.error)
-        dtype = DTYPES[header.dtype]
+        entry = DTYPES.get(header.dtype)  # a peer's word: unknown names do not fit
+        dtype = entry.torch if entry is not None else None
         if dtype != self.kv_cache.dtype or header.shape[3:] != list(self.kv_cache.shape[3:]):
             raise KVTransferError(
                 f"peer blocks {header.dtype} {header.shape} do not fit this cache "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.config import EngineConfig
 from tandem.engine.input_processor import EngineRequest, InputProcessor, PromptInput
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.observer import EngineObserver, StepStats
 from tandem.engine.output_processor import OutputProcessor
@@ -61,15 +62,8 @@ class Engine:
         self.input_processor = InputProcessor(
             info.tokenizer, info.vocab_size, info.max_model_len, info.block_size, info.num_blocks
         )
-        self.output_processor = OutputProcessor(
-            info.tokenizer, self._stop_at_string, self._transfer_params
-        )
+        self.output_processor = OutputProcessor(info.tokenizer, self._stop_at_string)
         self.tracer: StepTracer | None = None
-        # Disaggregated serving: requests waiting for their prompt's K/V from a prefill
-        # instance (id -> request, (remote, local) block pairs, tokens), and how long a
-        # finished prefill-only request keeps its blocks for the decode side.
-        self.pending_kv: dict[str, tuple[Request, list[tuple[int, int]], int]] = {}
-        self.kv_lease_seconds = 30.0
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
@@ -85,7 +79,7 @@ class Engine:
 
     def stats(self, out: SchedulerOutput | None = None, num_generated: int = 0) -> StepStats:
         """A snapshot of the engine's gauges and counters (``out``: the step just run)."""
-        kv = self.kv_manager
+        kv, connector = self.kv_manager, self.scheduler.connector
         return StepStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -96,8 +90,8 @@ class Engine:
             num_preempted=len(out.preempted_ids) if out else 0,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            num_kv_leases=len(kv.leases),
-            num_lease_expiries=kv.num_lease_expiries,
+            num_kv_leases=connector.num_leases if connector else 0,
+            num_lease_expiries=connector.num_lease_expiries if connector else 0,
             spec=self.spec_stats.copy() if self.config.speculative else None,
         )
 
@@ -148,9 +142,9 @@ class Engine:
     def add(self, request: EngineRequest) -> None:
         """Queue a processed request: n child requests, scheduled independently.
 
-        Its ``kv_transfer`` (disaggregated serving, tandem.disagg): ``do_remote_decode``
-        keeps the blocks under a lease when the request finishes, for a decode instance;
-        remote blocks park it with blocks for their tokens until ``finish_remote_kv``."""
+        Its ``kv_transfer`` goes to the KV connector, if one is set (disaggregated
+        serving: ``set_kv_connector``); n > 1 computes its prompt here (the children
+        could not share one transfer)."""
         if request.request_id in self.output_processor:
             raise InvalidParameterError("request_id", f"{request.request_id!r} is already in use")
         params, transfer = request.params, request.kv_transfer
@@ -170,38 +164,25 @@ class Engine:
             )
         self.output_processor.add_request(request, children)
         for child in children:
-            if transfer is not None and transfer.do_remote_decode:
-                child.lease_seconds = self.kv_lease_seconds
+            if params.n == 1:
+                child.kv_transfer = transfer
             for observer in self.observers:
                 observer.request_added(child)
-            # (n > 1 computes its prompt here: the children could not share one pull.)
-            remote_tokens = transfer.remote_num_tokens if transfer and params.n == 1 else 0
-            if remote_tokens and self.kv_manager.allocate_slots(child, remote_tokens):
-                table = self.kv_manager.block_table(child.request_id)
-                pairs = list(zip(transfer.remote_block_ids, table, strict=False))
-                self.pending_kv[child.request_id] = (child, pairs, remote_tokens)
-                continue
             self.scheduler.add_request(child)
 
-    def finish_remote_kv(self, request_id: str, ok: bool, recompute: bool = True) -> bool:
-        """The pull for a parked request ended. On success it runs from the pulled
-        tokens; on failure it recomputes its prompt here (``recompute``) or is dropped.
-        Returns False when the request was dropped (failed, or aborted meanwhile)."""
-        request, _, remote_tokens = self.pending_kv.pop(request_id)
-        if request.status.finished:  # aborted while its blocks were being written
-            self.kv_manager.free(request)
-            return False
-        if ok:
-            request.num_computed_tokens = remote_tokens
-        else:
-            self.kv_manager.free(request)
-            if not recompute:
-                request.status = RequestStatus.FINISHED_ABORTED
-                self.output_processor.forget(request_id)
-                self._notify_finished(request)
-                return False
-        self.scheduler.add_request(request)
-        return True
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Disaggregated serving: hand requests' K/V to and from other instances."""
+        self.scheduler.connector = connector
+
+    def poll_kv_transfers(self) -> list[str]:
+        """Let requests whose K/V arrived run (the connector calls this when a receive
+        ends). Returns the ids of requests that failed for good (their receive failed
+        and recomputing was not allowed)."""
+        failed = []
+        for request in self.scheduler.poll_transfers():
+            failed.append(request.request_id)
+            self.output_processor.forget(request.request_id)
+        return failed
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -209,10 +190,6 @@ class Engine:
             children = self.output_processor.children(request_id)
             if not children:
                 continue
-            for child in children:
-                if child.request_id in self.pending_kv:  # freed when its transfer ends
-                    child.status = RequestStatus.FINISHED_ABORTED
-                    self._notify_finished(child)
             self.scheduler.finish_requests(
                 [c.request_id for c in children], RequestStatus.FINISHED_ABORTED
             )
@@ -244,17 +221,3 @@ class Engine:
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-
-    def _transfer_params(self, request: Request, num_prompt_tokens: int) -> dict | None:
-        """Where a finished prefill-only request's K/V wait for a decode instance."""
-        lease = self.kv_manager.leases.get(request.request_id)
-        if lease is None:
-            return None
-        # The decode side recomputes the last prompt token (to get logits), so it reads
-        # the blocks holding all tokens before it.
-        num_tokens = num_prompt_tokens - 1
-        return {
-            "lease_id": request.request_id,
-            "remote_block_ids": lease[0][: self.kv_manager.blocks_needed(num_tokens)],
-            "remote_num_tokens": num_tokens,
-        }

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.kv_connector import KVTransferParams
 from tandem.errors import InvalidParameterError
 from tandem.sampling import SamplingParams
 
@@ -23,67 +24,6 @@ if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
 
 PromptInput = str | list[int] | dict[str, Any]
-
-
-@dataclass(frozen=True)
-class KVTransferParams:
-    """Disaggregated serving (tandem.disagg), as a client or router sent them.
-
-    Prefill side: ``do_remote_decode`` keeps the blocks when the request finishes, for a
-    decode instance to read. Decode side: ``remote_block_ids`` hold the first
-    ``remote_num_tokens`` prompt tokens' K/V on the instance at ``remote_host:port``,
-    under lease ``lease_id``."""
-
-    do_remote_decode: bool = False
-    remote_block_ids: tuple[int, ...] = ()
-    remote_num_tokens: int = 0
-    lease_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_engine_id: str | None = None
-
-    @property
-    def pulls(self) -> bool:
-        """Whether the request reads its prompt's K/V from a prefill instance."""
-        return self.remote_num_tokens > 0
-
-    @classmethod
-    def parse(
-        cls, raw: dict[str, Any], num_prompt_tokens: int, block_size: int
-    ) -> KVTransferParams:
-        do_remote_decode = bool(raw.get("do_remote_decode"))
-        if "remote_block_ids" not in raw:
-            return cls(do_remote_decode=do_remote_decode)
-        tokens, blocks = raw.get("remote_num_tokens"), raw["remote_block_ids"]
-        if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
-            raise InvalidParameterError(
-                "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
-            )
-        needed = -(-tokens // block_size)
-        if (
-            not isinstance(blocks, list)
-            or len(blocks) < needed
-            or not all(isinstance(b, int) and b >= 0 for b in blocks)
-        ):
-            raise InvalidParameterError(
-                "kv_transfer_params.remote_block_ids",
-                f"must list the {needed} block ids (integers) of {tokens} tokens",
-            )
-        port = raw.get("remote_port")
-        return cls(
-            do_remote_decode=do_remote_decode,
-            remote_block_ids=tuple(blocks[:needed]),
-            remote_num_tokens=tokens,
-            lease_id=_optional_str(raw, "lease_id"),
-            remote_host=_optional_str(raw, "remote_host"),
-            remote_port=port if isinstance(port, int) else None,
-            remote_engine_id=_optional_str(raw, "remote_engine_id"),
-        )
-
-
-def _optional_str(raw: dict[str, Any], key: str) -> str | None:
-    value = raw.get(key)
-    return value if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)

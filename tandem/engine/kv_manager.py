@@ -20,8 +20,6 @@ No tensors here: the runner owns the memory, this class only does the accounting
 
 from __future__ import annotations
 
-import time
-
 from tandem.engine.block_pool import BlockPool, block_digest
 from tandem.engine.request import Request
 
@@ -36,10 +34,9 @@ class KVCacheManager:
         # Prompt tokens looked up at admission, and how many of them were found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Disaggregated prefill: finished requests' blocks held for a decode instance to
-        # read, until it says it is done or the deadline passes (lease id -> blocks).
-        self.leases: dict[str, tuple[list[int], float]] = {}
-        self.num_lease_expiries = 0
+        # Blocks handed to someone else with ``detach`` (a KV connector keeping a
+        # finished request's K/V for another instance), not yet released.
+        self.num_detached_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -144,27 +141,17 @@ class KVCacheManager:
             self.pool.release(reversed(table[keep:]))
             del table[keep:]
 
-    def lease(self, request: Request, seconds: float) -> list[int]:
-        """Keep a finished request's blocks (by reference) for ``seconds``; its table
-        moves to the lease, named by the request id."""
+    def detach(self, request: Request) -> list[int]:
+        """Hand a finished request's blocks, with their references, to the caller; it
+        gives them back with ``release_detached``."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
-        self.leases[request.request_id] = (table, time.monotonic() + seconds)
+        self.num_detached_blocks += len(table)
         return table
 
-    def release_lease(self, lease_id: str) -> bool:
-        lease = self.leases.pop(lease_id, None)
-        if lease is not None:
-            self.pool.release(reversed(lease[0]))
-        return lease is not None
-
-    def expire_leases(self) -> int:
-        now = time.monotonic()
-        expired = [lease_id for lease_id, (_, deadline) in self.leases.items() if deadline < now]
-        for lease_id in expired:
-            self.release_lease(lease_id)
-        self.num_lease_expiries += len(expired)
-        return len(expired)
+    def release_detached(self, blocks: list[int]) -> None:
+        self.num_detached_blocks -= len(blocks)
+        self.pool.release(reversed(blocks))
 
     def record_admission(self, request: Request, num_cached_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens
@@ -180,8 +167,7 @@ class KVCacheManager:
         """Raise if any block is held although no request holds a table, or if the
         pool's bookkeeping disagrees with itself."""
         self.pool.check_consistency()
-        held = sum(len(t) for t in self.block_tables.values())
-        held += sum(len(blocks) for blocks, _ in self.leases.values())
+        held = sum(len(t) for t in self.block_tables.values()) + self.num_detached_blocks
         in_use = self.pool.num_blocks - self.pool.num_free_blocks
         if held or in_use:
             raise AssertionError(f"{in_use} blocks in use, {held} in block tables")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.input_processor import EngineRequest
@@ -68,17 +68,12 @@ class _Parent:
 
 class OutputProcessor:
     def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        finish_child: Callable[[Request, str, int], None],
-        transfer_params: Callable[[Request, int], dict[str, Any] | None] = lambda r, n: None,
+        self, tokenizer: Tokenizer | None, finish_child: Callable[[Request, str, int], None]
     ) -> None:
         """``finish_child(request, stop_string, num_tokens_after)`` ends a child whose
-        text hit a stop string; ``transfer_params(request, num_prompt_tokens)`` names
-        the K/V a finished prefill-only request leaves for a decode instance."""
+        text hit a stop string."""
         self.tokenizer = tokenizer
         self.finish_child = finish_child
-        self.transfer_params = transfer_params
         self.parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Sample]] = {}
 
@@ -133,10 +128,11 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            output = self._request_output(parent)
+            finished = parent.finished
+            output = self._request_output(parent, finished)
             if output is not None:
                 outputs.append(output)
-            if parent.finished:
+            if finished:
                 self.forget(parent.request_id)
         return outputs
 
@@ -157,9 +153,8 @@ class OutputProcessor:
         sample.logprobs.append(entry)
         sample.cumulative_logprob += token.logprob
 
-    def _request_output(self, parent: _Parent) -> RequestOutput | None:
+    def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput | None:
         kind = parent.output_kind
-        finished = parent.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = [self._completion(sample, kind) for sample in parent.samples]
@@ -168,10 +163,13 @@ class OutputProcessor:
             if not completions:
                 return None
         first = parent.samples[0].request
-        metrics = RequestMetrics.from_timeline(first.timeline)
-        transfer = None
-        if first.status.finished:
-            transfer = self.transfer_params(first, len(parent.prompt_token_ids))
+        # The first sample's metrics (all samples share one arrival).
+        metrics = next(
+            (c.metrics for c in completions if c.index == 0),
+            None,
+        ) or RequestMetrics.from_timeline(first.timeline)
+        # What the KV connector says of a finished request (where its K/V wait).
+        transfer = first.kv_transfer_output if first.status.finished else None
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

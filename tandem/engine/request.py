@@ -10,12 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from tandem.engine.kv_connector import KVTransferParams
 from tandem.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prompt's K/V are arriving
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; its KV is recomputed on resume
     FINISHED_STOPPED = "stop"
@@ -64,9 +67,10 @@ class Request:
         self.block_digests: list[bytes] = []
         # Leading blocks of its table the runner holds a copy of (see ScheduledRequest).
         self.num_blocks_sent = 0
-        # Disaggregated serving: a prefill instance keeps the blocks when this finishes
-        # (lease_seconds), for a decode instance to read.
-        self.lease_seconds: float | None = None
+        # Disaggregated serving (engine/kv_connector.py): what the client asked of the
+        # connector, and what the connector says about this request when it finishes.
+        self.kv_transfer: KVTransferParams | None = None
+        self.kv_transfer_output: dict[str, Any] | None = None
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         self.timeline = RequestTimeline(arrival_time or time.perf_counter())

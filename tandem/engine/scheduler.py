@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.config import SchedulerConfig, SpeculativeConfig
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.sampling import SamplingParams
@@ -112,10 +113,16 @@ class Scheduler:
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
         on_finish: Callable[[Request], None] = lambda request: None,
+        connector: KVConnector | None = None,
     ) -> None:
-        """``on_finish`` hears of every request that finishes (stop, length, abort)."""
+        """``on_finish`` hears of every request that finishes (stop, length, abort);
+        ``connector`` (engine/kv_connector.py) brings K/V from and keeps them for other
+        instances."""
         self.config = config
         self.on_finish = on_finish
+        self.connector = connector
+        # Requests whose prompt's first K/V are arriving: id -> (request, tokens).
+        self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
         self.speculative = speculative
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -127,10 +134,43 @@ class Scheduler:
     # -- queue ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
         self.requests[request.request_id] = request
+        remote = self.connector.num_remote_tokens(request) if self.connector else 0
+        if remote and self.kv.allocate_slots(request, remote):
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.waiting_for_remote[request.request_id] = (request, remote)
+            self.connector.on_blocks_allocated(
+                request, list(self.kv.block_table(request.request_id)), remote
+            )
+            return
+        self.waiting.append(request)  # (no room for the remote K/V: computed here)
+
+    def poll_transfers(self) -> list[Request]:
+        """Take the connector's finished receives: a request whose K/V arrived waits to
+        run from there; a failed one recomputes its prompt or fails. Returns the
+        requests that failed (finished, aborted)."""
+        failed = []
+        for done in self.connector.finished_transfers() if self.connector else ():
+            request, remote = self.waiting_for_remote.pop(done.request_id)
+            if request.status.finished:  # aborted while its blocks were being written
+                self.kv.free(request)
+            elif done.ok:
+                request.num_computed_tokens = remote
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
+            else:
+                self.kv.free(request)
+                if done.recompute:
+                    request.status = RequestStatus.WAITING
+                    self.waiting.append(request)
+                else:
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    failed.append(request)
+        return failed
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step has work (requests whose K/V are arriving do not: the
+        connector's wake-up runs ``poll_transfers``)."""
         return bool(self.waiting or self.running)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -141,6 +181,13 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # Its blocks are being written: they are freed when the receive ends.
+                request.status = status
+                request.timeline.finished = time.perf_counter()
+                del self.requests[request_id]
+                self.on_finish(request)
+                continue
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -148,8 +195,12 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.timeline.finished = time.perf_counter()
-        if request.lease_seconds is not None and status != RequestStatus.FINISHED_ABORTED:
-            self.kv.lease(request, request.lease_seconds)
+        keep = False
+        if self.connector is not None:
+            table = list(self.kv.block_table(request.request_id))
+            keep, request.kv_transfer_output = self.connector.request_finished(request, table)
+        if keep:
+            self.kv.detach(request)  # the connector releases them
         else:
             self.kv.free(request)
         del self.requests[request.request_id]
@@ -272,7 +323,7 @@ class Scheduler:
         ):
             request = self.waiting[0]
             # A prefix cache hit starts the request past the tokens found there. (A request
-            # whose K/V came from a prefill instance starts past them already.)
+            # whose K/V came from another instance starts past them already.)
             base = request.num_computed_tokens
             cached = [] if base else self.kv.find_cached_prefix(request)
             request.num_computed_tokens = base or len(cached) * self.kv.block_size

@@ -6,6 +6,7 @@ runner, the KV cache and (later) the planner never read family-specific keys.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Settings only one family reads (e.g. GPT-2's attention scaling switches).
     family_options: dict[str, Any] = field(default_factory=dict)
+
+    def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
+        """KV cache bytes one token takes (on one of ``tp`` tensor-parallel ranks): K and
+        V, every layer, the KV heads of the rank. The one formula the runner sizes its
+        cache with and the planner reports."""
+        heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
+        return 2 * self.num_layers * heads_per_rank * self.head_dim * bytes_per_element
 
 
 def require(raw: dict[str, Any], *keys: str) -> Any:

@@ -20,19 +20,10 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, eos_ids
+from tandem.models.dtypes import DTYPES
 from tandem.models.linear import MergedLinear
 from tandem.models.registry import model_class_for
 from tandem.models.tokenizer import Tokenizer
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 
 @dataclass
@@ -63,14 +54,21 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot parse {path}: {exc}") from None
 
 
-def read_config(folder: str | Path) -> tuple[dict[str, Any], ModelConfig, type]:
-    """The raw config.json, its parsed ModelConfig, and the model class to build."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {folder} does not exist")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+def read_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig, type]:
+    """The raw config.json of a model folder (or the file itself), its parsed
+    ModelConfig, and the model class to build."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".json":
+        config_path = path
+    elif not path.is_dir():
+        raise ModelLoadError(
+            f"model folder {path} does not exist (it is neither a model folder nor a "
+            "config.json file)"
+        )
+    else:
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model folder?")
     raw = _read_json(config_path)
     cls = model_class_for(raw)
     return raw, cls.parse_config(raw), cls
@@ -91,9 +89,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ModelLoadError(f"dtype {dtype!r} is not supported (use {', '.join(DTYPES)})")
-        dtype = DTYPES[dtype]
+        runnable = [name for name, entry in DTYPES.items() if entry.torch is not None]
+        if dtype not in runnable:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported (use {', '.join(runnable)})")
+        dtype = DTYPES[dtype].torch
     if device.type == "cpu" and dtype == torch.float16:
         raise ModelLoadError("float16 is not supported on CPU; use bfloat16 or float32")
     return dtype

@@ -18,35 +18,24 @@ reach a fraction of them (``--measure`` shows which fraction tandem reaches here
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.errors import InvalidParameterError, ModelLoadError
+from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
-from tandem.models.registry import model_class_for
+from tandem.models.dtypes import DTYPES
+from tandem.models.loader import read_config
 from tandem.plan.hardware import Hardware
 
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 MEMORY_UTILIZATION = 0.9  # the share of device memory given to weights + KV cache
 
 
 def read_model(path: str | Path) -> tuple[ModelConfig, int]:
     """A model folder or a config.json file -> (ModelConfig, parameter count). The model
     is built on the meta device, so no weights are needed and nothing is allocated."""
-    path = Path(path)
-    config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file():
-        raise ModelLoadError(f"{path} is neither a model folder nor a config.json file")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
-    cls = model_class_for(raw)
-    config = cls.parse_config(raw)
+    _, config, cls = read_config(path)
     with torch.device("meta"):
         model = cls(config)
     return config, sum(p.numel() for p in model.parameters())
@@ -55,9 +44,15 @@ def read_model(path: str | Path) -> tuple[ModelConfig, int]:
 def kv_bytes_per_token(
     num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float, tp: int = 1
 ) -> float:
-    """KV cache bytes one token takes on one tensor-parallel rank."""
-    heads_per_rank = max(1, math.ceil(num_kv_heads / tp))
-    return 2 * num_layers * heads_per_rank * head_dim * bytes_per_element
+    """KV cache bytes one token takes on one tensor-parallel rank (ModelConfig's formula,
+    for a shape given by hand)."""
+    shape = ModelConfig(
+        architecture="", vocab_size=0, hidden_size=0, num_layers=num_layers,
+        num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=0, max_position_embeddings=0, norm_eps=0.0, hidden_act="",
+        tie_word_embeddings=False, rope=None,
+    )  # fmt: skip
+    return shape.kv_bytes_per_token(bytes_per_element, tp)
 
 
 def prefill_seconds(params: int, num_tokens: int, tflops: float) -> float:
@@ -94,21 +89,17 @@ def plan(
     tp: int = 1,
 ) -> dict[str, Any]:
     for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
-        if value not in BYTES_PER_ELEMENT:
-            raise InvalidParameterError(name, f"{value!r} is not one of {list(BYTES_PER_ELEMENT)}")
+        if value not in DTYPES:
+            raise InvalidParameterError(name, f"{value!r} is not one of {list(DTYPES)}")
+    dtype, kv_dtype = DTYPES[dtype].short, DTYPES[kv_dtype or dtype].short
     for name, value in (("prompt_len", prompt_len), ("output_len", output_len),
                         ("batch", batch), ("tp", tp)):  # fmt: skip
         if value < 1:
             raise InvalidParameterError(name, "must be >= 1")
-    kv_dtype = kv_dtype or dtype
     config, params = read_model(model)
-    weight_bytes = params * BYTES_PER_ELEMENT[dtype]
-    kv_total = kv_bytes_per_token(
-        config.num_layers, config.num_kv_heads, config.head_dim, BYTES_PER_ELEMENT[kv_dtype]
-    )
-    kv_rank = kv_bytes_per_token(
-        config.num_layers, config.num_kv_heads, config.head_dim, BYTES_PER_ELEMENT[kv_dtype], tp
-    )
+    weight_bytes = params * DTYPES[dtype].bytes
+    kv_total = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes)
+    kv_rank = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes, tp)
     tflops = hardware.flops_for(dtype) * tp
     bandwidth = hardware.bandwidth_gbs * tp
     weights_per_rank = weight_bytes / tp

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from tandem.errors import InvalidParameterError
+from tandem.models.dtypes import DTYPES
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 from tandem.runner.static_batch import stream_with_cache
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {e.short: e.torch for e in DTYPES.values() if e.torch is not None}
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:

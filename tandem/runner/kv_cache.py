@@ -15,8 +15,7 @@ from tandem.models.config import ModelConfig
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    return per_token * block_size * element_size
+    return int(config.kv_bytes_per_token(element_size)) * block_size
 
 
 def allocate_kv_cache(

@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
-from tandem.server.async_engine import AsyncEngine, QueueFullError
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.errors import APIError, as_api_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -36,34 +37,6 @@ from tandem.server.protocol import (
     TokenizeRequest,
 )
 from tandem.server.responses import ChoiceStream
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param=None, code=None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": str(self),
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
-
-
-def _as_api_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, InvalidParameterError):
-        return APIError(400, str(exc), "invalid_request_error", exc.param)
-    if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), "service_unavailable", code="queue_full")
-    if isinstance(exc, TandemError):
-        return APIError(500, str(exc), "server_error")
-    return APIError(500, f"internal error: {exc}", "server_error")
 
 
 def build_app(
@@ -93,7 +66,7 @@ def build_app(
 
     @app.exception_handler(TandemError)
     async def tandem_error(_: Request, exc: TandemError):
-        error = _as_api_error(exc)
+        error = as_api_error(exc)
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
@@ -291,9 +264,9 @@ def build_app(
             state.update(output)
             transfer = output.kv_transfer_params or transfer
         response = state.final_response()
-        if transfer is not None and engine.connector is not None:
+        if transfer is not None:
             # A prefill instance's answer: where the decode side reads the prompt's K/V.
-            response["kv_transfer_params"] = {**transfer, **engine.connector.address()}
+            response["kv_transfer_params"] = transfer
         return response
 
     async def _sse(
@@ -309,7 +282,7 @@ def build_app(
             if include_usage:
                 yield _event(state.usage_chunk())
         except Exception as exc:  # an error mid-stream: an error frame, then [DONE]
-            yield _event(_as_api_error(exc).body())
+            yield _event(as_api_error(exc).body())
         yield "data: [DONE]\n\n"
 
     return app

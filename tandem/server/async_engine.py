@@ -34,12 +34,9 @@ from tandem.engine.observer import EngineObserver
 from tandem.errors import TandemError
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
+from tandem.server.errors import QueueFullError
 
 logger = logging.getLogger("tandem.server")
-
-
-class QueueFullError(TandemError):
-    """The waiting queue is at its configured limit; the client should retry later."""
 
 
 class EngineStepError(TandemError):
@@ -66,7 +63,6 @@ class AsyncEngine:
             engine.add_observer(observer)
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self.connector = None  # tandem.disagg.connector.KVConnector, on disaggregated roles
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -88,9 +84,9 @@ class AsyncEngine:
         with ``finished``) go to ``outputs``. Raises the validation error, or
         QueueFullError, with nothing queued."""
         loop = asyncio.get_running_loop()
-        # Only a disaggregated role (one with a connector) can lease blocks or pull
-        # them; a colocated server computes such a request as any other.
-        transfer = kv_transfer_params if self.connector is not None else None
+        # Only a disaggregated role (an engine with a KV connector) can keep blocks or
+        # pull them; a colocated server computes such a request as any other.
+        transfer = kv_transfer_params if self.engine.scheduler.connector else None
         request = self.engine.input_processor.process(
             request_id, prompt, params, kv_transfer_params=transfer
         )
@@ -102,10 +98,12 @@ class AsyncEngine:
                     f"{waiting} requests are waiting (the limit is "
                     f"{self.max_waiting_requests}); retry later"
                 )
-            self.engine.add(request)
             self._streams[request_id] = _Stream(loop, outputs)
-            if request_id in self.engine.pending_kv and self.connector is not None:
-                self.connector.pull(request_id, request.kv_transfer)
+            try:
+                self.engine.add(request)
+            except BaseException:
+                del self._streams[request_id]
+                raise
 
         await self._call(add)
 

@@ -26,14 +26,10 @@ def run_server(
     max_waiting_requests: int | None = None,
     log_level: str = "info",
     trace: str | None = None,
-    role: str = "both",
-    kv_port: int = 0,
-    kv_lease_seconds: float = 30.0,
-    kv_transfer_failure: str = "recompute",
-    kv_backend: str = "auto",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
+    config = EngineConfig.from_kwargs(model, **engine_options)
+    engine = Engine(config)
     name = served_model_name or Path(model).name
     metrics = ServerMetrics(name)
     if trace is not None:
@@ -41,13 +37,10 @@ def run_server(
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
     engine.notify_changed()  # the gauges start from the idle engine
     connector = None
-    if role != "both":
-        from tandem.disagg.connector import KVConnector
+    if config.kv_transfer is not None and config.kv_transfer.role != "both":
+        from tandem.disagg.connector import DisaggConnector
 
-        connector = KVConnector(
-            async_engine, metrics, role, kv_port, host, kv_lease_seconds, kv_transfer_failure,
-            backend=kv_backend,
-        )  # fmt: skip
+        connector = DisaggConnector(async_engine, metrics, config.kv_transfer, host)
 
     def shutdown() -> None:
         async_engine.shutdown()

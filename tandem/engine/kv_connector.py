@@ -1,0 +1,120 @@
+"""The KV-connector seam: how a request's K/V arrive from, or are kept for, another
+engine instance (disaggregated prefill/decode), in the shape of vLLM's
+KVConnectorBase_V1 scheduler side. The scheduler calls four hooks; an implementation
+(tandem/disagg/connector.py) moves the bytes on its own threads and owns the blocks it
+keeps. Nothing about leases, hosts or transfers lives in the scheduler, the KV manager
+or the request::
+
+    add_request ──num_remote_tokens(r) > 0──> allocate blocks for them,
+                                              on_blocks_allocated(r, blocks, n),
+                                              r waits as WAITING_FOR_REMOTE_KV
+    poll_transfers <──finished_transfers()──  (id, ok, recompute): ok -> r runs from n;
+                                              failed -> recompute here, or r fails
+    _finish(r) ──request_finished(r, blocks)─> (keep, params): keep -> the connector
+                                              owns the blocks (KVCacheManager.detach)
+                                              until it releases them; params go into
+                                              r's output for the other side
+
+Contract: a request aborted while its blocks are being written keeps them until
+``finished_transfers`` names it (the writer must not write into freed blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """What a client or router asked of the connector for one request.
+
+    Prefill side: ``do_remote_decode`` keeps the blocks when the request finishes, for a
+    decode instance to read. Decode side: ``remote_block_ids`` hold the first
+    ``remote_num_tokens`` prompt tokens' K/V on the instance at ``remote_host:port``,
+    under lease ``lease_id``."""
+
+    do_remote_decode: bool = False
+    remote_block_ids: tuple[int, ...] = ()
+    remote_num_tokens: int = 0
+    lease_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_engine_id: str | None = None
+
+    @classmethod
+    def parse(
+        cls, raw: dict[str, Any], num_prompt_tokens: int, block_size: int
+    ) -> KVTransferParams:
+        do_remote_decode = bool(raw.get("do_remote_decode"))
+        if "remote_block_ids" not in raw:
+            return cls(do_remote_decode=do_remote_decode)
+        tokens, blocks = raw.get("remote_num_tokens"), raw["remote_block_ids"]
+        if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
+            raise InvalidParameterError(
+                "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
+            )
+        needed = -(-tokens // block_size)
+        if (
+            not isinstance(blocks, list)
+            or len(blocks) < needed
+            or not all(isinstance(b, int) and b >= 0 for b in blocks)
+        ):
+            raise InvalidParameterError(
+                "kv_transfer_params.remote_block_ids",
+                f"must list the {needed} block ids (integers) of {tokens} tokens",
+            )
+        port = raw.get("remote_port")
+        return cls(
+            do_remote_decode=do_remote_decode,
+            remote_block_ids=tuple(blocks[:needed]),
+            remote_num_tokens=tokens,
+            lease_id=_optional_str(raw, "lease_id"),
+            remote_host=_optional_str(raw, "remote_host"),
+            remote_port=port if isinstance(port, int) else None,
+            remote_engine_id=_optional_str(raw, "remote_engine_id"),
+        )
+
+
+def _optional_str(raw: dict[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class FinishedTransfer:
+    request_id: str
+    ok: bool
+    recompute: bool = True  # on failure: compute the prompt here (else the request fails)
+
+
+class KVConnector(Protocol):
+    """Scheduler-side hooks. Called on the engine's thread only."""
+
+    num_leases: int  # requests whose blocks the connector holds for another instance
+    num_lease_expiries: int  # ... released because nobody came for them
+
+    def num_remote_tokens(self, request: Request) -> int:
+        """Prompt tokens whose K/V this request will receive instead of computing."""
+        ...
+
+    def on_blocks_allocated(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        """Blocks for the first ``num_tokens`` tokens are allocated: start receiving."""
+        ...
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request ended (its status says how). Returns whether the connector keeps
+        its blocks (it then releases them itself) and the parameters its output
+        carries for the other instance."""
+        ...
+
+    def finished_transfers(self) -> list[FinishedTransfer]:
+        """Receives that ended since the last call."""
+        ...
