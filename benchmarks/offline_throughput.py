@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--skip-transformers", action="store_true", help="tandem only (e.g. old vs new)"
+    )
     args = parser.parse_args()
     folder = llama_125m_folder()
     prompts, outputs = workload(args.num_requests)
@@ -78,10 +81,13 @@ def main() -> None:
     )
     print(f"{'dtype':<10}{'engine':<28}{'seconds':>9}{'out tok/s':>11}{'vs HF':>8}")
     for dtype in args.dtype:
-        torch_dtype = getattr(torch, dtype)
-        hf_seconds = run_transformers(folder, torch_dtype, prompts, outputs, args.hf_batch_size)
         ours, produced = run_tandem(folder, dtype, prompts, outputs)
         assert produced == useful
+        if args.skip_transformers:
+            print(f"{dtype:<10}{'tandem (continuous)':<28}{ours:>9.1f}{useful / ours:>11.1f}")
+            continue
+        torch_dtype = getattr(torch, dtype)
+        hf_seconds = run_transformers(folder, torch_dtype, prompts, outputs, args.hf_batch_size)
         hf_label = f"transformers (batches of {args.hf_batch_size})"
         print(f"{dtype:<10}{hf_label:<28}{hf_seconds:>9.1f}{useful / hf_seconds:>11.1f}{1:>7.2f}x")
         print(
