@@ -10,25 +10,20 @@ client that disconnects, streaming or not, aborts its requests at once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import json
 import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tandem.errors import InvalidParameterError, TandemError
-from tandem.outputs import RequestOutput
-from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
+from tandem.sampling import model_sampling_defaults
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.errors import APIError, as_api_error
+from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -36,7 +31,6 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tandem.server.responses import ChoiceStream
 
 
 def build_app(
@@ -55,6 +49,7 @@ def build_app(
             on_shutdown()
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    handler = CompletionHandler(engine, model_name)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     defaults = model_sampling_defaults(engine.engine.model_info.generation_config)
@@ -172,10 +167,10 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         params = body.sampling_params(defaults)
-        return await _serve(
+        return await handler.serve(
             request,
             "cmpl",
-            [_engine_prompt(prompt, body.cache_salt) for prompt in body.prompts()],
+            [engine_prompt(prompt, body.cache_salt) for prompt in body.prompts()],
             params,
             body.stream,
             body.include_usage_in_stream,
@@ -192,126 +187,10 @@ def build_app(
             add_generation_prompt=body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),
         )
-        prompt = _engine_prompt(prompt_ids, body.cache_salt)
-        return await _serve(
+        prompt = engine_prompt(prompt_ids, body.cache_salt)
+        return await handler.serve(
             request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
             chat=True, kv_transfer_params=body.kv_transfer_params,
         )  # fmt: skip
 
-    async def _serve(
-        request: Request,
-        id_prefix: str,
-        prompts: list[dict[str, Any]],
-        params: SamplingParams,
-        stream: bool,
-        include_usage: bool,
-        chat: bool,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ):
-        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        # A stream sends what is new each step; a response needs only the end.
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        params = dataclasses.replace(params, output_kind=kind)
-        if kv_transfer_params is not None and len(prompts) != 1:
-            raise InvalidParameterError("kv_transfer_params", "takes a single prompt")
-        outputs: asyncio.Queue = asyncio.Queue()
-        engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        added: list[str] = []
-        try:
-            for engine_id, prompt in zip(engine_ids, prompts, strict=True):
-                await engine.add_request(engine_id, prompt, params, outputs, kv_transfer_params)
-                added.append(engine_id)
-        except BaseException:
-            for engine_id in added:
-                engine.abort(engine_id)
-            raise
-        state = ChoiceStream(
-            response_id,
-            model_name,
-            int(time.time()),
-            engine_ids,
-            params.n,
-            chat,
-            want_logprobs=params.logprobs is not None,
-        )
-        if stream:
-            return StreamingResponse(
-                _sse(state, outputs, engine_ids, include_usage), media_type="text/event-stream"
-            )
-        return await _until_disconnect(request, _collect(state, outputs, engine_ids))
-
-    async def _next_outputs(
-        outputs: asyncio.Queue, engine_ids: list[str]
-    ) -> AsyncIterator[RequestOutput]:
-        """RequestOutputs of this HTTP request's engine requests until all finish; aborts
-        the unfinished ones if the consumer goes away (disconnect, error)."""
-        pending = set(engine_ids)
-        try:
-            while pending:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    pending.discard(item.request_id)
-                yield item
-        finally:
-            for engine_id in pending:
-                engine.abort(engine_id)
-
-    async def _collect(state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str]):
-        transfer = None
-        async for output in _next_outputs(outputs, engine_ids):
-            state.update(output)
-            transfer = output.kv_transfer_params or transfer
-        response = state.final_response()
-        if transfer is not None:
-            # A prefill instance's answer: where the decode side reads the prompt's K/V.
-            response["kv_transfer_params"] = transfer
-        return response
-
-    async def _sse(
-        state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str], include_usage: bool
-    ) -> AsyncIterator[str]:
-        try:
-            if state.chat:
-                for index in range(state.num_choices):
-                    yield _event(state.role_chunk(index))
-            async for output in _next_outputs(outputs, engine_ids):
-                for index, delta in state.update(output):
-                    yield _event(state.chunk(index, delta))
-            if include_usage:
-                yield _event(state.usage_chunk())
-        except Exception as exc:  # an error mid-stream: an error frame, then [DONE]
-            yield _event(as_api_error(exc).body())
-        yield "data: [DONE]\n\n"
-
     return app
-
-
-def _engine_prompt(prompt: str | list[int], cache_salt: str | None) -> dict[str, Any]:
-    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return {key: prompt} if cache_salt is None else {key: prompt, "cache_salt": cache_salt}
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]):
-    """Await ``work``; if the client disconnects first, cancel it (which aborts its
-    engine requests) instead of finishing a response nobody will read."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_disconnected(request.receive))
-    done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    if work_task in done:
-        watch_task.cancel()
-        return work_task.result()
-    work_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work_task
-    return Response(status_code=499)
-
-
-async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -1,0 +1,153 @@
+"""The completion handlers behind the routes: queue an HTTP request's prompts on the
+engine, then stream its outputs as OpenAI chunks or gather them into one response;
+a client that goes away aborts its engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tandem.errors import InvalidParameterError
+from tandem.outputs import RequestOutput
+from tandem.sampling import RequestOutputKind, SamplingParams
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.errors import as_api_error
+from tandem.server.responses import ChoiceStream
+
+
+class CompletionHandler:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    async def serve(
+        self,
+        request: Request,
+        id_prefix: str,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+        chat: bool,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ):
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # A stream sends what is new each step; a response needs only the end.
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = dataclasses.replace(params, output_kind=kind)
+        if kv_transfer_params is not None and len(prompts) != 1:
+            raise InvalidParameterError("kv_transfer_params", "takes a single prompt")
+        outputs: asyncio.Queue = asyncio.Queue()
+        engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+        try:
+            for engine_id, prompt in zip(engine_ids, prompts, strict=True):
+                await self.engine.add_request(
+                    engine_id, prompt, params, outputs, kv_transfer_params
+                )
+                added.append(engine_id)
+        except BaseException:
+            for engine_id in added:
+                self.engine.abort(engine_id)
+            raise
+        state = ChoiceStream(
+            response_id,
+            self.model_name,
+            int(time.time()),
+            engine_ids,
+            params.n,
+            chat,
+            want_logprobs=params.logprobs is not None,
+        )
+        if stream:
+            return StreamingResponse(
+                self._sse(state, outputs, engine_ids, include_usage), media_type="text/event-stream"
+            )
+        return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
+
+    async def _next_outputs(
+        self, outputs: asyncio.Queue, engine_ids: list[str]
+    ) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of this HTTP request's engine requests until all finish; aborts
+        the unfinished ones if the consumer goes away (disconnect, error)."""
+        pending = set(engine_ids)
+        try:
+            while pending:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    pending.discard(item.request_id)
+                yield item
+        finally:
+            for engine_id in pending:
+                self.engine.abort(engine_id)
+
+    async def _collect(self, state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str]):
+        transfer = None
+        async for output in self._next_outputs(outputs, engine_ids):
+            state.update(output)
+            transfer = output.kv_transfer_params or transfer
+        response = state.final_response()
+        if transfer is not None:
+            # A prefill instance's answer: where the decode side reads the prompt's K/V.
+            response["kv_transfer_params"] = transfer
+        return response
+
+    async def _sse(
+        self,
+        state: ChoiceStream,
+        outputs: asyncio.Queue,
+        engine_ids: list[str],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        try:
+            if state.chat:
+                for index in range(state.num_choices):
+                    yield _event(state.role_chunk(index))
+            async for output in self._next_outputs(outputs, engine_ids):
+                for index, delta in state.update(output):
+                    yield _event(state.chunk(index, delta))
+            if include_usage:
+                yield _event(state.usage_chunk())
+        except Exception as exc:  # an error mid-stream: an error frame, then [DONE]
+            yield _event(as_api_error(exc).body())
+        yield "data: [DONE]\n\n"
+
+
+def engine_prompt(prompt: str | list[int], cache_salt: str | None) -> dict[str, Any]:
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt} if cache_salt is None else {key: prompt, "cache_salt": cache_salt}
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]):
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its
+    engine requests) instead of finishing a response nobody will read."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnected(request.receive))
+    done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    if work_task in done:
+        watch_task.cancel()
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work_task
+    return Response(status_code=499)
+
+
+async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
