@@ -100,9 +100,13 @@ def target_model(llm: LLM) -> torch.nn.Module:
     return runner.model
 
 
-def measure(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+def measure(
+    llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int, penalty: float = 1.0
+) -> dict:
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=new_tokens, ignore_eos=True, repetition_penalty=penalty
+    )
     for i in range(batch):
         prompt = [(i * 131 + j * 7 + 3) % vocab for j in range(prompt_len)]
         engine.add_request(f"ovh-{batch}-{i}", {"prompt_token_ids": prompt}, params)
@@ -182,6 +186,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--models", nargs="+", default=["bundled", "smollm2-shape"])
     parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="(the bundled model's own: 1.3)"
+    )
+    parser.add_argument(
         "--transformers",
         action="store_true",
         help="also time transformers' decode step (on the SmolLM2-shaped model)",
@@ -207,7 +214,9 @@ def main() -> None:
                 folder, dtype=getattr(torch, args.dtype)
             ).eval()
         for batch in args.batch:
-            r = measure(llm, batch, args.prompt_len, args.new_tokens, vocab)
+            r = measure(
+                llm, batch, args.prompt_len, args.new_tokens, vocab, args.repetition_penalty
+            )
             matmul = r["matmul"]
             print(
                 f"{name:<15}{batch:>6}{r['step'] * 1e3:>9.2f}{r['forward'] * 1e3:>9.2f}"

@@ -90,3 +90,18 @@ def test_small_linear_matches_torch(dtype, rows, out_features, in_features):
     # Both round the float32 sum once to the output dtype.
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 49152, 4099])
+def test_argmax_rows_matches_torch_ties_included(vocab):
+    from tandem.runner.sampler import argmax_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(9, vocab)
+    logits[0] = 1.0  # all tied: the first index wins
+    logits[1, vocab // 2 :] = 50.0  # a tie between a later and an earlier lane
+    logits[2, -1] = 100.0  # the maximum in the tail past the vector lanes
+    with torch.inference_mode():
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+        assert torch.equal(argmax_rows(logits[:, : max(1, vocab - 3)]),
+                           logits[:, : max(1, vocab - 3)].argmax(dim=-1))  # fmt: skip

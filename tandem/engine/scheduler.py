@@ -20,7 +20,12 @@ its blocks are freed and it returns to the front of the waiting queue, to recomp
 its prompt and output so far when it resumes (identical output, since its tokens are
 kept). No request is admitted in a step that had to preempt.
 
-The scheduler holds no tensors, so a cost-model simulator can drive it as well.
+A request whose prompt's K/V come from another instance (a KV connector,
+kv_connector.py) waits aside, its blocks allocated, until they have arrived.
+
+The scheduler holds no tensors, so a cost-model simulator can drive it as well; its
+output is plain data, and a diff: a request is sent whole once (NewRequestData), then
+only as token counts and new block ids (ScheduledRequest).
 """
 
 from __future__ import annotations

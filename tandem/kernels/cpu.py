@@ -34,6 +34,7 @@ FUNCTIONS = [
     "write_kv",
     "decode_attention",
     "small_linear",
+    "argmax_rows",
 ]
 
 

@@ -356,3 +356,35 @@ void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight,
                                 weight.size(1), out.stride(0), x.stride(0));
   });
 }
+
+// -- greedy sampling -------------------------------------------------------------------
+// out [R] = argmax of each row of x [R, V] float32: the first index of the maximum, as
+// torch (NaNs are skipped, where torch would return one). torch's CPU argmax walks a
+// [64, 49152] batch of logits at a fraction of the memory bandwidth. Here threads take
+// rows; each row is scanned twice: a plain max reduction (vectorised), then the first
+// position holding it (the row is still in L2).
+
+void argmax_rows(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kLong);
+  const int64_t rows = x.size(0), vocab = x.size(1), stride = x.stride(0);
+  const float* data = x.data_ptr<float>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kLanes = 16;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * stride;
+      float lane[kLanes];
+      std::fill(lane, lane + kLanes, -INFINITY);
+      const int64_t main = vocab - vocab % kLanes;
+      for (int64_t i = 0; i < main; i += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) lane[l] = std::max(lane[l], row[i + l]);
+      float top = -INFINITY;
+      for (int64_t l = 0; l < kLanes; ++l) top = std::max(top, lane[l]);
+      for (int64_t i = main; i < vocab; ++i) top = std::max(top, row[i]);
+      int64_t index = 0;
+      while (index < vocab && row[index] != top) ++index;
+      result[r] = index < vocab ? index : 0;
+    }
+  });
+}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.scheduler import NewRequestData, ScheduledRequest
-from tandem.runner.sampler import SamplingRow
+from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
 from tandem.sampling import SamplingParams
 
 
@@ -34,6 +34,7 @@ class RequestState:
     stop_token_ids: tuple[int, ...]  # banned below min_tokens
     block_ids: list[int]
     generator: torch.Generator | None  # its own, when it has a seed and samples
+    penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -46,6 +47,8 @@ class RequestState:
     def append(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.token_ids.extend(token_ids)
+        if self.penalty_counts is not None:
+            self.penalty_counts.add(token_ids)
 
     def sampling_row(self, drafts: list[int] | tuple[int, ...] = ()) -> SamplingRow:
         """How this request samples its next token; with ``drafts``, the token after
@@ -53,12 +56,15 @@ class RequestState:
         params = self.sampling_params
         output = self.output_token_ids if not drafts else [*self.output_token_ids, *drafts]
         banned = self.stop_token_ids if len(output) < params.min_tokens else ()
-        return SamplingRow(params, self.prompt_token_ids, output, self.generator, banned)
+        return SamplingRow(
+            params, self.prompt_token_ids, output, self.generator, banned, self.penalty_counts
+        )
 
 
 class InputBatch:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
+        self.vocab_size = vocab_size
         self.requests: dict[str, RequestState] = {}
         # Seeded requests' generators live until the request finishes, across
         # preemptions, so a preempted request draws exactly what it would have drawn.
@@ -79,7 +85,12 @@ class InputBatch:
             new.stop_token_ids,
             [],
             generator,
+            None,
         )
+        if needs_penalties(params):
+            self.requests[new.request_id].penalty_counts = PenaltyCounts.of(
+                new.prompt_token_ids, new.output_token_ids, self.vocab_size, self.device
+            )
 
     def update_blocks(self, item: ScheduledRequest) -> RequestState:
         state = self.requests[item.request_id]

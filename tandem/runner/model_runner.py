@@ -77,7 +77,7 @@ class ModelRunner:
         # Requests with a seed sample from their own generator (input_batch.py); the
         # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
-        self.input_batch = InputBatch(loaded.device)
+        self.input_batch = InputBatch(loaded.device, loaded.config.vocab_size)
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()

@@ -15,7 +15,35 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.sampling import SamplingParams
+
+
+@dataclass
+class PenaltyCounts:
+    """A request's token counts for penalties, kept up to date as its tokens arrive
+    (input_batch.py) instead of rebuilt from the whole history every step."""
+
+    output_counts: torch.Tensor  # [vocab] float32: times each token was generated
+    prompt_seen: torch.Tensor  # [vocab] bool: in the prompt (repetition penalty)
+    num_counted: int = 0  # output tokens included in output_counts
+
+    @classmethod
+    def of(cls, prompt: list[int], output: list[int], vocab: int, device) -> PenaltyCounts:
+        counts = cls(
+            torch.zeros(vocab, device=device), torch.zeros(vocab, dtype=torch.bool, device=device)
+        )
+        if prompt:
+            counts.prompt_seen[torch.tensor(prompt, device=device).clamp_(max=vocab - 1)] = True
+        counts.add(output)
+        return counts
+
+    def add(self, token_ids: list[int]) -> None:
+        if token_ids:
+            vocab = self.output_counts.shape[0]
+            ids = torch.tensor(token_ids, device=self.output_counts.device).clamp_(max=vocab - 1)
+            self.output_counts.index_add_(0, ids, torch.ones(len(ids), device=ids.device))
+            self.num_counted += len(token_ids)
 
 
 @dataclass
@@ -25,6 +53,9 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # the request's own, when it has a seed
     banned_token_ids: tuple[int, ...] = ()  # eos/stop ids while below min_tokens
+    # Counts kept by the runner for the first ``num_counted`` output tokens (the rest,
+    # drafts being verified, are counted here); None: count from the lists.
+    penalty_counts: PenaltyCounts | None = None
 
 
 @dataclass
@@ -46,11 +77,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     counts = torch.zeros_like(logits)
     seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
-        if row.output_token_ids:
-            ids = torch.tensor(row.output_token_ids, device=device).clamp_(max=vocab - 1)
-            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
-        if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
+        kept = row.penalty_counts
+        uncounted = row.output_token_ids[kept.num_counted :] if kept else row.output_token_ids
+        if kept is not None:
+            counts[i] = kept.output_counts
+            if row.params.repetition_penalty != 1.0:
+                seen[i] = kept.prompt_seen
+        elif row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
             seen[i, torch.tensor(row.prompt_token_ids, device=device).clamp_(max=vocab - 1)] = True
+        if uncounted:
+            ids = torch.tensor(uncounted, device=device).clamp_(max=vocab - 1)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
     seen |= counts > 0
     # Repetition penalty (CTRL): shrink positive logits, push negative ones further down.
     penalised = torch.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
@@ -94,7 +131,7 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     """Penalties and the min_tokens ban applied: the logits greedy rows take the
     argmax of and sampled rows turn into probabilities (``sampling_probs``)."""
     banning = any(r.banned_token_ids for r in rows)
-    if any(_needs_penalties(r.params) for r in rows):
+    if any(needs_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
     elif banning:
         logits = logits.clone()  # the caller's logits stay as they were
@@ -152,7 +189,7 @@ def sample(
     """logits [S, vocab] float32, one row per request that samples this step."""
     raw_logprobs = raw_logprobs_if_wanted(logits, rows)
     logits = processed_logits(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     greedy_flags = [r.params.greedy for r in rows]
     if not all(greedy_flags):
         greedy = torch.tensor(greedy_flags, device=logits.device)
@@ -161,7 +198,18 @@ def sample(
     return with_logprobs(tokens.tolist(), raw_logprobs, rows)
 
 
-def _needs_penalties(params: SamplingParams) -> bool:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S, vocab] -> [S] token ids: the compiled scan on CPU (several times torch's
+    argmax over a batch of logits), torch elsewhere."""
+    fits = logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32
+    if fits and cpu_kernels.usable(logits):
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        cpu_kernels.load().argmax_rows(out, logits)
+        return out
+    return logits.argmax(dim=-1)
+
+
+def needs_penalties(params: SamplingParams) -> bool:
     return (
         params.presence_penalty != 0
         or params.frequency_penalty != 0
