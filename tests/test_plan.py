@@ -73,6 +73,19 @@ def test_a_70b_plan_on_h100s(tmp_path):
     assert alone["tpot_estimate_s"] >= alone["weight_bytes"] / 3350e9
 
 
+def test_quantized_weights_take_their_block_formats_bytes(tmp_path):
+    """llama.cpp's formats: Q8_0 8.5 bits a weight, Q4_0 4.5, Q4_1 5, Q4_K 4.5, Q6_K
+    6.5625 (scales included); the KV cache keeps its own dtype."""
+    path = tmp_path / "llama70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    bf16 = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512)
+    for dtype, bits in (("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5), ("q4_k", 4.5),
+                        ("q6_k", 6.5625)):  # fmt: skip
+        result = plan(path, PRESETS["h100-sxm"], dtype, "bf16", 2048, 512)
+        assert result["weight_bytes"] == pytest.approx(bf16["weight_bytes"] * bits / 16)
+        assert result["kv_bytes_per_token"] == bf16["kv_bytes_per_token"]
+
+
 def test_bad_values_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     with pytest.raises(InvalidParameterError, match="dtype"):

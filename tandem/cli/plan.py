@@ -18,8 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flops", type=float, metavar="TFLOP/S", help="(custom)")
     parser.add_argument("--memory", type=float, metavar="GB", help="per device (custom)")
     parser.add_argument(
-        "--dtype", default="bf16", metavar="DTYPE", help="weights: fp32 bf16 fp16 fp8 int8"
-    )
+        "--dtype", default="bf16", metavar="DTYPE",
+        help="weights: fp32 bf16 fp16 fp8 int8, or llama.cpp's q8_0 q4_0 q4_1 q4_k q6_k "
+        "(their bytes per weight; computed at the bf16 rate)",
+    )  # fmt: skip
     parser.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="(default: --dtype)")
     parser.add_argument("--prompt-len", type=int, default=1024, metavar="TOKENS")
     parser.add_argument("--output-len", type=int, default=256, metavar="TOKENS")

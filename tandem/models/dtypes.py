@@ -22,6 +22,14 @@ for names, entry in (
     (("float16", "fp16", "half"), DType("fp16", 2, torch.float16)),
     (("fp8",), DType("fp8", 1, None)),
     (("int8",), DType("int8", 1, None)),
+    # llama.cpp's block formats, bytes per weight including the block scales: Q8_0 is
+    # 32 int8 + an fp16 scale (8.5 bits), Q4_0 32 nibbles + a scale (4.5), Q4_1 adds an
+    # fp16 minimum (5), Q4_K 4.5 and Q6_K 6.5625 bits in their 256-weight super-blocks.
+    (("q8_0",), DType("q8_0", 8.5 / 8, None)),
+    (("q4_0",), DType("q4_0", 4.5 / 8, None)),
+    (("q4_1",), DType("q4_1", 5 / 8, None)),
+    (("q4_k",), DType("q4_k", 4.5 / 8, None)),
+    (("q6_k",), DType("q6_k", 6.5625 / 8, None)),
 ):
     for name in names:
         DTYPES[name] = entry
