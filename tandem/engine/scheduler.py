@@ -159,18 +159,17 @@ class Scheduler:
             request, remote = self.waiting_for_remote.pop(done.request_id)
             if request.status.finished:  # aborted while its blocks were being written
                 self.kv.free(request)
-            elif done.ok:
+                continue
+            request.status = RequestStatus.WAITING  # the receive is over
+            if done.ok:
                 request.num_computed_tokens = remote
-                request.status = RequestStatus.WAITING
-                self.waiting.append(request)
-            else:
+            elif done.recompute:
                 self.kv.free(request)
-                if done.recompute:
-                    request.status = RequestStatus.WAITING
-                    self.waiting.append(request)
-                else:
-                    self._finish(request, RequestStatus.FINISHED_ABORTED)
-                    failed.append(request)
+            else:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                failed.append(request)
+                continue
+            self.waiting.append(request)
         return failed
 
     def has_unfinished_requests(self) -> bool:
@@ -186,30 +185,27 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # Its blocks are being written: they are freed when the receive ends.
-                request.status = status
-                request.timeline.finished = time.perf_counter()
-                del self.requests[request_id]
-                self.on_finish(request)
-                continue
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
                 self.waiting.remove(request)
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        # A request whose K/V are still arriving keeps its blocks (the sender writes into
+        # them) until poll_transfers frees them; the runner never saw it.
+        receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         request.status = status
         request.timeline.finished = time.perf_counter()
-        keep = False
-        if self.connector is not None:
-            table = list(self.kv.block_table(request.request_id))
-            keep, request.kv_transfer_output = self.connector.request_finished(request, table)
-        if keep:
-            self.kv.detach(request)  # the connector releases them
-        else:
-            self.kv.free(request)
+        if not receiving:
+            keep = False
+            if self.connector is not None:
+                table = list(self.kv.block_table(request.request_id))
+                keep, request.kv_transfer_output = self.connector.request_finished(request, table)
+            if keep:
+                self.kv.detach(request)  # the connector releases them
+            else:
+                self.kv.free(request)
+            self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
         self.on_finish(request)
 
     # -- one step ------------------------------------------------------------------
