@@ -308,7 +308,7 @@ def test_the_runner_copy_of_every_request_matches_the_scheduler(target, bad_draf
             # Past the table: blocks freed after rejected drafts, replaced when the
             # request is next scheduled (never read before).
             assert state.block_ids[: len(table)] == table
-            assert state.token_ids == request.all_token_ids
+            assert state.all_token_ids == request.all_token_ids
     assert preempted and engine.spec_stats.num_draft_tokens
     engine.step()  # an empty step tells the runner of the last finished requests
     assert not batch.requests and not batch.generators

@@ -6,7 +6,7 @@ run, new block ids; see ScheduledRequest). The runner appends the tokens it samp
 itself, so nothing is re-sent or re-copied per step. A request leaves when it
 finishes or is preempted.
 
-Invariant, after every step, for every running request: ``token_ids`` equals the
+Invariant, after every step, for every running request: ``all_token_ids`` equals the
 scheduler's ``all_token_ids``, and ``block_ids`` starts with its block table; blocks
 past the table (freed after rejected drafts) are replaced when the request is next
 scheduled, before anything reads them. tests/test_spec_decode.py checks this after
@@ -29,7 +29,7 @@ class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    token_ids: list[int]  # prompt + output: what the proposers read
+    all_token_ids: list[int]  # prompt + output (kept, so no step concatenates them)
     sampling_params: SamplingParams
     stop_token_ids: tuple[int, ...]  # banned below min_tokens
     block_ids: list[int]
@@ -37,16 +37,12 @@ class RequestState:
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.all_token_ids)
 
     def append(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
-        self.token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
         if self.penalty_counts is not None:
             self.penalty_counts.add(token_ids)
 

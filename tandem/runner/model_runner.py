@@ -49,8 +49,12 @@ class SpecItem:
     """What a proposer sees of a speculating request (spec_decode/proposer.py)."""
 
     request: RequestState  # its tokens (all_token_ids, num_tokens) and sampling
-    block_table: Sequence[int]  # covers every position a draft writes this step
     num_spec_tokens: int
+
+    @property
+    def block_table(self) -> list[int]:
+        """Covers every position a draft writes this step."""
+        return self.request.block_ids
 
 
 class ModelRunner:
@@ -141,7 +145,7 @@ class ModelRunner:
         for item, state in scheduled:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
-            tokens = state.token_ids[start : start + item.num_new_tokens]
+            tokens = state.all_token_ids[start : start + item.num_new_tokens]
             chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids))
             position += len(tokens) + len(guess)
             if item.samples:  # the last token's logits, and each draft's
@@ -158,14 +162,14 @@ class ModelRunner:
     def _drafts(self, scheduled) -> dict[str, tuple]:
         """The proposer's (draft tokens, draft distributions) per speculating request."""
         speculating = [
-            SpecItem(state, state.block_ids, item.num_spec_tokens)
+            SpecItem(state, item.num_spec_tokens)
             for item, state in scheduled
             if item.num_spec_tokens
         ]
         if not speculating:
             return {}
         proposals = self.proposer.propose(
-            speculating, lambda state, drafts=(): state.sampling_row(drafts), self.shared_generator
+            speculating, RequestState.sampling_row, self.shared_generator
         )
         return {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
 
