@@ -38,9 +38,7 @@ class AttentionGroup:
     valid_rows: torch.Tensor | None  # rows of the [S*Lq] queries that are real; None: all
     valid_tokens: torch.Tensor  # flat-batch token index of each real row
     context_lens: torch.Tensor  # [S] tokens of context, the new ones included
-    # Host copies, for the mask (built only by backends that need one).
-    query_lens_host: list[int]
-    num_computed_host: list[int]
+    num_computed: torch.Tensor  # [S] of them cached before this forward
     sliding_window: int | None
     block_size: int
     # When the group's queries are flat-batch tokens [first, first + S), one each, a
@@ -52,13 +50,11 @@ class AttentionGroup:
         """[S, 1, Lq, Lk] True where a query may attend a key (causal, within the
         context, within the sliding window)."""
         device = self.block_tables.device
-        q_lens = torch.tensor(self.query_lens_host, device=device)
-        computed = torch.tensor(self.num_computed_host, device=device)
-        max_q = max(self.query_lens_host)
+        max_q = self.query_index.shape[1]
         max_k = self.block_tables.shape[1] * self.block_size
-        q_pos = computed[:, None] + torch.arange(max_q, device=device)[None, :]
+        q_pos = self.num_computed[:, None] + torch.arange(max_q, device=device)[None, :]
         k_pos = torch.arange(max_k, device=device)
-        k_real = k_pos[None, :] < (computed + q_lens)[:, None]
+        k_real = k_pos[None, :] < self.context_lens[:, None]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_real[:, None, :]
         if self.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
@@ -166,8 +162,7 @@ def _group(
         valid_rows=None if all_real else _long(valid_rows, device),
         valid_tokens=_long(valid_tokens, device),
         context_lens=_long(context, device),
-        query_lens_host=q_lens,
-        num_computed_host=computed,
+        num_computed=_long(computed, device),
         sliding_window=sliding_window,
         block_size=block_size,
         contiguous_from=first if contiguous else None,
