@@ -15,7 +15,7 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 #   system  real processes: servers, the CLI, load generators, multi-instance setups
 UNIT = {
     "test_attention", "test_kernels", "test_layering", "test_sampler", "test_scheduler",
-    "test_kv_transfer", "test_detokenizer", "test_tokenizer",
+    "test_kv_transfer", "test_detokenizer", "test_tokenizer", "test_kv_transfer_params",
 }  # fmt: skip
 SYSTEM = {
     "test_server", "test_disagg", "test_bench_serve", "test_cli", "test_readme", "test_trace",

@@ -51,11 +51,13 @@ class KVTransferParams:
     def parse(
         cls, raw: dict[str, Any], num_prompt_tokens: int, block_size: int
     ) -> KVTransferParams:
-        do_remote_decode = bool(raw.get("do_remote_decode"))
+        """Check every field a client may send: a wrong type or range is a 400 naming
+        it, never silently dropped."""
+        do_remote_decode = _field(raw, "do_remote_decode", bool) or False
         if "remote_block_ids" not in raw:
             return cls(do_remote_decode=do_remote_decode)
         tokens, blocks = raw.get("remote_num_tokens"), raw["remote_block_ids"]
-        if not isinstance(tokens, int) or not 0 <= tokens < num_prompt_tokens:
+        if not _is_int(tokens) or not 0 <= tokens < num_prompt_tokens:
             raise InvalidParameterError(
                 "kv_transfer_params.remote_num_tokens", f"must be in [0, {num_prompt_tokens})"
             )
@@ -63,27 +65,40 @@ class KVTransferParams:
         if (
             not isinstance(blocks, list)
             or len(blocks) < needed
-            or not all(isinstance(b, int) and b >= 0 for b in blocks)
+            or not all(_is_int(b) and b >= 0 for b in blocks)
         ):
             raise InvalidParameterError(
                 "kv_transfer_params.remote_block_ids",
                 f"must list the {needed} block ids (integers) of {tokens} tokens",
             )
-        port = raw.get("remote_port")
+        port = _field(raw, "remote_port", int)
+        if port is not None and not 0 < port < 65536:
+            raise InvalidParameterError("kv_transfer_params.remote_port", "must be in [1, 65535]")
         return cls(
             do_remote_decode=do_remote_decode,
             remote_block_ids=tuple(blocks[:needed]),
             remote_num_tokens=tokens,
-            lease_id=_optional_str(raw, "lease_id"),
-            remote_host=_optional_str(raw, "remote_host"),
-            remote_port=port if isinstance(port, int) else None,
-            remote_engine_id=_optional_str(raw, "remote_engine_id"),
+            lease_id=_field(raw, "lease_id", str),
+            remote_host=_field(raw, "remote_host", str),
+            remote_port=port,
+            remote_engine_id=_field(raw, "remote_engine_id", str),
         )
 
 
-def _optional_str(raw: dict[str, Any], key: str) -> str | None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(raw: dict[str, Any], key: str, kind: type) -> Any:
+    """``raw[key]`` if present (None if absent or null); any other type is an error."""
     value = raw.get(key)
-    return value if isinstance(value, str) else None
+    if value is None:
+        return None
+    if not (_is_int(value) if kind is int else isinstance(value, kind)):
+        raise InvalidParameterError(
+            f"kv_transfer_params.{key}", f"must be {kind.__name__}, got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
