@@ -23,17 +23,40 @@ LLAMA_125M = dict(
 )
 
 
-def llama_125m_folder() -> Path:
+# A random-weight Llama of SmolLM2-135M's shape (30 layers, hidden 576, tied): deep and
+# narrow, where per-layer overheads show.
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def random_llama_folder(name: str, config: dict) -> Path:
     """Save (once) a random-weight Llama with transformers, so tandem and transformers
     load the very same checkpoint."""
-    folder = BENCH_DIR / "llama-125m"
+    folder = BENCH_DIR / name
     if not (folder / "model.safetensors").is_file():
         import transformers
 
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(**LLAMA_125M)
-        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(folder)
     return folder
+
+
+def llama_125m_folder() -> Path:
+    return random_llama_folder("llama-125m", LLAMA_125M)
+
+
+def smollm2_shaped_folder() -> Path:
+    return random_llama_folder("smollm2-135m-shape", SMOLLM2_SHAPE)
 
 
 # The instruction sets CPU kernels dispatch on; a figure is only comparable with
@@ -54,5 +77,5 @@ def machine() -> str:
     except OSError:
         pass
     cpu = cpu or platform.processor() or platform.machine()
-    isa = " ".join(flags) or "flags unknown"
+    isa = " ".join(flags or []) or "flags unknown"
     return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -34,33 +34,9 @@ from pathlib import Path
 import torch
 
 import tandem
-from benchmarks.common import BENCH_DIR, machine
+from benchmarks.common import machine, smollm2_shaped_folder
 from benchmarks.decode_roofline import transformers_step_seconds
 from tandem import LLM, SamplingParams
-
-SMOLLM2_SHAPE = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
-
-
-def smollm2_shaped_folder() -> Path:
-    folder = BENCH_DIR / "smollm2-135m-shape"
-    if not (folder / "model.safetensors").is_file():
-        import transformers
-
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**SMOLLM2_SHAPE)
-        transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def bundled_folder() -> Path:
@@ -95,11 +71,6 @@ class ForwardTimer:
             delattr(self.model, name)  # the class's method shows through again
 
 
-def target_model(llm: LLM) -> torch.nn.Module:
-    runner = llm.engine.runner
-    return runner.model
-
-
 def measure(
     llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int, penalty: float = 1.0
 ) -> dict:
@@ -110,7 +81,8 @@ def measure(
     for i in range(batch):
         prompt = [(i * 131 + j * 7 + 3) % vocab for j in range(prompt_len)]
         engine.add_request(f"ovh-{batch}-{i}", {"prompt_token_ids": prompt}, params)
-    timer = ForwardTimer(target_model(llm))
+    model = engine.runner.model
+    timer = ForwardTimer(model)
     steps: list[tuple[float, float]] = []
     matmul = num_ops = None
     try:
@@ -121,7 +93,7 @@ def measure(
             total = time.perf_counter() - start
             steps.append((total, sum(timer.seconds)))
             if matmul is None and len(steps) == new_tokens // 2:  # (steps not timed)
-                matmul = matmul_seconds(engine, target_model(llm))
+                matmul = matmul_seconds(engine, model)
                 num_ops = count_ops(engine)
     finally:
         timer.remove()
@@ -205,7 +177,7 @@ def main() -> None:
     for name in args.models:
         folder = folders[name]()
         llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.batch))
-        vocab = llm.engine.tokenizer.vocab_size if name == "bundled" else 49152
+        vocab = llm.engine.runner.model.config.vocab_size
         hf_model = None
         if args.transformers and vocab >= 32000:  # its prompts use ids below 32000
             import transformers
