@@ -61,26 +61,31 @@ def test_generate_uses_the_bundled_model_by_default():
 
 
 def test_every_engine_setting_is_a_flag_with_help():
-    """The engine flags are generated from the config dataclasses: each field has a
-    flag, a help text and a metavar that reads as a value; --version answers."""
+    """The engine flags are generated from the config dataclasses: each setting (every
+    field that is not itself a section) has a flag, a help text and a metavar that
+    reads as a value; --version answers."""
     import dataclasses
 
     from tandem.cli import build_parser
-    from tandem.cli.engine_args import SECTIONS, _flags
-    from tandem.config import SpeculativeConfig
+    from tandem.config import (
+        CacheConfig,
+        EngineConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
 
-    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
-    actions = {a.option_strings[0]: a for a in generate._actions if a.option_strings}
-    fields = [
-        flag for cls, skipped in SECTIONS for f, flag, _ in _flags(cls) if f.name not in skipped
-    ]
-    fields += [flag for _, flag, _ in _flags(SpeculativeConfig)]
-    assert len(fields) == sum(
-        len(dataclasses.fields(cls)) - len(skipped) for cls, skipped in SECTIONS
-    ) + len(dataclasses.fields(SpeculativeConfig))
-    for flag in fields:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    actions = {s: a for a in serve._actions for s in a.option_strings}
+    sections = {"model", "cache", "scheduler", "speculative", "kv_transfer"}
+    configs = (EngineConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, KVTransferConfig)
+    settings = [f for cls in configs for f in dataclasses.fields(cls) if f.name not in sections]
+    assert len(settings) == 23  # a new setting must show up here, and as a flag
+    for f in settings:
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         action = actions[flag]
-        assert action.help and "ENGINE" not in str(action.metavar), flag
+        assert action.help and f.metadata["help"] in action.help, flag
+        assert action.metavar is None or action.metavar.isupper(), flag
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("tandem ")
     options = run_cli("generate", "--help").stdout

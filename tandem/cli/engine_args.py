@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import (
@@ -19,12 +20,30 @@ from tandem.config import (
     SpeculativeConfig,
 )
 
-# (config class, fields left out): the sections whose fields are flat engine options.
-SECTIONS = [
-    (EngineConfig, {"model", "cache", "scheduler", "speculative", "kv_transfer"}),
-    (CacheConfig, set()),
-    (SchedulerConfig, set()),
-]
+
+@dataclass(frozen=True)
+class FlagGroup:
+    """Config sections whose fields become one group of flags; ``option`` is the
+    keyword they are passed under (None: flat engine options)."""
+
+    name: str
+    title: str
+    sections: tuple[type, ...]
+    option: str | None = None
+    # Fields that are sections themselves, not settings.
+    skipped: frozenset[str] = frozenset()
+
+
+ENGINE = FlagGroup(
+    "engine", "engine", (EngineConfig, CacheConfig, SchedulerConfig),
+    skipped=frozenset({"model", "cache", "scheduler", "speculative", "kv_transfer"}),
+)  # fmt: skip
+SPECULATIVE = FlagGroup(
+    "speculative", "speculative decoding", (SpeculativeConfig,), "speculative_config"
+)
+KV_TRANSFER = FlagGroup(
+    "kv_transfer", "disaggregated serving", (KVTransferConfig,), "kv_transfer_config"
+)
 
 
 def _flags(cls: type) -> list[tuple[dataclasses.Field, str, type]]:
@@ -57,6 +76,19 @@ def _add(group, f: dataclasses.Field, flag: str, kind: type, dest: str) -> None:
     )  # fmt: skip
 
 
+def _fields(group: FlagGroup) -> list[tuple[dataclasses.Field, str, type]]:
+    return [
+        entry
+        for cls in group.sections
+        for entry in _flags(cls)
+        if entry[0].name not in group.skipped
+    ]
+
+
+def _groups(kv_transfer: bool) -> list[FlagGroup]:
+    return [ENGINE, SPECULATIVE, *([KV_TRANSFER] if kv_transfer else [])]
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = False) -> None:
     """The engine's flags; with ``kv_transfer``, the disaggregated-serving ones too."""
     parser.add_argument(
@@ -66,45 +98,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = Fa
     parser.add_argument(
         "--threads", type=int, default=0, metavar="N", help="CPU threads (0: torch's default)"
     )
-    engine = parser.add_argument_group("engine")
-    for cls, skipped in SECTIONS:
-        for f, flag, kind in _flags(cls):
-            if f.name not in skipped:
-                _add(engine, f, flag, kind, f"engine_{f.name}")
-    speculative = parser.add_argument_group(
-        "speculative decoding", "on when --speculative-method is given"
-    )
-    for f, flag, kind in _flags(SpeculativeConfig):
-        _add(speculative, f, flag, kind, f"speculative_{f.name}")
-    if kv_transfer:
-        disagg = parser.add_argument_group("disaggregated serving")
-        for f, flag, kind in _flags(KVTransferConfig):
-            _add(disagg, f, flag, kind, f"kv_transfer_{f.name}")
+    for group in _groups(kv_transfer):
+        arguments = parser.add_argument_group(group.title)
+        for f, flag, kind in _fields(group):
+            _add(arguments, f, flag, kind, f"{group.name}_{f.name}")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave, as ``LLM(**options)`` / ``EngineConfig.from_kwargs``
     take them."""
-    options = {
-        f.name: getattr(args, f"engine_{f.name}")
-        for cls, skipped in SECTIONS
-        for f, _, _ in _flags(cls)
-        if f.name not in skipped and getattr(args, f"engine_{f.name}") is not None
-    }
-    speculative = {
-        f.name: getattr(args, f"speculative_{f.name}")
-        for f, _, _ in _flags(SpeculativeConfig)
-        if getattr(args, f"speculative_{f.name}") is not None
-    }
-    if "method" in speculative:
-        options["speculative_config"] = speculative
-    kv_transfer = {
-        f.name: getattr(args, f"kv_transfer_{f.name}")
-        for f, _, _ in _flags(KVTransferConfig)
-        if getattr(args, f"kv_transfer_{f.name}", None) is not None
-    }
-    if kv_transfer:
-        options["kv_transfer_config"] = kv_transfer
+    options: dict[str, Any] = {}
+    for group in (ENGINE, SPECULATIVE, KV_TRANSFER):
+        given = {
+            f.name: value
+            for f, _, _ in _fields(group)
+            if (value := getattr(args, f"{group.name}_{f.name}", None)) is not None
+        }
+        if group.option is None:
+            options.update(given)
+        elif given and (group is not SPECULATIVE or "method" in given):
+            options[group.option] = given
     return options
 
 
