@@ -41,6 +41,8 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         (["--model", str(folder), "hi", "--temperature", "-1"], "temperature"),
         (["--model", str(folder), "hi", "--max-tokens", "100000"], "max_model_len"),
         (["--model", str(folder), "hi", "--scheduling-policy", "nope"], "scheduling_policy"),
+        # a speculative setting without a method is an error, not silently dropped
+        (["--model", str(folder), "hi", "--num-speculative-tokens", "3"], "--speculative-method"),
     ]
     for args, message in cases:
         result = run_cli("generate", *args)

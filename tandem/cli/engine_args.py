@@ -19,6 +19,7 @@ from tandem.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tandem.errors import InvalidParameterError
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ def _fields(group: FlagGroup) -> list[tuple[dataclasses.Field, str, type]]:
     ]
 
 
+def _flag(group: FlagGroup, name: str) -> str:
+    return next(flag for f, flag, _ in _fields(group) if f.name == name)
+
+
 def _groups(kv_transfer: bool) -> list[FlagGroup]:
     return [ENGINE, SPECULATIVE, *([KV_TRANSFER] if kv_transfer else [])]
 
@@ -114,9 +119,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             for f, _, _ in _fields(group)
             if (value := getattr(args, f"{group.name}_{f.name}", None)) is not None
         }
+        if group is SPECULATIVE and given and "method" not in given:
+            raise InvalidParameterError(
+                "speculative_config",
+                f"{', '.join(_flag(group, name) for name in given)} needs --speculative-method",
+            )
         if group.option is None:
             options.update(given)
-        elif given and (group is not SPECULATIVE or "method" in given):
+        elif given:
             options[group.option] = given
     return options
 
