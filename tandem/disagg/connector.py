@@ -57,7 +57,7 @@ class DisaggConnector:
             config.backend,
         )  # fmt: skip
         # Prefill side: lease id -> (blocks, deadline); decode side: finished pulls not
-        # yet taken by the scheduler, and why failed ones failed.
+        # yet taken by the scheduler.
         self.leases: dict[str, tuple[list[int], float]] = {}
         self.num_lease_expiries = 0
         self._finished: list[FinishedTransfer] = []
@@ -133,12 +133,11 @@ class DisaggConnector:
         if isinstance(lease_id, str):
             self.async_engine.submit(lambda: self._release(lease_id))
 
-    def _release(self, lease_id: str) -> bool:
+    def _release(self, lease_id: str) -> None:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
             self.engine.kv_manager.release_detached(lease[0])
             self.engine.notify_changed()
-        return lease is not None
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -148,12 +147,11 @@ class DisaggConnector:
     def _expire(self) -> None:
         now = time.monotonic()
         expired = [lease_id for lease_id, (_, deadline) in self.leases.items() if deadline < now]
+        self.num_lease_expiries += len(expired)  # counted before the release notifies
         for lease_id in expired:
             self._release(lease_id)
-        self.num_lease_expiries += len(expired)
         if expired:
             logger.warning("%d KV lease(s) expired unread; their blocks are free", len(expired))
-            self.engine.notify_changed()
 
     # -- decode side ---------------------------------------------------------------------
 
