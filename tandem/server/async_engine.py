@@ -87,9 +87,12 @@ class AsyncEngine:
         # Only a disaggregated role (an engine with a KV connector) can keep blocks or
         # pull them; a colocated server computes such a request as any other.
         transfer = kv_transfer_params if self.engine.scheduler.connector else None
-        request = self.engine.input_processor.process(
-            request_id, prompt, params, kv_transfer_params=transfer
-        )
+        # Tokenizing a long prompt takes milliseconds: off the event loop, so that other
+        # clients' streams keep flowing (the input processor only reads its settings).
+        request = await asyncio.to_thread(
+            self.engine.input_processor.process,
+            request_id, prompt, params, kv_transfer_params=transfer,
+        )  # fmt: skip
 
         def add() -> None:
             waiting = len(self.engine.scheduler.waiting)
@@ -98,12 +101,8 @@ class AsyncEngine:
                     f"{waiting} requests are waiting (the limit is "
                     f"{self.max_waiting_requests}); retry later"
                 )
+            self.engine.add(request)  # outputs come from steps, on this thread, later
             self._streams[request_id] = _Stream(loop, outputs)
-            try:
-                self.engine.add(request)
-            except BaseException:
-                del self._streams[request_id]
-                raise
 
         await self._call(add)
 
