@@ -77,14 +77,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     counts = torch.zeros_like(logits)
     seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
-        kept = row.penalty_counts
-        uncounted = row.output_token_ids[kept.num_counted :] if kept else row.output_token_ids
-        if kept is not None:
-            counts[i] = kept.output_counts
-            if row.params.repetition_penalty != 1.0:
-                seen[i] = kept.prompt_seen
-        elif row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
-            seen[i, torch.tensor(row.prompt_token_ids, device=device).clamp_(max=vocab - 1)] = True
+        # The runner's kept counts, or counts made here for a row that has none.
+        kept = row.penalty_counts or PenaltyCounts.of(row.prompt_token_ids, [], vocab, device)
+        counts[i] = kept.output_counts
+        if row.params.repetition_penalty != 1.0:
+            seen[i] = kept.prompt_seen
+        uncounted = row.output_token_ids[kept.num_counted :]  # (drafts being verified)
         if uncounted:
             ids = torch.tensor(uncounted, device=device).clamp_(max=vocab - 1)
             counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))

@@ -17,7 +17,7 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_model
 from tandem.runner.model_runner import ModelRunner, SequenceChunk
-from tandem.runner.sampler import draw, processed_logits, sampling_probs
+from tandem.runner.sampler import argmax_rows, draw, processed_logits, sampling_probs
 
 
 class DraftProposer:
@@ -46,7 +46,7 @@ class DraftProposer:
         while True:
             rows = [make_row(items[i].request, drafts[i]) for i in active]
             processed = processed_logits(logits.float(), rows)
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax_rows(processed)
             q = None
             if not all(row.params.greedy for row in rows):
                 q = sampling_probs(processed, rows)

@@ -18,6 +18,7 @@ import torch
 from tandem.runner.sampler import (
     SampledToken,
     SamplingRow,
+    argmax_rows,
     draw,
     processed_logits,
     raw_logprobs_if_wanted,
@@ -39,7 +40,7 @@ def verify(
     raw = raw_logprobs_if_wanted(logits, rows)
     processed = processed_logits(logits, rows)
     if rows[0].params.greedy:
-        targets = processed.argmax(dim=-1).tolist()
+        targets = argmax_rows(processed).tolist()
         accepted = 0
         while accepted < k and drafts[accepted] == targets[accepted]:
             accepted += 1
