@@ -7,10 +7,12 @@ streams each weight once, four rows at a time, dotting them with every activatio
 row while they sit in L1, threads taking disjoint row ranges.
 
 It only pays while the batch is small: each further row costs FMAs that BLAS's
-blocked GEMM does better. Measured on an AMD EPYC (2 cores, AVX2), all linear layers
-of a 135M Llama: float32 17.6 vs 10.3 GB/s at 1 row, even at 8 rows; bfloat16 14.5 vs
-9.8 GB/s at 1 row, even at 4 (benchmarks/step_overhead.py, docs/BENCHMARKS.md). Above
-``max_rows`` the layer goes to torch.
+blocked GEMM does better. ``python -m benchmarks.cpu_kernels`` measures both on the
+machine at hand; on a 2-core AMD EPYC (avx2 fma avx512f avx512_vnni avx512_bf16), all
+linear layers of a SmolLM2-135M-shaped Llama: float32 16.8-18.3 against 10.6-11.7
+GB/s at 1 row, still ahead at 8, behind at 16; bfloat16 12.9-13.5 against 8.6-10.2 at
+1 row, even at 4 (docs/BENCHMARKS.md). Above ``MAX_ROWS`` the layer goes to torch; a
+CPU with other vector units may move the crossover, which that benchmark shows.
 """
 
 from __future__ import annotations
