@@ -27,6 +27,7 @@ APIs the older engine has too), alternating the two::
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -88,20 +89,27 @@ def measure(
     try:
         while engine.has_unfinished_requests():
             timer.seconds.clear()
+            faults = minor_faults()
             start = time.perf_counter()
             engine.step()
             total = time.perf_counter() - start
-            steps.append((total, sum(timer.seconds)))
+            steps.append((total, sum(timer.seconds), minor_faults() - faults))
             if matmul is None and len(steps) == new_tokens // 2:  # (steps not timed)
                 matmul = matmul_seconds(engine, model)
                 num_ops = count_ops(engine)
     finally:
         timer.remove()
     decode = steps[-(new_tokens - 2) :]  # after every prompt has run
-    step = statistics.median(s for s, _ in decode)
-    forward = statistics.median(f for _, f in decode)
+    step = statistics.median(s for s, _, _ in decode)
+    forward = statistics.median(f for _, f, _ in decode)
+    faults = statistics.fmean(n for _, _, n in decode)  # bursty: a mean, not a median
     return {"step": step, "forward": forward, "host": step - forward, "matmul": matmul,
-            "num_ops": num_ops}  # fmt: skip
+            "num_ops": num_ops, "faults": faults}  # fmt: skip
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (a fresh mapping touched page by page)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -172,7 +180,7 @@ def main() -> None:
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens; medians of decode steps\n")
     print(
         f"{'model':<15}{'batch':>6}{'step ms':>9}{'forward':>9}{'host':>8}"
-        f"{'matmul':>9}{'other':>8}{'aten ops':>10}"
+        f"{'matmul':>9}{'other':>8}{'aten ops':>10}{'faults':>8}"
     )
     for name in args.models:
         folder = folders[name]()
@@ -193,14 +201,15 @@ def main() -> None:
             print(
                 f"{name:<15}{batch:>6}{r['step'] * 1e3:>9.2f}{r['forward'] * 1e3:>9.2f}"
                 f"{r['host'] * 1e3:>8.2f}{matmul * 1e3:>9.2f}"
-                f"{(r['forward'] - matmul) * 1e3:>8.2f}{r['num_ops']:>10.0f}"
+                f"{(r['forward'] - matmul) * 1e3:>8.2f}{r['num_ops']:>10.0f}{r['faults']:>8.0f}"
             )
             if hf_model is not None:
                 hf = transformers_step_seconds(hf_model, batch, args.prompt_len, args.new_tokens)
                 print(f"{'  transformers':<15}{batch:>6}{hf * 1e3:>9.2f}")
     print(
         "\nforward: the model's forward and LM head; host: the rest of the step; matmul: "
-        "time inside linear layers; other: forward - matmul; aten ops: per step"
+        "time inside linear layers; other: forward - matmul; aten ops: per step; faults: "
+        "minor page faults per step"
     )
 
 

@@ -4,8 +4,10 @@ glibc serves allocations above its mmap threshold (128 KiB at start, raised as s
 blocks are freed, to at most 32 MiB) with a new mapping each time, and returns heap
 memory above the trim threshold to the system at every free. A decode step allocates
 and frees the same multi-MB tensors every time (activations, [batch, vocab] logits),
-so each step then pays a minor page fault per 4 KiB page touched: about 2,000 faults
-and 13% of the step at batch 64 on a 135M model. Raising both thresholds once lets
+so each step then pays a minor page fault per 4 KiB page touched: 2,500-6,000 faults
+a step at batch 64 on a 135M model, 13% of the step (``python -m
+benchmarks.step_overhead``, its ``faults`` column; 240-330 with this). Raising both
+thresholds once lets
 those buffers be reused from the heap; the price is that up to the peak of such
 temporaries stays resident between steps, which an inference process wants anyway.
 """
