@@ -115,10 +115,12 @@ def minor_faults() -> int:
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every module holding a weight matrix that multiplies activations (the LM head
     included; a tied head shares the embedding's weight but is its own module)."""
+    from tandem.models.quantized import packed_parts
+
     return [
         m for m in model.modules()
         if isinstance(getattr(m, "weight", None), torch.Tensor)
-        and m.weight.dim() == 2
+        and (m.weight.dim() == 2 or packed_parts(m))  # quantized layers keep no float weight
         and not isinstance(m, torch.nn.Embedding)
     ]  # fmt: skip
 
@@ -164,7 +166,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--models", nargs="+", default=["bundled", "smollm2-shape"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["bundled", "smollm2-shape"],
+        help="bundled, smollm2-shape, or any model path / catalog name (smollm2-135m-instruct)",
+    )
     parser.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="(the bundled model's own: 1.3)"
     )
@@ -183,7 +190,7 @@ def main() -> None:
         f"{'matmul':>9}{'other':>8}{'aten ops':>10}{'faults':>8}"
     )
     for name in args.models:
-        folder = folders[name]()
+        folder = folders[name]() if name in folders else name  # or a path / catalog name
         llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.batch))
         vocab = llm.engine.runner.model.config.vocab_size
         hf_model = None

@@ -163,6 +163,12 @@ class EngineConfig:
         "auto", "auto (CPU: float32, CUDA: bfloat16), float32, bfloat16 or float16", "DTYPE"
     )
     device: str = setting("cpu", "cpu or cuda", "DEVICE")
+    quantization: str = setting(
+        "auto",
+        "auto (a GGUF file's weights stay in its formats), none (all weights float in "
+        "--dtype), or q8_0 / q4_0 / q4_k (quantize every linear layer on load)",
+        "FORMAT",
+    )
     seed: int = setting(0, "seed of the engine's shared random generator", "N")
     max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
     cache: CacheConfig = field(default_factory=CacheConfig)

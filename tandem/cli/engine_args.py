@@ -98,7 +98,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = Fa
     """The engine's flags; with ``kv_transfer``, the disaggregated-serving ones too."""
     parser.add_argument(
         "--model", default=None, metavar="DIR",
-        help="a local Hugging Face model folder (default: the bundled stdlib-lm)",
+        help="a local Hugging Face model folder, a GGUF file (or a folder holding one), or "
+        "smollm2-135m-instruct (default: the bundled stdlib-lm)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=0, metavar="N", help="CPU threads (0: torch's default)"

@@ -1,9 +1,13 @@
-"""tandem's CPU kernels (cpu_ops.cpp), compiled on first use, and when to use them.
+"""tandem's CPU kernels, compiled on first use, and when to use them.
 
-Everything in a decoder layer that is not a weight matmul: RMSNorm with the residual
-add fused in, rotary in place, silu(gate) * up, the KV-cache write, and paged decode
-attention that reads each K/V row once, straight from the blocks. Eager torch spends
-about 40 small ops per layer on these; the kernels make it 7 calls.
+cpu_ops.cpp: everything in a decoder layer that is not a weight matmul: RMSNorm with
+the residual add fused in, rotary in place, silu(gate) * up, the KV-cache write, and
+paged decode attention that reads each K/V row once, straight from the blocks. Eager
+torch spends about 40 small ops per layer on these; the kernels make it 7 calls. Also
+the small-batch float linear layer and greedy argmax.
+
+quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
+integer dot products (tandem/quant/).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -26,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = [Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("quant_ops.cpp")]
 FUNCTIONS = [
     "rms_norm",
     "rotary",
@@ -35,6 +39,7 @@ FUNCTIONS = [
     "decode_attention",
     "small_linear",
     "argmax_rows",
+    "quant_linear",
 ]
 
 
@@ -49,7 +54,8 @@ def _cpu_tag() -> str:
         )
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1(flags.encode() + SOURCE.read_bytes()).hexdigest()[:10]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    return hashlib.sha1(flags.encode() + sources).hexdigest()[:10]
 
 
 @functools.cache
@@ -69,7 +75,7 @@ def load():
             )
         return load_inline(
             name=name,
-            cpp_sources=SOURCE.read_text(),
+            cpp_sources=[path.read_text() for path in SOURCES],
             functions=FUNCTIONS,
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

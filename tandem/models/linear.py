@@ -5,13 +5,14 @@ layer holds a ``LinearMethod`` (by default ``F.linear`` on the stored weight); t
 runner picks one per device, dtype and quantization after loading (runner/linear/),
 so a quantized format or a faster kernel plugs in without touching model code::
 
-    loader: build on meta -> load checkpoint tensors -> runner: set_linear_method(model, m)
-            (m.process_weights_after_loading(layer) for every layer: repack, quantize)
+    loader: build on meta -> load checkpoint tensors -> runner: set_linear_method(model,
+            method_for) (m = method_for(layer); m.process_weights_after_loading(layer))
     forward: layer(x) -> layer.method.apply(layer, x)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -69,12 +70,13 @@ class MergedLinear(Linear):
         return slice(start, start + self.output_sizes[index])
 
 
-def set_linear_method(model: nn.Module, method: LinearMethod) -> int:
-    """Give every Linear of ``model`` ``method`` (after its weights are loaded);
-    returns how many layers took it."""
+def set_linear_method(model: nn.Module, method_for: Callable[[Linear], LinearMethod]) -> int:
+    """Give every Linear of ``model`` the method ``method_for(layer)`` chooses (after its
+    weights are loaded); returns how many layers took one."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
+            method = method_for(module)
             method.process_weights_after_loading(module)
             module.method = method
             count += 1

@@ -9,7 +9,7 @@ names the file and, for weights, the tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,12 @@ from safetensors import safe_open
 from torch import nn
 
 from tandem.errors import ModelLoadError
+from tandem.models.catalog import resolve_model
 from tandem.models.config import ModelConfig, eos_ids
 from tandem.models.dtypes import DTYPES
+from tandem.models.gguf_checkpoint import find_gguf
 from tandem.models.linear import MergedLinear
+from tandem.models.quantized import quantize_linear_layers
 from tandem.models.registry import model_class_for
 from tandem.models.tokenizer import Tokenizer
 
@@ -55,9 +58,16 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig, type]:
-    """The raw config.json of a model folder (or the file itself), its parsed
-    ModelConfig, and the model class to build."""
-    path = Path(path)
+    """The raw config.json of a model folder (or the file itself; or a GGUF file's
+    metadata as one), its parsed ModelConfig, and the model class to build."""
+    path = Path(resolve_model(path))
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from tandem.models.gguf_checkpoint import GGUFCheckpoint
+
+        raw = GGUFCheckpoint(gguf_file).hf_config()
+        cls = model_class_for(raw)
+        return raw, cls.parse_config(raw), cls
     if path.is_file() and path.suffix == ".json":
         config_path = path
     elif not path.is_dir():
@@ -144,23 +154,36 @@ def _expected_parts(model: nn.Module) -> set[tuple[str, int | None]]:
 
 
 def load_weights(model: nn.Module, folder: Path) -> None:
+    tensors = ((name, tensor, path.name) for name, tensor, path in iterate_checkpoint(folder))
+    copy_tensors(model, tensors, str(folder))
+
+
+def copy_tensors(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor, str]],
+    source: str,
+    loaded: set[tuple[str, int | None]] | None = None,
+) -> None:
+    """Copy checkpoint tensors (name, tensor, file) into the model's parameters and
+    check that every parameter (every part of a fused one) got one; ``loaded`` names
+    the parts already filled another way (quantized weights)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    loaded: set[tuple[str, int | None]] = set()
-    for name, tensor, path in iterate_checkpoint(folder):
+    loaded = set(loaded or ())
+    for name, tensor, file in tensors:
         target = model.checkpoint_target(name)
         if target is None:
             continue
         param_name, part = target
         if param_name not in params:
-            raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}")
+            raise ModelLoadError(f"unexpected tensor {name!r} in {file}")
         param = params[param_name].data
         if part is not None:
             param = param[modules[param_name.rsplit(".", 1)[0]].shard_rows(part)]
         tensor = model.convert_checkpoint_tensor(name, tensor)
         if tensor.shape != param.shape:
             raise ModelLoadError(
-                f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, "
+                f"tensor {name!r} in {file} has shape {list(tensor.shape)}, "
                 f"expected {list(param.shape)}"
             )
         param.copy_(tensor)
@@ -169,7 +192,10 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     if missing:
         shown = ", ".join(n if p is None else f"{n} (part {p})" for n, p in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ModelLoadError(f"checkpoint in {folder} is missing tensor(s): {shown}{more}")
+        raise ModelLoadError(f"checkpoint in {source} is missing tensor(s): {shown}{more}")
+
+
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_k")
 
 
 def load_model(
@@ -177,7 +203,24 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    quantization: str = "auto",
 ) -> LoadedModel:
+    """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
+
+    ``quantization``: ``auto`` keeps a GGUF file's formats (weights stay quantized on
+    a CPU with the compiled kernels) and a float checkpoint float; ``none`` makes every
+    weight float in ``dtype``; ``q8_0`` / ``q4_0`` / ``q4_k`` quantize every linear
+    layer on load into that llama.cpp format."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization {quantization!r} is not supported (use {', '.join(QUANTIZATIONS)})"
+        )
+    folder = resolve_model(folder)
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None:
+        from tandem.models.gguf_loader import load_gguf
+
+        return load_gguf(gguf_file, dtype, device, load_tokenizer, quantization)
     folder = Path(folder)
     _, config, cls = read_config(folder)
     device = resolve_device(device)
@@ -190,6 +233,8 @@ def load_model(
     model.tie_weights()  # materialising replaced the shared parameter
     with torch.no_grad():
         load_weights(model, folder)
+        if quantization not in ("auto", "none"):
+            quantize_linear_layers(model, quantization, device)
     model.eval().requires_grad_(False)
     tokenizer = None
     if load_tokenizer and (folder / "tokenizer.json").is_file():

@@ -85,7 +85,7 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            backend = HFTokenizer.from_file(str(path))
         except Exception as exc:
             raise ModelLoadError(f"cannot read tokenizer {path}: {exc}") from None
         config_path = folder / "tokenizer_config.json"
@@ -93,11 +93,39 @@ class Tokenizer:
             config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"cannot parse {config_path}: {exc}") from None
-        self.special_tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+        self._setup(
+            backend,
+            {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS},
+            bool(config.get("add_bos_token", False)),
+            _read_chat_template(folder, config),
+        )
+
+    @classmethod
+    def from_parts(
+        cls,
+        backend: HFTokenizer,
+        special_tokens: dict[str, str | None],
+        add_bos_token: bool,
+        chat_template: str | None,
+    ) -> Tokenizer:
+        """A tokenizer built elsewhere (e.g. from a GGUF file's metadata)."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._setup(backend, special_tokens, add_bos_token, chat_template)
+        return tokenizer
+
+    def _setup(
+        self,
+        backend: HFTokenizer,
+        special_tokens: dict[str, str | None],
+        add_bos_token: bool,
+        chat_template: str | None,
+    ) -> None:
+        self._tok = backend
+        self.special_tokens = {k: special_tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
-        self.add_bos_token = bool(config.get("add_bos_token", False))
-        self.chat_template_source = _read_chat_template(folder, config)
+        self.add_bos_token = add_bos_token
+        self.chat_template_source = chat_template
         self._chat_template: jinja2.Template | None = None
 
     def _id_of(self, token: str | None) -> int | None:

@@ -75,7 +75,9 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
         )
         self.attention = paged_backend(loaded.device, loaded.dtype)
-        set_linear_method(loaded.model, linear_method_for(loaded.device, loaded.dtype))
+        set_linear_method(
+            loaded.model, lambda layer: linear_method_for(layer, loaded.device, loaded.dtype)
+        )
         if loaded.device.type == "cpu":
             host_memory.keep_large_temporaries()
         # Requests with a seed sample from their own generator (input_batch.py); the
@@ -100,7 +102,12 @@ class ModelRunner:
         """Load ``config.model``, size the KV pool from the memory settings and build
         the speculative proposer, if any."""
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            quantization=config.quantization,
+        )
         limit = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise InvalidParameterError(

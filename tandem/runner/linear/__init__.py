@@ -2,9 +2,11 @@
 
     cpu_small_batch.py   CPU float32/bfloat16: the compiled kernel for decode-sized
                          batches (one pass over the weights), torch above that
+    quantized.py         weights kept in llama.cpp's block formats (GGUF files,
+                         quantize on load): the integer-dot kernel
 
-``linear_method_for`` picks one by device and dtype; quantized formats (weights kept
-quantized, integer-dot kernels) add a method here and a branch there. The default,
+``linear_method_for`` picks one per layer: quantized when the loader left the layer
+quantized parts, else by device and dtype. The default,
 ``TorchLinearMethod``, lives beside ``Linear`` in tandem.models.linear.
 """
 
@@ -12,11 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models.linear import TORCH_LINEAR, LinearMethod
+from tandem.models.linear import TORCH_LINEAR, Linear, LinearMethod
+from tandem.models.quantized import packed_parts
 from tandem.runner.linear import cpu_small_batch
+from tandem.runner.linear.quantized import QuantizedLinearMethod
+
+QUANTIZED_LINEAR = QuantizedLinearMethod()
 
 
-def linear_method_for(device: torch.device, dtype: torch.dtype) -> LinearMethod:
+def linear_method_for(layer: Linear, device: torch.device, dtype: torch.dtype) -> LinearMethod:
+    if packed_parts(layer):
+        return QUANTIZED_LINEAR
     if cpu_small_batch.supported(device, dtype):
         return cpu_small_batch.CpuSmallBatchLinearMethod(dtype)
     return TORCH_LINEAR

@@ -1,0 +1,302 @@
+// Quantized linear layers on the CPU: weights kept in llama.cpp's block formats,
+// activations quantized to 8 bits per block of 32 on the fly, integer dot products.
+//
+// Layout (built by tandem/quant/packed.py from any GGML format): weight rows in tiles
+// of 8, interleaved so that one 32-byte load holds 4 consecutive weights of each of
+// the 8 rows; broadcasting 4 activation bytes against it gives, per int32 lane, the
+// partial dot product of one row (llama.cpp's repacked "8x4" GEMV shape). A tile is
+// one sequential stream: the prefetcher sees one stream per thread, not 8 rows.
+//   values  4-bit: [tiles, K/32, 4, 8, 4] bytes; byte (p, r, i) holds the weights
+//           4p+i (low nibble) and 16+4p+i (high nibble) of row r in that block
+//           8-bit: [tiles, K/32, 8, 8, 4] int8; (s, r, i) is weight 4s+i of row r
+//   scales  [tiles, K/group, 8] float32   (group 32, or 16 for Q6_K)
+//   corr    [tiles, K/group, 8] float32 or empty: the group's constant, m - offset * d
+// so that w[n, k] = scales[n, g] * q[n, k] + corr[n, g] with g = k / group.
+//
+// With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
+//   y[n] = sum_g  scales[n, g] * dx * dot(q, xq)_g  +  corr[n, g] * dx * sum(xq)_g
+// The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it, else
+// AVX2's vpmaddubsw + vpmaddwd (4-bit values times int8 cannot saturate the pairs).
+// int8 weights use llama.cpp's sign trick: |q| (unsigned) by xq carrying q's sign.
+//
+// Work: threads take disjoint tiles; inside, tokens go in chunks that stay in L2,
+// and up to 4 tokens reuse each unpacked weight vector. The build is -march=native
+// on the machine that runs it (the module cache is keyed on the CPU's flags), which
+// is how the instruction set is chosen at run time; without AVX2 a scalar loop runs.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace quant {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRows = 8;         // weight rows per tile
+constexpr int64_t kTokens = 4;       // tokens sharing one unpacked weight vector
+constexpr int64_t kTokenChunk = 64;  // tokens whose quantized activations stay in L2
+
+struct Activations {
+  std::vector<int8_t> q;   // [T, K]
+  std::vector<float> d;    // [T, K/32]
+  std::vector<float> s16;  // [T, K/16]: d * sum(q) over each 16 values
+  std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block
+};
+
+void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K, Activations& a) {
+  const int64_t nb = K / kBlock;
+  a.q.resize(T * K);
+  a.d.resize(T * nb);
+  a.s16.resize(T * 2 * nb);
+  a.s32.resize(T * nb);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* src = x + t * x_stride + b * kBlock;
+        float amax = 0.f;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(src[i]));
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int8_t* q = a.q.data() + t * K + b * kBlock;
+        int32_t sum[2] = {0, 0};
+        for (int i = 0; i < kBlock; ++i) {
+          q[i] = static_cast<int8_t>(std::nearbyint(src[i] * id));
+          sum[i / 16] += q[i];
+        }
+        a.d[t * nb + b] = d;
+        a.s16[t * 2 * nb + 2 * b] = d * sum[0];
+        a.s16[t * 2 * nb + 2 * b + 1] = d * sum[1];
+        a.s32[t * nb + b] = d * (sum[0] + sum[1]);
+      }
+    }
+  });
+}
+
+struct Problem {
+  const uint8_t* values;
+  int64_t tile_bytes;  // value bytes per tile
+  const float* scales;
+  const float* corr;   // null: no per-group constant
+  const float* bias;   // null: none
+  int64_t N, K, groups;
+  const Activations* act;
+  float* out;
+  int64_t out_stride;
+};
+
+inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y) {
+  float* dst = p.out + tok * p.out_stride + n0;
+  const int64_t rows = std::min<int64_t>(kRows, p.N - n0);
+  for (int64_t r = 0; r < rows; ++r) dst[r] = y[r] + (p.bias != nullptr ? p.bias[n0 + r] : 0.f);
+}
+
+#if defined(__AVX2__)
+// int32 lane r += dot of row r's 4 weights (w: unsigned, or signed for kSigned) with
+// the 4 activation bytes broadcast in x.
+template <bool kSigned>
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+  if constexpr (kSigned) {
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One tile (8 rows) x NT tokens starting at t0.
+template <bool kNibbles, int kGroup, int NT>
+void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  const int64_t nb = p.K / kBlock;
+  const uint8_t* vals = p.values + tile_index * p.tile_bytes;
+  const float* scales = p.scales + tile_index * p.groups * kRows;
+  const Activations& a = *p.act;
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    // dot[t][h]: int32 per row, over the block's first (h = 0) or second 16 values.
+    __m256i dot[NT][2];
+    for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+    if constexpr (kNibbles) {
+      const uint8_t* v = vals + b * 128;
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      for (int pair = 0; pair < 4; ++pair) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 32));
+        const __m256i lo = _mm256_and_si256(packed, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
+          dot[t][0] = dot4<false>(dot[t][0], lo, broadcast4(x + 4 * pair));
+          dot[t][1] = dot4<false>(dot[t][1], hi, broadcast4(x + 16 + 4 * pair));
+        }
+      }
+    } else {
+      const uint8_t* v = vals + b * 256;
+      for (int step = 0; step < 8; ++step) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 32));
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
+          dot[t][step / 4] = dot4<true>(dot[t][step / 4], w, broadcast4(x + 4 * step));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
+      if constexpr (kGroup == 32) {
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + b * kRows), dx);
+        const __m256i sum = _mm256_add_epi32(dot[t][0], dot[t][1]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t]);
+      } else {
+        const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scales + 2 * b * kRows), dx);
+        const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scales + (2 * b + 1) * kRows), dx);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][0]), s0, acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][1]), s1, acc[t]);
+      }
+    }
+  }
+  if (p.corr != nullptr) {
+    const float* corr = p.corr + tile_index * p.groups * kRows;
+    for (int t = 0; t < NT; ++t) {
+      const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
+      for (int64_t g = 0; g < p.groups; ++g)
+        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(corr + g * kRows), _mm256_set1_ps(xs[g]), acc[t]);
+    }
+  }
+  const int64_t n0 = tile_index * kRows;
+  for (int t = 0; t < NT; ++t) {
+    alignas(32) float y[kRows];
+    _mm256_store_ps(y, acc[t]);
+    store_rows(p, n0, t0 + t, y);
+  }
+}
+#else
+// Portable: the same layout, one weight at a time.
+template <bool kNibbles, int kGroup, int NT>
+void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  const int64_t nb = p.K / kBlock;
+  const uint8_t* vals = p.values + tile_index * p.tile_bytes;
+  const float* scales = p.scales + tile_index * p.groups * kRows;
+  const float* corr = p.corr == nullptr ? nullptr : p.corr + tile_index * p.groups * kRows;
+  const Activations& a = *p.act;
+  for (int t = 0; t < NT; ++t) {
+    const int64_t tok = t0 + t;
+    float y[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot[2] = {0, 0};
+        for (int k = 0; k < kBlock; ++k) {
+          int32_t q;
+          if constexpr (kNibbles) {
+            const int pair = (k % 16) / 4, i = k % 4;
+            const uint8_t byte = vals[b * 128 + pair * 32 + r * 4 + i];
+            q = k < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = static_cast<int8_t>(vals[b * 256 + (k / 4) * 32 + r * 4 + k % 4]);
+          }
+          dot[k / 16] += q * a.q[tok * p.K + b * kBlock + k];
+        }
+        const float dx = a.d[tok * nb + b];
+        if constexpr (kGroup == 32) {
+          sum += scales[b * kRows + r] * dx * (dot[0] + dot[1]);
+        } else {
+          sum += scales[2 * b * kRows + r] * dx * dot[0] + scales[(2 * b + 1) * kRows + r] * dx * dot[1];
+        }
+      }
+      if (corr != nullptr) {
+        const float* xs = kGroup == 32 ? a.s32.data() + tok * nb : a.s16.data() + tok * 2 * nb;
+        for (int64_t g = 0; g < p.groups; ++g) sum += corr[g * kRows + r] * xs[g];
+      }
+      y[r] = sum;
+    }
+    store_rows(p, tile_index * kRows, tok, y);
+  }
+}
+#endif
+
+template <bool kNibbles, int kGroup>
+void run(const Problem& p, int64_t T) {
+  const int64_t tiles = (p.N + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
+      const int64_t c1 = std::min(T, c0 + kTokenChunk);
+      for (int64_t index = begin; index < end; ++index) {
+        int64_t t = c0;
+        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kTokens>(p, index, t);
+        switch (c1 - t) {
+          case 3: tile<kNibbles, kGroup, 3>(p, index, t); break;
+          case 2: tile<kNibbles, kGroup, 2>(p, index, t); break;
+          case 1: tile<kNibbles, kGroup, 1>(p, index, t); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace quant
+
+// out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
+// as described at the top of this file; N is the true row count (the last tile may
+// be padding).
+void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
+                  c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
+                  int64_t N, int64_t group) {
+  using quant::kBlock;
+  using quant::kRows;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
+  TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat, "scales: float32");
+  TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
+  const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
+  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 8) tiles");
+  const bool nibbles = values.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(nibbles || values.scalar_type() == torch::kChar, "values: uint8 (4-bit) or int8");
+  TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
+  TORCH_CHECK(!nibbles || group == 32, "4-bit values come in groups of 32");
+  TORCH_CHECK(scales.numel() == tiles * (K / group) * kRows, "scales: [tiles, K / group, 8]");
+  TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
+  quant::Activations act;
+  quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
+  quant::Problem p;
+  p.values = static_cast<const uint8_t*>(values.data_ptr());
+  p.tile_bytes = values.size(1);
+  p.scales = scales.data_ptr<float>();
+  p.corr = nullptr;
+  if (corr.has_value() && corr->numel() > 0) {
+    TORCH_CHECK(corr->is_contiguous() && corr->numel() == scales.numel() &&
+                corr->scalar_type() == torch::kFloat, "corr: like scales");
+    p.corr = corr->data_ptr<float>();
+  }
+  p.bias = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == torch::kFloat);
+    p.bias = bias->data_ptr<float>();
+  }
+  p.N = N;
+  p.K = K;
+  p.groups = K / group;
+  p.act = &act;
+  p.out = out.data_ptr<float>();
+  p.out_stride = out.stride(0);
+  if (nibbles) {
+    quant::run<true, 32>(p, T);
+  } else if (group == 32) {
+    quant::run<false, 32>(p, T);
+  } else {
+    quant::run<false, 16>(p, T);
+  }
+}

@@ -1,0 +1,189 @@
+"""The tokenizer a GGUF file describes, rebuilt as a ``tokenizers.Tokenizer``.
+
+A GGUF file has no tokenizer.json: it stores the vocabulary (``tokenizer.ggml.tokens``,
+``scores``, ``token_type``), the BPE merges, the special token ids and the chat
+template as metadata. The model type says how they were meant to be used:
+
+    gpt2    byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): tokens spelled in GPT-2's
+            byte alphabet, merges in the file, a split regex per ``tokenizer.ggml.pre``
+    llama   SentencePiece BPE (Llama 2, Mistral): "▁" for spaces, byte fallback
+            tokens <0xNN>, merges in the file or recovered from the scores
+
+The result encodes as transformers' GGUF tokenizer does (the tests compare them on
+multilingual and code text): the same models, pre-tokenizers and decoders, control
+tokens (type 3) added as special tokens and user-defined ones (type 4) as added
+tokens, so they are matched whole in text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from tandem.errors import ModelLoadError
+
+CONTROL, USER_DEFINED = 3, 4
+
+# Split regexes of the byte-level vocabularies whose merges were learned on other
+# pieces than GPT-2's default (``tokenizer.ggml.pre``).
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLIT_REGEX = {
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+}
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    spelling = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece vocabularies store scores, not merges: every way to cut a token
+    into two tokens of the vocabulary is a merge, ranked by the token's score (higher
+    first), then by the left and right pieces' lengths (longer first); cuts of one
+    token are ordered by the pieces' ids."""
+    ranked = []
+    for token, score in scores.items():
+        cuts = [
+            (token[:i], token[i:])
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
+        ranked.extend((left, right, score) for left, right in cuts)
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
+
+
+def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFTokenizer:
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+
+    def spelled(token: str) -> str:
+        if set(token) <= alphabet:
+            return token
+        return "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {spelled(token): index for index, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = SPLIT_REGEX.get(pre or "")
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float]) -> HFTokenizer:
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    tok = HFTokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first", split=False
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return tok
+
+
+def build_tokenizer(value: Any) -> tuple[HFTokenizer, dict[str, str | None], bool, str | None]:
+    """``value(key, default)`` reads the file's metadata. Returns the tokenizer, the
+    special tokens (bos/eos/unk/pad text), whether to add BOS, and the chat template."""
+    kind = value("tokenizer.ggml.model")
+    tokens = value("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError("the GGUF file has no tokenizer.ggml.tokens")
+    types = value("tokenizer.ggml.token_type") or []
+    if kind == "gpt2":
+        tok = _byte_level(tokens, value("tokenizer.ggml.merges") or [], value("tokenizer.ggml.pre"))
+        alphabet = set(byte_alphabet().values())
+        add_bos_default = False
+    elif kind == "llama":
+        scores = value("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        tok = _sentencepiece(tokens, value("tokenizer.ggml.merges"), scores)
+        alphabet = None
+        add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary by default
+    else:
+        raise ModelLoadError(
+            f"GGUF tokenizer type {kind!r} is not supported (supported: gpt2, llama)"
+        )
+    # Control tokens whole, as special tokens. A byte-level "control" token spelled
+    # outside the byte alphabet is a converter mislabel; adding it would grow the
+    # vocabulary past the model's.
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind_of in zip(tokens, types, strict=False)
+        if kind_of == CONTROL and (alphabet is None or set(token) <= alphabet)
+    ]
+    tok.add_special_tokens(control)
+    vocab = tok.get_vocab()
+    user = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind_of in zip(tokens, types, strict=False)
+        if kind_of == USER_DEFINED and token in vocab
+    ]
+    tok.add_tokens(user)
+
+    def token_text(key: str) -> str | None:
+        index = value(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    special = {
+        "bos_token": token_text("bos_token_id"),
+        "eos_token": token_text("eos_token_id"),
+        "unk_token": token_text("unknown_token_id"),
+        "pad_token": token_text("padding_token_id"),
+    }
+    add_bos = bool(value("tokenizer.ggml.add_bos_token", add_bos_default))
+    return tok, special, add_bos, value("tokenizer.chat_template")

@@ -1,0 +1,217 @@
+"""llama.cpp's (GGML's) weight block formats: raw bytes -> integer values and scales.
+
+Every quantized row of a GGUF tensor is a run of fixed-size blocks. Whatever the
+format, each weight is ``w = d * (q - offset) + m`` for an integer ``q``, a float
+scale ``d`` and minimum ``m`` shared by a *group* of 32 weights (16 for Q6_K), and a
+format-wide constant ``offset``. ``decode`` turns the bytes into exactly that:
+``Decoded(values, scales, mins, offset, group)``. The dequantizer and the kernel
+packer (packed.py) both start from it, so the byte layouts live only here.
+
+Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
+
+    Q8_0   34 B / 32 w: d, int8 q[32]                        w = d*q
+    Q4_0   18 B / 32 w: d, q[16] (low nibble: w0..15, high: w16..31)   w = d*(q-8)
+    Q4_1   20 B / 32 w: d, m, q[16]                          w = d*q + m
+    Q5_0   22 B / 32 w: d, qh u32 (5th bits), q[16]          w = d*(q-16)
+    Q5_1   24 B / 32 w: d, m, qh, q[16]                      w = d*q + m
+    Q4_K  144 B / 256 w: d, dmin, 12 B of 6-bit (scale, min) for 8 groups of 32,
+                         q[128] (each 32 bytes: low nibbles one group, high the next)
+                                                             w = d*sc*q - dmin*mn
+    Q5_K  176 B / 256 w: as Q4_K plus qh[32] (bit g of byte i: group g's 5th bit)
+    Q6_K  210 B / 256 w: ql[128], qh[64], int8 scales[16] (groups of 16), d
+                                                             w = d*sc*(q-32)
+
+The scales are multiplied out in float32 in the same order as the ``gguf`` package
+(and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from tandem.errors import ModelLoadError
+
+
+class GGMLType(IntEnum):
+    """GGUF tensor type codes (ggml.h's ggml_type) for the formats tandem reads."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+FLOAT_TYPES = {
+    GGMLType.F32: torch.float32,
+    GGMLType.F16: torch.float16,
+    GGMLType.BF16: torch.bfloat16,
+}
+
+# Weights and bytes per block.
+BLOCK = {
+    GGMLType.Q8_0: (32, 34),
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22),
+    GGMLType.Q5_1: (32, 24),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q5_K: (256, 176),
+    GGMLType.Q6_K: (256, 210),
+}
+
+SUPPORTED = sorted([*FLOAT_TYPES, *BLOCK], key=int)
+
+
+def type_name(code: int) -> str:
+    try:
+        return GGMLType(code).name
+    except ValueError:
+        return f"type {code}"
+
+
+def check_supported(code: int, tensor: str) -> GGMLType:
+    if code not in FLOAT_TYPES and code not in BLOCK:
+        try:
+            import gguf
+
+            name = gguf.GGMLQuantizationType(code).name
+        except Exception:
+            name = f"type {code}"
+        supported = ", ".join(GGMLType(c).name for c in SUPPORTED)
+        raise ModelLoadError(
+            f"tensor {tensor!r} is stored as {name}, which tandem does not read "
+            f"(supported: {supported})"
+        )
+    return GGMLType(code)
+
+
+def row_bytes(code: GGMLType, columns: int) -> int:
+    weights, nbytes = BLOCK[code]
+    if columns % weights:
+        raise ModelLoadError(f"a {code.name} row of {columns} weights is not whole blocks")
+    return columns // weights * nbytes
+
+
+@dataclass
+class Decoded:
+    """``w[r, k] = scales[r, k // group] * (values[r, k] - offset) + mins[r, k // group]``.
+
+    values: int8 when they fit (``signed``) else uint8 in 0..15; scales, mins: float32
+    [rows, columns // group] (mins None when the format has none)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    offset: int
+    group: int
+
+    @property
+    def nibbles(self) -> bool:
+        """Values fit in 4 unsigned bits (Q4_0, Q4_1, Q4_K): the kernel packs two a byte."""
+        return self.values.dtype == torch.uint8
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float32."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32]: low nibbles are weights 0..15, high 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes (a little-endian u32) -> [..., 32] bits, bit j for weight j."""
+    bits = qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)
+    return (bits & 1).reshape(*qh.shape[:-1], 32)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (as get_scale_min_k4)."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
+    """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales."""
+    rows = raw.shape[0]
+    per_block, nbytes = BLOCK[code]
+    blocks = raw.reshape(rows, columns // per_block, nbytes)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(rows, -1)
+
+    if code == GGMLType.Q8_0:
+        d, q = _f16(blocks[..., :2]), blocks[..., 2:].contiguous().view(torch.int8)
+        return Decoded(flat(q), d, None, 0, 32)
+    if code in (GGMLType.Q4_0, GGMLType.Q4_1):
+        has_min = code == GGMLType.Q4_1
+        start = 4 if has_min else 2
+        q = _nibbles32(blocks[..., start:])
+        mins = _f16(blocks[..., 2:4]) if has_min else None
+        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 8, 32)
+    if code in (GGMLType.Q5_0, GGMLType.Q5_1):
+        has_min = code == GGMLType.Q5_1
+        start = 4 if has_min else 2
+        qh = _high_bits32(blocks[..., start : start + 4])
+        q = (_nibbles32(blocks[..., start + 4 :]) | (qh << 4)).view(torch.int8)
+        mins = _f16(blocks[..., 2:4]) if has_min else None
+        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 16, 32)
+    if code in (GGMLType.Q4_K, GGMLType.Q5_K):
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scales(blocks[..., 4:16])
+        if code == GGMLType.Q4_K:
+            qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 4 pairs of groups
+            q = torch.stack([qs & 0x0F, qs >> 4], dim=-2)  # [rows, blocks, 4, 2, 32]
+        else:
+            qh = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+            qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
+            low = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)
+            q = (low | ((qh & 1) << 4)).view(torch.int8)
+        scales = d.unsqueeze(-1) * sc
+        mins = -(dmin.unsqueeze(-1) * mn)
+        return Decoded(flat(q), flat(scales), flat(mins), 0, 32)
+    if code == GGMLType.Q6_K:
+        ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        d = _f16(blocks[..., 208:210])
+        low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
+        q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
+        q = (q.view(torch.int8) - 32).to(torch.int8)
+        return Decoded(flat(q), flat(d.unsqueeze(-1) * sc), None, 0, 16)
+    raise ModelLoadError(f"no decoder for {code.name}")
+
+
+def dequantize_decoded(dec: Decoded) -> torch.Tensor:
+    rows, columns = dec.values.shape
+    groups = columns // dec.group
+    q = dec.values.float().reshape(rows, groups, dec.group)
+    if dec.offset:
+        q = q - dec.offset
+    w = dec.scales.unsqueeze(-1) * q
+    if dec.mins is not None:
+        w = w + dec.mins.unsqueeze(-1)
+    return w.reshape(rows, columns)
+
+
+def dequantize(code: GGMLType, raw: torch.Tensor, columns: int) -> torch.Tensor:
+    """Any supported tensor's rows -> float32 [rows, columns]."""
+    if code in FLOAT_TYPES:
+        return raw.contiguous().view(FLOAT_TYPES[code]).reshape(-1, columns).float()
+    return dequantize_decoded(decode(code, raw, columns))

@@ -1,0 +1,151 @@
+"""PackedWeight: a quantized matrix in the layout the integer-dot kernel reads.
+
+Any GGML format decodes (blocks.py) to ``w = scale * (q - offset) + min`` per group;
+packing keeps ``q`` as it is stored, at 4 bits (two a byte, for Q4_0 / Q4_1 / Q4_K)
+or 8 (everything else), and folds the constants into ``corr = min - offset * scale``,
+so one kernel (tandem/kernels/quant_ops.cpp) serves every format. Scales are kept in
+float32: Q4_K's and Q6_K's products of a float16 and a 6- or 8-bit scale do not fit
+a float16 exactly. That costs bytes over the file (Q4_1: 6 bits a weight against 5;
+Q8_0: 9 against 8.5), which ``nbytes`` reports.
+
+``reference`` is the exact math the kernel must reproduce: the activations quantized
+to int8 per block of 32 as the kernel does, times the dequantized weights, in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.quant.blocks import Decoded, GGMLType, decode, dequantize_decoded
+
+BLOCK = 32
+
+
+ROWS = 8  # rows per tile (the kernel's layout)
+
+
+def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 8), 8, ...], padding rows with zeros."""
+    pad = -rows % ROWS
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, ROWS, *t.shape[1:])
+
+
+@dataclass
+class PackedWeight:
+    """A [rows, columns] matrix in tiles of 8 rows (layout in quant_ops.cpp)."""
+
+    values: torch.Tensor  # uint8 [tiles, K*4] (4-bit pairs) or int8 [tiles, K*8]
+    scales: torch.Tensor  # float32 [tiles, K/group, 8]
+    corr: torch.Tensor | None  # like scales; None when every constant is 0
+    rows: int
+    group: int
+    source: str  # the format it came from, e.g. "Q4_1"
+
+    @property
+    def nibbles(self) -> bool:
+        return self.values.dtype == torch.uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.scales.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.corr is None else self.corr.nbytes
+        return self.values.nbytes + self.scales.nbytes + extra
+
+    @classmethod
+    def from_decoded(cls, dec: Decoded, source: str) -> PackedWeight:
+        rows, columns = dec.values.shape
+        blocks = columns // BLOCK
+        q = _tile(dec.values, rows).reshape(-1, ROWS, blocks, BLOCK)
+        if dec.nibbles:
+            # byte (block, pair, row, i) = weight 4*pair+i | weight 16+4*pair+i << 4
+            q = q.reshape(-1, ROWS, blocks, 2, 4, 4)
+            packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [tiles, 8, blocks, 4, 4]
+            values = packed.permute(0, 2, 3, 1, 4)
+        else:
+            # (block, step, row, i) = weight 4*step+i
+            values = q.to(torch.int8).reshape(-1, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        values = values.reshape(values.shape[0], -1).contiguous()
+        corr = None
+        if dec.mins is not None or dec.offset:
+            corr = -float(dec.offset) * dec.scales
+            if dec.mins is not None:
+                corr = corr + dec.mins
+
+        def tiled(t: torch.Tensor) -> torch.Tensor:
+            return _tile(t.float(), rows).permute(0, 2, 1).contiguous()
+
+        return cls(
+            values,
+            tiled(dec.scales),
+            None if corr is None else tiled(corr),
+            rows,
+            dec.group,
+            source,
+        )
+
+    @classmethod
+    def from_ggml(cls, code: GGMLType, raw: torch.Tensor, columns: int) -> PackedWeight:
+        return cls.from_decoded(decode(code, raw, columns), code.name)
+
+    def decoded(self, tiles: torch.Tensor | None = None) -> Decoded:
+        """The rows of all tiles (or of ``tiles``), padding included."""
+        values, scales, corr = self.values, self.scales, self.corr
+        if tiles is not None:
+            values, scales = values[tiles], scales[tiles]
+            corr = None if corr is None else corr[tiles]
+        columns = self.shape[1]
+        blocks = columns // BLOCK
+        if self.nibbles:
+            v = values.reshape(-1, blocks, 4, ROWS, 4).permute(0, 3, 1, 2, 4)
+            q = torch.stack([v & 0x0F, v >> 4], dim=3)  # [tiles, 8, blocks, 2, 4, 4]
+        else:
+            q = values.reshape(-1, blocks, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
+        q = q.reshape(-1, columns)
+
+        def untiled(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(-1, t.shape[1])
+
+        return Decoded(q, untiled(scales), None if corr is None else untiled(corr), 0, self.group)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        return dequantize_decoded(self.decoded())[: self.rows]
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Selected rows dequantized (an embedding lookup): float32 [len(index), K]."""
+        tiles, position = index // ROWS, index % ROWS
+        unique, inverse = torch.unique(tiles, return_inverse=True)
+        dense = dequantize_decoded(self.decoded(unique)).reshape(len(unique), ROWS, -1)
+        return dense[inverse, position]
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """out [T, N] (rows may be strided) = x [T, K] float32 @ W^T (+ bias), on the
+        compiled kernel."""
+        from tandem.kernels import cpu as cpu_kernels
+
+        cpu_kernels.load().quant_linear(
+            out, x, self.values, self.scales, self.corr, bias, self.rows, self.group
+        )
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> the values the kernel multiplies: per block of 32, q * d with
+    d = max|x| / 127 and q = round(x * (1 / d)), computed in float32 as the kernel
+    does (a float64 division rounds a few halfway values the other way)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    q = torch.round(blocks * inverse)
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def reference(weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """What ``matmul`` computes, in float64 from the dequantized weights."""
+    return quantize_activations(x) @ weight.dequantize().double().T
