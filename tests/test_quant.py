@@ -1,0 +1,144 @@
+"""llama.cpp's block formats: the decoder against the gguf package's, the quantizers
+against gguf's reference quantizers, and the integer-dot kernel against the exact math
+(dequantized weights times the int8-per-block activations it multiplies), for every
+format, odd shapes and batch sizes 1..64."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from tandem.kernels import cpu as cpu_kernels
+from tandem.models.linear import Linear
+from tandem.models.quantized import drop_float_weight, set_packed_part
+from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.quant.packed import PackedWeight, quantize_activations, reference
+from tandem.quant.quantize import FORMATS, quantize
+from tandem.runner.linear.quantized import QuantizedLinearMethod
+
+# The fp16 fields of each block (offsets in bytes), and the largest factor the rest of
+# the block multiplies them by (|q - offset| times a sub-block scale): random blocks
+# get scales that keep every weight within about +-0.1.
+F16_FIELDS = {
+    GGMLType.Q8_0: ((0,), 127),
+    GGMLType.Q4_0: ((0,), 8),
+    GGMLType.Q4_1: ((0, 2), 15),
+    GGMLType.Q5_0: ((0,), 16),
+    GGMLType.Q5_1: ((0, 2), 31),
+    GGMLType.Q4_K: ((0, 2), 15 * 63),
+    GGMLType.Q5_K: ((0, 2), 31 * 63),
+    GGMLType.Q6_K: ((208,), 32 * 128),
+}
+
+
+def random_blocks(code: GGMLType, rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes in ``code``'s layout: every bit pattern is a valid block once its
+    float16 scales are finite."""
+    rng = np.random.default_rng(seed)
+    per_block, nbytes = BLOCK[code]
+    raw = rng.integers(0, 256, size=(rows, columns // per_block, nbytes), dtype=np.uint8)
+    offsets, factor = F16_FIELDS[code]
+    for offset in offsets:
+        scale = rng.uniform(-0.1, 0.1, size=raw.shape[:2]) / factor
+        scale = scale.astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_the_decoder_equals_the_gguf_package(code):
+    raw = random_blocks(code, 5, 512)
+    ours = dequantize(code, raw, 512).numpy()
+    theirs = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(int(code)))
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_the_quantizers_write_llama_cpps_reference_bytes(fmt):
+    code = FORMATS[fmt]
+    w = torch.randn(6, 256) * torch.logspace(-2, 1, 6).unsqueeze(1)
+    expected = quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(code)))
+    np.testing.assert_array_equal(quantize(w, code).numpy(), expected)
+
+
+def test_q4_k_is_a_valid_block_stream_close_to_the_weights():
+    w = torch.randn(8, 512)
+    raw = quantize(w, GGMLType.Q4_K)
+    ours = dequantize(GGMLType.Q4_K, raw, 512)
+    theirs = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(ours.numpy(), theirs)
+    relative = (ours - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()
+    assert relative < 0.09  # 4 bits a weight: Q4_0 on the same weights gives ~0.086
+
+
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_packing_keeps_every_weight(code):
+    raw = random_blocks(code, 13, 256)  # 13 rows: the last tile is padded
+    packed = PackedWeight.from_ggml(code, raw, 256)
+    dense = dequantize(code, raw, 256)
+    torch.testing.assert_close(packed.dequantize(), dense, rtol=1e-6, atol=1e-7)
+    index = torch.tensor([12, 0, 5, 5, 8])
+    torch.testing.assert_close(packed.dequantize_rows(index), dense[index], rtol=1e-6, atol=1e-7)
+
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(torch.device("cpu"), torch.float32),
+    reason="the CPU kernels could not be built here",
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+@pytest.mark.parametrize("rows, columns", [(7, 256), (40, 768), (3, 512)])
+def test_the_kernel_equals_the_exact_math(code, rows, columns):
+    packed = PackedWeight.from_ggml(code, random_blocks(code, rows, columns, seed=rows), columns)
+    bias = torch.randn(rows)
+    for batch in (1, 2, 3, 4, 5, 9, 16, 33, 64):
+        x = torch.randn(batch, columns) * 3
+        x[0, :32] = 0  # an all-zero activation block (scale 0)
+        out = torch.full((batch, rows + 5), float("nan"))[:, 2 : 2 + rows]  # strided rows
+        packed.matmul(x, out, bias)
+        expected = reference(packed, x) + bias.double()
+        scale = expected.abs().max().item()
+        assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, (batch, code)
+
+
+@needs_kernels
+def test_a_token_gets_the_same_result_whatever_its_batch():
+    """Each token's activations are quantized alone and its sums run in the same order,
+    so batching (chunked prefill, speculation) cannot change a token's result."""
+    packed = PackedWeight.from_ggml(GGMLType.Q4_1, random_blocks(GGMLType.Q4_1, 64, 512), 512)
+    x = torch.randn(37, 512)
+    whole = torch.empty(37, 64)
+    packed.matmul(x, whole)
+    for i in (0, 5, 36):
+        alone = torch.empty(1, 64)
+        packed.matmul(x[i : i + 1].clone(), alone)
+        assert torch.equal(alone[0], whole[i])
+
+
+@needs_kernels
+def test_a_fused_layer_of_parts_in_different_formats():
+    """q, k and v of one fused layer may be stored in different formats (a Q4_K_M file
+    keeps v in Q6_K): parts of one layout are joined, the others run on their own."""
+    layer = Linear(256, 16 + 8 + 8 + 5, bias=True)
+    parts = [(0, GGMLType.Q4_K, 16), (16, GGMLType.Q4_1, 8), (24, GGMLType.Q6_K, 8),
+             (32, GGMLType.Q8_0, 5)]  # fmt: skip
+    dense = []
+    for start, code, rows in parts:
+        raw = random_blocks(code, rows, 256, seed=start)
+        set_packed_part(layer, start, PackedWeight.from_ggml(code, raw, 256))
+        dense.append(dequantize(code, raw, 256))
+    drop_float_weight(layer)
+    method = QuantizedLinearMethod()
+    method.process_weights_after_loading(layer)
+    assert len(layer.packed_parts) == 3  # Q4_K and Q4_1 share a layout
+    layer.method = method
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out = layer(x)
+    expected = quantize_activations(x) @ torch.cat(dense).double().T + layer.bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
