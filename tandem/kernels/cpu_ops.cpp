@@ -115,12 +115,21 @@ void write_kv_impl(const T* k, const T* v, int64_t tokens, int64_t row, int64_t 
 }
 
 // Visit context positions [first, len) block by block: fn(pos, row offset of the token).
-template <typename Fn>
+// Blocks sit anywhere in a pool far larger than the caches, so the next block's first
+// rows are prefetched (``bytes`` of each from ``data + head_offset``) while this one
+// is read: without it, every block starts with a wait on memory.
+template <typename T, typename Fn>
 inline void for_each_token(const int64_t* table, int64_t first, int64_t len,
-                           int64_t block_size, int64_t row, Fn fn) {
+                           int64_t block_size, int64_t row, const T* data, int64_t bytes,
+                           Fn fn) {
   for (int64_t pos = first; pos < len;) {
     const int64_t block = pos / block_size, offset = pos % block_size;
     const int64_t stop = std::min(len, pos + block_size - offset);
+    if (stop < len) {
+      const char* next = reinterpret_cast<const char*>(data + table[block + 1] * block_size * row);
+      for (int64_t r = 0; r < block_size; ++r)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + r * row * sizeof(T) + b);
+    }
     int64_t base = (table[block] * block_size + offset) * row;
     for (; pos < stop; ++pos, base += row) fn(pos, base);
   }
@@ -152,7 +161,9 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         const T* qh = q + seq * q_stride + (kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(qh[d]) * scale;
       }
-      for_each_token(table, first, len, block_size, row, [&](int64_t pos, int64_t base) {
+      const int64_t head_bytes = head_dim * sizeof(T);
+      for_each_token(table, first, len, block_size, row, k_ptr + head_offset, head_bytes,
+                     [&](int64_t pos, int64_t base) {
         const T* key = k_ptr + base + head_offset;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * head_dim;
@@ -170,7 +181,8 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(table, first, len, block_size, row, [&](int64_t pos, int64_t base) {
+      for_each_token(table, first, len, block_size, row, v_ptr + head_offset, head_bytes,
+                     [&](int64_t pos, int64_t base) {
         const T* value = v_ptr + base + head_offset;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + pos - first];

@@ -2,22 +2,24 @@
 // activations quantized to 8 bits per block of 32 on the fly, integer dot products.
 //
 // Layout (built by tandem/quant/packed.py from any GGML format): weight rows in tiles
-// of 8, interleaved so that one 32-byte load holds 4 consecutive weights of each of
-// the 8 rows; broadcasting 4 activation bytes against it gives, per int32 lane, the
-// partial dot product of one row (llama.cpp's repacked "8x4" GEMV shape). A tile is
-// one sequential stream: the prefetcher sees one stream per thread, not 8 rows.
-//   values  4-bit: [tiles, K/32, 4, 8, 4] bytes; byte (p, r, i) holds the weights
+// of 16, interleaved so that one 64-byte load holds 4 consecutive weights of each of
+// the 16 rows; broadcasting 4 activation bytes against it gives, per int32 lane, the
+// partial dot product of one row (the shape of llama.cpp's repacked GEMV kernels). A
+// tile is one sequential stream: the prefetcher sees one stream per thread, not 16.
+// AVX-512 takes a tile in one register; AVX2 in two halves of 8 rows (32 bytes).
+//   values  4-bit: [tiles, K/32, 4, 16, 4] bytes; byte (p, r, i) holds the weights
 //           4p+i (low nibble) and 16+4p+i (high nibble) of row r in that block
-//           8-bit: [tiles, K/32, 8, 8, 4] int8; (s, r, i) is weight 4s+i of row r
-//   scales  [tiles, K/group, 8] float32   (group 32, or 16 for Q6_K)
-//   corr    [tiles, K/group, 8] float32 or empty: the group's constant, m - offset * d
+//           8-bit: [tiles, K/32, 8, 16, 4] int8; (s, r, i) is weight 4s+i of row r
+//   scales  [tiles, K/group, 16] float32   (group 32, or 16 for Q6_K)
+//   corr    [tiles, K/group, 16] float32 or empty: the group's constant, m - offset * d
 // so that w[n, k] = scales[n, g] * q[n, k] + corr[n, g] with g = k / group.
 //
 // With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
 //   y[n] = sum_g  scales[n, g] * dx * dot(q, xq)_g  +  corr[n, g] * dx * sum(xq)_g
-// The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it, else
-// AVX2's vpmaddubsw + vpmaddwd (4-bit values times int8 cannot saturate the pairs).
-// int8 weights use llama.cpp's sign trick: |q| (unsigned) by xq carrying q's sign.
+// The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it (AVX-512
+// or AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd (4-bit values times int8 cannot
+// saturate the pairs). int8 weights use llama.cpp's sign trick: |q| (unsigned) by
+// xq carrying q's sign.
 //
 // Work: threads take disjoint tiles; inside, tokens go in chunks that stay in L2,
 // and up to 4 tokens reuse each unpacked weight vector. The build is -march=native
@@ -35,7 +37,7 @@
 namespace quant {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRows = 8;         // weight rows per tile
+constexpr int64_t kRows = 16;        // weight rows per tile
 constexpr int64_t kTokens = 4;       // tokens sharing one unpacked weight vector
 constexpr int64_t kTokenChunk = 64;  // tokens whose quantized activations stay in L2
 
@@ -127,15 +129,108 @@ struct Problem {
   int64_t out_stride;
 };
 
-inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y) {
+inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y,
+                       int64_t count = kRows) {
   float* dst = p.out + tok * p.out_stride + n0;
-  const int64_t rows = std::min<int64_t>(kRows, p.N - n0);
+  const int64_t rows = std::min<int64_t>(count, p.N - n0);
   for (int64_t r = 0; r < rows; ++r) dst[r] = y[r] + (p.bias != nullptr ? p.bias[n0 + r] : 0.f);
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// int32 lane r += dot of row r's 4 weights with the 4 activation bytes broadcast in x
+// (16 rows: one 64-byte load). int8 weights: |w| (unsigned) by x carrying w's sign.
+template <bool kSigned>
+inline __m512i dot4(__m512i acc, __m512i w, __m512i x) {
+  if constexpr (kSigned) {
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    w = _mm512_abs_epi8(w);
+  }
+  return _mm512_dpbusd_epi32(acc, w, x);
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One tile (16 rows) x NT tokens starting at t0.
+template <bool kNibbles, int kGroup, int NT>
+void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  const int64_t nb = p.K / kBlock;
+  const uint8_t* vals = p.values + tile_index * p.tile_bytes;
+  const float* scales = p.scales + tile_index * p.groups * kRows;
+  const Activations& a = *p.act;
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    // dot[t][h]: per row, over the block's first (h = 0) or second 16 values; each
+    // is the sum of two chains (c) so that consecutive vpdpbusd do not wait on
+    // each other.
+    __m512i chain[NT][2][2];
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < 2; ++h) chain[t][h][0] = chain[t][h][1] = _mm512_setzero_si512();
+    if constexpr (kNibbles) {
+      const uint8_t* v = vals + b * 4 * 64;
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int pair = 0; pair < 4; ++pair) {
+        const __m512i packed = _mm512_loadu_si512(v + pair * 64);
+        const __m512i lo = _mm512_and_si512(packed, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
+          __m512i* c0 = &chain[t][0][pair & 1];
+          __m512i* c1 = &chain[t][1][pair & 1];
+          *c0 = dot4<false>(*c0, lo, broadcast4(x + 4 * pair));
+          *c1 = dot4<false>(*c1, hi, broadcast4(x + 16 + 4 * pair));
+        }
+      }
+    } else {
+      const uint8_t* v = vals + b * 8 * 64;
+      for (int step = 0; step < 8; ++step) {
+        const __m512i w = _mm512_loadu_si512(v + step * 64);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
+          __m512i* c = &chain[t][step / 4][step & 1];
+          *c = dot4<true>(*c, w, broadcast4(x + 4 * step));
+        }
+      }
+    }
+    __m512i dot[NT][2];
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < 2; ++h) dot[t][h] = _mm512_add_epi32(chain[t][h][0], chain[t][h][1]);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
+      if constexpr (kGroup == 32) {
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + b * kRows), dx);
+        const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
+      } else {
+        const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales + 2 * b * kRows), dx);
+        const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scales + (2 * b + 1) * kRows), dx);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), s0, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), s1, acc[t]);
+      }
+    }
+  }
+  if (p.corr != nullptr) {
+    const float* corr = p.corr + tile_index * p.groups * kRows;
+    for (int t = 0; t < NT; ++t) {
+      const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
+      for (int64_t g = 0; g < p.groups; ++g)
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(corr + g * kRows), _mm512_set1_ps(xs[g]), acc[t]);
+    }
+  }
+  const int64_t n0 = tile_index * kRows;
+  for (int t = 0; t < NT; ++t) {
+    alignas(64) float y[kRows];
+    _mm512_store_ps(y, acc[t]);
+    store_rows(p, n0, t0 + t, y);
+  }
+}
+#elif defined(__AVX2__)
 // int32 lane r += dot of row r's 4 weights (w: unsigned, or signed for kSigned) with
-// the 4 activation bytes broadcast in x.
+// the 4 activation bytes broadcast in x. A tile's 16 rows are two halves of 8.
 template <bool kSigned>
 inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
   if constexpr (kSigned) {
@@ -144,6 +239,8 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
   }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
@@ -155,24 +252,23 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// One tile (8 rows) x NT tokens starting at t0.
 template <bool kNibbles, int kGroup, int NT>
-void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
+  constexpr int64_t kHalf = kRows / 2;
   const int64_t nb = p.K / kBlock;
-  const uint8_t* vals = p.values + tile_index * p.tile_bytes;
-  const float* scales = p.scales + tile_index * p.groups * kRows;
+  const uint8_t* vals = p.values + tile_index * p.tile_bytes + half * 32;
+  const float* scales = p.scales + tile_index * p.groups * kRows + half * kHalf;
   const Activations& a = *p.act;
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    // dot[t][h]: int32 per row, over the block's first (h = 0) or second 16 values.
     __m256i dot[NT][2];
     for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
     if constexpr (kNibbles) {
-      const uint8_t* v = vals + b * 128;
+      const uint8_t* v = vals + b * 4 * 64;
       const __m256i low4 = _mm256_set1_epi8(0x0F);
       for (int pair = 0; pair < 4; ++pair) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 32));
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64));
         const __m256i lo = _mm256_and_si256(packed, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
         for (int t = 0; t < NT; ++t) {
@@ -182,9 +278,9 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         }
       }
     } else {
-      const uint8_t* v = vals + b * 256;
+      const uint8_t* v = vals + b * 8 * 64;
       for (int step = 0; step < 8; ++step) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 32));
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 64));
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           dot[t][step / 4] = dot4<true>(dot[t][step / 4], w, broadcast4(x + 4 * step));
@@ -206,19 +302,25 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     }
   }
   if (p.corr != nullptr) {
-    const float* corr = p.corr + tile_index * p.groups * kRows;
+    const float* corr = p.corr + tile_index * p.groups * kRows + half * kHalf;
     for (int t = 0; t < NT; ++t) {
       const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
       for (int64_t g = 0; g < p.groups; ++g)
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(corr + g * kRows), _mm256_set1_ps(xs[g]), acc[t]);
     }
   }
-  const int64_t n0 = tile_index * kRows;
+  const int64_t n0 = tile_index * kRows + half * kHalf;
   for (int t = 0; t < NT; ++t) {
-    alignas(32) float y[kRows];
+    alignas(32) float y[kHalf];
     _mm256_store_ps(y, acc[t]);
-    store_rows(p, n0, t0 + t, y);
+    store_rows(p, n0, t0 + t, y, kHalf);
   }
+}
+
+template <bool kNibbles, int kGroup, int NT>
+void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  half_tile<kNibbles, kGroup, NT>(p, tile_index, 0, t0);
+  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, NT>(p, tile_index, 1, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
@@ -240,10 +342,10 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
           int32_t q;
           if constexpr (kNibbles) {
             const int pair = (k % 16) / 4, i = k % 4;
-            const uint8_t byte = vals[b * 128 + pair * 32 + r * 4 + i];
+            const uint8_t byte = vals[(b * 4 + pair) * 4 * kRows + r * 4 + i];
             q = k < 16 ? (byte & 0x0F) : (byte >> 4);
           } else {
-            q = static_cast<int8_t>(vals[b * 256 + (k / 4) * 32 + r * 4 + k % 4]);
+            q = static_cast<int8_t>(vals[(b * 8 + k / 4) * 4 * kRows + r * 4 + k % 4]);
           }
           dot[k / 16] += q * a.q[tok * p.K + b * kBlock + k];
         }
@@ -302,12 +404,12 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 8) tiles");
+  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   const bool nibbles = values.scalar_type() == torch::kUInt8;
   TORCH_CHECK(nibbles || values.scalar_type() == torch::kChar, "values: uint8 (4-bit) or int8");
   TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
   TORCH_CHECK(!nibbles || group == 32, "4-bit values come in groups of 32");
-  TORCH_CHECK(scales.numel() == tiles * (K / group) * kRows, "scales: [tiles, K / group, 8]");
+  TORCH_CHECK(scales.numel() == tiles * (K / group) * kRows, "scales: [tiles, K / group, 16]");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   quant::Activations act;
   quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);

@@ -75,6 +75,7 @@ def _file_type(code: GGMLType) -> int:
 def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
     path = folder / "tokenizer.json"
     if not path.is_file():
+        writer.add_tokenizer_model("no_vocab")  # llama.cpp's name for a model without one
         return
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model", {})

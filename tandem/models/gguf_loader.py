@@ -106,6 +106,10 @@ def load_gguf(
             quantize_linear_layers(model, quantization, device)
     model.eval().requires_grad_(False)
     tokenizer = None
-    if load_tokenizer:
+    if load_tokenizer and checkpoint.value("tokenizer.ggml.model") not in (
+        None,
+        "no_vocab",
+        "none",
+    ):
         tokenizer = Tokenizer.from_parts(*build_tokenizer(checkpoint.value))
     return LoadedModel(path, config, model, tokenizer, dtype, device, {})

@@ -23,11 +23,11 @@ from tandem.quant.blocks import Decoded, GGMLType, decode, dequantize_decoded
 BLOCK = 32
 
 
-ROWS = 8  # rows per tile (the kernel's layout)
+ROWS = 16  # rows per tile (the kernel's layout)
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[N, ...] -> [ceil(N / 8), 8, ...], padding rows with zeros."""
+    """[N, ...] -> [ceil(N / 16), 16, ...], padding rows with zeros."""
     pad = -rows % ROWS
     if pad:
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
@@ -36,10 +36,10 @@ def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dataclass
 class PackedWeight:
-    """A [rows, columns] matrix in tiles of 8 rows (layout in quant_ops.cpp)."""
+    """A [rows, columns] matrix in tiles of 16 rows (layout in quant_ops.cpp)."""
 
-    values: torch.Tensor  # uint8 [tiles, K*4] (4-bit pairs) or int8 [tiles, K*8]
-    scales: torch.Tensor  # float32 [tiles, K/group, 8]
+    values: torch.Tensor  # uint8 [tiles, K*8] (4-bit pairs) or int8 [tiles, K*16]
+    scales: torch.Tensor  # float32 [tiles, K/group, 16]
     corr: torch.Tensor | None  # like scales; None when every constant is 0
     rows: int
     group: int
@@ -66,7 +66,7 @@ class PackedWeight:
         if dec.nibbles:
             # byte (block, pair, row, i) = weight 4*pair+i | weight 16+4*pair+i << 4
             q = q.reshape(-1, ROWS, blocks, 2, 4, 4)
-            packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [tiles, 8, blocks, 4, 4]
+            packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [tiles, rows, blocks, 4, 4]
             values = packed.permute(0, 2, 3, 1, 4)
         else:
             # (block, step, row, i) = weight 4*step+i
@@ -104,7 +104,7 @@ class PackedWeight:
         blocks = columns // BLOCK
         if self.nibbles:
             v = values.reshape(-1, blocks, 4, ROWS, 4).permute(0, 3, 1, 2, 4)
-            q = torch.stack([v & 0x0F, v >> 4], dim=3)  # [tiles, 8, blocks, 2, 4, 4]
+            q = torch.stack([v & 0x0F, v >> 4], dim=3)  # [tiles, rows, blocks, 2, 4, 4]
         else:
             q = values.reshape(-1, blocks, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
         q = q.reshape(-1, columns)
