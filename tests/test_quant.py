@@ -123,9 +123,9 @@ def test_a_token_gets_the_same_result_whatever_its_batch():
 @needs_kernels
 def test_a_fused_layer_of_parts_in_different_formats():
     """q, k and v of one fused layer may be stored in different formats (a Q4_K_M file
-    keeps v in Q6_K): parts of one layout are joined, the others run on their own."""
+    keeps v in Q6_K): parts of one format are joined, the others run on their own."""
     layer = Linear(256, 16 + 8 + 8 + 5, bias=True)
-    parts = [(0, GGMLType.Q4_K, 16), (16, GGMLType.Q4_1, 8), (24, GGMLType.Q6_K, 8),
+    parts = [(0, GGMLType.Q4_1, 16), (16, GGMLType.Q4_1, 8), (24, GGMLType.Q6_K, 8),
              (32, GGMLType.Q8_0, 5)]  # fmt: skip
     dense = []
     for start, code, rows in parts:
@@ -135,10 +135,21 @@ def test_a_fused_layer_of_parts_in_different_formats():
     drop_float_weight(layer)
     method = QuantizedLinearMethod()
     method.process_weights_after_loading(layer)
-    assert len(layer.packed_parts) == 3  # Q4_K and Q4_1 share a layout
+    assert len(layer.packed_parts) == 3  # the two Q4_1 parts are one matrix
     layer.method = method
     x = torch.randn(3, 256)
     with torch.no_grad():
         out = layer(x)
     expected = quantize_activations(x) @ torch.cat(dense).double().T + layer.bias.double()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_scales_keep_the_files_bytes_where_float16_holds_them_exactly():
+    """Q4_1's scales and minimums are float16 in the file and stay so (5 bits a weight,
+    as the file); Q4_0's constant -8 * d is not stored at all; Q4_K's products of two
+    scales are not float16 numbers and stay float32."""
+    sizes = {}
+    for code in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K):
+        packed = PackedWeight.from_ggml(code, random_blocks(code, 32, 512), 512)
+        sizes[code] = packed.nbytes * 8 / (32 * 512)
+    assert sizes == {GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 6.0}

@@ -10,8 +10,10 @@
 //   values  4-bit: [tiles, K/32, 4, 16, 4] bytes; byte (p, r, i) holds the weights
 //           4p+i (low nibble) and 16+4p+i (high nibble) of row r in that block
 //           8-bit: [tiles, K/32, 8, 16, 4] int8; (s, r, i) is weight 4s+i of row r
-//   scales  [tiles, K/group, 16] float32   (group 32, or 16 for Q6_K)
-//   corr    [tiles, K/group, 16] float32 or empty: the group's constant, m - offset * d
+//   scales  [tiles, K/group, 16] (group 32, or 16 for Q6_K), float16 where the file's
+//           scales are (as many bytes as the file), float32 for the K formats
+//   corr    like scales, or empty: the group's constant, m - offset * d; empty with
+//           an offset (Q4_0: 8) means -offset * d, computed, not stored
 // so that w[n, k] = scales[n, g] * q[n, k] + corr[n, g] with g = k / group.
 //
 // With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
@@ -120,14 +122,21 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
 struct Problem {
   const uint8_t* values;
   int64_t tile_bytes;  // value bytes per tile
-  const float* scales;
-  const float* corr;   // null: no per-group constant
+  const void* scales;  // float32, or float16 (kHalf) where the format's are exact in it
+  const void* corr;    // like scales; null: none, or -offset * scale when offset != 0
+  float offset;
   const float* bias;   // null: none
   int64_t N, K, groups;
   const Activations* act;
   float* out;
   int64_t out_stride;
 };
+
+template <bool kHalf>
+inline float load1(const void* base, int64_t i) {
+  if constexpr (kHalf) return static_cast<float>(static_cast<const at::Half*>(base)[i]);
+  else return static_cast<const float*>(base)[i];
+}
 
 inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y,
                        int64_t count = kRows) {
@@ -148,6 +157,16 @@ inline __m512i dot4(__m512i acc, __m512i w, __m512i x) {
   return _mm512_dpbusd_epi32(acc, w, x);
 }
 
+template <bool kHalf>
+inline __m512 load16(const void* base, int64_t i) {
+  if constexpr (kHalf) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const at::Half*>(base) + i)));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  }
+}
+
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -155,11 +174,11 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // One tile (16 rows) x NT tokens starting at t0.
-template <bool kNibbles, int kGroup, int NT>
+template <bool kNibbles, int kGroup, bool kHalf, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
-  const float* scales = p.scales + tile_index * p.groups * kRows;
+  const int64_t scale0 = tile_index * p.groups * kRows;  // this tile's first scale
   const Activations& a = *p.act;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -202,23 +221,27 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     for (int t = 0; t < NT; ++t) {
       const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
       if constexpr (kGroup == 32) {
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + b * kRows), dx);
+        const __m512 s = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + b * kRows), dx);
         const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
       } else {
-        const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales + 2 * b * kRows), dx);
-        const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scales + (2 * b + 1) * kRows), dx);
+        const __m512 s0 = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + 2 * b * kRows), dx);
+        const __m512 s1 = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + (2 * b + 1) * kRows), dx);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), s0, acc[t]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), s1, acc[t]);
       }
     }
   }
-  if (p.corr != nullptr) {
-    const float* corr = p.corr + tile_index * p.groups * kRows;
-    for (int t = 0; t < NT; ++t) {
-      const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
-      for (int64_t g = 0; g < p.groups; ++g)
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(corr + g * kRows), _mm512_set1_ps(xs[g]), acc[t]);
+  if (p.corr != nullptr || p.offset != 0.f) {
+    const __m512 minus_offset = _mm512_set1_ps(-p.offset);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t i = scale0 + g * kRows;
+      const __m512 c = p.corr != nullptr ? load16<kHalf>(p.corr, i)
+                                         : _mm512_mul_ps(load16<kHalf>(p.scales, i), minus_offset);
+      for (int t = 0; t < NT; ++t) {
+        const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
+        acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[g]), acc[t]);
+      }
     }
   }
   const int64_t n0 = tile_index * kRows;
@@ -246,18 +269,28 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+template <bool kHalf>
+inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (kHalf) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const at::Half*>(base) + i)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  }
+}
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-template <bool kNibbles, int kGroup, int NT>
+template <bool kNibbles, int kGroup, bool kHalf, int NT>
 void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
-  constexpr int64_t kHalf = kRows / 2;
+  constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes + half * 32;
-  const float* scales = p.scales + tile_index * p.groups * kRows + half * kHalf;
+  const int64_t scale0 = tile_index * p.groups * kRows + half * kHalfRows;
   const Activations& a = *p.act;
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
@@ -290,46 +323,53 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
     for (int t = 0; t < NT; ++t) {
       const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
       if constexpr (kGroup == 32) {
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + b * kRows), dx);
+        const __m256 s = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + b * kRows), dx);
         const __m256i sum = _mm256_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t]);
       } else {
-        const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scales + 2 * b * kRows), dx);
-        const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scales + (2 * b + 1) * kRows), dx);
+        const __m256 s0 = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + 2 * b * kRows), dx);
+        const __m256 s1 = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + (2 * b + 1) * kRows), dx);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][0]), s0, acc[t]);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][1]), s1, acc[t]);
       }
     }
   }
-  if (p.corr != nullptr) {
-    const float* corr = p.corr + tile_index * p.groups * kRows + half * kHalf;
-    for (int t = 0; t < NT; ++t) {
-      const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
-      for (int64_t g = 0; g < p.groups; ++g)
-        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(corr + g * kRows), _mm256_set1_ps(xs[g]), acc[t]);
+  if (p.corr != nullptr || p.offset != 0.f) {
+    const __m256 minus_offset = _mm256_set1_ps(-p.offset);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t i = scale0 + g * kRows;
+      const __m256 c = p.corr != nullptr ? load8<kHalf>(p.corr, i)
+                                         : _mm256_mul_ps(load8<kHalf>(p.scales, i), minus_offset);
+      for (int t = 0; t < NT; ++t) {
+        const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
+        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[g]), acc[t]);
+      }
     }
   }
-  const int64_t n0 = tile_index * kRows + half * kHalf;
+  const int64_t n0 = tile_index * kRows + half * kHalfRows;
   for (int t = 0; t < NT; ++t) {
-    alignas(32) float y[kHalf];
+    alignas(32) float y[kHalfRows];
     _mm256_store_ps(y, acc[t]);
-    store_rows(p, n0, t0 + t, y, kHalf);
+    store_rows(p, n0, t0 + t, y, kHalfRows);
   }
 }
 
-template <bool kNibbles, int kGroup, int NT>
+template <bool kNibbles, int kGroup, bool kHalf, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
-  half_tile<kNibbles, kGroup, NT>(p, tile_index, 0, t0);
-  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, NT>(p, tile_index, 1, t0);
+  half_tile<kNibbles, kGroup, kHalf, NT>(p, tile_index, 0, t0);
+  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, kHalf, NT>(p, tile_index, 1, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
-template <bool kNibbles, int kGroup, int NT>
+template <bool kNibbles, int kGroup, bool kHalf, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
-  const float* scales = p.scales + tile_index * p.groups * kRows;
-  const float* corr = p.corr == nullptr ? nullptr : p.corr + tile_index * p.groups * kRows;
+  const int64_t scale0 = tile_index * p.groups * kRows;
+  auto scale = [&](int64_t i) { return load1<kHalf>(p.scales, scale0 + i); };
+  auto corr = [&](int64_t i) {
+    return p.corr != nullptr ? load1<kHalf>(p.corr, scale0 + i) : -p.offset * scale(i);
+  };
   const Activations& a = *p.act;
   for (int t = 0; t < NT; ++t) {
     const int64_t tok = t0 + t;
@@ -351,14 +391,14 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         }
         const float dx = a.d[tok * nb + b];
         if constexpr (kGroup == 32) {
-          sum += scales[b * kRows + r] * dx * (dot[0] + dot[1]);
+          sum += scale(b * kRows + r) * dx * (dot[0] + dot[1]);
         } else {
-          sum += scales[2 * b * kRows + r] * dx * dot[0] + scales[(2 * b + 1) * kRows + r] * dx * dot[1];
+          sum += scale(2 * b * kRows + r) * dx * dot[0] + scale((2 * b + 1) * kRows + r) * dx * dot[1];
         }
       }
-      if (corr != nullptr) {
+      if (p.corr != nullptr || p.offset != 0.f) {
         const float* xs = kGroup == 32 ? a.s32.data() + tok * nb : a.s16.data() + tok * 2 * nb;
-        for (int64_t g = 0; g < p.groups; ++g) sum += corr[g * kRows + r] * xs[g];
+        for (int64_t g = 0; g < p.groups; ++g) sum += corr(g * kRows + r) * xs[g];
       }
       y[r] = sum;
     }
@@ -367,7 +407,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
 }
 #endif
 
-template <bool kNibbles, int kGroup>
+template <bool kNibbles, int kGroup, bool kHalf>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -375,11 +415,11 @@ void run(const Problem& p, int64_t T) {
       const int64_t c1 = std::min(T, c0 + kTokenChunk);
       for (int64_t index = begin; index < end; ++index) {
         int64_t t = c0;
-        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kTokens>(p, index, t);
+        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kHalf, kTokens>(p, index, t);
         switch (c1 - t) {
-          case 3: tile<kNibbles, kGroup, 3>(p, index, t); break;
-          case 2: tile<kNibbles, kGroup, 2>(p, index, t); break;
-          case 1: tile<kNibbles, kGroup, 1>(p, index, t); break;
+          case 3: tile<kNibbles, kGroup, kHalf, 3>(p, index, t); break;
+          case 2: tile<kNibbles, kGroup, kHalf, 2>(p, index, t); break;
+          case 1: tile<kNibbles, kGroup, kHalf, 1>(p, index, t); break;
           default: break;
         }
       }
@@ -391,16 +431,19 @@ void run(const Problem& p, int64_t T) {
 
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
-// be padding).
+// be padding). scales (and corr) are float32 or float16; without corr, a non-zero
+// offset makes each group's constant -offset * scale (Q4_0, Q5_0: nothing stored).
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
                   c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
-                  int64_t N, int64_t group) {
+                  int64_t N, int64_t group, double offset) {
   using quant::kBlock;
   using quant::kRows;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
   TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat, "scales: float32");
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(scales.is_contiguous() && (half || scales.scalar_type() == torch::kFloat),
+              "scales: float32 or float16");
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
@@ -416,13 +459,14 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   quant::Problem p;
   p.values = static_cast<const uint8_t*>(values.data_ptr());
   p.tile_bytes = values.size(1);
-  p.scales = scales.data_ptr<float>();
+  p.scales = scales.data_ptr();
   p.corr = nullptr;
   if (corr.has_value() && corr->numel() > 0) {
     TORCH_CHECK(corr->is_contiguous() && corr->numel() == scales.numel() &&
-                corr->scalar_type() == torch::kFloat, "corr: like scales");
-    p.corr = corr->data_ptr<float>();
+                corr->scalar_type() == scales.scalar_type(), "corr: like scales");
+    p.corr = corr->data_ptr();
   }
+  p.offset = static_cast<float>(offset);
   p.bias = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == torch::kFloat);
@@ -435,10 +479,10 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   p.out = out.data_ptr<float>();
   p.out_stride = out.stride(0);
   if (nibbles) {
-    quant::run<true, 32>(p, T);
+    half ? quant::run<true, 32, true>(p, T) : quant::run<true, 32, false>(p, T);
   } else if (group == 32) {
-    quant::run<false, 32>(p, T);
+    half ? quant::run<false, 32, true>(p, T) : quant::run<false, 32, false>(p, T);
   } else {
-    quant::run<false, 16>(p, T);
+    half ? quant::run<false, 16, true>(p, T) : quant::run<false, 16, false>(p, T);
   }
 }

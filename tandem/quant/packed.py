@@ -39,11 +39,12 @@ class PackedWeight:
     """A [rows, columns] matrix in tiles of 16 rows (layout in quant_ops.cpp)."""
 
     values: torch.Tensor  # uint8 [tiles, K*8] (4-bit pairs) or int8 [tiles, K*16]
-    scales: torch.Tensor  # float32 [tiles, K/group, 16]
-    corr: torch.Tensor | None  # like scales; None when every constant is 0
+    scales: torch.Tensor  # [tiles, K/group, 16], float16 where exact, else float32
+    corr: torch.Tensor | None  # like scales; None: each constant is -offset * scale
     rows: int
     group: int
     source: str  # the format it came from, e.g. "Q4_1"
+    offset: float = 0.0  # Q4_0: 8, Q5_0: 16 (when corr is None)
 
     @property
     def nibbles(self) -> bool:
@@ -72,14 +73,20 @@ class PackedWeight:
             # (block, step, row, i) = weight 4*step+i
             values = q.to(torch.int8).reshape(-1, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
         values = values.reshape(values.shape[0], -1).contiguous()
+        # Constants: stored only when the format has minimums; an offset alone is
+        # recomputed by the kernel from the scale.
+        offset = float(dec.offset)
         corr = None
-        if dec.mins is not None or dec.offset:
-            corr = -float(dec.offset) * dec.scales
-            if dec.mins is not None:
-                corr = corr + dec.mins
+        if dec.mins is not None:
+            corr = dec.mins - offset * dec.scales if offset else dec.mins
+            offset = 0.0
+        # float16 when every scale (and constant) is one exactly: the file's own bytes.
+        stored = [dec.scales] + ([corr] if corr is not None else [])
+        exact = all(torch.equal(t.half().float(), t) for t in stored)
+        dtype = torch.float16 if exact else torch.float32
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
-            return _tile(t.float(), rows).permute(0, 2, 1).contiguous()
+            return _tile(t.to(dtype), rows).permute(0, 2, 1).contiguous()
 
         return cls(
             values,
@@ -88,6 +95,7 @@ class PackedWeight:
             rows,
             dec.group,
             source,
+            offset,
         )
 
     @classmethod
@@ -110,9 +118,13 @@ class PackedWeight:
         q = q.reshape(-1, columns)
 
         def untiled(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(0, 2, 1).reshape(-1, t.shape[1])
+            return t.float().permute(0, 2, 1).reshape(-1, t.shape[1])
 
-        return Decoded(q, untiled(scales), None if corr is None else untiled(corr), 0, self.group)
+        scales = untiled(scales)
+        mins = untiled(corr) if corr is not None else None
+        if corr is None and self.offset:
+            mins = -self.offset * scales
+        return Decoded(q, scales, mins, 0, self.group)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
@@ -131,7 +143,7 @@ class PackedWeight:
         from tandem.kernels import cpu as cpu_kernels
 
         cpu_kernels.load().quant_linear(
-            out, x, self.values, self.scales, self.corr, bias, self.rows, self.group
+            out, x, self.values, self.scales, self.corr, bias, self.rows, self.group, self.offset
         )
 
 

@@ -19,7 +19,14 @@ from tandem.quant.packed import ROWS, PackedWeight
 
 
 def _joinable(a: PackedWeight, b: PackedWeight) -> bool:
-    return a.nibbles == b.nibbles and a.group == b.group and a.rows % ROWS == 0
+    same = (a.nibbles, a.group, a.scales.dtype, a.corr is None, a.offset) == (
+        b.nibbles,
+        b.group,
+        b.scales.dtype,
+        b.corr is None,
+        b.offset,
+    )
+    return same and a.rows % ROWS == 0
 
 
 def _join(a: PackedWeight, b: PackedWeight) -> PackedWeight:
@@ -38,11 +45,13 @@ def _join(a: PackedWeight, b: PackedWeight) -> PackedWeight:
         a.rows + b.rows,
         a.group,
         a.source if a.source == b.source else f"{a.source}+{b.source}",
+        a.offset,
     )
 
 
 def join_parts(parts: list[tuple[int, PackedWeight]]) -> list[tuple[int, PackedWeight]]:
-    """Adjacent parts in the same layout (4- or 8-bit values, group size) as one."""
+    """Adjacent parts in the same layout (4- or 8-bit values, group size, scale type,
+    constants) as one."""
     joined: list[tuple[int, PackedWeight]] = []
     for start, weight in parts:
         if joined and _joinable(joined[-1][1], weight):
@@ -72,7 +81,7 @@ class QuantizedLinearMethod:
             weight = parts[0][1]
             out = torch.empty(x.shape[0], weight.rows)
             kernel()(out, x, weight.values, weight.scales, weight.corr, layer.bias,
-                     weight.rows, weight.group)  # fmt: skip
+                     weight.rows, weight.group, weight.offset)  # fmt: skip
             return out
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
