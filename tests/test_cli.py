@@ -1,4 +1,4 @@
-"""`tandem generate` as a user runs it: a real process."""
+"""`tandem generate` and `tandem quantize` as a user runs them: a real process."""
 
 from __future__ import annotations
 
@@ -49,6 +49,27 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_quantize_writes_a_gguf_file_generate_runs(model_dirs, tmp_path):
+    """`tandem quantize` then `tandem generate --model file.gguf`: the quantized model
+    answers as the engine does on the same file (weights kept in Q4_0)."""
+    folder, _ = model_dirs("llama")
+    out = tmp_path / "model-q4_0.gguf"
+    result = run_cli("quantize", str(folder), str(out), "--type", "q4_0")
+    assert result.returncode == 0, result.stderr
+    assert out.is_file() and "q4_0" in result.stdout
+    result = run_cli(
+        "generate", "--model", str(out), "The quick brown", "--max-tokens", "6",
+        "--temperature", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    llm = LLM(str(out))
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.packed_parts
+    expected = llm.generate(
+        "The quick brown", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )[0]
+    assert result.stdout == expected.outputs[0].text + "\n"
 
 
 def test_generate_uses_the_bundled_model_by_default():

@@ -7,7 +7,7 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from tandem.cli import bench, generate, plan, router, serve, trace
+from tandem.cli import bench, generate, plan, quantize, router, serve, trace
 from tandem.errors import TandemError
 
 DESCRIPTION = """\
@@ -21,6 +21,8 @@ examples:
   tandem serve --port 8000                  (then any OpenAI client at /v1)
   tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 50
   tandem plan --model DIR --hardware h100-sxm --prompt-len 2048
+  tandem generate --model smollm2-135m-instruct --chat "Name three primary colors."
+  tandem quantize DIR model-q4_0.gguf --type q4_0   (then --model model-q4_0.gguf)
 'help' of each: tandem COMMAND --help"""
 
 
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(benchmarks, "serve", bench)
     add(commands, "plan", plan)
+    add(commands, "quantize", quantize)
     traces = commands.add_parser("trace", help="step traces").add_subparsers(
         dest="trace_command", required=True, metavar="ACTION"
     )

@@ -454,7 +454,8 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   TORCH_CHECK(!nibbles || group == 32, "4-bit values come in groups of 32");
   TORCH_CHECK(scales.numel() == tiles * (K / group) * kRows, "scales: [tiles, K / group, 16]");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
-  quant::Activations act;
+  // Reused across calls (a decode step makes ~100 of them): no allocation per call.
+  static thread_local quant::Activations act;
   quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
   quant::Problem p;
   p.values = static_cast<const uint8_t*>(values.data_ptr());
