@@ -37,8 +37,18 @@ class CacheConfig:
     enable_prefix_caching: bool = setting(
         True, "reuse the KV blocks of prompt starts seen before (automatic prefix caching)"
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "auto (the model's dtype) or int8 (per token and head scales: a quarter of float32's "
+        "bytes)",
+        "DTYPE",
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise InvalidParameterError(
+                "kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of auto, int8"
+            )
         if self.block_size < 1:
             raise InvalidParameterError("block_size", "must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -7,6 +7,7 @@ import torch
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.runner.attention import BACKENDS, build_paged_metadata
+from tandem.runner.kv_cache import dequantize_kv_rows, quantize_kv_rows
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
@@ -29,7 +30,11 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("batch", ["mixed", "decodes"])
-def test_batch_matches_brute_force(backend, window, strided, batch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
+    """With an int8 cache, every token read from the cache is its int8 row times its
+    scale (the reference reads the same rows); prompts the backend attends without
+    the cache see their K/V as computed."""
     if backend == "cpu-paged" and cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     torch.manual_seed(0)
@@ -39,6 +44,11 @@ def test_batch_matches_brute_force(backend, window, strided, batch):
     if batch == "decodes":  # one contiguous run: the kernel works in place
         shapes = [(9, 1), (13, 1), (2, 1), (30, 1)]
     kv_cache = torch.zeros(1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    if kv_dtype == "int8":
+        kv_cache = torch.zeros(
+            1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM + 4, dtype=torch.uint8
+        )
+    store = quantize_kv_rows if kv_dtype == "int8" else (lambda x: x)
     pool = torch.randperm(NUM_BLOCKS).tolist()
     tables, contexts = [], []
     for cached, new in shapes:
@@ -48,7 +58,8 @@ def test_batch_matches_brute_force(backend, window, strided, batch):
         v_ctx = torch.randn(cached + new, KV_HEADS, HEAD_DIM)
         for pos in range(cached):  # the cached part is already in the blocks
             block, offset = tables[-1][pos // BLOCK_SIZE], pos % BLOCK_SIZE
-            kv_cache[0, 0, block, offset], kv_cache[0, 1, block, offset] = k_ctx[pos], v_ctx[pos]
+            kv_cache[0, 0, block, offset] = store(k_ctx[pos])
+            kv_cache[0, 1, block, offset] = store(v_ctx[pos])
         contexts.append((k_ctx, v_ctx))
     query_lens = [new for _, new in shapes]
     num_computed = [cached for cached, _ in shapes]
@@ -65,8 +76,14 @@ def test_batch_matches_brute_force(backend, window, strided, batch):
     attention = BACKENDS[backend][0](metadata, kv_cache)
     with torch.inference_mode():
         out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
+    # Prompts the backend attends without the cache (the torch path's equal-length
+    # fresh prompts), by their first token.
+    fresh = {int(i) for g in metadata.fresh_prompts for i in g.token_index[:, 0]}
     start = 0
     for (cached, new), (k_ctx, v_ctx) in zip(shapes, contexts, strict=True):
+        if kv_dtype == "int8" and start not in fresh:  # read back from the int8 cache
+            k_ctx = dequantize_kv_rows(quantize_kv_rows(k_ctx), torch.float32)
+            v_ctx = dequantize_kv_rows(quantize_kv_rows(v_ctx), torch.float32)
         expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -135,18 +137,37 @@ inline void for_each_token(const int64_t* table, int64_t first, int64_t len,
   }
 }
 
+// How a cache row of one (token, KV head) is stored: as the model's dtype (KV = T),
+// or int8 (KV = int8_t) followed by its float32 scale: head_dim + 4 bytes, the value
+// being scale * q. tandem/runner/kv_cache.py writes the same layout from torch.
+template <typename KV>
+struct KVRows {
+  static constexpr int64_t kExtra = std::is_same_v<KV, int8_t> ? 4 : 0;
+  static float scale(const KV* row, int64_t head_dim) {
+    if constexpr (kExtra == 0) {
+      return 1.f;
+    } else {
+      float s;
+      std::memcpy(&s, row + head_dim, sizeof(s));
+      return s;
+    }
+  }
+};
+
 // One query token per sequence, K/V read once, straight from the blocks:
 //   for each (sequence, KV head), in parallel:
 //     scores of the G query heads sharing the KV head against every context key,
 //     a float32 softmax, then the weighted sum of the values.
-template <typename T>
+// With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
+template <typename T, typename KV>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
                            int64_t num_seqs, int64_t num_heads, int64_t head_dim,
-                           const T* k_ptr, const T* v_ptr, int64_t block_size,
+                           const KV* k_ptr, const KV* v_ptr, int64_t block_size,
                            int64_t num_kv_heads, const int64_t* tables, int64_t table_width,
                            const int64_t* lens, double scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row = num_kv_heads * head_dim;  // one token of one block, all KV heads
+  const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
+  const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -154,22 +175,23 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       const int64_t len = lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      const int64_t head_offset = kv_head * head_dim;
+      const int64_t head_offset = kv_head * head_width;
       const int64_t* table = tables + seq * table_width;
       scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
         const T* qh = q + seq * q_stride + (kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(qh[d]) * scale;
       }
-      const int64_t head_bytes = head_dim * sizeof(T);
+      const int64_t head_bytes = head_width * sizeof(KV);
       for_each_token(table, first, len, block_size, row, k_ptr + head_offset, head_bytes,
                      [&](int64_t pos, int64_t base) {
-        const T* key = k_ptr + base + head_offset;
+        const KV* key = k_ptr + base + head_offset;
+        const float key_scale = KVRows<KV>::scale(key, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * head_dim;
           float dot = 0.f;
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_f(key[d]);
-          scores[g * n + pos - first] = dot;
+          scores[g * n + pos - first] = dot * key_scale;
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -183,9 +205,10 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_token(table, first, len, block_size, row, v_ptr + head_offset, head_bytes,
                      [&](int64_t pos, int64_t base) {
-        const T* value = v_ptr + base + head_offset;
+        const KV* value = v_ptr + base + head_offset;
+        const float value_scale = KVRows<KV>::scale(value, head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + pos - first];
+          const float p = scores[g * n + pos - first] * value_scale;
           float* a = acc.data() + g * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
         }
@@ -196,6 +219,27 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       }
     }
   });
+}
+
+// Rows of k / v [tokens, Hkv, D] -> int8 cache rows: per (token, head), scale =
+// max|x| / 127 and q = round(x / scale), then the scale's 4 bytes.
+template <typename T>
+void write_kv_int8_impl(const T* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                        int64_t stride, int8_t* cache, const int64_t* slots) {
+  const int64_t width = head_dim + 4;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = x + t * stride + h * head_dim;
+      int8_t* dst = cache + (slots[t] * heads + h) * width;
+      float amax = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_f(src[d])));
+      const float s = amax / 127.f;
+      const float inverse = s > 0.f ? 1.f / s : 0.f;
+      for (int64_t d = 0; d < head_dim; ++d)
+        dst[d] = static_cast<int8_t>(std::nearbyint(to_f(src[d]) * inverse));
+      std::memcpy(dst + head_dim, &s, sizeof(s));
+    }
+  }
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -263,6 +307,16 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slots) {
   check_rows(k, "k"); check_rows(v, "v");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous());
+  if (k_cache.scalar_type() == torch::kUInt8) {  // int8 rows with their scales
+    TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
+      for (auto [x, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+        write_kv_int8_impl<scalar_t>(x->data_ptr<scalar_t>(), x->size(0), x->size(1), x->size(2),
+                                     x->stride(0), static_cast<int8_t*>(cache->data_ptr()),
+                                     slots.data_ptr<int64_t>());
+      }
+    });
+    return;
+  }
   TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
     write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
                             k.size(1) * k.size(2), k.stride(0), v.stride(0),
@@ -279,8 +333,19 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   check_rows(out, "out"); check_rows(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
+  if (k_cache.scalar_type() == torch::kUInt8) {  // int8 rows with their scales
+    TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+      decode_attention_impl<scalar_t, int8_t>(
+          out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
+          q.size(0), q.size(1), q.size(2), static_cast<const int8_t*>(k_cache.data_ptr()),
+          static_cast<const int8_t*>(v_cache.data_ptr()), k_cache.size(1), k_cache.size(2),
+          block_tables.data_ptr<int64_t>(), block_tables.size(1),
+          context_lens.data_ptr<int64_t>(), scale, window);
+    });
+    return;
+  }
   TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(
+    decode_attention_impl<scalar_t, scalar_t>(
         out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
         q.size(0), q.size(1), q.size(2), k_cache.data_ptr<scalar_t>(),
         v_cache.data_ptr<scalar_t>(), k_cache.size(1), k_cache.size(2),

@@ -4,6 +4,13 @@ Layout ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`
 block is ``block_size`` consecutive token slots, and slot ``b * block_size + i`` is
 token ``i`` of block ``b`` in every layer. One allocation keeps the cache easy to size
 from a memory budget and to hand to a transfer engine as a single region.
+
+``kv_cache_dtype="int8"`` stores each (token, KV head) row as ``head_dim`` int8 values
+and their float32 scale (max|x| / 127), in a uint8 tensor whose last dimension is
+``head_dim + 4``: a quarter of float32's bytes (plus 4 a row), and still one region
+whose blocks move as they are. The CPU kernels (tandem/kernels/cpu_ops.cpp) read and
+write that layout; ``quantize_kv_rows`` / ``dequantize_kv_rows`` are the same in torch
+(the prompt path's gathers, and any device without the kernels).
 """
 
 from __future__ import annotations
@@ -12,10 +19,18 @@ import torch
 
 from tandem.models.config import ModelConfig
 
+KV_CACHE_DTYPES = ("auto", "int8")
+SCALE_BYTES = 4  # an int8 row's float32 scale
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return int(config.kv_bytes_per_token(element_size)) * block_size
+
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    if kv_cache_dtype == "int8":
+        per_element = (config.head_dim + SCALE_BYTES) / config.head_dim
+    else:
+        per_element = torch.empty((), dtype=dtype).element_size()
+    return int(config.kv_bytes_per_token(per_element)) * block_size
 
 
 def allocate_kv_cache(
@@ -24,9 +39,30 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if kv_cache_dtype == "int8":
+        return torch.zeros((*shape[:-1], config.head_dim + SCALE_BYTES), dtype=torch.uint8,
+                           device=device)  # fmt: skip
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] -> uint8 [..., head_dim + 4]: int8 values, then the float32 scale."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / torch.where(scale > 0, scale, 1), 0)
+    q = torch.round(xf * inverse).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., head_dim + 4] -> [..., head_dim] in ``dtype``."""
+    head_dim = rows.shape[-1] - SCALE_BYTES
+    q = rows[..., :head_dim].contiguous().view(torch.int8).float()
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (q * scale).to(dtype)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -41,6 +77,7 @@ def num_blocks_for(
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
     max_tokens_needed: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Blocks in the pool: ``num_blocks`` if given, else what the memory budget holds:
     ``kv_cache_memory`` bytes; on CUDA the part of ``gpu_memory_utilization`` x total
@@ -48,7 +85,7 @@ def num_blocks_for(
     blocks than ``max_tokens_needed`` (max_num_seqs x max_model_len) can use."""
     if num_blocks is not None:
         return num_blocks
-    per_block = kv_bytes_per_block(config, block_size, dtype)
+    per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":

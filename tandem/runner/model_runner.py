@@ -65,6 +65,7 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         proposer: Proposer | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -72,7 +73,7 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
-            loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
+            loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype
         )
         self.attention = paged_backend(loaded.device, loaded.dtype)
         set_linear_method(
@@ -124,9 +125,12 @@ class ModelRunner:
             cache.kv_cache_memory,
             cache.gpu_memory_utilization,
             config.scheduler.max_num_seqs * max_model_len,
+            cache.kv_cache_dtype,
         )
         proposer = make_proposer(config.speculative, loaded, num_blocks, cache.block_size)
-        runner = cls(loaded, num_blocks, cache.block_size, config.seed, proposer)
+        runner = cls(
+            loaded, num_blocks, cache.block_size, config.seed, proposer, cache.kv_cache_dtype
+        )
         runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
         return runner
 

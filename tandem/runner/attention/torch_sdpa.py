@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.runner.attention.metadata import AttentionGroup, PagedAttentionMetadata
+from tandem.runner.kv_cache import dequantize_kv_rows, quantize_kv_rows
 
 
 def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -78,15 +79,17 @@ class TorchPagedAttention:
         return out
 
     def write_kv(self, k, v, k_blocks, v_blocks) -> None:
-        num_kv_heads, head_dim = k_blocks.shape[-2:]
+        num_kv_heads, width = k_blocks.shape[-2:]
         slots = self.metadata.slot_mapping
-        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        if k_blocks.dtype == torch.uint8:  # int8 rows with their scales (kv_cache.py)
+            k, v = quantize_kv_rows(k), quantize_kv_rows(v)
+        k_blocks.view(-1, num_kv_heads, width).index_copy_(0, slots, k)
+        v_blocks.view(-1, num_kv_heads, width).index_copy_(0, slots, v)
 
     def attend_group(
         self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float
     ) -> None:
-        num_kv_heads, head_dim = k_blocks.shape[-2:]
+        num_kv_heads, width = k_blocks.shape[-2:]
         k_rows = k_blocks.view(k_blocks.shape[0], -1)
         v_rows = v_blocks.view(v_blocks.shape[0], -1)
         num_seqs, num_q = group.query_index.shape
@@ -95,9 +98,11 @@ class TorchPagedAttention:
             shape = (len(blocks), k_rows.shape[1])
             self._workspaces[index] = (k_rows.new_empty(shape), v_rows.new_empty(shape))
         k_buffer, v_buffer = self._workspaces[index]
-        kv_shape = (num_seqs, -1, num_kv_heads, head_dim)
+        kv_shape = (num_seqs, -1, num_kv_heads, width)
         keys = torch.index_select(k_rows, 0, blocks, out=k_buffer).view(kv_shape)
         values = torch.index_select(v_rows, 0, blocks, out=v_buffer).view(kv_shape)
+        if k_blocks.dtype == torch.uint8:
+            keys, values = dequantize_kv_rows(keys, q.dtype), dequantize_kv_rows(values, q.dtype)
         queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
         if index not in self._masks:
             # The query heads sharing a KV head are stacked on the query axis, so the
