@@ -155,6 +155,25 @@ def test_weights_stay_quantized_in_memory(gguf_files):
     assert packed_parts(lm.model.lm_head)[0][1] is not embedding.packed
 
 
+@pytest.mark.parametrize("fmt, dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_half_precision_matrices_stay_two_bytes(gguf_files, fmt, dtype):
+    """F16 / BF16 matrices on a float32 model are not widened at load; the small-batch
+    kernel widens them in registers, so decoding equals the float32 path."""
+    path = gguf_files("llama", fmt)
+    lm = load_model(path)
+    layer = lm.model.model.layers[0].mlp.down_proj
+    assert layer.half_weight.dtype == dtype and layer.weight.numel() == 0
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kept = LLM(str(path)).generate(prompts, params, use_tqdm=False)
+    widened = LLM(str(path), quantization="none").generate(prompts, params, use_tqdm=False)
+    for a, b in zip(kept, widened, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for i, token in enumerate(a.token_ids):
+            assert abs(a.logprobs[i][token].logprob - b.logprobs[i][token].logprob) < 1e-4
+
+
 def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(gguf_files):
     path = gguf_files("llama", "F16")
     ours = load_model(path).tokenizer

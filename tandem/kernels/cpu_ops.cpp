@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <immintrin.h>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -374,11 +375,31 @@ template <> inline float load_f<at::BFloat16>(const at::BFloat16* p, int64_t i) 
   return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
 }
 
+// 16 consecutive weights as float32. float16 weights (a GGUF file's F16 matrices on a
+// float32 model) convert with F16C / AVX-512 instructions the compiler would not
+// pick for c10::Half's scalar conversion.
+template <typename TW> inline void load16(const TW* p, float* dst) {
+  for (int l = 0; l < 16; ++l) dst[l] = load_f(p, l);
+}
+#if defined(__AVX512F__)
+template <> inline void load16<at::Half>(const at::Half* p, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+#elif defined(__F16C__)
+template <> inline void load16<at::Half>(const at::Half* p, float* dst) {
+  const __m128i* v = reinterpret_cast<const __m128i*>(p);
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(v)));
+  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(v + 1)));
+}
+#endif
+
 constexpr int64_t kTile = 4;   // weight rows per tile
 constexpr int64_t kLanes = 16; // partial sums per row (vector width x unroll)
 
-template <typename T>
-void small_linear_impl(T* out, const T* x, const T* w, const T* bias, int64_t M, int64_t N,
+// T: activations, output and bias; TW: the weights (T, or narrower: float16 / bfloat16
+// weights of a float32 model).
+template <typename T, typename TW = T>
+void small_linear_impl(T* out, const T* x, const TW* w, const T* bias, int64_t M, int64_t N,
                        int64_t K, int64_t out_stride, int64_t x_stride) {
   const int64_t K_main = K - K % kLanes;
   // x in float32 once (it is tiny and read N / kTile times).
@@ -389,16 +410,23 @@ void small_linear_impl(T* out, const T* x, const T* w, const T* bias, int64_t M,
   at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kTile;
-      const T* w0 = w + n0 * K;
+      const TW* w0 = w + n0 * K;
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = xf.data() + m * K;
         // Four rows at once: each chunk of x is loaded once for four independent
         // accumulator sets (more loads in flight, fewer x loads per FMA).
         float acc[kTile][kLanes] = {};
         for (int64_t k = 0; k < K_main; k += kLanes)
-          for (int64_t r = 0; r < kTile; ++r)
-            for (int64_t l = 0; l < kLanes; ++l)
-              acc[r][l] += load_f(w0 + r * K, k + l) * xm[k + l];
+          for (int64_t r = 0; r < kTile; ++r) {
+            if constexpr (std::is_same_v<TW, at::Half>) {
+              float wv[kLanes];
+              load16(w0 + r * K + k, wv);
+              for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += wv[l] * xm[k + l];
+            } else {
+              for (int64_t l = 0; l < kLanes; ++l)
+                acc[r][l] += load_f(w0 + r * K, k + l) * xm[k + l];
+            }
+          }
         for (int64_t r = 0; r < kTile; ++r) {
           float sum = 0.f;
           for (int64_t l = 0; l < kLanes; ++l) sum += acc[r][l];
@@ -425,7 +453,19 @@ void small_linear_impl(T* out, const T* x, const T* w, const T* bias, int64_t M,
 void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight,
                   c10::optional<torch::Tensor> bias) {
   check_rows(out, "out"); check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  TORCH_CHECK(weight.is_contiguous());
+  if (weight.scalar_type() != x.scalar_type()) {  // float16 / bfloat16 weights, float32 x
+    TORCH_CHECK(x.scalar_type() == torch::kFloat, "narrow weights need float32 activations");
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    auto run = [&](auto* w) {
+      small_linear_impl(out.data_ptr<float>(), x.data_ptr<float>(), w, b, x.size(0),
+                        weight.size(0), weight.size(1), out.stride(0), x.stride(0));
+    };
+    if (weight.scalar_type() == torch::kHalf) run(weight.data_ptr<at::Half>());
+    else if (weight.scalar_type() == torch::kBFloat16) run(weight.data_ptr<at::BFloat16>());
+    else TORCH_CHECK(false, "small_linear: weights float32, bfloat16 or float16");
+    return;
+  }
   TANDEM_DISPATCH(x.scalar_type(), "small_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     small_linear_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),

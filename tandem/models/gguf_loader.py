@@ -4,7 +4,8 @@
          -> model built on meta from the config
          -> each Linear whose parts are all block-quantized: PackedWeight parts, float
             weight never allocated; the embedding: QuantizedEmbedding (the tied LM head
-            shares its PackedWeight)
+            shares its PackedWeight); a float32 model's F16 / BF16 matrices: kept at
+            2 bytes (``half_weight``)
          -> everything else (norms, biases, float-typed matrices) dequantized to
             ``dtype`` and copied as from safetensors
 
@@ -32,11 +33,12 @@ from tandem.models.quantized import (
     drop_float_weight,
     quantize_linear_layers,
     replace_module,
+    set_half_weight_part,
     set_packed_part,
 )
 from tandem.models.registry import model_class_for
 from tandem.models.tokenizer import Tokenizer
-from tandem.quant.blocks import dequantize
+from tandem.quant.blocks import GGMLType, dequantize
 from tandem.quant.packed import PackedWeight
 
 
@@ -77,6 +79,21 @@ def load_gguf(
         module_name, _, kind = param_name.rpartition(".")
         module = modules.get(module_name)
         quantizable = isinstance(module, (Linear, nn.Embedding)) and kind == "weight"
+        half = {t.type for _, t in parts} <= {GGMLType.F16, GGMLType.BF16}
+        if (
+            keep
+            and isinstance(module, Linear)
+            and kind == "weight"
+            and half
+            and dtype == torch.float32
+        ):
+            # F16 / BF16 matrices stay 2 bytes a weight (runner/linear/half_weights.py)
+            for part, tensor in parts:
+                start = module.shard_rows(part).start if isinstance(module, MergedLinear) else 0
+                set_half_weight_part(module, start, tensor.data)
+                loaded.add((param_name, part))
+            drop_float_weight(module)
+            continue
         if not (keep and quantizable and all(t.quantized for _, t in parts)):
             floats += [(t.name, _float(t, dtype), path.name) for _, t in parts]
             continue

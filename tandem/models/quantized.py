@@ -1,5 +1,7 @@
 """Where quantized weights sit in a model: on Linear layers and in the embedding.
 
+(And where float16 / bfloat16 matrices of a float32 model sit: ``half_weight``.)
+
 The loader puts a checkpoint's quantized matrices (GGUF blocks, or weights quantized
 on load) on the layers as ``PackedWeight`` parts, one per checkpoint tensor (q, k and
 v are three parts of the fused qkv layer, possibly in different formats), and frees
@@ -28,6 +30,14 @@ def set_packed_part(layer: Linear, row_start: int, weight: PackedWeight) -> None
 
 def packed_parts(layer: nn.Module) -> list[tuple[int, PackedWeight]]:
     return getattr(layer, "packed_parts", [])
+
+
+def set_half_weight_part(layer: Linear, row_start: int, weight: torch.Tensor) -> None:
+    """Rows [row_start, row_start + len(weight)) of ``layer``, kept in float16 /
+    bfloat16 (a GGUF file's F16 / BF16 matrices on a float32 model)."""
+    if getattr(layer, "half_weight", None) is None:
+        layer.half_weight = weight.new_empty(layer.out_features, layer.in_features)
+    layer.half_weight[row_start : row_start + weight.shape[0]] = weight
 
 
 def drop_float_weight(layer: Linear) -> None:

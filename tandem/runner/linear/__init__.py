@@ -4,6 +4,8 @@
                          batches (one pass over the weights), torch above that
     quantized.py         weights kept in llama.cpp's block formats (GGUF files,
                          quantize on load): the integer-dot kernel
+    half_weights.py      float16 / bfloat16 matrices of a float32 model (GGUF F16 /
+                         BF16), widened on the fly
 
 ``linear_method_for`` picks one per layer: quantized when the loader left the layer
 quantized parts, else by device and dtype. The default,
@@ -17,14 +19,18 @@ import torch
 from tandem.models.linear import TORCH_LINEAR, Linear, LinearMethod
 from tandem.models.quantized import packed_parts
 from tandem.runner.linear import cpu_small_batch
+from tandem.runner.linear.half_weights import HalfWeightLinearMethod
 from tandem.runner.linear.quantized import QuantizedLinearMethod
 
 QUANTIZED_LINEAR = QuantizedLinearMethod()
+HALF_WEIGHT_LINEAR = HalfWeightLinearMethod()
 
 
 def linear_method_for(layer: Linear, device: torch.device, dtype: torch.dtype) -> LinearMethod:
     if packed_parts(layer):
         return QUANTIZED_LINEAR
+    if getattr(layer, "half_weight", None) is not None:
+        return HALF_WEIGHT_LINEAR
     if cpu_small_batch.supported(device, dtype):
         return cpu_small_batch.CpuSmallBatchLinearMethod(dtype)
     return TORCH_LINEAR
