@@ -40,6 +40,7 @@ FUNCTIONS = [
     "small_linear",
     "argmax_rows",
     "quant_linear",
+    "quant_rows",
 ]
 
 

@@ -487,3 +487,48 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
     half ? quant::run<false, 16, true>(p, T) : quant::run<false, 16, false>(p, T);
   }
 }
+
+// out [n, K] float32 = rows ids[0..n) of a packed matrix, dequantized (an embedding
+// lookup): w = scale * q + constant, read straight from the tiled layout.
+void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torch::Tensor scales,
+                c10::optional<torch::Tensor> corr, int64_t group, double offset) {
+  using quant::kBlock;
+  using quant::kRows;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
+  TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: int64");
+  TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "packed tensors: contiguous");
+  const int64_t n = ids.size(0), K = out.size(1), groups = K / group;
+  const bool nibbles = values.scalar_type() == torch::kUInt8;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  const bool has_corr = corr.has_value() && corr->numel() > 0;
+  const int64_t tiles = values.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < tiles * kRows, "row id out of range");
+  const uint8_t* vals = static_cast<const uint8_t*>(values.data_ptr());
+  auto load = [&](const torch::Tensor& t, int64_t index) {
+    return half ? static_cast<float>(static_cast<const at::Half*>(t.data_ptr())[index])
+                : static_cast<const float*>(t.data_ptr())[index];
+  };
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t tile = id[i] / kRows, r = id[i] % kRows;
+      const uint8_t* tv = vals + tile * values.size(1);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t b = k / kBlock, j = k % kBlock;
+        int32_t q;
+        if (nibbles) {
+          const uint8_t byte = tv[(b * 4 + (j % 16) / 4) * 4 * kRows + r * 4 + j % 4];
+          q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+        } else {
+          q = static_cast<int8_t>(tv[(b * 8 + j / 4) * 4 * kRows + r * 4 + j % 4]);
+        }
+        const int64_t s = (tile * groups + k / group) * kRows + r;
+        const float scale = load(scales, s);
+        const float constant = has_corr ? load(*corr, s) : static_cast<float>(-offset) * scale;
+        dst[i * K + k] = scale * q + constant;
+      }
+    }
+  });
+}

@@ -131,7 +131,17 @@ class PackedWeight:
         return dequantize_decoded(self.decoded())[: self.rows]
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Selected rows dequantized (an embedding lookup): float32 [len(index), K]."""
+        """Selected rows dequantized (an embedding lookup): float32 [len(index), K];
+        the compiled kernel when it is there (one call), else torch."""
+        from tandem.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.available(index.device, torch.float32):
+            out = torch.empty(len(index), self.shape[1])
+            cpu_kernels.load().quant_rows(
+                out, index.contiguous(), self.values, self.scales, self.corr, self.group,
+                self.offset,
+            )  # fmt: skip
+            return out
         tiles, position = index // ROWS, index % ROWS
         unique, inverse = torch.unique(tiles, return_inverse=True)
         dense = dequantize_decoded(self.decoded(unique)).reshape(len(unique), ROWS, -1)
