@@ -19,6 +19,7 @@ llama.cpp: llama-bench (tg at depth 128, pp512) and llama-batched-bench (16 x 12
         && cmake --build build -j2 --target llama-bench llama-batched-bench llama-quantize
 
     python -m benchmarks.quantized_decode --llama-bin .../vendor/llama.cpp/build/bin
+    python -m benchmarks.quantized_decode --greedy   # tokens, against llama-cpp-python
 """
 
 from __future__ import annotations
@@ -119,6 +120,42 @@ def llama_cpp_figures(llama_bin: Path, path: Path, repeats: int) -> dict[str, fl
             "pp512": bench("-p", "512", "-n", "0")}  # fmt: skip
 
 
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Name three primary colors.",
+]
+
+
+def greedy_against_llama_cpp(path: Path, new_tokens: int = 12) -> None:
+    """Greedy tokens of both engines on chat prompts (llama-cpp-python's bindings of
+    the same llama.cpp): quantized activations are an approximation both make."""
+    from llama_cpp import Llama
+
+    theirs = Llama(str(path), n_threads=THREADS, verbose=False)
+    ours = LLM(str(path))
+    exact = LLM(str(path), quantization="none")
+    tokenizer = ours.get_tokenizer()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for question in QUESTIONS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": question}])
+        theirs.reset()
+        reference = []
+        for token in theirs.generate(ids, temp=0.0, top_k=1):
+            reference.append(token)
+            if len(reference) == new_tokens:
+                break
+        prompt = [{"prompt_token_ids": ids}]
+        mine = ours.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        dequantized = exact.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        pairs = zip(mine.token_ids, reference, strict=True)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        print(f"{question}\n  tandem:     {mine.text!r}\n  llama.cpp:  "
+              f"{tokenizer.decode(reference)!r}\n  dequantized weights (transformers' path): "
+              f"{dequantized.text!r}\n  first difference tandem / llama.cpp: "
+              f"{'none' if same is None else f'token {same}'}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -129,7 +166,15 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--files", nargs="*", help="only these (names as printed)")
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="instead: greedy tokens of tandem and llama-cpp-python on SmolLM2's file",
+    )
     args = parser.parse_args()
+    if args.greedy:
+        greedy_against_llama_cpp(Path(resolve_model("smollm2-135m-instruct")))
+        return
     torch.set_num_threads(THREADS)
     files = prepare_files(args.llama_bin)
     bandwidth = memory_bandwidth_gbs()

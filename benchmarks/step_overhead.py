@@ -86,6 +86,7 @@ def measure(
     timer = ForwardTimer(model)
     steps: list[tuple[float, float]] = []
     matmul = num_ops = None
+    kernels: dict[str, float] = {}
     try:
         while engine.has_unfinished_requests():
             timer.seconds.clear()
@@ -97,6 +98,7 @@ def measure(
             if matmul is None and len(steps) == new_tokens // 2:  # (steps not timed)
                 matmul = matmul_seconds(engine, model)
                 num_ops = count_ops(engine)
+                kernels = kernel_seconds(engine)
     finally:
         timer.remove()
     decode = steps[-(new_tokens - 2) :]  # after every prompt has run
@@ -104,7 +106,7 @@ def measure(
     forward = statistics.median(f for _, f, _ in decode)
     faults = statistics.fmean(n for _, _, n in decode)  # bursty: a mean, not a median
     return {"step": step, "forward": forward, "host": step - forward, "matmul": matmul,
-            "num_ops": num_ops, "faults": faults}  # fmt: skip
+            "num_ops": num_ops, "faults": faults, "kernels": kernels}  # fmt: skip
 
 
 def minor_faults() -> int:
@@ -150,6 +152,42 @@ def matmul_seconds(engine, model: torch.nn.Module, num_steps: int = 3) -> float:
     return spent[0] / num_steps
 
 
+def kernel_seconds(engine, num_steps: int = 5) -> dict[str, float]:
+    """Seconds per step inside each compiled kernel (tandem/kernels/), over
+    ``num_steps``: every call through the module is timed (the module is swapped for
+    a timing proxy, then put back). What is neither kernel time nor host time is
+    Python and torch dispatch between the kernels."""
+    from collections import defaultdict
+
+    from tandem.kernels import cpu as cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        return {}
+    spent: dict[str, float] = defaultdict(float)
+
+    class Timed:
+        def __getattr__(self, name):
+            inner = getattr(module, name)
+
+            def call(*args):
+                start = time.perf_counter()
+                out = inner(*args)
+                spent[name] += time.perf_counter() - start
+                return out
+
+            return call
+
+    original = cpu_kernels.load
+    cpu_kernels.load = lambda: Timed()
+    try:
+        for _ in range(num_steps):
+            engine.step()
+    finally:
+        cpu_kernels.load = original
+    return {name: seconds / num_steps for name, seconds in spent.items()}
+
+
 def count_ops(engine) -> int:
     """aten ops dispatched in one step (under the torch profiler; tandem's compiled
     kernels are single calls it does not count)."""
@@ -174,6 +212,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="(the bundled model's own: 1.3)"
+    )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also split the forward into each compiled kernel's time and the rest",
     )
     parser.add_argument(
         "--transformers",
@@ -210,6 +253,16 @@ def main() -> None:
                 f"{r['host'] * 1e3:>8.2f}{matmul * 1e3:>9.2f}"
                 f"{(r['forward'] - matmul) * 1e3:>8.2f}{r['num_ops']:>10.0f}{r['faults']:>8.0f}"
             )
+            if args.kernels and r["kernels"]:
+                inside = sum(r["kernels"].values())
+                parts = ", ".join(
+                    f"{k} {v * 1e3:.2f}"
+                    for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1])
+                )
+                print(
+                    f"{'':<15}{'':>6}  compiled kernels {inside * 1e3:.2f} ms ({parts}); "
+                    f"between them {(r['forward'] - inside) * 1e3:.2f} ms"
+                )
             if hf_model is not None:
                 hf = transformers_step_seconds(hf_model, batch, args.prompt_len, args.new_tokens)
                 print(f"{'  transformers':<15}{batch:>6}{hf * 1e3:>9.2f}")

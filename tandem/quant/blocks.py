@@ -150,6 +150,11 @@ def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
     """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales."""
     rows = raw.shape[0]
     per_block, nbytes = BLOCK[code]
+    if columns % per_block or raw.shape[-1] != columns // per_block * nbytes:
+        raise ModelLoadError(
+            f"{code.name} rows of {columns} weights: not whole blocks of {per_block}, or "
+            f"not {columns // per_block * nbytes} bytes"
+        )
     blocks = raw.reshape(rows, columns // per_block, nbytes)
 
     def flat(t: torch.Tensor) -> torch.Tensor:
