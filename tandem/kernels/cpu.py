@@ -9,6 +9,9 @@ the small-batch float linear layer and greedy argmax.
 quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
 integer dot products (tandem/quant/).
 
+decode_layer.cpp: a whole Llama-family decoder layer for decode tokens, the calls
+above made from C++ (runner/fused_decode.py decides when).
+
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
 ``-march=native``. If building fails (no compiler), or TANDEM_CPU_KERNELS=0, ``load``
@@ -30,7 +33,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("quant_ops.cpp")]
+# One translation unit, in this order: decode_layer.cpp calls the other two.
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "quant_ops.cpp", "decode_layer.cpp")
+]
 FUNCTIONS = [
     "rms_norm",
     "rotary",
@@ -41,6 +47,7 @@ FUNCTIONS = [
     "argmax_rows",
     "quant_linear",
     "quant_rows",
+    "llama_decode_layer",
 ]
 
 

@@ -135,7 +135,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block over the residual stream: takes the previous block's output
         ``h`` and the stream before it (None for the first block), returns this block's
-        output and the stream; each norm adds its input to the stream first."""
+        output and the stream; each norm adds its input to the stream first. The
+        attention backend may run the whole block in one call (``decode_layer``)."""
+        fused = getattr(attn, "decode_layer", None)
+        if fused is not None:
+            out = fused(self, h, residual, rope)
+            if out is not None:
+                return out
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:

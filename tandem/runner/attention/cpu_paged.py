@@ -10,18 +10,30 @@ for the two things every decode step does in every layer.
 
 Prompt chunks still go through the torch backend's gather + SDPA: they are compute-
 bound and SDPA's batched matmuls are the fast path for them.
+
+A step of decodes only also offers ``decode_layer``: whole Llama layers in one call
+(runner/fused_decode.py; TANDEM_FUSED_DECODE=0 turns it off, for comparisons).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.runner.attention.metadata import AttentionGroup
 from tandem.runner.attention.torch_sdpa import TorchPagedAttention
+from tandem.runner.fused_decode import FusedDecode
 
 
 class CpuPagedAttention(TorchPagedAttention):
+    def __init__(self, metadata, kv_cache: torch.Tensor) -> None:
+        super().__init__(metadata, kv_cache)
+        # A decode-only step: whole layers in one compiled call (runner/fused_decode.py).
+        if FusedDecode.applies(self) and os.environ.get("TANDEM_FUSED_DECODE", "1") != "0":
+            self.decode_layer = FusedDecode(self)
+
     def write_kv(self, k, v, k_blocks, v_blocks) -> None:
         cpu_kernels.load().write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)
 

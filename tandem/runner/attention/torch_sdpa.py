@@ -50,6 +50,10 @@ def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=Non
 class TorchPagedAttention:
     """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D] (see kv_cache.py)."""
 
+    # A callable running a whole decoder layer, when the backend has one for this step
+    # (cpu_paged.py); models ask for it and otherwise run their layers themselves.
+    decode_layer = None
+
     def __init__(self, metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> None:
         self.metadata = metadata
         self.kv_cache = kv_cache
