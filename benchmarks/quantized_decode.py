@@ -82,8 +82,8 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
     return files
 
 
-def tandem_figures(path: Path, repeats: int) -> dict[str, float]:
-    llm = LLM(str(path), max_num_seqs=16, max_num_batched_tokens=2048)
+def tandem_figures(path: Path, repeats: int, quantization: str = "auto") -> dict[str, float]:
+    llm = LLM(str(path), max_num_seqs=16, max_num_batched_tokens=2048, quantization=quantization)
     vocab = llm.engine.runner.model.config.vocab_size
     tandem_step_seconds(llm, 1, 128, 128)  # warm-up, as llama-bench does one
     b1 = statistics.median(tandem_step_seconds(llm, 1, 128, 128) for _ in range(repeats))
@@ -167,6 +167,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--files", nargs="*", help="only these (names as printed)")
     parser.add_argument(
+        "--quantization",
+        default="auto",
+        help="tandem's --quantization (none: the weights dequantized to float32 at load, "
+        "torch's matmuls: the dequantize-then-matmul path, for comparison)",
+    )
+    parser.add_argument(
         "--greedy",
         action="store_true",
         help="instead: greedy tokens of tandem and llama-cpp-python on SmolLM2's file",
@@ -189,7 +195,7 @@ def main() -> None:
             continue
         nbytes = step_bytes(path)
         floor = bandwidth * 1e9 / nbytes  # decode steps per second the bandwidth allows
-        rows = [("tandem", tandem_figures(path, args.repeats))]
+        rows = [("tandem", tandem_figures(path, args.repeats, args.quantization))]
         if args.llama_bin is not None:
             rows.append(("llama.cpp", llama_cpp_figures(args.llama_bin, path, args.repeats)))
         for engine, f in rows:

@@ -2,11 +2,14 @@
 
 Any GGML format decodes (blocks.py) to ``w = scale * (q - offset) + min`` per group;
 packing keeps ``q`` as it is stored, at 4 bits (two a byte, for Q4_0 / Q4_1 / Q4_K)
-or 8 (everything else), and folds the constants into ``corr = min - offset * scale``,
-so one kernel (tandem/kernels/quant_ops.cpp) serves every format. Scales are kept in
-float32: Q4_K's and Q6_K's products of a float16 and a 6- or 8-bit scale do not fit
-a float16 exactly. That costs bytes over the file (Q4_1: 6 bits a weight against 5;
-Q8_0: 9 against 8.5), which ``nbytes`` reports.
+or 8 (everything else: Q5's 5-bit values take a byte), and keeps the constants as
+``corr = min - offset * scale`` (Q4_1, Q5_1, the K formats) or, when there is only
+an offset (Q4_0, Q5_0), not at all: the kernel computes ``-offset * scale``. So one
+kernel (tandem/kernels/quant_ops.cpp) serves every format. Scales (and constants)
+are float16 where every one of them is exactly a float16, as in the Q4/Q5/Q8 files,
+so those take the file's own bytes; the K formats' products of a float16 and a 6- or
+8-bit sub-scale are not, and stay float32 (Q4_K: 6 bits a weight against the file's
+4.5). ``nbytes`` reports what is held.
 
 ``reference`` is the exact math the kernel must reproduce: the activations quantized
 to int8 per block of 32 as the kernel does, times the dequantized weights, in float64.
@@ -21,8 +24,6 @@ import torch
 from tandem.quant.blocks import Decoded, GGMLType, decode, dequantize_decoded
 
 BLOCK = 32
-
-
 ROWS = 16  # rows per tile (the kernel's layout)
 
 
