@@ -301,8 +301,10 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
     assert run(speculative_config=spec) == plain
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q4_1"])
-def test_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, fmt):
+@pytest.mark.parametrize(
+    "fmt, kv_cache_dtype", [("Q4_K", "auto"), ("Q8_0", "auto"), ("Q4_1", "auto"), ("Q4_1", "int8")]
+)
+def test_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, fmt, kv_cache_dtype):
     """Decode-only steps run each layer in one compiled call (runner/fused_decode.py):
     the same kernels in the same order, so tokens and logprobs are bit for bit the
     layer-by-layer path's, batched and alone."""
@@ -312,7 +314,7 @@ def test_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, fmt):
 
     def run(flag: str):
         monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
-        llm = LLM(path, max_num_seqs=4)
+        llm = LLM(path, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         layer = llm.engine.runner.model.model.layers[0]
         used = getattr(layer, "_fused_decode", None) is not None

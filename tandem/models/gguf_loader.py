@@ -79,12 +79,14 @@ def load_gguf(
         module_name, _, kind = param_name.rpartition(".")
         module = modules.get(module_name)
         quantizable = isinstance(module, (Linear, nn.Embedding)) and kind == "weight"
-        half = {t.type for _, t in parts} <= {GGMLType.F16, GGMLType.BF16}
+        types = {t.type for _, t in parts}
+        # One float16 or bfloat16 type for all parts: kept at 2 bytes (no conversion).
+        half = len(types) == 1 and types <= {GGMLType.F16, GGMLType.BF16}
         if (
             keep
+            and half
             and isinstance(module, Linear)
             and kind == "weight"
-            and half
             and dtype == torch.float32
         ):
             # F16 / BF16 matrices stay 2 bytes a weight (runner/linear/half_weights.py)
