@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 
 from tandem.errors import InvalidParameterError
@@ -51,6 +52,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        # NaN passes every comparison below as False and Infinity poisons the logits:
+        # every float setting must be a finite number first.
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -77,6 +84,11 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        # A generator takes a 64-bit seed; sample i of n uses seed + i.
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise bad(
+                "seed", f"must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] for n = {self.n}"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", "must be non-empty strings")
@@ -94,6 +106,12 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
 
+
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 # generation_config.json keys that set a model's recommended sampling, and the
 # SamplingParams field each one fills (the keys vLLM reads for the same purpose).

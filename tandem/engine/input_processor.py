@@ -112,6 +112,10 @@ class InputProcessor:
         vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab})")
+        # They index the logits (banned below min_tokens): one out of range would fail
+        # the whole batch's sampling step, not just this request.
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise InvalidParameterError("stop_token_ids", f"token ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

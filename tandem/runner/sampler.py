@@ -102,9 +102,11 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         [r.params.temperature or 1.0 for r in rows], dtype=torch.float32, device=device
     )
     logits = logits / temperature[:, None]
+    # Clamped in Python: a client's top_k may not fit an int64 (2^63 did).
     top_k = torch.tensor(
-        [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
-    ).clamp_(max=vocab)
+        [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
+        device=device,
+    )
     top_p = _column(rows, "top_p", device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]
