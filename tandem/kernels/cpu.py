@@ -14,19 +14,24 @@ above made from C++ (runner/fused_decode.py decides when).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
-``-march=native``. If building fails (no compiler), or TANDEM_CPU_KERNELS=0, ``load``
+``-march=native``, and on the install (torch version, environment prefix). A build
+lock left by a killed process is detected (its pid is gone) and removed; a live
+builder is waited for at most TANDEM_KERNEL_BUILD_WAIT seconds (600), then torch ops
+are used; both say so on stderr. If building fails (no compiler), or TANDEM_CPU_KERNELS=0, ``load``
 returns None and every caller falls back to torch ops; the tests check both paths
 against each other and against transformers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,31 +71,107 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode() + sources).hexdigest()[:10]
 
 
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built: under torch's extensions folder (TORCH_EXTENSIONS_DIR),
+    one folder per install. Two environments on one machine embed different torch
+    paths in the build, so a shared folder made each rebuild the other's module."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    base = Path(_get_build_directory(name, verbose=False)).parent
+    install = hashlib.sha1(f"{torch.__version__}|{sys.prefix}".encode()).hexdigest()[:8]
+    return base / f"{name}_{install}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's, and running
+    return True
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, wait_s: float):
+    """Held around torch's build (which takes its own ``lock`` file and waits forever
+    on a lock its holder left when it was killed). Ours records the holder's pid: a
+    lock whose process is gone is stale and removed, a live one is waited for at most
+    ``wait_s`` seconds (TimeoutError: the caller falls back to torch ops). Holding
+    ours, any ``lock`` of torch's in the folder is a dead builder's and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tandem.lock"
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = int(path.read_text() or "0")
+                age = time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                continue  # released between our two looks
+            except (OSError, ValueError):
+                holder, age = 0, 0.0
+            # No pid yet: being created (wait) or its creator died at once (old).
+            stale = not _alive(holder) if holder else age > 10
+            if stale:
+                print(f"tandem: removing a stale kernel-build lock (pid {holder} is gone)",
+                      file=sys.stderr)  # fmt: skip
+                path.unlink(missing_ok=True)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"another process (pid {holder}) has been building the CPU kernels in "
+                    f"{directory} for over {wait_s:.0f} s"
+                ) from None
+            if not announced:
+                print(f"tandem: waiting for process {holder} to finish building the CPU "
+                      "kernels", file=sys.stderr)  # fmt: skip
+                announced = True
+            time.sleep(0.2)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(str(os.getpid()))
+        break
+    try:
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
 @functools.cache
 def load():
     """The compiled module, or None when it cannot (or should not) be built."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load_inline
+        from torch.utils.cpp_extension import load_inline
 
         name = f"tandem_cpu_ops_{_cpu_tag()}"
-        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file():
-            print(
-                "tandem: compiling the CPU kernels (first use only, about a minute; "
-                "TANDEM_CPU_KERNELS=0 skips them)",
-                file=sys.stderr,
+        directory = build_directory(name)
+        wait_s = float(os.environ.get("TANDEM_KERNEL_BUILD_WAIT", "600"))
+        with build_lock(directory, wait_s):
+            if not any(directory.glob(f"{name}*.so")):
+                print(
+                    "tandem: compiling the CPU kernels (first use only, about a minute; "
+                    "TANDEM_CPU_KERNELS=0 skips them)",
+                    file=sys.stderr,
+                )
+            return load_inline(
+                name=name,
+                cpp_sources=[path.read_text() for path in SOURCES],
+                functions=FUNCTIONS,
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
             )
-        return load_inline(
-            name=name,
-            cpp_sources=[path.read_text() for path in SOURCES],
-            functions=FUNCTIONS,
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, no headers: the torch path works
+    except Exception as exc:  # no compiler, no ninja, no headers, a stuck build: torch ops
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
+        print(f"tandem: CPU kernels unavailable, using torch ops ({exc})", file=sys.stderr)
         return None
 
 

@@ -1,0 +1,69 @@
+"""Building the CPU kernels never hangs: a build lock left by a killed process is
+removed, a live builder is waited for only so long, and then torch ops are used.
+
+The reproducer (issue 15): a process killed while compiling left torch's ``lock`` in
+the shared build folder and every later tandem process waited on it forever."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tandem.kernels import cpu
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_dead_builders_locks_are_removed(tmp_path, capsys):
+    (tmp_path / "lock").write_text("")  # torch's, left by the killed build
+    (tmp_path / "tandem.lock").write_text(str(dead_pid()))
+    start = time.monotonic()
+    with cpu.build_lock(tmp_path, wait_s=30):
+        assert not (tmp_path / "lock").exists()
+        assert (tmp_path / "tandem.lock").read_text() == str(__import__("os").getpid())
+    assert time.monotonic() - start < 5
+    assert not (tmp_path / "tandem.lock").exists()
+    assert "stale kernel-build lock" in capsys.readouterr().err
+
+
+def test_a_live_builder_is_waited_for_only_so_long(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "tandem.lock").write_text(str(holder.pid))
+        start = time.monotonic()
+        with (
+            pytest.raises(TimeoutError, match="building the CPU kernels"),
+            cpu.build_lock(tmp_path, wait_s=0.5),
+        ):
+            pass
+        assert time.monotonic() - start < 5
+        assert "waiting for process" in capsys.readouterr().err
+        assert (tmp_path / "tandem.lock").exists()  # the live holder's, untouched
+    finally:
+        holder.kill()
+
+
+def test_a_build_that_cannot_finish_falls_back_to_torch_ops(monkeypatch, capsys):
+    def stuck(directory, wait_s):
+        raise TimeoutError("another process has been building for too long")
+
+    monkeypatch.setattr(cpu, "build_lock", stuck)
+    cpu.load.cache_clear()
+    try:
+        assert cpu.load() is None
+        assert "using torch ops" in capsys.readouterr().err
+    finally:
+        cpu.load.cache_clear()
+
+
+def test_each_install_builds_in_its_own_folder(monkeypatch):
+    first = cpu.build_directory("tandem_cpu_ops_x")
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    assert cpu.build_directory("tandem_cpu_ops_x") != first
