@@ -197,6 +197,12 @@ def test_unknown_fields_are_ignored(server):
 # -- errors -----------------------------------------------------------------------------
 
 
+def post_json(url: str, body: dict) -> httpx.Response:
+    """POST ``body`` as JSON text with ASCII escapes, as any client may send it: a lone
+    surrogate travels as "\\ud800" (httpx's json= cannot encode one)."""
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -209,12 +215,15 @@ def test_unknown_fields_are_ignored(server):
         ({"prompt": "word " * 600}, "prompt"),
         ({"prompt": [10**6]}, "prompt"),
         ({"prompt": None}, "prompt"),
+        ({"prompt": "bad \ud800 text"}, "prompt"),  # a lone surrogate
+        ({"temperature": "NaN"}, "temperature"),
+        ({"top_p": "Infinity"}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(server, body, param):
-    response = httpx.post(
-        f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}
-    )
+    response = post_json(f"{server}/v1/completions", {"model": MODEL, "prompt": PROMPT, **body})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
@@ -235,6 +244,25 @@ def test_malformed_json_and_chat_errors_are_400(server):
     }
     response = httpx.post(f"{server}/v1/chat/completions", json=no_logprobs)
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),  # a value, not "unset"
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"eos_token": "x"}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "a \ud800"}]}, "messages[0].content"),
+    ],
+)
+def test_bad_chat_requests_are_400_naming_the_field(server, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = post_json(f"{server}/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
 
 
 def test_unknown_model_is_404(client):
@@ -258,6 +286,7 @@ def test_queue_limit_is_503_and_disconnects_free_the_cache(one_seat_server):
                 refused = http.post("/v1/completions", json={**body, "stream": False})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "queue_full"
+                assert refused.headers["retry-after"] == "1"
                 assert metric(server, "kv_cache_usage_perc") > 0
             # The waiting client hung up: its request leaves the queue.
             wait_for(lambda: metric(server, "num_requests_waiting") == 0)
@@ -289,6 +318,9 @@ def test_api_key_is_required_when_set(folder):
             response = httpx.get(f"{base_url}/v1/models", headers=headers)
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_api_key"
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+            headers = {"Authorization": f"{scheme} s3cret"}
+            assert httpx.get(f"{base_url}/v1/models", headers=headers).status_code == 200
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="s3cret", max_retries=0)
         assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
         assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key

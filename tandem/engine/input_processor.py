@@ -98,6 +98,12 @@ class InputProcessor:
                 raise InvalidParameterError(
                     "prompt", "this model has no tokenizer; pass prompt_token_ids"
                 )
+            try:  # JSON can carry a lone surrogate ("\ud800"), which no tokenizer encodes
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidParameterError(
+                    "prompt", "is not valid Unicode (a lone surrogate)"
+                ) from None
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

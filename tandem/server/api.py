@@ -57,12 +57,12 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(TandemError)
     async def tandem_error(_: Request, exc: TandemError):
         error = as_api_error(exc)
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
@@ -82,8 +82,12 @@ def build_app(
     async def check_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        # The scheme is case-insensitive (RFC 7235): "bearer", "Bearer", "BEARER".
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        valid = scheme.lower() == "bearer" and secrets.compare_digest(
+            given.strip().encode(), api_key.encode()
+        )
+        if not valid:
             raise APIError(
                 401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
             )

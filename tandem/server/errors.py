@@ -19,6 +19,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
 
+    def headers(self) -> dict[str, str] | None:
+        """A full queue tells the client when to come back."""
+        return {"Retry-After": "1"} if self.code == "queue_full" else None
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {

@@ -105,6 +105,20 @@ class CompletionRequest(_Sampling):
         return self._sampling_params(defaults, self.max_tokens, self.logprobs)
 
 
+# Template variables the server passes itself (the conversation, the special tokens).
+RESERVED_TEMPLATE_VARIABLES = {
+    "messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
+}  # fmt: skip
+
+
+def require_unicode(text: str, param: str) -> None:
+    """JSON may carry a lone surrogate (\\ud800); no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidParameterError(param, "is not valid Unicode (a lone surrogate)") from None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -117,7 +131,20 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:  # 0 is a value, not "unset"
+            if self.max_completion_tokens < 1:
+                raise InvalidParameterError(
+                    "max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}"
+                )
+            max_tokens = self.max_completion_tokens
+        if self.chat_template_kwargs:
+            reserved = RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs)
+            if reserved:
+                raise InvalidParameterError(
+                    "chat_template_kwargs",
+                    f"may not set {', '.join(sorted(reserved))} (the server sets them)",
+                )
         return self._sampling_params(defaults, max_tokens, logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
@@ -137,6 +164,12 @@ class ChatCompletionRequest(_Sampling):
                         )
                     texts.append(str(part.get("text", "")))
                 content = "".join(texts)
+            if not isinstance(content, str):
+                raise InvalidParameterError(
+                    f"messages[{index}].content",
+                    f"must be a string or a list of text parts, got {type(content).__name__}",
+                )
+            require_unicode(content, f"messages[{index}].content")
             messages.append({**message, "content": content})
         return messages
 
