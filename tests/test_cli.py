@@ -43,6 +43,8 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         (["--model", str(folder), "hi", "--scheduling-policy", "nope"], "scheduling_policy"),
         # a speculative setting without a method is an error, not silently dropped
         (["--model", str(folder), "hi", "--num-speculative-tokens", "3"], "--speculative-method"),
+        (["--model", str(folder), "hi", "--device", "tpu"], "device 'tpu' is not supported"),
+        (["--model", str(folder), "hi", "--threads", "-1"], "--threads"),
     ]
     for args, message in cases:
         result = run_cli("generate", *args)

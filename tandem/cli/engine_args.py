@@ -133,6 +133,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def apply_threads(args: argparse.Namespace) -> None:
+    if args.threads < 0:
+        raise InvalidParameterError(
+            "--threads", f"must be >= 0 (0: torch's default), got {args.threads}"
+        )
     if args.threads:
         import torch
 

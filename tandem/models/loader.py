@@ -85,7 +85,10 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig, type]:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"device {device!r} is not supported (use cpu or cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU")
     if device.type not in ("cpu", "cuda"):
