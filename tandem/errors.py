@@ -17,3 +17,12 @@ class InvalidParameterError(TandemError, ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+def require_unicode(text: str, param: str) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer encodes: refuse it
+    as a bad ``param`` (a 400), where it would otherwise fail inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidParameterError(param, "is not valid Unicode (a lone surrogate)") from None

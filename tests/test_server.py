@@ -265,6 +265,15 @@ def test_bad_chat_requests_are_400_naming_the_field(server, extra, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_tokenize_refuses_a_lone_surrogate(server):
+    for body, param in (
+        ({"prompt": "a \ud800"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "a \ud800"}]}, "messages[0].content"),
+    ):
+        response = post_json(f"{server}/tokenize", {"model": MODEL, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.kv_connector import KVTransferParams
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, require_unicode
 from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,12 +98,7 @@ class InputProcessor:
                 raise InvalidParameterError(
                     "prompt", "this model has no tokenizer; pass prompt_token_ids"
                 )
-            try:  # JSON can carry a lone surrogate ("\ud800"), which no tokenizer encodes
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidParameterError(
-                    "prompt", "is not valid Unicode (a lone surrogate)"
-                ) from None
+            require_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

@@ -19,7 +19,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from tandem.errors import InvalidParameterError, TandemError
+from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.errors import APIError, as_api_error
@@ -151,6 +151,11 @@ def build_app(
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
+        for index, message in enumerate(body.messages or ()):
+            if isinstance(message.get("content"), str):
+                require_unicode(message["content"], f"messages[{index}].content")
+        if body.prompt is not None:
+            require_unicode(body.prompt, "prompt")
         if body.messages is not None:
             tokens = need_tokenizer("messages").encode_chat(
                 body.messages, add_generation_prompt=body.add_generation_prompt

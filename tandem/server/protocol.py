@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, require_unicode
 from tandem.sampling import SamplingParams
 
 
@@ -109,14 +109,6 @@ class CompletionRequest(_Sampling):
 RESERVED_TEMPLATE_VARIABLES = {
     "messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
 }  # fmt: skip
-
-
-def require_unicode(text: str, param: str) -> None:
-    """JSON may carry a lone surrogate (\\ud800); no tokenizer can encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidParameterError(param, "is not valid Unicode (a lone surrogate)") from None
 
 
 class ChatCompletionRequest(_Sampling):
