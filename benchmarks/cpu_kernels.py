@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import SMOLLM2_SHAPE, machine
 from tandem.kernels import cpu as cpu_kernels
+from tandem.plan.measure import median_time
 
 
 def layer_shapes() -> list[tuple[int, int]]:
@@ -28,16 +27,6 @@ def layer_shapes() -> list[tuple[int, int]]:
     qkv = hidden + 2 * SMOLLM2_SHAPE["num_key_value_heads"] * head_dim
     layer = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     return layer * SMOLLM2_SHAPE["num_hidden_layers"] + [(SMOLLM2_SHAPE["vocab_size"], hidden)]
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _run_torch(calls) -> None:
@@ -70,16 +59,16 @@ def main() -> None:
             calls = [(w, inputs[w.shape[1]], outs[w.shape[0]]) for w in weights]
             with_torch = functools.partial(_run_torch, calls)
             with_kernel = functools.partial(_run_kernel, kernels, calls)
-            ours = median_seconds(with_kernel, args.repeats)
-            theirs = median_seconds(with_torch, args.repeats)
+            ours = median_time(with_kernel, args.repeats, warmup=1)
+            theirs = median_time(with_torch, args.repeats, warmup=1)
             print(
                 f"{str(dtype).removeprefix('torch.'):<10}{rows:>5}{theirs * 1e3:>10.1f}"
                 f"{total / theirs / 1e9:>7.1f}{ours * 1e3:>11.1f}{total / ours / 1e9:>7.1f}"
             )
     logits = torch.randn(64, SMOLLM2_SHAPE["vocab_size"])
     out = torch.empty(64, dtype=torch.long)
-    theirs = median_seconds(lambda: logits.argmax(dim=-1), 50)
-    ours = median_seconds(lambda: kernels.argmax_rows(out, logits), 50)
+    theirs = median_time(lambda: logits.argmax(dim=-1), 50, warmup=1)
+    ours = median_time(lambda: kernels.argmax_rows(out, logits), 50, warmup=1)
     print(f"\nargmax over [64, {logits.shape[1]}]: torch {theirs * 1e3:.2f} ms, "
           f"kernel {ours * 1e3:.2f} ms")  # fmt: skip
 

@@ -13,14 +13,12 @@ compare it with the machine's read bandwidth (printed). Medians of 25 passes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from benchmarks.common import machine
-from tandem.plan.measure import memory_bandwidth_gbs
+from tandem.plan.measure import median_time, memory_bandwidth_gbs
 from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.packed import PackedWeight
 
@@ -47,13 +45,7 @@ def median_pass_seconds(layers: list[list[PackedWeight]], tokens: int) -> float:
             for packed, (_, k), out in zip(layer, SHAPES, outs, strict=True):
                 packed.matmul(inputs[k], out)
 
-    one_pass()
-    times = []
-    for _ in range(25):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(one_pass, 25, warmup=1)
 
 
 def main() -> None:

@@ -153,7 +153,11 @@ class GGUFCheckpoint:
             "hidden_size": hidden,
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": self._arch("attention.head_count_kv") or heads,
+            "num_key_value_heads": (
+                heads
+                if self._arch("attention.head_count_kv") is None
+                else self._required("attention.head_count_kv")
+            ),
             "head_dim": self._arch("attention.key_length") or hidden // heads,
             "intermediate_size": self._required("feed_forward_length"),
             "max_position_embeddings": self._arch("context_length", 2048),
@@ -166,8 +170,6 @@ class GGUFCheckpoint:
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
             "sliding_window": self._arch("attention.sliding_window"),
         }
-        if isinstance(config["num_key_value_heads"], list):
-            config["num_key_value_heads"] = self._required("attention.head_count_kv")
         rotary = self._arch("rope.dimension_count")
         if rotary is not None and rotary != config["head_dim"]:
             config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -183,7 +185,12 @@ class GGUFCheckpoint:
         return config
 
     def tensors(self) -> Iterator[GGUFTensor]:
-        config = None
+        if self.architecture in PERMUTED_QK:
+            config = self.hf_config()
+            heads = {
+                "attn_q": config["num_attention_heads"],
+                "attn_k": config["num_key_value_heads"],
+            }
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name)
             if name is None:
@@ -195,11 +202,9 @@ class GGUFCheckpoint:
                 data = data.view(FLOAT_TYPES[code]).reshape(shape)
             else:
                 data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
-            if self.architecture in PERMUTED_QK and re.search(r"\.attn_[qk]\.", tensor.name):
-                config = config or self.hf_config()
-                kv = ".attn_k." in tensor.name
-                heads = config["num_key_value_heads" if kv else "num_attention_heads"]
-                data = _unpermute_rows(data, heads)
+            part = tensor.name.split(".")[-2]
+            if self.architecture in PERMUTED_QK and part in ("attn_q", "attn_k"):
+                data = _unpermute_rows(data, heads[part])
             yield GGUFTensor(name, tensor.name, code, shape, data)
 
 

@@ -21,7 +21,10 @@ from tandem.runner.static_batch import stream_with_cache
 TORCH_DTYPES = {e.short: e.torch for e in DTYPES.values() if e.torch is not None}
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median seconds of ``repeats`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
