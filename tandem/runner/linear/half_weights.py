@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.linear import Linear
 
-MAX_ROWS = 32  # tokens up to which streaming beats widening the matrix per call (16 did)
+# Tokens up to which streaming the 2-byte weights beats widening them per call for
+# torch: at 16 (125M Llama F16, 2-core EPYC) 88 ms a step against 133.
+MAX_ROWS = 32
 
 
 class HalfWeightLinearMethod:
