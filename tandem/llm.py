@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 
 Conversation = list[dict[str, Any]]
+logger = logging.getLogger("tandem")
 
 
 class LLM:
@@ -63,7 +65,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is validated before any is
-        queued, so one bad prompt fails the call without leaving work behind."""
+        queued, so one bad prompt fails the call without leaving work behind. A request
+        that fails inside the engine fails alone: its output has ``error`` (and the
+        finish reason "error"), the others complete."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -146,6 +150,8 @@ class LLM:
             while pending:
                 for output in self.engine.step():
                     if output.finished and output.request_id in pending:
+                        if output.error is not None:
+                            logger.warning("request %s failed: %s", output.request_id, output.error)
                         pending.discard(output.request_id)
                         finished[output.request_id] = output
                         output_tokens += sum(len(c.token_ids) for c in output.outputs)

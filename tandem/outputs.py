@@ -61,7 +61,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -83,3 +83,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # of the first sample (all share one arrival)
     # Disaggregated prefill: where the prompt's K/V wait for a decode instance.
     kv_transfer_params: dict | None = None
+    # Set when the request failed alone (its samples finish with "error"; what they
+    # had generated is dropped); the other requests of the step are unaffected.
+    error: str | None = None

@@ -62,7 +62,9 @@ class Engine:
         self.input_processor = InputProcessor(
             info.tokenizer, info.vocab_size, info.max_model_len, info.block_size, info.num_blocks
         )
-        self.output_processor = OutputProcessor(info.tokenizer, self._stop_at_string)
+        self.output_processor = OutputProcessor(
+            info.tokenizer, self._stop_at_string, self._fail_child
+        )
         self.tracer: StepTracer | None = None
 
     @property
@@ -201,15 +203,25 @@ class Engine:
     # -- the loop --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. A request whose own values make the runner or the output processor
+        raise fails alone (its output has ``error``); only a failure of the shared
+        forward pass raises here, and then every request in the step is lost."""
         scheduler_output = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduler_output)
-        updated = self.scheduler.update(scheduler_output, sampled)
+        result = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, result.sampled, result.failed)
         outputs = self.output_processor.process(updated)
         if self.observers:
             stats = self.stats(scheduler_output, sum(len(tokens) for _, tokens in updated))
             for observer in self.observers:
                 observer.step_done(scheduler_output, stats)
         return outputs
+
+    def _fail_child(self, request: Request, why: str) -> None:
+        request.error = why
+        if request.status.finished:  # it had just finished when its output failed
+            request.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
 
     def _stop_at_string(self, request: Request, stop: str, num_after: int) -> None:
         """A stop string ended in a token; tokens accepted after it in the same step

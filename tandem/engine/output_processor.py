@@ -12,10 +12,15 @@ What each output carries follows the request's ``output_kind``:
                  (the server streams these as they are; nothing is diffed again)
     FINAL_ONLY   one output when the request finishes; without stop strings the text
                  is not even decoded before then (batch generation pays nothing per step)
+
+A request fails alone: when one child fails (in the runner, or here while decoding
+its text) every child of its parent ends with FINISHED_ERROR (``fail_child``) and the
+parent's last output carries ``error``; other parents are untouched.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -28,6 +33,8 @@ from tandem.sampling import RequestOutputKind
 
 if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem.engine")
 
 
 class SampledToken(Protocol):
@@ -68,12 +75,16 @@ class _Parent:
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer | None, finish_child: Callable[[Request, str, int], None]
+        self,
+        tokenizer: Tokenizer | None,
+        finish_child: Callable[[Request, str, int], None],
+        fail_child: Callable[[Request, str], None],
     ) -> None:
         """``finish_child(request, stop_string, num_tokens_after)`` ends a child whose
-        text hit a stop string."""
+        text hit a stop string; ``fail_child(request, why)`` ends one as FINISHED_ERROR."""
         self.tokenizer = tokenizer
         self.finish_child = finish_child
+        self.fail_child = fail_child
         self.parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Sample]] = {}
 
@@ -117,24 +128,64 @@ class OutputProcessor:
         touched: dict[str, _Parent] = {}
         for request, tokens in updated:
             parent, sample = self._children[request.request_id]
-            for index, token in enumerate(tokens):
-                if sample.logprobs is not None:
-                    self._record_logprobs(sample, token)
-                if sample.eager_text and self._detokenize(sample, token.token_id):
-                    self.finish_child(
-                        request, sample.detokenizer.matched_stop, len(tokens) - index - 1
-                    )
-                    break
             touched[parent.request_id] = parent
+            try:
+                self._take_tokens(sample, tokens)
+            except Exception as exc:  # e.g. a token the tokenizer cannot decode
+                self._fail(parent, exc)
         outputs = []
         for parent in touched.values():
-            finished = parent.finished
-            output = self._request_output(parent, finished)
+            error = next((s.request.error for s in parent.samples if s.request.error), None)
+            if error is None:
+                try:
+                    output = self._request_output(parent, parent.finished)
+                except Exception as exc:
+                    error = self._fail(parent, exc)
+            if error is not None:
+                output = self._error_output(parent, error)
             if output is not None:
                 outputs.append(output)
-            if finished:
+            if output is not None and output.finished:
                 self.forget(parent.request_id)
         return outputs
+
+    def _take_tokens(self, sample: _Sample, tokens: list[SampledToken]) -> None:
+        request = sample.request
+        for index, token in enumerate(tokens):
+            if sample.logprobs is not None:
+                self._record_logprobs(sample, token)
+            if sample.eager_text and self._detokenize(sample, token.token_id):
+                self.finish_child(request, sample.detokenizer.matched_stop, len(tokens) - index - 1)
+                break
+
+    def _fail(self, parent: _Parent, exc: Exception) -> str:
+        logger.exception("request %s failed; the others go on", parent.request_id)
+        why = f"{type(exc).__name__}: {exc}"
+        for sample in parent.samples:
+            if sample.request.error is None:
+                self.fail_child(sample.request, why)
+        return why
+
+    def _error_output(self, parent: _Parent, error: str) -> RequestOutput:
+        """The failed parent's last output: every sample ends with "error" (siblings of
+        the one that failed are ended too: the request is one answer)."""
+        for sample in parent.samples:
+            if sample.request.error is None:
+                self.fail_child(sample.request, error)
+        first = parent.samples[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=s.index, text="", token_ids=[], finish_reason="error")
+                for s in parent.samples
+            ],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics.from_timeline(first.timeline),
+            error=error,
+        )
 
     def _detokenize(self, sample: _Sample, token_id: int) -> bool:
         """Feed one token to the detokenizer; True when a stop string just matched."""

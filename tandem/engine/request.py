@@ -24,10 +24,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed alone (its sampling or output raised); see .error
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it failed, when its status is FINISHED_ERROR
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         # Prefix cache: requests with different salts never share blocks; the digests of
         # the full blocks so far (see kv_manager.py).

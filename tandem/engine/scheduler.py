@@ -354,16 +354,24 @@ class Scheduler:
         )
 
     def update(
-        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[str, Sequence[SampledToken]],
+        failed: Mapping[str, str] | None = None,
     ) -> list[tuple[Request, list[SampledToken]]]:
         """Advance each scheduled request by the tokens whose K/V it now has, append its
         new tokens (several when drafts were accepted) up to the first stop condition,
         and finish requests that stop. Returns each request that received tokens, with
-        the tokens it kept."""
+        the tokens it kept; then each request in ``failed`` (id -> why: the runner could
+        not run or sample it) with no tokens, finished as FINISHED_ERROR. A failed
+        request's K/V from this step is never cached."""
         now = time.perf_counter()
         updated = []
+        failed = failed or {}
         for item in out.scheduled:
             request = self.requests[item.request_id]
+            if item.request_id in failed:
+                continue
             tokens = list(sampled.get(item.request_id, ()))
             if item.num_spec_tokens and tokens:
                 # K/V is valid for the last token and the accepted drafts; the slots of
@@ -390,4 +398,10 @@ class Scheduler:
                     table_len = len(self.kv.block_table(request.request_id))
                     request.num_blocks_sent = min(request.num_blocks_sent, table_len)
             updated.append((request, kept))
+        for request_id, why in failed.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.status.finished:
+                request.error = why
+                self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+                updated.append((request, []))
         return updated

@@ -1,6 +1,7 @@
-"""What the runner tells the engine once it has loaded the model and sized the cache.
-Plain data (no tensors): the engine sizes its block pool and validates requests from
-it without ever importing torch or the model code."""
+"""What the runner tells the engine: once, when it has loaded the model and sized the
+cache (RunnerInfo), and after every step (RunnerOutput). Plain data (no tensors): the
+engine sizes its block pool, validates requests and advances them without ever
+importing torch or the model code."""
 
 from __future__ import annotations
 
@@ -17,3 +18,15 @@ class RunnerInfo:
     eos_token_ids: tuple[int, ...]  # every id that ends generation
     tokenizer: Any  # tandem.models.tokenizer.Tokenizer, or None for a tokenizer-less model
     generation_config: dict[str, Any] = field(default_factory=dict)  # as the folder has it
+
+
+@dataclass
+class RunnerOutput:
+    """One step's result. ``sampled``: each sampling request's new tokens (one, or with
+    speculation the accepted drafts and the token after them; SampledTokens).
+    ``failed``: requests that failed alone this step (request id -> why): their state
+    could not be built or their sampling raised. They got no tokens, and the K/V the
+    step wrote for them must not be trusted; every other request is unaffected."""
+
+    sampled: dict[str, list[Any]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)

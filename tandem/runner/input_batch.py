@@ -67,7 +67,14 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
 
     def add(self, new: NewRequestData) -> None:
+        """Raises for a request whose values cannot run (the runner then fails it
+        alone); the input processor refuses these at the door, this guards the
+        engine's own API (Engine.add takes an EngineRequest as given)."""
         params = new.sampling_params
+        for name, ids in (("prompt", new.prompt_token_ids), ("stop_token_ids", new.stop_token_ids)):
+            if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+                # An embedding or logit index out of range would fail the whole batch.
+                raise ValueError(f"{name} holds token ids outside [0, {self.vocab_size})")
         generator = self.generators.get(new.request_id)
         if generator is None and params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

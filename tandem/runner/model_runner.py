@@ -8,9 +8,11 @@ and arrives as block tables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,14 +24,16 @@ from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
 from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
-from tandem.runner.info import RunnerInfo
+from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.runner.linear import linear_method_for
-from tandem.runner.sampler import SampledToken, sample
+from tandem.runner.sampler import sample
 from tandem.spec_decode.proposer import Proposer, make_proposer
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger("tandem.runner")
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
     from tandem.engine.scheduler import SchedulerOutput
@@ -135,10 +139,14 @@ class ModelRunner:
         return runner
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, list[SampledToken]]:
-        """Run one scheduled step. Returns the new tokens of each request that samples:
-        one, or with speculation the accepted draft tokens and the one after them."""
-        batch = self.input_batch
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step: the new tokens of each request that samples (one, or
+        with speculation the accepted draft tokens and the one after them).
+
+        A request whose own state or sampling raises fails alone (RunnerOutput.failed)
+        and leaves the batch; only a failure of the shared forward pass (a bug, out of
+        memory) propagates, and then the whole step is lost."""
+        batch, result = self.input_batch, RunnerOutput()
         for request_id in scheduler_output.finished_ids:
             batch.finished(request_id)
         for request_id in scheduler_output.preempted_ids:
@@ -147,10 +155,15 @@ class ModelRunner:
             for request_id in (*scheduler_output.finished_ids, *scheduler_output.preempted_ids):
                 self.proposer.forget(request_id)
         for new in scheduler_output.new_requests:
-            batch.add(new)
-        scheduled = [(item, batch.update_blocks(item)) for item in scheduler_output.scheduled]
+            with self._failing_alone(new.request_id, result):
+                batch.add(new)
+        scheduled = [
+            (item, batch.update_blocks(item))
+            for item in scheduler_output.scheduled
+            if item.request_id not in result.failed
+        ]
         if not scheduled:
-            return {}
+            return result
         drafts = self._drafts(scheduled)
         chunks, logit_rows, position = [], [], 0
         for item, state in scheduled:
@@ -163,12 +176,25 @@ class ModelRunner:
                 logit_rows.extend(range(position - 1 - len(guess), position))
         if not logit_rows:
             self.forward(chunks)
-            return {}
+            return result
         logits = self.forward(chunks, logit_indices=logit_rows)
-        results = self._new_tokens(scheduled, drafts, logits)
-        for request_id, tokens in results.items():
+        self._new_tokens(scheduled, drafts, logits, result)
+        for request_id, tokens in result.sampled.items():
             batch.requests[request_id].append([t.token_id for t in tokens])
-        return results
+        return result
+
+    @contextlib.contextmanager
+    def _failing_alone(self, request_id: str, result: RunnerOutput) -> Iterator[None]:
+        """Whatever raises inside fails ``request_id`` alone: recorded in ``result``, its
+        state dropped (the scheduler ends it after this step)."""
+        try:
+            yield
+        except Exception as exc:  # a bug tied to one request's values must not spread
+            logger.exception("request %s failed in the runner; the others go on", request_id)
+            result.failed[request_id] = f"{type(exc).__name__}: {exc}"
+            self.input_batch.finished(request_id)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
 
     def _drafts(self, scheduled) -> dict[str, tuple]:
         """The proposer's (draft tokens, draft distributions) per speculating request."""
@@ -184,11 +210,10 @@ class ModelRunner:
         )
         return {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
 
-    def _new_tokens(self, scheduled, drafts, logits) -> dict[str, list[SampledToken]]:
+    def _new_tokens(self, scheduled, drafts, logits, result: RunnerOutput) -> None:
         """Sample the plain rows in one batch; verify each speculating request's drafts.
         ``logits`` holds, in order, one row per plain request and 1 + k per speculating
-        one."""
-        results: dict[str, list[SampledToken]] = {}
+        one. Tokens go to ``result.sampled``, requests that raise to ``result.failed``."""
         plain, plain_rows, row = [], [], 0
         for item, state in scheduled:
             if not item.samples:
@@ -199,23 +224,35 @@ class ModelRunner:
                 plain_rows.append(row)
                 row += 1
                 continue
-            rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
-            tokens = verify(
-                logits[row : row + len(guess) + 1], rows, list(guess), guess_probs,
-                self.shared_generator,
-            )  # fmt: skip
-            row += len(guess) + 1
-            results[item.request_id] = tokens
-            self.spec_stats.record(len(guess), len(tokens) - 1)
-            self.proposer.rollback(item.request_id, item.num_computed_tokens + len(tokens))
-        if plain:
-            rows = [state.sampling_row() for state in plain]
-            if len(plain_rows) != len(logits):  # else every row, in order: no copy
-                logits = logits[torch.tensor(plain_rows, device=self.device)]
-            tokens = sample(logits, rows, self.shared_generator)
-            for state, token in zip(plain, tokens, strict=True):
-                results[state.request_id] = [token]
-        return results
+            first, row = row, row + len(guess) + 1
+            with self._failing_alone(item.request_id, result):
+                rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
+                tokens = verify(
+                    logits[first:row], rows, list(guess), guess_probs, self.shared_generator
+                )
+                result.sampled[item.request_id] = tokens
+                self.spec_stats.record(len(guess), len(tokens) - 1)
+                self.proposer.rollback(item.request_id, item.num_computed_tokens + len(tokens))
+        if not plain:
+            return
+        if len(plain_rows) != len(logits):  # else every row, in order: no copy
+            logits = logits[torch.tensor(plain_rows, device=self.device)]
+        try:
+            tokens = sample(
+                logits, [state.sampling_row() for state in plain], self.shared_generator
+            )
+        except Exception:  # find the culprit: each row alone (a seeded row may then draw
+            tokens = None  # differently than undisturbed; the alternative fails them all)
+        if tokens is None:
+            for i, state in enumerate(plain):
+                with self._failing_alone(state.request_id, result):
+                    row_logits, row = logits[i : i + 1], [state.sampling_row()]
+                    result.sampled[state.request_id] = sample(
+                        row_logits, row, self.shared_generator
+                    )
+            return
+        for state, token in zip(plain, tokens, strict=True):
+            result.sampled[state.request_id] = [token]
 
     @torch.inference_mode()
     def forward(

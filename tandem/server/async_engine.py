@@ -11,11 +11,12 @@ abort) and gets outputs back on per-request asyncio queues:
     HTTP handler <--asyncio.Queue-- RequestOutput (or an exception) per step
 
 Outputs are whatever the request's ``output_kind`` asks for (the server asks for
-deltas when streaming and the final output otherwise). An exception inside a step
-fails the requests in flight (their streams receive it) and the loop goes on serving
-new ones. Aborts are fire-and-forget: a disconnected client's blocks are freed before
-the next step. Metrics and traces watch the engine itself (EngineObserver), not
-these queues.
+deltas when streaming and the final output otherwise). A request that fails alone
+(its output has ``error``: the engine isolated it) ends its own stream with a
+RequestFailedError; an exception out of a whole step (the shared forward pass) fails
+the requests in flight and the loop goes on serving new ones. Aborts are
+fire-and-forget: a disconnected client's blocks are freed before the next step.
+Metrics and traces watch the engine itself (EngineObserver), not these queues.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ logger = logging.getLogger("tandem.server")
 
 class EngineStepError(TandemError):
     """A step failed (a bug or an out-of-memory); the requests in it are lost."""
+
+
+class RequestFailedError(TandemError):
+    """One request failed inside the engine (the others went on)."""
 
 
 @dataclass
@@ -186,7 +191,10 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
                 _log_finished(output, stream.num_output_tokens)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+            item: RequestOutput | Exception = output
+            if output.error is not None:
+                item = RequestFailedError(f"this request failed in the engine: {output.error}")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _abort(self, request_id: str, error: Exception | None = None) -> None:
         stream = self._streams.pop(request_id, None)

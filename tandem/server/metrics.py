@@ -38,7 +38,7 @@ ITL_BUCKETS = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics(EngineObserver):
@@ -124,7 +124,7 @@ class ServerMetrics(EngineObserver):
 
     def request_finished(self, request: Request) -> None:
         self.success[request.status.value].inc()
-        if request.status == RequestStatus.FINISHED_ABORTED:
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             return
         metrics = RequestMetrics.from_timeline(request.timeline)
         self.preemptions.inc(metrics.num_preemptions)

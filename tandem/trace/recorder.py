@@ -118,9 +118,9 @@ class StepTracer(EngineObserver):
         )  # fmt: skip
 
     def request_finished(self, request: Request) -> None:
-        # A request that finishes in a step is drawn by step_done; an abort ends its
-        # lane here.
-        if request.status != RequestStatus.FINISHED_ABORTED:
+        # A request that finishes in a step is drawn by step_done; an abort (or a
+        # failure outside the step) ends its lane here.
+        if request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             return
         lane = self.lanes.get(request.request_id)
         if lane is not None and lane.state != "finished":
