@@ -48,7 +48,10 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_server(model_dirs):
-    """`tandem serve` on the tiny random Llama, served as "tiny"; yields its base URL."""
+    """`tandem serve` on the tiny random Llama, served as "tiny", trace endpoints on;
+    yields its base URL."""
     folder, _ = model_dirs("llama")
-    with tandem_process("serve", "--model", str(folder), "--served-model-name", "tiny") as url:
+    with tandem_process(
+        "serve", "--model", str(folder), "--served-model-name", "tiny", "--enable-trace-endpoints"
+    ) as url:
         yield url

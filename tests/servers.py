@@ -13,6 +13,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.server.launch import free_port, wait_healthy
+from tandem.server.metrics import RENDER_INTERVAL
 
 
 @contextlib.contextmanager
@@ -33,7 +34,10 @@ def thread_server(app):
 
 def metric(base_url: str, name: str, **labels: str) -> float:
     """The sum of the server's ``tandem:<name>`` samples whose labels include ``labels``
-    (``name`` as exposed: counters end in ``_total``, histograms in ``_count``...)."""
+    (``name`` as exposed: counters end in ``_total``, histograms in ``_count``...).
+    Waits out the server's rendering interval first, so the figures include what
+    happened before the call."""
+    time.sleep(RENDER_INTERVAL)
     total = 0.0
     for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
         for sample in family.samples:

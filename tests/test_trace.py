@@ -124,3 +124,26 @@ def test_tracing_a_running_server(tiny_server):
     assert httpx.post(f"{tiny_server}/v1/completions", json=body).status_code == 200
     lanes, steps = lanes_of(httpx.post(f"{tiny_server}/trace/stop").json())
     assert len(lanes) == 2 and steps  # one lane per sample of the n=2 request
+
+
+def test_a_trace_left_running_stays_bounded(folder):
+    """Past max_events the oldest finished lanes (then steps) go; the trace says how
+    many, the newest requests stay whole, and finished lanes hold no request."""
+    from tandem.trace.recorder import StepTracer
+
+    llm = LLM(str(folder))
+    tracer = StepTracer(max_events=400)
+    llm.engine.add_observer(tracer)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for round_ in range(12):
+        llm.generate([[5, 6, 7 + round_]] * 4, params, use_tqdm=False)
+        assert tracer.num_events <= 400
+    trace = tracer.chrome_trace()
+    dropped = trace["otherData"]["dropped"]
+    assert dropped["requests"] > 0
+    lanes, steps = lanes_of(trace)
+    assert len(lanes) + dropped["requests"] == 48
+    newest = max(lanes, key=lambda name: int(name.split("-")[-1]))
+    assert [e["name"] for e in lanes[newest]][-1] == "finished"
+    assert all(lane.request is None for lane in tracer.lanes.values())
+    assert steps and len(steps) <= 400

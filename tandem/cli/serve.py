@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from tandem.cli.engine_args import add_engine_arguments, apply_threads, engine_options
+from tandem.server.limits import ServerLimits
 
 HELP = "an OpenAI-compatible HTTP server"
+LIMIT_HELP = {
+    "max_body_bytes": "larger request bodies get 413",
+    "max_n": "largest n (samples per prompt)",
+    "max_prompts": "most prompts in one completions request",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_string_chars": "longest stop string",
+    "max_stop_token_ids": "most stop token ids per request",
+    "header_timeout": "seconds a client has to send its request headers",
+    "body_timeout": "seconds a client has to send its request body (then 408)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--trace", metavar="FILE", help="trace every step; the file is written at shutdown"
     )
+    http.add_argument(
+        "--enable-trace-endpoints", action="store_true",
+        help="allow POST /trace/start and /trace/stop without --api-key (off by default)",
+    )  # fmt: skip
+    limits = parser.add_argument_group("limits on what one client may ask")
+    for field in dataclasses.fields(ServerLimits):
+        limits.add_argument(
+            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
+            metavar="N", help=f"{LIMIT_HELP[field.name]} (default: {field.default})",
+        )  # fmt: skip
     add_engine_arguments(parser, kv_transfer=True)
 
 
@@ -52,4 +74,8 @@ def run(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         trace=args.trace,
+        limits=ServerLimits(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+        ),
+        enable_trace_endpoints=args.enable_trace_endpoints,
     )

@@ -3,34 +3,77 @@
     GET  /v1/models            POST /v1/completions     POST /v1/chat/completions
     POST /tokenize             POST /detokenize         GET  /health   GET /metrics
 
-Responses and stream chunks have OpenAI's shapes (see responses.py); errors are
-``{"error": {"message", "type", "param", "code"}}`` with 400 / 401 / 404 / 503. A
-client that disconnects, streaming or not, aborts its requests at once.
+    POST /trace/start  POST /trace/stop   (with --api-key or --enable-trace-endpoints)
+
+Responses and stream chunks have OpenAI's shapes (see responses.py); every error,
+the framework's own included (bad JSON, unknown route, wrong method, body too
+large), is ``{"error": {"message", "type", "param", "code"}}`` with its status, and
+the OpenAPI document says so (protocol.ErrorResponse; no 422s). What one client may
+ask is bounded (limits.py). A client that disconnects, streaming or not, aborts its
+requests at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import secrets
 import time
 from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.errors import APIError, as_api_error
 from tandem.server.handlers import CompletionHandler, engine_prompt
+from tandem.server.limits import BodyGuard, ServerLimits
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     TokenizeRequest,
+    render_conversation,
 )
+
+_HTTP_ERROR_TYPES = {
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+}  # fmt: skip
+# What each route documents besides its 200 (the framework's 422 is never sent).
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(location) -> str | None:
+    """pydantic's error location as the field it names: ("body", "messages", 0,
+    "content", "str") -> "messages[0].content" (the union member tried is dropped)."""
+    path = ""
+    for part in location[1:] if location[:1] == ("body",) else location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path or None
+
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+STREAMING = {
+    200: {
+        "description": "A JSON response, or with stream=true server-sent events: "
+        "'data: <chunk JSON>' lines, an error chunk on failure, then 'data: [DONE]'.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **ERRORS,
+}
 
 
 def build_app(
@@ -39,7 +82,13 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    limits: ServerLimits | None = None,
+    enable_trace_endpoints: bool = False,
 ) -> FastAPI:
+    """``enable_trace_endpoints``: allow /trace/* without an API key (they are always
+    allowed, behind the key, when the server has one)."""
+    limits = limits or ServerLimits()
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -49,6 +98,7 @@ def build_app(
             on_shutdown()
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
     handler = CompletionHandler(engine, model_name)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
@@ -71,13 +121,32 @@ def build_app(
             detail = first.get("ctx", {}).get("error", "")
             message, param = f"the body is not valid JSON ({detail})", None
         else:
-            # loc is ("body", field, ...): the field, then union members / indexes.
-            location = [str(part) for part in first.get("loc", ()) if part != "body"]
-            param = location[0] if location else None
+            param = _field_path(first.get("loc", ()))
             message = f"{param}: {first['msg']}" if param else first["msg"]
         return JSONResponse(
             APIError(400, message, "invalid_request_error", param).body(), status_code=400
         )
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        """The framework's own errors (unknown route, wrong method, unreadable or too
+        large body) in OpenAI's shape."""
+        type_ = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        error = APIError(exc.status_code, str(exc.detail), type_)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -107,7 +176,17 @@ def build_app(
             raise InvalidParameterError(param, "this model has no tokenizer; send token ids")
         return tokenizer
 
+    async def check_trace_allowed(request: Request) -> None:
+        if api_key is None and not enable_trace_endpoints:
+            raise APIError(
+                403,
+                "the trace endpoints are off: start the server with --api-key (they then "
+                "require it) or --enable-trace-endpoints",
+                "permission_error",
+            )
+
     guarded = [Depends(check_key)]
+    trace_guarded = [Depends(check_key), Depends(check_trace_allowed)]
 
     @app.get("/health")
     async def health():
@@ -117,9 +196,10 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = await asyncio.to_thread(metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, responses=ERRORS)
     async def models():
         card = {
             "id": model_name,
@@ -131,40 +211,43 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/trace/start", dependencies=guarded)
+    @app.post("/trace/start", dependencies=trace_guarded, responses=ERRORS)
     async def start_trace():
         """Record every engine step from now on (tandem.trace)."""
         await engine.call(lambda e: e.start_trace())
         return {"tracing": True}
 
-    @app.post("/trace/stop", dependencies=guarded)
+    @app.post("/trace/stop", dependencies=trace_guarded, responses=ERRORS)
     async def stop_trace():
         """Stop recording; the body is the Chrome trace-event JSON (for Perfetto or
-        `tandem trace plot`). Nothing is written on the server."""
+        `tandem trace plot`). Nothing is written on the server; the JSON is built on a
+        worker thread, off the engine's and the event loop's way."""
         tracer = await engine.call(lambda e: e.stop_trace())
         if tracer is None:
             raise APIError(400, "no trace is being recorded", "invalid_request_error")
-        return tracer.chrome_trace()
+        text = await asyncio.to_thread(lambda: json.dumps(tracer.chrome_trace()))
+        return Response(text, media_type="application/json")
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize", dependencies=guarded, responses=ERRORS)
     async def tokenize(body: TokenizeRequest):
+        """Token ids of a prompt, or of a conversation exactly as chat completions
+        renders it (content parts joined)."""
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt and messages")
-        for index, message in enumerate(body.messages or ()):
-            if isinstance(message.get("content"), str):
-                require_unicode(message["content"], f"messages[{index}].content")
-        if body.prompt is not None:
-            require_unicode(body.prompt, "prompt")
         if body.messages is not None:
-            tokens = need_tokenizer("messages").encode_chat(
-                body.messages, add_generation_prompt=body.add_generation_prompt
+            conversation = render_conversation(body.messages)
+            encoder = need_tokenizer("messages")
+            tokens = await asyncio.to_thread(
+                encoder.encode_chat, conversation, add_generation_prompt=body.add_generation_prompt
             )
         else:
-            tokens = need_tokenizer("prompt").encode(body.prompt, body.add_special_tokens)
+            require_unicode(body.prompt, "prompt")
+            encoder = need_tokenizer("prompt")
+            tokens = await asyncio.to_thread(encoder.encode, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize", dependencies=guarded, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         vocab = engine.engine.model_info.vocab_size
@@ -172,14 +255,16 @@ def build_app(
             raise InvalidParameterError("tokens", f"token ids must be in [0, {vocab})")
         return {"prompt": need_tokenizer("tokens").decode(body.tokens)}
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, responses=STREAMING)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        prompts = body.prompts()
+        limits.check(body, len(prompts))
         params = body.sampling_params(defaults)
         return await handler.serve(
             request,
             "cmpl",
-            [engine_prompt(prompt, body.cache_salt) for prompt in body.prompts()],
+            [engine_prompt(prompt, body.cache_salt) for prompt in prompts],
             params,
             body.stream,
             body.include_usage_in_stream,
@@ -187,11 +272,14 @@ def build_app(
             kv_transfer_params=body.kv_transfer_params,
         )
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=STREAMING)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        limits.check(body)
         params = body.sampling_params(defaults)
-        prompt_ids = need_tokenizer("messages").encode_chat(
+        encoder = need_tokenizer("messages")
+        prompt_ids = await asyncio.to_thread(  # long conversations: off the event loop
+            encoder.encode_chat,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
             **(body.chat_template_kwargs or {}),

@@ -8,6 +8,9 @@ collide.
 
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -39,6 +42,9 @@ ITL_BUCKETS = [
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Scrapes within this many seconds share one rendering: rendering holds the GIL and
+# the metrics' locks, which a flood of scrapes would take from the engine thread.
+RENDER_INTERVAL = 0.1
 
 
 class ServerMetrics(EngineObserver):
@@ -113,9 +119,17 @@ class ServerMetrics(EngineObserver):
         )
         self.kv_leases = gauge("kv_leases", "Finished prefills holding blocks for a decode side.")
         self._seen_expiries = 0
+        self._render_lock = threading.Lock()
+        self._rendered: bytes | None = None
+        self._rendered_at = 0.0
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text, at most RENDER_INTERVAL seconds old (thread-safe)."""
+        with self._render_lock:
+            now = time.monotonic()
+            if self._rendered is None or now - self._rendered_at >= RENDER_INTERVAL:
+                self._rendered, self._rendered_at = generate_latest(self.registry), now
+            return self._rendered
 
     # -- EngineObserver ---------------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI API (plus vLLM's extensions), as pydantic models.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Type errors become 400s
-naming the field (see api.py); value checks happen once, in SamplingParams, so the
-HTTP API and the Python API reject exactly the same things.
+Unknown fields are ignored, as OpenAI-compatible servers do; but a known field that
+would change the meaning of the answer and that tandem does not implement (tools,
+response_format, logit_bias, best_of, suffix, guided decoding) is refused with a 400,
+never silently dropped. Type errors become 400s naming the field (see api.py); value
+checks happen once, in SamplingParams, so the HTTP API and the Python API reject
+exactly the same things. ``ErrorResponse`` is the error body every route documents.
 """
 
 from __future__ import annotations
@@ -19,8 +22,73 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, with its HTTP status: 400 bad request, 401 bad key, 404 unknown
+    model or route, 405, 408 slow body, 413 body too large, 500, 503 queue full."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only ``{"type": "text", "text": ...}`` is
+    supported (any other type is a 400 that says so)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, and what a chat template may read
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart]
+
+
+def render_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: content parts joined into plain text
+    (chat completions and /tokenize count the same tokens)."""
+    rendered = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidParameterError(
+                    f"messages[{index}].content", "only text parts are supported"
+                )
+            content = "".join(part.text for part in content)
+        require_unicode(content, f"messages[{index}].content")
+        rendered.append({**message.model_dump(exclude_none=True), "content": content})
+    return rendered
+
+
+# Fields of OpenAI's API (and vLLM's) that change what the answer means and that tandem
+# does not implement: refused when set to anything but their "off" value.
+_UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
 
 
 class _Sampling(_Body):
@@ -51,12 +119,27 @@ class _Sampling(_Body):
     # Disaggregated serving (tandem.disagg): {"do_remote_decode": true} to a prefill
     # instance; the parameters it returned, to a decode instance.
     kv_transfer_params: dict[str, Any] | None = None
+    # Refused unless off (see _UNSUPPORTED_OFF_VALUES); typed so the schema shows them.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name, off in _UNSUPPORTED_OFF_VALUES.items():
+            value = getattr(self, name, None)
+            if value not in off:
+                raise InvalidParameterError(name, "is not supported by this server")
 
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs):
+        self.refuse_unsupported()
         chosen = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -87,6 +170,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # refused unless 1
+    suffix: str | None = None  # refused
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one string, a list of strings, token ids, or lists of them."""
@@ -112,12 +197,17 @@ RESERVED_TEMPLATE_VARIABLES = {
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused unless off (see _UNSUPPORTED_OFF_VALUES): typed so the schema shows them.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -140,36 +230,13 @@ class ChatCompletionRequest(_Sampling):
         return self._sampling_params(defaults, max_tokens, logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
-        """Messages with content parts (``[{"type": "text", "text": ...}]``) joined
-        into plain text, the form chat templates expect."""
-        messages = []
-        for index, message in enumerate(self.messages):
-            if "role" not in message:
-                raise InvalidParameterError(f"messages[{index}].role", "is required")
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise InvalidParameterError(
-                            f"messages[{index}].content", "only text parts are supported"
-                        )
-                    texts.append(str(part.get("text", "")))
-                content = "".join(texts)
-            if not isinstance(content, str):
-                raise InvalidParameterError(
-                    f"messages[{index}].content",
-                    f"must be a string or a list of text parts, got {type(content).__name__}",
-                )
-            require_unicode(content, f"messages[{index}].content")
-            messages.append({**message, "content": content})
-        return messages
+        return render_conversation(self.messages)
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

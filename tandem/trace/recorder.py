@@ -9,6 +9,10 @@ Tracks::
                             steps, preempted; instants for arrival, first token (TTFT),
                             finish (reason)
 
+A trace left running stays bounded: past ``max_events`` the oldest finished requests'
+lanes, then the oldest steps, are dropped (the trace says how many), and a finished
+lane keeps no reference to its request.
+
 The tracer is an EngineObserver (``Engine.start_trace`` attaches one): it hears of
 requests being queued and aborted and of every step; everything else is read from the
 step's SchedulerOutput and the requests' own timelines, so the trace and the request
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +35,13 @@ from tandem.engine.scheduler import SchedulerOutput
 ENGINE_PID, REQUESTS_PID = 0, 1
 
 
+DEFAULT_MAX_EVENTS = 500_000  # roughly 150 MB of Python objects at most
+EVENTS_PER_STEP = 3  # a step's slice and its two counters
+
+
 @dataclass
 class _Lane:
-    request: Request
+    request: Request | None  # None once finished (the trace keeps only its events)
     tid: int
     state: str = "waiting"  # waiting | running | preempted | finished
     state_since: float = 0.0
@@ -41,10 +50,31 @@ class _Lane:
 
 
 class StepTracer(EngineObserver):
-    def __init__(self) -> None:
+    def __init__(self, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         self.origin = time.perf_counter()
-        self.steps: list[dict[str, Any]] = []
+        self.max_events = max_events
+        self.steps: deque[dict[str, Any]] = deque()
         self.lanes: dict[str, _Lane] = {}
+        self.num_events = 0
+        self.num_dropped_requests = self.num_dropped_steps = 0
+        self._next_tid = 1
+
+    def _count(self, events: int) -> None:
+        self.num_events += events
+        if self.num_events > self.max_events:
+            self._drop_oldest(target=self.max_events * 9 // 10)
+
+    def _drop_oldest(self, target: int) -> None:
+        """Drop the oldest finished lanes, then the oldest steps, until ``target``."""
+        for request_id in [rid for rid, lane in self.lanes.items() if lane.state == "finished"]:
+            if self.num_events <= target:
+                return
+            self.num_events -= len(self.lanes.pop(request_id).events)
+            self.num_dropped_requests += 1
+        while self.num_events > target and self.steps:
+            self.steps.popleft()
+            self.num_events -= EVENTS_PER_STEP
+            self.num_dropped_steps += 1
 
     def _us(self, t: float) -> float:
         return round((t - self.origin) * 1e6, 3)
@@ -55,17 +85,20 @@ class StepTracer(EngineObserver):
              "dur": round((end - start) * 1e6, 3), "pid": REQUESTS_PID, "tid": lane.tid,
              "args": args}
         )  # fmt: skip
+        self._count(1)
 
     def _instant(self, lane: _Lane, name: str, t: float, **args) -> None:
         lane.events.append(
             {"name": name, "cat": "lifecycle", "ph": "i", "s": "t", "ts": self._us(t),
              "pid": REQUESTS_PID, "tid": lane.tid, "args": args}
         )  # fmt: skip
+        self._count(1)
 
     # -- EngineObserver ----------------------------------------------------------------
 
     def request_added(self, request: Request) -> None:
-        lane = _Lane(request, tid=len(self.lanes) + 1, state_since=request.timeline.arrival)
+        lane = _Lane(request, tid=self._next_tid, state_since=request.timeline.arrival)
+        self._next_tid += 1
         self.lanes[request.request_id] = lane
         self._instant(lane, "arrival", request.timeline.arrival, prompt_tokens=request.num_tokens)
 
@@ -116,6 +149,7 @@ class StepTracer(EngineObserver):
              "kv_blocks_used": stats.kv_blocks_in_use,
              "preempted": list(out.preempted_ids)}
         )  # fmt: skip
+        self._count(EVENTS_PER_STEP)
 
     def request_finished(self, request: Request) -> None:
         # A request that finishes in a step is drawn by step_done; an abort (or a
@@ -130,7 +164,7 @@ class StepTracer(EngineObserver):
             self._finish(lane)
 
     def _finish(self, lane: _Lane) -> None:
-        request = lane.request
+        request, lane.request = lane.request, None
         lane.state = "finished"
         self._instant(
             lane, "finished", request.timeline.finished or time.perf_counter(),
@@ -145,7 +179,7 @@ class StepTracer(EngineObserver):
             _meta("thread_name", ENGINE_PID, 0, {"name": "steps"}),
             _meta("process_name", REQUESTS_PID, 0, {"name": "requests"}),
         ]
-        for index, step in enumerate(self.steps):
+        for index, step in enumerate(self.steps, start=self.num_dropped_steps):
             ts = self._us(step["start"])
             args = {k: v for k, v in step.items() if k not in ("start", "end")}
             events.append(
@@ -167,7 +201,8 @@ class StepTracer(EngineObserver):
                 _meta("thread_sort_index", REQUESTS_PID, lane.tid, {"sort_index": lane.tid})
             )
             events.extend(lane.events)
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        dropped = {"requests": self.num_dropped_requests, "steps": self.num_dropped_steps}
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"dropped": dropped}}
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
