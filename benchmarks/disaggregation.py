@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import random
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -82,8 +83,10 @@ def colocated(trace: Path | None):
 
 @contextlib.contextmanager
 def disaggregated(trace: Path | None):
+    secret = secrets.token_hex(16)  # the deployment's shared secret (docs/SECURITY.md)
+
     def role(name: str, core: int):
-        flags = ["--role", name, "--threads", "1", "--log-level", "warning"]
+        flags = ["--role", name, "--kv-secret", secret, "--threads", "1", "--log-level", "warning"]
         if trace:
             flags += ["--trace", str(trace.with_name(f"{trace.stem}-{name}.json"))]
         # taskset pins the whole server process (engine and HTTP) to one core.

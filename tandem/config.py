@@ -149,6 +149,16 @@ class KVTransferConfig:
         "auto", "auto (NIXL when the nixl package is installed, else ZeroMQ), zmq or nixl",
         "BACKEND", "--kv-backend",
     )  # fmt: skip
+    secret: str | None = setting(
+        None, "the secret shared by the router and every prefill and decode instance: it "
+        "signs transfer parameters and authenticates KV reads (default: $TANDEM_KV_SECRET; "
+        "required for the prefill and decode roles)", "SECRET", "--kv-secret",
+    )  # fmt: skip
+    max_leased_fraction: float = setting(
+        0.5, "prefill: the most of the KV cache that finished prompts may hold for decode "
+        "sides; past it a prompt's blocks are not kept (the decode side computes it)",
+        "FRACTION", "--kv-max-leased-fraction",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         choices = {
@@ -156,6 +166,10 @@ class KVTransferConfig:
             "on_failure": ("recompute", "fail"),
             "backend": ("auto", "zmq", "nixl"),
         }
+        if not 0 <= self.max_leased_fraction <= 1:
+            raise InvalidParameterError(
+                "kv_transfer_config.max_leased_fraction", "must be in [0, 1]"
+            )
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InvalidParameterError(

@@ -20,7 +20,7 @@ UNIT = {
 }  # fmt: skip
 SYSTEM = {
     "test_server", "test_disagg", "test_bench_serve", "test_cli", "test_readme", "test_trace",
-    "test_training", "test_plan",
+    "test_training", "test_plan", "test_server_hardening", "test_disagg_security",
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.disagg.auth import KVAuth, prompt_digest
 from tandem.engine.kv_connector import FinishedTransfer
 from tandem.engine.observer import EngineObserver
 from tandem.server.launch import tandem_process, tandem_server
@@ -20,6 +21,12 @@ from tests.hf_models import VOCAB_SIZE
 from tests.servers import metric, wait_for
 
 MODEL = "tiny"
+SECRET = "test-deployment-secret"
+
+
+def role(name: str) -> tuple[str, ...]:
+    """The flags of a prefill or decode instance of this test deployment."""
+    return ("--role", name, "--kv-secret", SECRET)
 
 
 def idle(base_url: str) -> bool:
@@ -43,8 +50,8 @@ def serve(folder, *flags):
 def cluster(folder):
     """One prefill instance, two decode instances, a router in front."""
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(folder, "--role", "prefill", "--kv-lease-seconds", "3"))
-        decodes = [stack.enter_context(serve(folder, "--role", "decode")) for _ in range(2)]
+        prefill = stack.enter_context(serve(folder, *role("prefill"), "--kv-lease-seconds", "3"))
+        decodes = [stack.enter_context(serve(folder, *role("decode"))) for _ in range(2)]
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", *decodes)
         )
@@ -105,15 +112,24 @@ def test_a_decode_side_that_never_comes_back_leaks_nothing(cluster):
     assert metric(prefill, "kv_lease_expiries_total") >= 1
 
 
+def signed(params: dict, prompt: list[int], secret: str = SECRET, salt=None) -> dict:
+    """Parameters as a prefill instance of the deployment (holding ``secret``) would
+    return them for ``prompt``."""
+    digest = prompt_digest(prompt[: params["remote_num_tokens"]], salt)
+    params = {"remote_engine_id": None, **params, "prompt_digest": digest}
+    return {**params, "signature": KVAuth(secret).sign(params)}
+
+
 def test_a_failed_pull_recomputes_or_fails_by_setting(folder, tiny_server):
     prompt = prompts()["long"]
-    bogus = {"remote_host": "127.0.0.1", "remote_port": 9, "remote_block_ids": list(range(6)),
-             "remote_num_tokens": 89, "lease_id": "gone"}  # fmt: skip
+    bogus = signed({"remote_host": "127.0.0.1", "remote_port": 9,
+                    "remote_block_ids": list(range(6)), "remote_num_tokens": 89,
+                    "lease_id": "gone"}, prompt)  # fmt: skip
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "ignore_eos": True, "kv_transfer_params": bogus}  # fmt: skip
     expected = complete(tiny_server, prompt, stream=False)
     for policy in ("recompute", "fail"):
-        with serve(folder, "--role", "decode", "--kv-transfer-failure", policy) as decode:
+        with serve(folder, *role("decode"), "--kv-transfer-failure", policy) as decode:
             response = httpx.post(f"{decode}/v1/completions", json=body, timeout=60)
             if policy == "recompute":
                 assert response.status_code == 200
@@ -130,22 +146,28 @@ def test_a_dead_prefill_instance_is_skipped_then_reported(folder, tiny_server):
     prompt = prompts()["block multiple"]
     with contextlib.ExitStack() as stack:
         dying = stack.enter_context(tandem_server("serve", "--model", folder,
-                                    "--served-model-name", MODEL, "--role", "prefill"))  # fmt: skip
-        alive = stack.enter_context(serve(folder, "--role", "prefill"))
-        decode = stack.enter_context(serve(folder, "--role", "decode"))
+                                    "--served-model-name", MODEL, *role("prefill")))  # fmt: skip
+        alive = stack.enter_context(serve(folder, *role("prefill")))
+        decode = stack.enter_context(serve(folder, *role("decode")))
         router = stack.enter_context(
             tandem_process("router", "--prefill", dying.url, alive, "--decode", decode)
+        )
+        lonely = stack.enter_context(
+            tandem_process("router", "--prefill", dying.url, "--decode", decode)
         )
         dying.process.kill()
         dying.process.wait()
         expected = complete(tiny_server, prompt, stream=False)
         for _ in range(2):  # whichever prefill instance is tried first, the answer comes
             assert complete(router, prompt, stream=False) == expected
-        with tandem_process("router", "--prefill", dying.url, "--decode", decode) as lonely:
-            response = httpx.post(f"{lonely}/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 2})  # fmt: skip
-            assert response.status_code == 502
-            assert "no prefill instance" in response.json()["error"]["message"]
+        response = httpx.post(f"{lonely}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2})  # fmt: skip
+        assert response.status_code == 502
+        assert "no prefill instance" in response.json()["error"]["message"]
+        health = httpx.get(f"{lonely}/health", timeout=30)
+        assert health.status_code == 503
+        assert health.json() == {"prefill": {dying.url: False}, "decode": {decode: True}}
+        assert httpx.get(f"{router}/health", timeout=30).status_code == 200
 
 
 def aborted(urls) -> float:
@@ -166,9 +188,9 @@ def test_a_client_hanging_up_frees_everything(cluster):
 
 def test_a_killed_decode_instance_leaves_the_prefill_side_clean(folder):
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(folder, "--role", "prefill", "--kv-lease-seconds", "2"))
+        prefill = stack.enter_context(serve(folder, *role("prefill"), "--kv-lease-seconds", "2"))
         decode = stack.enter_context(tandem_server("serve", "--model", folder,
-                                     "--served-model-name", MODEL, "--role", "decode"))  # fmt: skip
+                                     "--served-model-name", MODEL, *role("decode")))  # fmt: skip
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", decode.url)
         )
@@ -196,6 +218,9 @@ class HeldPulls:
 
     def __init__(self):
         self.started, self.ended = {}, []
+
+    def check(self, request):
+        pass
 
     def num_remote_tokens(self, request):
         return request.kv_transfer.remote_num_tokens if request.kv_transfer else 0

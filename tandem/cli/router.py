@@ -19,6 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="per call (default: 600)"
     )
+    parser.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (forwarded to the instances: give them the "
+        "same --api-key)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -26,5 +31,5 @@ def run(args: argparse.Namespace) -> None:
 
     run_router(
         args.prefill, args.decode, args.host, args.port, args.local_prefill_threshold,
-        args.timeout,
+        args.timeout, args.api_key,
     )  # fmt: skip

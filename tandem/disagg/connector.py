@@ -14,6 +14,12 @@
                    If the pull fails, it recomputes the prompt, or fails with a clear
                    error (``on_failure``).
 
+Trust (auth.py, docs/SECURITY.md): the parameters a prefill instance returns are
+signed with the deployment's secret and bound to the prompt's tokens and cache_salt;
+a decode instance queues a request that names remote blocks only if they verify
+(``check``), and every read or release presents the lease's token. A prefill
+instance keeps at most ``max_leased_fraction`` of its cache under leases.
+
 Every engine-state change happens on the engine thread (AsyncEngine.submit): the
 scheduler's hooks run there, and the agent's threads hand their results over through
 it; the agent only moves bytes between leased or freshly allocated blocks.
@@ -28,10 +34,12 @@ import uuid
 from typing import Any
 
 from tandem.config import KVTransferConfig
+from tandem.disagg.auth import KVAuth, prompt_digest
 from tandem.disagg.transfer import KVTransferError, make_kv_agent
+from tandem.engine.input_processor import EngineRequest
 from tandem.engine.kv_connector import FinishedTransfer
 from tandem.engine.request import Request, RequestStatus
-from tandem.errors import TandemError
+from tandem.errors import InvalidParameterError, TandemError
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
 
@@ -52,9 +60,10 @@ class DisaggConnector:
         self.metrics = metrics
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
+        self.auth = KVAuth.from_config(config.secret)
         self.agent = make_kv_agent(
             engine.runner.kv_cache, host, config.kv_port, self._on_notify, transfer_timeout_s,
-            config.backend,
+            config.backend, self._authorize_read,
         )  # fmt: skip
         # Prefill side: lease id -> (blocks, deadline); decode side: finished pulls not
         # yet taken by the scheduler.
@@ -74,6 +83,26 @@ class DisaggConnector:
     def num_leases(self) -> int:
         return len(self.leases)
 
+    # -- before queuing (any thread) ---------------------------------------------------
+
+    def check(self, request: EngineRequest) -> None:
+        transfer = request.kv_transfer
+        if transfer is None or not transfer.pulls:
+            return
+        if self.config.role != "decode":
+            raise InvalidParameterError(
+                "kv_transfer_params", "only a decode instance reads remote blocks"
+            )
+        if not self.auth.verify({**transfer.signed_fields(), "signature": transfer.signature}):
+            raise InvalidParameterError(
+                "kv_transfer_params", "are not signed by a prefill instance of this deployment"
+            )
+        covered = request.prompt_token_ids[: transfer.remote_num_tokens]
+        if transfer.prompt_digest != prompt_digest(covered, request.cache_salt):
+            raise InvalidParameterError(
+                "kv_transfer_params", "belong to another prompt (or another cache_salt)"
+            )
+
     # -- the scheduler's hooks (engine thread) ----------------------------------------
 
     def num_remote_tokens(self, request: Request) -> int:
@@ -84,9 +113,11 @@ class DisaggConnector:
         """Start reading the remote blocks into ours, in the background."""
         transfer = request.kv_transfer
         pairs = list(zip(transfer.remote_block_ids, block_ids, strict=False))
-        peer = {"host": transfer.remote_host, "port": transfer.remote_port}
+        lease_id = transfer.lease_id
+        peer = {"host": transfer.remote_host, "port": transfer.remote_port,
+                "lease_id": lease_id, "token": self.auth.lease_token(lease_id or "")}  # fmt: skip
         future = self.agent.read_blocks(peer, pairs)
-        request_id, lease_id = request.request_id, transfer.lease_id
+        request_id = request.request_id
 
         def done(_) -> None:  # (agent thread) hand the outcome to the engine thread
             self.async_engine.submit(lambda: self._pulled(request_id, future, peer, lease_id))
@@ -102,8 +133,18 @@ class DisaggConnector:
         if (
             transfer is None
             or not transfer.do_remote_decode
-            or request.status == RequestStatus.FINISHED_ABORTED
+            or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         ):
+            return False, None
+        leased = sum(len(blocks) for blocks, _ in self.leases.values())
+        limit = self.config.max_leased_fraction * self.engine.kv_manager.num_blocks
+        if leased + len(block_ids) > limit:
+            logger.warning(
+                "request %s: not keeping its %d blocks for a decode side (%d of %d blocks "
+                "already leased; --kv-max-leased-fraction %.2f)", request.request_id,
+                len(block_ids), leased, self.engine.kv_manager.num_blocks,
+                self.config.max_leased_fraction,
+            )  # fmt: skip
             return False, None
         deadline = time.monotonic() + self.config.lease_seconds
         self.leases[request.request_id] = (block_ids, deadline)
@@ -118,7 +159,11 @@ class DisaggConnector:
             "remote_host": self.agent.host,
             "remote_port": self.agent.port,
             "remote_engine_id": self.engine_id,
+            "prompt_digest": prompt_digest(
+                request.prompt_token_ids[:num_tokens], request.cache_salt
+            ),
         }
+        params["signature"] = self.auth.sign(params)
         return True, params
 
     def finished_transfers(self) -> list[FinishedTransfer]:
@@ -128,10 +173,25 @@ class DisaggConnector:
     # -- prefill side --------------------------------------------------------------------
 
     def _on_notify(self, message: dict) -> None:
-        """(Agent thread) the decode side read a lease's blocks, or gave up on them."""
+        """(Agent thread) the decode side read a lease's blocks, or gave up on them
+        (a release without the lease's token is ignored)."""
         lease_id = message.get("release")
-        if isinstance(lease_id, str):
+        if self.auth.check_lease_token(lease_id, message.get("token")):
             self.async_engine.submit(lambda: self._release(lease_id))
+
+    def _authorize_read(self, lease_id: object, token: object, block_ids: list[int]) -> str:
+        """(Agent thread) why a read may not be served, or "" when it may: it must name
+        a live lease with its token, and only blocks of that lease. (The leases dict
+        is the engine thread's; a lookup is atomic, and a lease released between this
+        check and the copy only means the reader came after its deadline.)"""
+        if not self.auth.check_lease_token(lease_id, token):
+            return "not authorized (a lease id and its token are required)"
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return f"no live lease {lease_id!r} (expired or released)"
+        if not set(block_ids) <= set(lease[0]):
+            return "the blocks asked for are not the lease's"
+        return ""
 
     def _release(self, lease_id: str) -> None:
         lease = self.leases.pop(lease_id, None)
@@ -169,8 +229,8 @@ class DisaggConnector:
         else:
             self.metrics.transfer_failed()
             logger.warning("request %s: KV pull failed: %s", request_id, error)
-        if lease_id is not None and peer.get("host"):
-            self.agent.notify(peer, {"release": lease_id})  # read or not, the lease can go
+        if lease_id is not None and peer.get("host"):  # read or not, the lease can go
+            self.agent.notify(peer, {"release": lease_id, "token": peer["token"]})
         recompute = self.config.on_failure == "recompute"
         self._finished.append(FinishedTransfer(request_id, error is None, recompute))
         for failed_id in self.engine.poll_kv_transfers():

@@ -6,29 +6,43 @@
                                             parameters the prefill answered with; its
                                             answer (streamed or not) goes back as is
 
-Instances are picked by fewest requests in flight. A prefill instance that cannot be
-reached is skipped for the next one; every call has a timeout, reported as 504. A
+Instances are picked by fewest requests in flight. An instance that cannot be reached
+is skipped for the next one of its role; every call has a timeout, reported as 504. A
 client that hangs up closes the decode stream, which aborts the request there (the
-prefill side's lease expires on its own). Prompts shorter than
+prefill side's lease expires on its own); a decode instance that dies mid-stream ends
+the client's stream with an error chunk and ``[DONE]``. Prompts shorter than
 ``--local-prefill-threshold`` tokens skip the prefill instance: moving their K/V would
 cost more than computing it.
+
+Trust (docs/SECURITY.md): a request is validated with the server's own models before
+anything is prefilled (a request a decode instance would refuse never pins a lease),
+a client's ``kv_transfer_params`` are dropped (only a prefill instance's signed answer
+is forwarded), ``--api-key`` guards the router and the client's Authorization header
+goes on to the instances. Errors have OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException
 
-from tandem.server.errors import error_response
+from tandem.errors import InvalidParameterError
+from tandem.server.errors import APIError, as_api_error, error_response, invalid_body
 from tandem.server.metrics import LATENCY_BUCKETS
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("tandem.router")
 
@@ -55,6 +69,7 @@ def build_router_app(
     decode_urls: list[str],
     local_prefill_threshold: int = 0,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> FastAPI:
     prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
     decodes = [Instance(u.rstrip("/")) for u in decode_urls]
@@ -83,25 +98,70 @@ def build_router_app(
         registry=registry,
     )  # fmt: skip
 
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not (
+            scheme.lower() == "bearer"
+            and secrets.compare_digest(given.strip().encode(), api_key.encode())
+        ):
+            raise APIError(
+                401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
+            )
+
+    def forwarded(request: Request) -> dict[str, str]:
+        """The client's credentials, for instances that have an --api-key too."""
+        key = request.headers.get("authorization")
+        return {"authorization": key} if key else {}
+
+    async def healthy(instance: Instance) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return (await http.get(f"{instance.url}/health", timeout=2.0)).status_code == 200
+        return False
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        """200 while at least one instance of each role answers; 503 otherwise. The
+        body says which instances are down."""
+        checks = await asyncio.gather(*(healthy(i) for i in (*prefills, *decodes)))
+        up = dict(zip([i.url for i in (*prefills, *decodes)], checks, strict=True))
+        ok = any(up[i.url] for i in prefills) and any(up[i.url] for i in decodes)
+        body = {"prefill": {i.url: up[i.url] for i in prefills},
+                "decode": {i.url: up[i.url] for i in decodes}}  # fmt: skip
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
-        response = await http.get(f"{decodes[0].url}/v1/models")
-        return JSONResponse(response.json(), status_code=response.status_code)
+    async def models(request: Request):
+        check_key(request)
+        for instance in decodes:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                response = await http.get(
+                    f"{instance.url}/v1/models", headers=forwarded(request), timeout=10.0
+                )
+                if response.status_code < 500:
+                    return JSONResponse(response.json(), status_code=response.status_code)
+        raise APIError(503, "no decode instance answered", "service_unavailable")
 
-    async def post(instance: Instance, role: str, path: str, body: dict):
+    async def post(instance: Instance, role: str, path: str, body: dict, headers: dict):
         """The instance's response, or the error to give the client: 504 on a timeout,
         502 when it cannot be reached."""
         instance.in_flight += 1
         try:
-            return await http.post(f"{instance.url}{path}", json=body)
+            return await http.post(f"{instance.url}{path}", json=body, headers=headers)
         except httpx.TimeoutException:
             failures.labels(f"{role} timeout").inc()
             return error_response(504, f"{role} instance {instance.url} timed out", code="timeout")
@@ -113,16 +173,24 @@ def build_router_app(
         finally:
             instance.in_flight -= 1
 
-    async def prompt_tokens(path: str, body: dict) -> int:
+    async def prompt_tokens(path: str, body: dict, headers: dict) -> int:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return len(prompt)
         query = {"messages": body.get("messages")} if path.endswith("chat/completions") else {
             "prompt": prompt if isinstance(prompt, str) else ""}  # fmt: skip
-        response = await http.post(f"{decodes[0].url}/tokenize", json=query)
-        return response.json().get("count", 0) if response.status_code == 200 else 0
+        for instance in decodes:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                response = await http.post(
+                    f"{instance.url}/tokenize", json=query, headers=headers, timeout=30.0
+                )
+                return response.json().get("count", 0) if response.status_code == 200 else 0
+        return 0
 
-    async def prefill(path: str, body: dict) -> dict | JSONResponse:
+    async def prefill(path: str, body: dict, headers: dict) -> dict | JSONResponse | None:
+        """The prefill call: the transfer parameters, None when the prefill instance
+        did not keep the blocks (the decode instance computes the prompt), or an error
+        response."""
         """The prefill call; the transfer parameters, or an error response."""
         request = {**body, "max_tokens": 1, "stream": False,
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
@@ -133,7 +201,7 @@ def build_router_app(
         while (instance := _least_busy(prefills, tried)) is not None:
             tried.add(instance.url)
             started = time.perf_counter()
-            response = await post(instance, "prefill", path, request)
+            response = await post(instance, "prefill", path, request, headers)
             if isinstance(response, JSONResponse):
                 if response.status_code == 502:  # unreachable: the next one may answer
                     logger.warning("prefill instance %s unreachable; trying another",
@@ -143,41 +211,75 @@ def build_router_app(
             prefill_time.observe(time.perf_counter() - started)
             if response.status_code != 200:
                 return JSONResponse(response.json(), status_code=response.status_code)
-            params = response.json().get("kv_transfer_params")
-            if params is None:
-                return error_response(
-                    502, f"{instance.url} is not a prefill instance", code="bad_gateway"
-                )
-            return params
+            # None: its lease cap was reached (the decode instance computes the prompt).
+            return response.json().get("kv_transfer_params")
         failures.labels("no prefill instance").inc()
         return error_response(502, "no prefill instance could be reached", code="bad_gateway")
 
+    async def read_body(path: str, request: Request) -> dict:
+        """The client's JSON body, checked as the instances will check it (a 400 here
+        costs nothing; after a prefill it would pin a lease for nothing)."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            message = f"the body is not valid JSON ({exc})"
+            raise APIError(400, message, "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+        body.pop("kv_transfer_params", None)  # only a prefill instance's answer is trusted
+        model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
+        try:
+            parsed = model.model_validate(body)
+            parsed.sampling_params({})
+            if isinstance(parsed, CompletionRequest):
+                parsed.prompts()
+            else:
+                parsed.conversation()
+        except pydantic.ValidationError as exc:
+            raise invalid_body(exc.errors(include_url=False)) from None
+        except InvalidParameterError as exc:
+            raise as_api_error(exc) from None
+        return body
+
     async def route(path: str, request: Request):
         started = time.perf_counter()
-        body = await request.json()
+        check_key(request)
+        body = await read_body(path, request)
+        headers = forwarded(request)
         # n > 1 samples need blocks each: the decode instance computes those prompts.
         remote = body.get("n", 1) == 1 and (
             not local_prefill_threshold
-            or await prompt_tokens(path, body) >= local_prefill_threshold
+            or await prompt_tokens(path, body, headers) >= local_prefill_threshold
         )
         if remote:
-            params = await prefill(path, body)
+            params = await prefill(path, body, headers)
             if isinstance(params, JSONResponse):
                 return params
-            body = {**body, "kv_transfer_params": params}
+            if params is not None:
+                body = {**body, "kv_transfer_params": params}
         requests_total.labels("disaggregated" if remote else "decode only").inc()
-        instance = _least_busy(decodes)
-        if body.get("stream"):
-            return await stream(instance, path, body, started)
-        response = await post(instance, "decode", path, body)
-        if isinstance(response, JSONResponse):
-            return response
-        logger.info("%s via %s: %.1f ms", path, instance.url, (time.perf_counter() - started) * 1e3)
-        return JSONResponse(response.json(), status_code=response.status_code)
+        tried: set[str] = set()
+        while (instance := _least_busy(decodes, tried)) is not None:
+            tried.add(instance.url)
+            if body.get("stream"):
+                response = await stream(instance, path, body, headers, started)
+            else:
+                response = await post(instance, "decode", path, body, headers)
+            if isinstance(response, JSONResponse) and response.status_code == 502:
+                logger.warning("decode instance %s unreachable; trying another", instance.url)
+                continue
+            if isinstance(response, Response):
+                return response
+            logger.info(
+                "%s via %s: %.1f ms", path, instance.url, (time.perf_counter() - started) * 1e3
+            )
+            return JSONResponse(response.json(), status_code=response.status_code)
+        failures.labels("no decode instance").inc()
+        return error_response(502, "no decode instance could be reached", code="bad_gateway")
 
-    async def stream(instance: Instance, path: str, body: dict, started: float):
+    async def stream(instance: Instance, path: str, body: dict, headers: dict, started: float):
         instance.in_flight += 1
-        upstream = http.stream("POST", f"{instance.url}{path}", json=body)
+        upstream = http.stream("POST", f"{instance.url}{path}", json=body, headers=headers)
         try:
             response = await upstream.__aenter__()
         except httpx.TransportError as exc:
@@ -205,8 +307,16 @@ def build_router_app(
                                     (time.perf_counter() - started) * 1e3)  # fmt: skip
                         first = False
                     yield chunk
+            except httpx.HTTPError as exc:  # the decode instance died mid-stream
+                failures.labels("decode lost mid-stream").inc()
+                error = APIError(
+                    502, f"decode instance {instance.url} failed mid-stream: {exc}",
+                    "server_error", code="bad_gateway",
+                )  # fmt: skip
+                yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
             finally:  # done, or the client hung up: closing aborts the decode request
-                await upstream.__aexit__(None, None, None)
+                with contextlib.suppress(httpx.HTTPError):
+                    await upstream.__aexit__(None, None, None)
                 instance.in_flight -= 1
 
         return StreamingResponse(relay(), media_type="text/event-stream")
@@ -229,12 +339,13 @@ def run_router(
     port: int = 8000,
     local_prefill_threshold: int = 0,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> None:
     import uvicorn
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = build_router_app(prefill_urls, decode_urls, local_prefill_threshold, timeout_s)
+    app = build_router_app(prefill_urls, decode_urls, local_prefill_threshold, timeout_s, api_key)
     logger.info("router on http://%s:%d: prefill %s, decode %s", host, port, prefill_urls,
                 decode_urls)  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -16,8 +16,9 @@ batched; no per-token messages.
 The cache is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``: a block's bytes
 are strided across layers, so a read gathers ``cache[:, :, ids]`` and the receiver
 scatters into ``cache[:, :, local_ids]``. Reads only ever touch blocks the serving side
-holds under a lease, and writes only blocks the reading side allocated and has not
-handed to anyone yet, so neither races with the engine.
+holds under a lease (``authorize`` refuses any other read, and any read without the
+lease's token), and writes only blocks the reading side allocated and has not handed
+to anyone yet, so neither races with the engine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from tandem.models.dtypes import DTYPES, torch_dtype_name
 
 class ReadRequest(msgspec.Struct, tag=True):
     block_ids: list[int]
+    lease_id: str = ""  # the lease the blocks are under, and its token (auth.py)
+    token: str = ""
 
 
 class Notify(msgspec.Struct, tag=True):
@@ -75,9 +78,13 @@ class ZmqKVAgent:
         port: int = 0,
         on_notify: Callable[[dict], None] | None = None,
         timeout_s: float = 30.0,
+        authorize: Callable[[str, str, list[int]], str] | None = None,
     ) -> None:
+        """``authorize(lease_id, token, block_ids)``: why a read may not be served, or
+        "" (None: serve every read; only for tests of the transport itself)."""
         self.kv_cache = kv_cache
         self.on_notify = on_notify
+        self.authorize = authorize
         self.timeout_ms = int(timeout_s * 1000)
         self.context = zmq.Context.instance()
         self.server = self.context.socket(zmq.ROUTER)
@@ -119,6 +126,15 @@ class ZmqKVAgent:
                 continue
             if isinstance(message, MetadataRequest):
                 self.server.send_multipart([identity, self.memory_metadata()])
+                continue
+            refusal = (
+                self.authorize(message.lease_id, message.token, message.block_ids)
+                if self.authorize is not None
+                else ""
+            )
+            if refusal:
+                header = BlocksHeader([], "", error=f"read refused: {refusal}")
+                self.server.send_multipart([identity, msgspec.msgpack.encode(header), b""])
                 continue
             try:
                 ids = torch.tensor(message.block_ids, dtype=torch.long)
@@ -171,7 +187,8 @@ class ZmqKVAgent:
     def _read(self, peer: dict, pairs: list[tuple[int, int]]) -> TransferResult:
         started = time.perf_counter()
         remote = [r for r, _ in pairs]
-        frames = self._request(peer, msgspec.msgpack.encode(ReadRequest(remote)))
+        read = ReadRequest(remote, peer.get("lease_id") or "", peer.get("token") or "")
+        frames = self._request(peer, msgspec.msgpack.encode(read))
         header = msgspec.msgpack.decode(frames[0].bytes, type=BlocksHeader)
         if header.error:
             raise KVTransferError(header.error)
@@ -214,6 +231,7 @@ def make_kv_agent(
     on_notify: Callable[[dict], None] | None = None,
     timeout_s: float = 30.0,
     backend: str = "auto",
+    authorize: Callable[[str, str, list[int]], str] | None = None,
 ) -> ZmqKVAgent:
     """The NIXL backend when ``nixl`` is installed (``auto``) or asked for, else ZeroMQ."""
     if backend in ("auto", "nixl"):
@@ -223,5 +241,5 @@ def make_kv_agent(
             if backend == "nixl":
                 raise KVTransferError("--kv-backend nixl needs the nixl package") from None
         else:
-            return NixlKVAgent(kv_cache, host, port, on_notify, timeout_s)
-    return ZmqKVAgent(kv_cache, host, port, on_notify, timeout_s)
+            return NixlKVAgent(kv_cache, host, port, on_notify, timeout_s, authorize)
+    return ZmqKVAgent(kv_cache, host, port, on_notify, timeout_s, authorize)

@@ -16,7 +16,9 @@ or the request::
                                               r's output for the other side
 
 Contract: a request aborted while its blocks are being written keeps them until
-``finished_transfers`` names it (the writer must not write into freed blocks).
+``finished_transfers`` names it (the writer must not write into freed blocks). A
+request's parameters pass ``check`` before it is queued: a client's word is never
+taken for which blocks to read, or from where.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tandem.errors import InvalidParameterError
 
 if TYPE_CHECKING:
+    from tandem.engine.input_processor import EngineRequest
     from tandem.engine.request import Request
 
 
@@ -37,7 +40,9 @@ class KVTransferParams:
     Prefill side: ``do_remote_decode`` keeps the blocks when the request finishes, for a
     decode instance to read. Decode side: ``remote_block_ids`` hold the first
     ``remote_num_tokens`` prompt tokens' K/V on the instance at ``remote_host:port``,
-    under lease ``lease_id``."""
+    under lease ``lease_id``; ``prompt_digest`` names those tokens and ``signature``
+    is the prefill instance's over all of it (the connector checks both before the
+    request is queued: KVConnector.check)."""
 
     do_remote_decode: bool = False
     remote_block_ids: tuple[int, ...] = ()
@@ -46,6 +51,25 @@ class KVTransferParams:
     remote_host: str | None = None
     remote_port: int | None = None
     remote_engine_id: str | None = None
+    prompt_digest: str | None = None
+    signature: str | None = None
+
+    @property
+    def pulls(self) -> bool:
+        """Whether it names remote blocks to read (the decode side's parameters)."""
+        return bool(self.remote_block_ids) or self.remote_num_tokens > 0
+
+    def signed_fields(self) -> dict[str, Any]:
+        """The fields a prefill instance signs, as it sent them."""
+        return {
+            "lease_id": self.lease_id,
+            "remote_block_ids": list(self.remote_block_ids),
+            "remote_num_tokens": self.remote_num_tokens,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_engine_id": self.remote_engine_id,
+            "prompt_digest": self.prompt_digest,
+        }
 
     @classmethod
     def parse(
@@ -82,6 +106,8 @@ class KVTransferParams:
             remote_host=_field(raw, "remote_host", str),
             remote_port=port,
             remote_engine_id=_field(raw, "remote_engine_id", str),
+            prompt_digest=_field(raw, "prompt_digest", str),
+            signature=_field(raw, "signature", str),
         )
 
 
@@ -113,6 +139,12 @@ class KVConnector(Protocol):
 
     num_leases: int  # requests whose blocks the connector holds for another instance
     num_lease_expiries: int  # ... released because nobody came for them
+
+    def check(self, request: EngineRequest) -> None:
+        """Raise InvalidParameterError for transfer parameters this connector will not
+        act on (forged, or not this prompt's); called before the request is queued,
+        on any thread (it reads only immutable state)."""
+        ...
 
     def num_remote_tokens(self, request: Request) -> int:
         """Prompt tokens whose K/V this request will receive instead of computing."""

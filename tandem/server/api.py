@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
 from tandem.server.async_engine import AsyncEngine
-from tandem.server.errors import APIError, as_api_error
+from tandem.server.errors import APIError, as_api_error, invalid_body
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import BodyGuard, ServerLimits
 from tandem.server.metrics import ServerMetrics
@@ -48,23 +48,6 @@ _HTTP_ERROR_TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
 }  # fmt: skip
 # What each route documents besides its 200 (the framework's 422 is never sent).
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _field_path(location) -> str | None:
-    """pydantic's error location as the field it names: ("body", "messages", 0,
-    "content", "str") -> "messages[0].content" (the union member tried is dropped)."""
-    path = ""
-    for part in location[1:] if location[:1] == ("body",) else location:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in _TYPE_TAGS:
-            path += f".{part}" if path else part
-        else:
-            break
-    return path or None
-
-
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 STREAMING = {
     200: {
@@ -116,16 +99,8 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        if first.get("type") == "json_invalid":
-            detail = first.get("ctx", {}).get("error", "")
-            message, param = f"the body is not valid JSON ({detail})", None
-        else:
-            param = _field_path(first.get("loc", ()))
-            message = f"{param}: {first['msg']}" if param else first["msg"]
-        return JSONResponse(
-            APIError(400, message, "invalid_request_error", param).body(), status_code=400
-        )
+        error = invalid_body(exc.errors())
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException):

@@ -98,6 +98,8 @@ class AsyncEngine:
             self.engine.input_processor.process,
             request_id, prompt, params, kv_transfer_params=transfer,
         )  # fmt: skip
+        if request.kv_transfer is not None:  # forged or foreign parameters: refused here
+            self.engine.scheduler.connector.check(request)
 
         def add() -> None:
             waiting = len(self.engine.scheduler.waiting)

@@ -51,3 +51,31 @@ def error_response(status: int, message: str, type_: str = "server_error", code=
     """A JSONResponse carrying an error in OpenAI's shape."""
     error = APIError(status, message, type_, code=code)
     return JSONResponse(error.body(), status_code=status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def field_path(location) -> str | None:
+    """pydantic's error location as the field it names: ("body", "messages", 0,
+    "content", "str") -> "messages[0].content" (the union member tried is dropped)."""
+    path = ""
+    for part in location[1:] if location[:1] == ("body",) else location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path or None
+
+
+def invalid_body(errors: list[dict[str, Any]]) -> APIError:
+    """A 400 for pydantic's errors about a request body (its first error, by field)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the body is not valid JSON ({detail})", "invalid_request_error")
+    param = field_path(first.get("loc", ()))
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return APIError(400, message, "invalid_request_error", param)
