@@ -363,6 +363,48 @@ def test_metrics_count_what_was_served(server, client):
         assert f"tandem:{name}" in text
 
 
+def test_n_samples_are_one_request_in_every_histogram(server, client):
+    names = ("request_success_total", "time_to_first_token_seconds_count",
+             "e2e_request_latency_seconds_count", "request_prompt_tokens_count",
+             "request_generation_tokens_count", "request_generation_tokens_sum",
+             "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+             "request_inference_time_seconds_count", "prompt_tokens_total")  # fmt: skip
+    before = {name: metric(server, name) for name in names}
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, n=3, extra_body={"ignore_eos": True}
+    )
+    wait_for(lambda: metric(server, "request_success_total") > before["request_success_total"])
+    after = {name: metric(server, name) for name in names}
+    for name in names:
+        if name.endswith("_count") or name == "request_success_total":
+            assert after[name] - before[name] == 1, name
+    assert after["request_generation_tokens_sum"] - before["request_generation_tokens_sum"] == 15
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == (
+        response.usage.prompt_tokens
+    )
+    assert metric(server, "iteration_tokens_total_count") > 0
+
+
+def test_preemptions_are_counted_when_they_happen(model_dirs):
+    """A cache too small for two growing requests: the counter moves while both still
+    run (before, it only moved when a preempted request finished)."""
+    folder, _ = model_dirs("llama")
+    llm = LLM(str(folder), num_blocks=6, block_size=4, max_num_seqs=2)
+    metrics = ServerMetrics(MODEL)
+    llm.engine.add_observer(metrics)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.engine.add_request("a", [5, 6, 7, 8], params)
+    llm.engine.add_request("b", [9, 10, 11, 12], params)
+    counted = 0.0
+    while llm.engine.has_unfinished_requests() and not counted:
+        llm.engine.step()
+        counted = metrics.preemptions._value.get()
+    assert counted >= 1 and llm.engine.has_unfinished_requests()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.kv_manager.check_no_leaks()
+
+
 # -- a failing step -----------------------------------------------------------------------
 
 

@@ -164,6 +164,12 @@ class Engine:
                     request.cache_salt,
                 )
             )
+        for index, child in enumerate(children):
+            child.parent_id, child.sample_index, child.num_samples = (
+                request.request_id,
+                index,
+                params.n,
+            )
         self.output_processor.add_request(request, children)
         for child in children:
             if params.n == 1:

@@ -76,6 +76,9 @@ class Request:
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         self.timeline = RequestTimeline(arrival_time or time.perf_counter())
+        # One of n samples of the request ``parent_id`` (Engine.add sets these for n > 1).
+        self.parent_id = request_id
+        self.sample_index, self.num_samples = 0, 1
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Keep the CPU forward's large temporaries in the heap instead of fresh mappings.
+"""Keep the CPU forward's large temporaries in the heap instead of fresh mappings
+(and give memory back after one-off large requests: ``give_back``).
 
 glibc serves allocations above its mmap threshold (128 KiB at start, raised as such
 blocks are freed, to at most 32 MiB) with a new mapping each time, and returns heap
@@ -28,17 +29,31 @@ TRIM_THRESHOLD = 1 << 30
 
 
 @functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
 def keep_large_temporaries() -> bool:
     """Raise glibc's mmap and trim thresholds (once per process). False where the C
     library is not glibc, which leaves everything as it was."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     if not ok:
         logger.debug("mallopt refused the thresholds; large temporaries stay mmapped")
     return ok
+
+
+def give_back() -> None:
+    """Return the heap's free memory to the system (glibc's malloc_trim): after a
+    one-off large allocation, such as tokenizing a multi-megabyte request, which the
+    raised trim threshold would otherwise keep resident for good."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

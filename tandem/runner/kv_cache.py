@@ -15,6 +15,9 @@ write that layout; ``quantize_kv_rows`` / ``dequantize_kv_rows`` are the same in
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from tandem.models.config import ModelConfig
@@ -43,9 +46,20 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "int8":
-        return torch.zeros((*shape[:-1], config.head_dim + SCALE_BYTES), dtype=torch.uint8,
-                           device=device)  # fmt: skip
+        shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
+    if device.type == "cpu":
+        return zeroed_on_first_touch(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages the OS provides as they are first written (an
+    anonymous mapping, page-aligned): a 2 GiB cache of which a few blocks are used
+    costs those blocks' memory, not 2 GiB of resident memory (torch.zeros writes
+    every page up front)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
@@ -48,7 +48,7 @@ _HTTP_ERROR_TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
 }  # fmt: skip
 # What each route documents besides its 200 (the framework's 422 is never sent).
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 500, 503)}
 STREAMING = {
     200: {
         "description": "A JSON response, or with stream=true server-sent events: "
@@ -163,14 +163,15 @@ def build_app(
     guarded = [Depends(check_key)]
     trace_guarded = [Depends(check_key), Depends(check_trace_allowed)]
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> dict[str, str]:
         if not engine.is_alive:
             raise APIError(503, "the engine thread has stopped", "server_error")
-        return Response(status_code=200)
+        return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
+        """Prometheus exposition text (vLLM's metric names under ``tandem:``)."""
         text = await asyncio.to_thread(metrics.render)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

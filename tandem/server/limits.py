@@ -24,8 +24,11 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem.errors import InvalidParameterError
+from tandem.runner import host_memory
 
 logger = logging.getLogger("tandem.server")
+# After a request body this large, free heap memory goes back to the system.
+GIVE_BACK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,11 @@ class BodyGuard:
             if not responded:  # (the app's answer to a request already answered)
                 await send(message)
 
-        await self.app(scope, guarded_receive, guarded_send)
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        finally:
+            if received >= GIVE_BACK_BYTES:  # what handling it allocated, to the system
+                await asyncio.to_thread(host_memory.give_back)
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_bytes} bytes"

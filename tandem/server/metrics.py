@@ -2,8 +2,10 @@
 
 An EngineObserver: latencies come from each finished request's timeline (recorded by
 the engine as things happen), counters and gauges from the StepStats after every
-step. One registry per server, so that several servers in one process (tests) do not
-collide.
+step. As vLLM counts: a request with n samples is one request in every per-request
+histogram and in request_success (observed when its last sample ends: its earliest
+first token, its latest finish); preemptions are counted when they happen. One
+registry per server, so that several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -41,14 +43,26 @@ ITL_BUCKETS = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Scrapes within this many seconds share one rendering: rendering holds the GIL and
 # the metrics' locks, which a flood of scrapes would take from the engine thread.
 RENDER_INTERVAL = 0.1
 
 
+def one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return buckets
+            buckets.append(float(step * scale))
+        scale *= 10
+
+
 class ServerMetrics(EngineObserver):
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 131072) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -80,7 +94,29 @@ class ServerMetrics(EngineObserver):
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.preemptions = counter("num_preemptions", "Preemptions of finished requests.")
+        self.preemptions = counter("num_preemptions", "Preemptions, counted as they happen.")
+        token_buckets = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Generated tokens of each finished request (all its samples).",
+            token_buckets,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to finish.", REQUEST_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens run in each engine step.", ITERATION_TOKEN_BUCKETS
+        )
+        self._open_samples: dict[str, list[Request]] = {}
         self.prefix_queries = counter(
             "prefix_cache_queries", "Tokens looked up in the prefix cache at admission."
         )
@@ -134,25 +170,60 @@ class ServerMetrics(EngineObserver):
     # -- EngineObserver ---------------------------------------------------------------
 
     def request_added(self, request: Request) -> None:
-        self.prompt_tokens.inc(len(request.prompt_token_ids))
+        if request.sample_index == 0:  # n samples share one prompt
+            self.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def request_finished(self, request: Request) -> None:
-        self.success[request.status.value].inc()
-        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
-            return
-        metrics = RequestMetrics.from_timeline(request.timeline)
-        self.preemptions.inc(metrics.num_preemptions)
-        if metrics.ttft is not None:
-            self.ttft.observe(metrics.ttft)
-        for gap in metrics.inter_token_latencies:
-            self.itl.observe(gap)
-        if metrics.finished_time is not None:
-            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-        if metrics.first_scheduled_time is not None:
-            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        samples = [request]
+        if request.num_samples > 1:  # wait for the request's last sample
+            samples = self._open_samples.setdefault(request.parent_id, [])
+            samples.append(request)
+            if len(samples) < request.num_samples:
+                return
+            del self._open_samples[request.parent_id]
+        statuses = {s.status for s in samples}
+        failed = statuses & {RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED}
+        status = (
+            RequestStatus.FINISHED_ERROR
+            if RequestStatus.FINISHED_ERROR in statuses
+            else next(iter(failed), samples[-1].status)
+        )
+        self.success[status.value].inc()
+        if not failed:
+            self._observe(samples)
+
+    def _observe(self, samples: list[Request]) -> None:
+        timelines = [s.timeline for s in samples]
+        arrival = timelines[0].arrival
+        first_token = min((t.token_times[0] for t in timelines if t.token_times), default=None)
+        scheduled = min(
+            (t.first_scheduled for t in timelines if t.first_scheduled is not None), default=None
+        )
+        finished = max((t.finished for t in timelines if t.finished is not None), default=None)
+        for timeline in timelines:
+            for gap in RequestMetrics.from_timeline(timeline).inter_token_latencies:
+                self.itl.observe(gap)
+        self.request_prompt_tokens.observe(len(samples[0].prompt_token_ids))
+        self.request_generation_tokens.observe(sum(s.num_output_tokens for s in samples))
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+        if finished is not None:
+            self.e2e.observe(finished - arrival)
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - arrival)
+            if first_token is not None:
+                self.prefill_time.observe(first_token - scheduled)
+            if finished is not None:
+                self.inference_time.observe(finished - scheduled)
+        if first_token is not None and finished is not None:
+            self.decode_time.observe(finished - first_token)
 
     def step_done(self, out: SchedulerOutput | None, stats: StepStats) -> None:
         self.generation_tokens.inc(stats.num_generated_tokens)
+        if out is not None:
+            self.preemptions.inc(len(out.preempted_ids))
+            if out.num_batched_tokens:
+                self.iteration_tokens.observe(out.num_batched_tokens)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)

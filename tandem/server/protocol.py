@@ -10,16 +10,17 @@ exactly the same things. ``ErrorResponse`` is the error body every route documen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.errors import InvalidParameterError, require_unicode
-from tandem.sampling import SamplingParams
+from tandem.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: "1" is not an integer nor "true" a boolean; the schema is the contract.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ErrorDetail(BaseModel):
@@ -44,13 +45,13 @@ class ContentPart(BaseModel):
     """A part of a message's content; only ``{"type": "text", "text": ...}`` is
     supported (any other type is a 400 that says so)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, and what a chat template may read
+    model_config = ConfigDict(extra="allow", strict=True)  # name; what templates may read
     role: str = Field(min_length=1)
     content: str | list[ContentPart]
 
@@ -96,19 +97,19 @@ class _Sampling(_Body):
     model's recommended value (generation_config.json) or vLLM's default applies."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -167,8 +168,8 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None  # refused unless 1
     suffix: str | None = None  # refused
@@ -198,9 +199,9 @@ RESERVED_TEMPLATE_VARIABLES = {
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless off (see _UNSUPPORTED_OFF_VALUES): typed so the schema shows them.
@@ -243,4 +244,4 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]

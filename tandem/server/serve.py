@@ -39,7 +39,7 @@ def run_server(
     config = EngineConfig.from_kwargs(model, **engine_options)
     engine = Engine(config)
     name = served_model_name or Path(model).name
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, engine.max_model_len)
     if trace is not None:
         engine.start_trace()
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
