@@ -53,6 +53,20 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         assert len(lines) == 1 and message in lines[0], result.stderr
 
 
+def test_serve_and_bench_errors_are_one_line(tiny_server, tmp_path):
+    """A busy port fails before the model loads; a bad --tokenizer names itself."""
+    busy = tiny_server.rsplit(":", 1)[1]
+    result = run_cli("serve", "--port", busy)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "cannot listen" in lines[0], lines
+    result = run_cli(
+        "bench", "serve", "--base-url", tiny_server, "--model", "tiny",
+        "--tokenizer", str(tmp_path), "--num-prompts", "1",
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "--tokenizer" in lines[0], lines
+
+
 def test_quantize_writes_a_gguf_file_generate_runs(model_dirs, tmp_path):
     """`tandem quantize` then `tandem generate --model file.gguf`: the quantized model
     answers as the engine does on the same file (weights kept in Q4_0)."""

@@ -64,7 +64,11 @@ class LocalTokenizer:
     def __init__(self, folder: str) -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        path = Path(folder) / "tokenizer.json"
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+            raise TandemError(f"--tokenizer: cannot read {path}: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
