@@ -76,7 +76,7 @@ def transfer_totals(decode_url: str) -> tuple[float, float, float]:
 
 @contextlib.contextmanager
 def colocated(trace: Path | None):
-    flags = ["--threads", "2", "--log-level", "warning"]
+    flags = ["--model", "stdlib-lm", "--threads", "2", "--log-level", "warning"]
     with tandem_process("serve", *flags, *(["--trace", str(trace)] if trace else [])) as url:
         yield url, None
 
@@ -86,7 +86,8 @@ def disaggregated(trace: Path | None):
     secret = secrets.token_hex(16)  # the deployment's shared secret (docs/SECURITY.md)
 
     def role(name: str, core: int):
-        flags = ["--role", name, "--kv-secret", secret, "--threads", "1", "--log-level", "warning"]
+        flags = ["--model", "stdlib-lm", "--role", name, "--kv-secret", secret, "--threads", "1",
+                 "--log-level", "warning"]  # fmt: skip
         if trace:
             flags += ["--trace", str(trace.with_name(f"{trace.stem}-{name}.json"))]
         # taskset pins the whole server process (engine and HTTP) to one core.

@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(machine())
-    with tandem_server("serve", "--log-level", "warning") as server:
+    with tandem_server("serve", "--model", "stdlib-lm", "--log-level", "warning") as server:
         print("metrics flood:", flood(server.url, "/metrics", args.repeats))
         print("health flood:", flood(server.url, "/health", args.repeats))
         print("big bodies:", big_bodies(server.url))

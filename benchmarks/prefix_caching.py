@@ -85,7 +85,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for cache in (False, True):
             flag = "--enable-prefix-caching" if cache else "--no-enable-prefix-caching"
-            server = ["serve", flag, "--log-level", "warning", *options.server_args.split()]
+            server = ["serve", "--model", "stdlib-lm", flag, "--log-level", "warning",
+                      *options.server_args.split()]  # fmt: skip
             with tandem_process(*server) as base_url:
                 for seed in range(options.repeats):
                     for name, flags in workloads(Path(tmp), options, seed).items():

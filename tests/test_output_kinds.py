@@ -10,7 +10,6 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine.observer import EngineObserver
 from tandem.engine.request import RequestStatus
-from tandem.models.bundled import default_model
 from tandem.sampling import RequestOutputKind
 
 PROMPT = "import os\nimport sys\n\n\ndef main("
@@ -18,7 +17,7 @@ PROMPT = "import os\nimport sys\n\n\ndef main("
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(default_model())
+    return LLM("stdlib-lm")
 
 
 def outputs_of(llm: LLM, params: SamplingParams, kind: RequestOutputKind):

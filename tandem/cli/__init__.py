@@ -7,7 +7,18 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from tandem.cli import bench, generate, plan, quantize, router, serve, trace
+from tandem.cli import (
+    bench,
+    chat,
+    eval_kld,
+    eval_perplexity,
+    generate,
+    plan,
+    quantize,
+    router,
+    serve,
+    trace,
+)
 from tandem.errors import TandemError
 
 DESCRIPTION = """\
@@ -17,12 +28,13 @@ on a CPU or a CUDA GPU, measured in TTFT, TPOT and goodput."""
 
 EPILOG = """\
 examples:
-  tandem generate "import os" --max-tokens 32
+  tandem chat "What is the capital of France?"   (no message: an interactive chat)
+  tandem generate "import os" --max-tokens 32 --model stdlib-lm
   tandem serve --port 8000                  (then any OpenAI client at /v1)
   tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 50
   tandem plan --model DIR --hardware h100-sxm --prompt-len 2048
-  tandem generate --model smollm2-135m-instruct --chat "Name three primary colors."
   tandem quantize DIR model-q4_0.gguf --type q4_0   (then --model model-q4_0.gguf)
+  tandem eval kld --model smollm2-135m-instruct --reference smollm2-135m-instruct --text F
 'help' of each: tandem COMMAND --help"""
 
 
@@ -49,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub)
         sub.set_defaults(func=module.run)
 
+    add(commands, "chat", chat)
     add(commands, "generate", generate)
     add(commands, "serve", serve)
     add(commands, "router", router)
@@ -56,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench", required=True, metavar="BENCHMARK"
     )
     add(benchmarks, "serve", bench)
+    evals = commands.add_parser("eval", help="quality on a local text").add_subparsers(
+        dest="eval_command", required=True, metavar="METRIC"
+    )
+    add(evals, "perplexity", eval_perplexity)
+    add(evals, "kld", eval_kld)
     add(commands, "plan", plan)
     add(commands, "quantize", quantize)
     traces = commands.add_parser("trace", help="step traces").add_subparsers(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -130,6 +131,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         elif given:
             options[group.option] = given
     return options
+
+
+def model_or_default(args: argparse.Namespace) -> str:
+    """``--model``, or the default model, saying on stderr which it is."""
+    if args.model:
+        return args.model
+    from tandem.models.bundled import default_model_choice
+
+    model, message = default_model_choice()
+    print(f"tandem: {message}", file=sys.stderr)
+    return model
 
 
 def apply_threads(args: argparse.Namespace) -> None:

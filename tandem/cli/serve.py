@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from tandem.cli.engine_args import add_engine_arguments, apply_threads, engine_options
+from tandem.cli.engine_args import (
+    add_engine_arguments,
+    apply_threads,
+    engine_options,
+    model_or_default,
+)
 from tandem.server.limits import ServerLimits
 
 HELP = "an OpenAI-compatible HTTP server"
@@ -60,12 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from tandem.models.bundled import default_model
     from tandem.server.serve import run_server
 
     apply_threads(args)
     run_server(
-        args.model or default_model(),
+        model_or_default(args),
         engine_options(args),
         host=args.host,
         port=args.port,

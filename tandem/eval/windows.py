@@ -1,0 +1,70 @@
+"""Log-probabilities of a text's tokens, scored the way llama.cpp's ``llama-perplexity``
+scores them, so that the numbers compare with its published tables.
+
+The text's tokens are cut into ``len(tokens) // ctx`` non-overlapping windows of
+``ctx`` tokens; the first token of each window is replaced by BOS when the model adds
+one; each window runs as one sequence from an empty cache, and only its second half
+is scored: the logits at positions ``ctx/2 .. ctx-2`` predict the tokens at
+``ctx/2 + 1 .. ctx-1`` (the first half gives every scored token at least ``ctx/2``
+tokens of context). Windows run straight through the model runner on a private block
+table, while the engine is idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import InvalidParameterError
+from tandem.runner.model_runner import SequenceChunk
+
+
+@dataclass
+class ScoredWindow:
+    tokens: list[int]  # the window as run (BOS first when the model adds one)
+    targets: torch.Tensor  # [n] the scored tokens
+    log_probs: torch.Tensor  # [n, vocab] float32: log-softmax at the positions before them
+
+
+def windows(token_ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
+    if ctx < 4 or ctx % 2:
+        raise InvalidParameterError("ctx", f"must be an even number >= 4, got {ctx}")
+    count = len(token_ids) // ctx
+    if count == 0:
+        raise InvalidParameterError(
+            "text", f"has {len(token_ids)} tokens, fewer than one window of {ctx}"
+        )
+    out = []
+    for i in range(count):
+        window = token_ids[i * ctx : (i + 1) * ctx]
+        if bos is not None:
+            window = [bos, *window[1:]]
+        out.append(window)
+    return out
+
+
+def score_windows(llm, token_ids: list[int], ctx: int) -> Iterator[ScoredWindow]:
+    """Each window's scored half, in order (see the module's docstring)."""
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise InvalidParameterError("model", "the engine is busy; score windows on an idle one")
+    if ctx > engine.max_model_len:
+        raise InvalidParameterError(
+            "ctx", f"{ctx} exceeds the model's context ({engine.max_model_len})"
+        )
+    runner, block_size = engine.runner, engine.kv_manager.block_size
+    blocks = list(range(-(-ctx // block_size)))
+    if len(blocks) > engine.kv_manager.num_blocks:
+        raise InvalidParameterError("ctx", "the KV cache cannot hold one window")
+    tokenizer = engine.tokenizer
+    bos = tokenizer.bos_token_id if tokenizer is not None and tokenizer.add_bos_token else None
+    first = ctx // 2
+    for window in windows(token_ids, ctx, bos):
+        logits = runner.forward(
+            [SequenceChunk(window, 0, blocks)], logit_indices=list(range(first, ctx - 1))
+        )
+        yield ScoredWindow(
+            window, torch.tensor(window[first + 1 :]), logits.float().log_softmax(dim=-1)
+        )
