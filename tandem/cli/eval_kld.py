@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> None:
     else:
         ref_llm = load(args.reference, args, quantization=args.reference_quantization)
         tokens = text_tokens(ref_llm, args.text)
-        reference = reference_log_probs(ref_llm, tokens, args.ctx, progress)
+        reference = reference_log_probs(ref_llm, tokens, args.ctx, progress, args.batch)
         del ref_llm
         if args.save_reference:
             save_reference(reference, args.save_reference)
     llm = load(model, args)
     tokens = text_tokens(llm, args.text)
-    report(evaluate(llm, tokens, args.ctx, reference, progress), args.json)
+    report(evaluate(llm, tokens, args.ctx, reference, progress, args.batch), args.json)

@@ -16,6 +16,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--ctx", type=int, default=512, metavar="TOKENS",
         help="window size; its second half is scored (default: 512)",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, default=None, metavar="TOKENS",
+        help="run each window in chunks of this many tokens (default: whole); smaller "
+        "chunks read earlier ones from the KV cache, so its dtype counts",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -50,4 +55,4 @@ def run(args: argparse.Namespace) -> None:
     apply_threads(args)
     llm = load(model_or_default(args), args)
     tokens = text_tokens(llm, args.text)
-    report(evaluate(llm, tokens, args.ctx, None, not args.no_progress), args.json)
+    report(evaluate(llm, tokens, args.ctx, None, not args.no_progress, args.batch), args.json)

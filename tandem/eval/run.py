@@ -22,15 +22,18 @@ def text_tokens(llm, text_path: str | Path) -> list[int]:
         text = Path(text_path).read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise InvalidParameterError("text", f"cannot read {text_path}: {exc.strerror}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    # As llama-perplexity tokenizes: with the model's BOS first, if it adds one.
+    return tokenizer.encode(text, add_special_tokens=True)
 
 
-def reference_log_probs(llm, tokens: list[int], ctx: int, progress: bool) -> dict[str, Any]:
+def reference_log_probs(
+    llm, tokens: list[int], ctx: int, progress: bool, batch: int | None = None
+) -> dict[str, Any]:
     """The reference's scored log-probs of every window (what ``--save-reference``
     stores, with the tokens and ctx they belong to). Float32: rounding them to 16 bits
     would flip near-ties of the top token (4 bytes x vocab per scored token: 50 MB per
     512-token window of a 49k vocabulary)."""
-    scored = list(tqdm(score_windows(llm, tokens, ctx), desc="reference", unit="window",
+    scored = list(tqdm(score_windows(llm, tokens, ctx, batch), desc="reference", unit="window",
                        total=len(tokens) // ctx, disable=not progress))  # fmt: skip
     return {
         "ctx": ctx,
@@ -40,14 +43,19 @@ def reference_log_probs(llm, tokens: list[int], ctx: int, progress: bool) -> dic
 
 
 def evaluate(
-    llm, tokens: list[int], ctx: int, reference: dict[str, Any] | None, progress: bool
+    llm,
+    tokens: list[int],
+    ctx: int,
+    reference: dict[str, Any] | None,
+    progress: bool,
+    batch: int | None = None,
 ) -> dict[str, float]:
     if reference is not None and (reference["ctx"] != ctx or reference["tokens"] != tokens):
         raise InvalidParameterError(
             "reference", "was scored on other text or another --ctx (or another tokenizer)"
         )
     scores = Scores()
-    scored = tqdm(score_windows(llm, tokens, ctx), desc="scoring", unit="window",
+    scored = tqdm(score_windows(llm, tokens, ctx, batch), desc="scoring", unit="window",
                   total=len(tokens) // ctx, disable=not progress)  # fmt: skip
     for index, window in enumerate(scored):
         ref = None if reference is None else reference["log_probs"][index].float()

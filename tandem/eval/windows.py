@@ -6,8 +6,11 @@ The text's tokens are cut into ``len(tokens) // ctx`` non-overlapping windows of
 one; each window runs as one sequence from an empty cache, and only its second half
 is scored: the logits at positions ``ctx/2 .. ctx-2`` predict the tokens at
 ``ctx/2 + 1 .. ctx-1`` (the first half gives every scored token at least ``ctx/2``
-tokens of context). Windows run straight through the model runner on a private block
-table, while the engine is idle.
+tokens of context). A window runs in chunks of ``batch`` tokens (llama.cpp's ``-b``;
+by default the whole window at once): a token attends to earlier chunks through the
+KV cache, so a cache dtype's effect shows only with chunks smaller than the window
+(``batch=1`` scores every token as decode does). Windows run straight through the
+model runner on a private block table, while the engine is idle.
 """
 
 from __future__ import annotations
@@ -45,8 +48,13 @@ def windows(token_ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     return out
 
 
-def score_windows(llm, token_ids: list[int], ctx: int) -> Iterator[ScoredWindow]:
+def score_windows(
+    llm, token_ids: list[int], ctx: int, batch: int | None = None
+) -> Iterator[ScoredWindow]:
     """Each window's scored half, in order (see the module's docstring)."""
+    batch = batch or ctx
+    if batch < 1:
+        raise InvalidParameterError("batch", f"must be >= 1, got {batch}")
     engine = llm.engine
     if engine.has_unfinished_requests():
         raise InvalidParameterError("model", "the engine is busy; score windows on an idle one")
@@ -62,9 +70,13 @@ def score_windows(llm, token_ids: list[int], ctx: int) -> Iterator[ScoredWindow]
     bos = tokenizer.bos_token_id if tokenizer is not None and tokenizer.add_bos_token else None
     first = ctx // 2
     for window in windows(token_ids, ctx, bos):
-        logits = runner.forward(
-            [SequenceChunk(window, 0, blocks)], logit_indices=list(range(first, ctx - 1))
-        )
-        yield ScoredWindow(
-            window, torch.tensor(window[first + 1 :]), logits.float().log_softmax(dim=-1)
-        )
+        parts = []
+        for start in range(0, ctx, batch):
+            end = min(start + batch, ctx)
+            wanted = [p - start for p in range(max(start, first), min(end, ctx - 1))]
+            chunk = SequenceChunk(window[start:end], start, blocks)
+            logits = runner.forward([chunk], logit_indices=wanted or [0])
+            if wanted:
+                parts.append(logits.float())
+        log_probs = torch.cat(parts).log_softmax(dim=-1)
+        yield ScoredWindow(window, torch.tensor(window[first + 1 :]), log_probs)
