@@ -58,6 +58,11 @@ def score_windows(
     engine = llm.engine
     if engine.has_unfinished_requests():
         raise InvalidParameterError("model", "the engine is busy; score windows on an idle one")
+    if engine.kv_manager.enable_prefix_caching:  # its cached blocks would be overwritten
+        raise InvalidParameterError(
+            "model", "score windows on an engine without prefix caching (the windows "
+            "write into blocks the cache may hold)",
+        )  # fmt: skip
     if ctx > engine.max_model_len:
         raise InvalidParameterError(
             "ctx", f"{ctx} exceeds the model's context ({engine.max_model_len})"
