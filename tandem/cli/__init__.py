@@ -28,7 +28,7 @@ on a CPU or a CUDA GPU, measured in TTFT, TPOT and goodput."""
 
 EPILOG = """\
 examples:
-  tandem chat "What is the capital of France?"   (no message: an interactive chat)
+  tandem chat "Name three primary colors."   (no message: an interactive chat)
   tandem generate "import os" --max-tokens 32 --model stdlib-lm
   tandem serve --port 8000                  (then any OpenAI client at /v1)
   tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 50
