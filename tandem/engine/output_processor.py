@@ -126,21 +126,25 @@ class OutputProcessor:
     def process(self, updated: list[tuple[Request, list[SampledToken]]]) -> list[RequestOutput]:
         """Take each child's new tokens from a step; return the outputs due now."""
         touched: dict[str, _Parent] = {}
+        errors: dict[str, str] = {}  # parent id -> why it failed here
         for request, tokens in updated:
             parent, sample = self._children[request.request_id]
             touched[parent.request_id] = parent
             try:
                 self._take_tokens(sample, tokens)
             except Exception as exc:  # e.g. a token the tokenizer cannot decode
-                self._fail(parent, exc)
+                errors[parent.request_id] = _failure(parent, exc)
         outputs = []
         for parent in touched.values():
-            error = next((s.request.error for s in parent.samples if s.request.error), None)
+            # Failed here, or in the runner (the scheduler set the child's error).
+            error = errors.get(parent.request_id) or next(
+                (s.request.error for s in parent.samples if s.request.error), None
+            )
             if error is None:
                 try:
                     output = self._request_output(parent, parent.finished)
                 except Exception as exc:
-                    error = self._fail(parent, exc)
+                    error = _failure(parent, exc)
             if error is not None:
                 output = self._error_output(parent, error)
             if output is not None:
@@ -157,14 +161,6 @@ class OutputProcessor:
             if sample.eager_text and self._detokenize(sample, token.token_id):
                 self.finish_child(request, sample.detokenizer.matched_stop, len(tokens) - index - 1)
                 break
-
-    def _fail(self, parent: _Parent, exc: Exception) -> str:
-        logger.exception("request %s failed; the others go on", parent.request_id)
-        why = f"{type(exc).__name__}: {exc}"
-        for sample in parent.samples:
-            if sample.request.error is None:
-                self.fail_child(sample.request, why)
-        return why
 
     def _error_output(self, parent: _Parent, error: str) -> RequestOutput:
         """The failed parent's last output: every sample ends with "error" (siblings of
@@ -266,3 +262,9 @@ class OutputProcessor:
             cumulative_logprob=sample.cumulative_logprob,
             metrics=RequestMetrics.from_timeline(request.timeline),
         )
+
+
+def _failure(parent: _Parent, exc: Exception) -> str:
+    """Log a parent's failure (with its traceback); returns what its output says."""
+    logger.exception("request %s failed; the others go on", parent.request_id)
+    return f"{type(exc).__name__}: {exc}"
