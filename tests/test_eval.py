@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem import LLM
+from tandem import LLM, SamplingParams
 from tandem.eval.run import evaluate, reference_log_probs, text_tokens
 from tandem.eval.windows import windows
 
@@ -120,3 +120,18 @@ def test_chunked_windows_score_as_whole_ones_and_show_the_kv_cache_dtype(setup, 
     read_back = evaluate(int8, tokens, CTX, reference, progress=False, batch=4)["kld_mean"]
     # (a tiny random model's distributions are nearly flat: small, but far from float's)
     assert read_back > 0 and read_back > 100 * chunked["kld_mean"]
+
+
+def test_scoring_borrows_blocks_and_leaves_the_prefix_cache_honest(setup):
+    """On an engine with prefix caching, the windows take their blocks from the pool
+    (evicting what those cached); a cached prompt then still generates as before. Three
+    blocks: the prompt's cached first block survives, its second is evicted."""
+    folder, _, text, _ = setup
+    llm = LLM(str(folder), num_blocks=3, block_size=16)  # prefix caching on
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    evaluate(llm, text_tokens(llm, text), CTX, None, progress=False)
+    llm.engine.kv_manager.check_no_leaks()
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 16 and again.outputs[0].token_ids == before

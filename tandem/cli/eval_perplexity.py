@@ -33,9 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load(model: str, args: argparse.Namespace, **overrides):
     from tandem import LLM
 
-    # The windows run on a private block table: no prefix cache to keep consistent.
-    options = {**engine_options(args), **overrides, "enable_prefix_caching": False}
-    return LLM(model, **options)
+    return LLM(model, **{**engine_options(args), **overrides})
 
 
 def report(figures: dict, as_json: bool) -> None:

@@ -149,6 +149,13 @@ class KVCacheManager:
         self.num_detached_blocks += len(table)
         return table
 
+    def borrow(self, count: int) -> list[int]:
+        """``count`` free blocks for a caller outside the scheduler (whatever prefix they
+        cached is evicted first); given back with ``release_detached``."""
+        blocks = self.pool.allocate(count)
+        self.num_detached_blocks += count
+        return blocks
+
     def release_detached(self, blocks: list[int]) -> None:
         self.num_detached_blocks -= len(blocks)
         self.pool.release(reversed(blocks))

@@ -10,7 +10,8 @@ tokens of context). A window runs in chunks of ``batch`` tokens (llama.cpp's ``-
 by default the whole window at once): a token attends to earlier chunks through the
 KV cache, so a cache dtype's effect shows only with chunks smaller than the window
 (``batch=1`` scores every token as decode does). Windows run straight through the
-model runner on a private block table, while the engine is idle.
+model runner, on blocks borrowed from the KV manager (evicting what they cached), while
+the engine is idle.
 """
 
 from __future__ import annotations
@@ -58,30 +59,34 @@ def score_windows(
     engine = llm.engine
     if engine.has_unfinished_requests():
         raise InvalidParameterError("model", "the engine is busy; score windows on an idle one")
-    if engine.kv_manager.enable_prefix_caching:  # its cached blocks would be overwritten
-        raise InvalidParameterError(
-            "model", "score windows on an engine without prefix caching (the windows "
-            "write into blocks the cache may hold)",
-        )  # fmt: skip
     if ctx > engine.max_model_len:
         raise InvalidParameterError(
             "ctx", f"{ctx} exceeds the model's context ({engine.max_model_len})"
         )
-    runner, block_size = engine.runner, engine.kv_manager.block_size
-    blocks = list(range(-(-ctx // block_size)))
-    if len(blocks) > engine.kv_manager.num_blocks:
+    runner, kv = engine.runner, engine.kv_manager
+    needed = kv.blocks_needed(ctx)
+    if needed > kv.num_blocks - kv.num_blocks_in_use:
         raise InvalidParameterError("ctx", "the KV cache cannot hold one window")
     tokenizer = engine.tokenizer
     bos = tokenizer.bos_token_id if tokenizer is not None and tokenizer.add_bos_token else None
     first = ctx // 2
-    for window in windows(token_ids, ctx, bos):
-        parts = []
-        for start in range(0, ctx, batch):
-            end = min(start + batch, ctx)
-            wanted = [p - start for p in range(max(start, first), min(end, ctx - 1))]
-            chunk = SequenceChunk(window[start:end], start, blocks)
-            logits = runner.forward([chunk], logit_indices=wanted or [0])
-            if wanted:
-                parts.append(logits.float())
-        log_probs = torch.cat(parts).log_softmax(dim=-1)
-        yield ScoredWindow(window, torch.tensor(window[first + 1 :]), log_probs)
+    blocks = kv.borrow(needed)
+    try:
+        for window in windows(token_ids, ctx, bos):
+            yield _score(runner, window, blocks, first, batch)
+    finally:
+        kv.release_detached(blocks)
+
+
+def _score(runner, window: list[int], blocks: list[int], first: int, batch: int) -> ScoredWindow:
+    """One window from an empty cache, in chunks of ``batch``: its scored half."""
+    ctx, parts = len(window), []
+    for start in range(0, ctx, batch):
+        end = min(start + batch, ctx)
+        wanted = [p - start for p in range(max(start, first), min(end, ctx - 1))]
+        chunk = SequenceChunk(window[start:end], start, blocks)
+        logits = runner.forward([chunk], logit_indices=wanted or [0])
+        if wanted:
+            parts.append(logits.float())
+    log_probs = torch.cat(parts).log_softmax(dim=-1)
+    return ScoredWindow(window, torch.tensor(window[first + 1 :]), log_probs)
