@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import socket
 
 import httpx
 import msgspec
@@ -192,11 +193,24 @@ def keyed(folder):
         decode = stack.enter_context(serve(
             folder, "--role", "decode", "--kv-secret", SECRET, "--api-key", KEY))  # fmt: skip
         router = stack.enter_context(tandem_process(
-            "router", "--prefill", prefill, "--decode", decode, "--api-key", KEY))  # fmt: skip
+            "router", "--prefill", prefill, "--decode", decode, "--api-key", KEY,
+            "--max-body-bytes", str(ROUTER_MAX_BODY), "--header-timeout", "1"))  # fmt: skip
         yield {"prefill": prefill, "decode": decode, "router": router}
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ROUTER_MAX_BODY = 64 * 1024
+
+
+def test_the_router_bounds_bodies_and_slow_clients(keyed):
+    big = {"model": MODEL, "prompt": "x" * ROUTER_MAX_BODY, "max_tokens": 1}
+    response = httpx.post(f"{keyed['router']}/v1/completions", json=big, headers=AUTH)
+    assert response.status_code == 413 and "error" in response.json()
+    host, port = keyed["router"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finished
+        sock.settimeout(10)
+        assert sock.recv(4096) == b""  # closed after the header timeout
 
 
 def test_the_router_has_a_key_and_forwards_it(keyed):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.cli.serve import add_limit_arguments, limits_from
+
 HELP = "an OpenAI-compatible front for prefill and decode instances"
 
 
@@ -24,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (forwarded to the instances: give them the "
         "same --api-key)",
     )  # fmt: skip
+    # The instances check what requests ask; the router bounds what clients send it.
+    add_limit_arguments(parser, ("max_body_bytes", "header_timeout", "body_timeout"))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -31,5 +35,5 @@ def run(args: argparse.Namespace) -> None:
 
     run_router(
         args.prefill, args.decode, args.host, args.port, args.local_prefill_threshold,
-        args.timeout, args.api_key,
+        args.timeout, args.api_key, limits_from(args),
     )  # fmt: skip

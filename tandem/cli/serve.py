@@ -55,13 +55,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-trace-endpoints", action="store_true",
         help="allow POST /trace/start and /trace/stop without --api-key (off by default)",
     )  # fmt: skip
+    add_limit_arguments(parser, LIMIT_HELP)
+    add_engine_arguments(parser, kv_transfer=True)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser, names) -> None:
+    """A flag for each ServerLimits field in ``names``."""
     limits = parser.add_argument_group("limits on what one client may ask")
     for field in dataclasses.fields(ServerLimits):
-        limits.add_argument(
-            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
-            metavar="N", help=f"{LIMIT_HELP[field.name]} (default: {field.default})",
-        )  # fmt: skip
-    add_engine_arguments(parser, kv_transfer=True)
+        if field.name in names:
+            limits.add_argument(
+                f"--{field.name.replace('_', '-')}", type=type(field.default),
+                default=field.default, metavar="N",
+                help=f"{LIMIT_HELP[field.name]} (default: {field.default})",
+            )  # fmt: skip
+
+
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    """ServerLimits from the flags given (defaults for the fields without one)."""
+    fields = dataclasses.fields(ServerLimits)
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)})
 
 
 def run(args: argparse.Namespace) -> None:
@@ -78,8 +91,6 @@ def run(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         trace=args.trace,
-        limits=ServerLimits(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
-        ),
+        limits=limits_from(args),
         enable_trace_endpoints=args.enable_trace_endpoints,
     )

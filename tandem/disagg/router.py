@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError
 from tandem.server.errors import APIError, as_api_error, error_response, invalid_body
+from tandem.server.limits import BodyGuard, ServerLimits
 from tandem.server.metrics import LATENCY_BUCKETS
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -70,7 +71,11 @@ def build_router_app(
     local_prefill_threshold: int = 0,
     timeout_s: float = 600.0,
     api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
+    """``limits``: body size and timeouts for clients (limits.py; the instances check
+    the rest)."""
+    limits = limits or ServerLimits()
     prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
     decodes = [Instance(u.rstrip("/")) for u in decode_urls]
     http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(
@@ -82,6 +87,7 @@ def build_router_app(
         await http.aclose()
 
     app = FastAPI(title="tandem router", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
     registry = CollectorRegistry()
     requests_total = Counter(
         "tandem:router_requests", "Requests by path taken.", ["path"], registry=registry
@@ -340,12 +346,17 @@ def run_router(
     local_prefill_threshold: int = 0,
     timeout_s: float = 600.0,
     api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
-    import uvicorn
+    from tandem.server.serve import claim_port, run_app
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = build_router_app(prefill_urls, decode_urls, local_prefill_threshold, timeout_s, api_key)
+    limits = limits or ServerLimits()
+    listener = claim_port(host, port)  # a busy port fails at once, in one line
+    app = build_router_app(
+        prefill_urls, decode_urls, local_prefill_threshold, timeout_s, api_key, limits
+    )
     logger.info("router on http://%s:%d: prefill %s, decode %s", host, port, prefill_urls,
                 decode_urls)  # fmt: skip
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_app(app, listener, "warning", limits.header_timeout)

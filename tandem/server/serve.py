@@ -64,10 +64,15 @@ def run_server(
         model, name, host, port, engine.kv_manager.num_blocks,
         engine.kv_manager.block_size, engine.max_model_len,
     )  # fmt: skip
-    server_config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, http=h11_protocol(limits.header_timeout)
+    run_app(app, listener, log_level, limits.header_timeout)
+
+
+def run_app(app, listener: socket.socket, log_level: str, header_timeout: float) -> None:
+    """uvicorn on a claimed port, closing connections whose headers are too slow."""
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, http=h11_protocol(header_timeout)
     )
-    uvicorn.Server(server_config).run(sockets=[listener])
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 def claim_port(host: str, port: int) -> socket.socket:
