@@ -48,6 +48,12 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_folder(model_dirs) -> str:
+    """The tiny random Llama's folder (model_dirs' "llama")."""
+    return str(model_dirs("llama")[0])
+
+
+@pytest.fixture(scope="session")
 def tiny_server(model_dirs):
     """`tandem serve` on the tiny random Llama, served as "tiny", trace endpoints on;
     yields its base URL."""

@@ -1,6 +1,7 @@
-"""Helpers for tests of running servers: uvicorn on a thread of the test process (for
-tests that must reach inside a server), reading /metrics, waiting for a condition.
-Real server processes come from tandem.server.launch."""
+"""Helpers for tests of running servers: `tandem serve` of a test model as a real
+process (and the flags of a disaggregated role), uvicorn on a thread of the test
+process (for tests that must reach inside a server), reading /metrics, waiting for a
+condition."""
 
 from __future__ import annotations
 
@@ -12,8 +13,21 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.server.launch import free_port, wait_healthy
+from tandem.server.launch import free_port, tandem_process, wait_healthy
 from tandem.server.metrics import RENDER_INTERVAL
+
+MODEL = "tiny"  # the name servers of the test model folders are served as
+KV_SECRET = "test-deployment-secret"  # of the disaggregated test deployments
+
+
+def serve(folder: str, *flags: str):
+    """`tandem serve` of a test model folder (a real process), served as MODEL."""
+    return tandem_process("serve", "--model", folder, "--served-model-name", MODEL, *flags)
+
+
+def kv_role(name: str) -> tuple[str, ...]:
+    """The flags of a prefill or decode instance of the test deployment."""
+    return ("--role", name, "--kv-secret", KV_SECRET)
 
 
 @contextlib.contextmanager

@@ -18,15 +18,7 @@ from tandem.engine.kv_connector import FinishedTransfer
 from tandem.engine.observer import EngineObserver
 from tandem.server.launch import tandem_process, tandem_server
 from tests.hf_models import VOCAB_SIZE
-from tests.servers import metric, wait_for
-
-MODEL = "tiny"
-SECRET = "test-deployment-secret"
-
-
-def role(name: str) -> tuple[str, ...]:
-    """The flags of a prefill or decode instance of this test deployment."""
-    return ("--role", name, "--kv-secret", SECRET)
+from tests.servers import KV_SECRET, MODEL, kv_role, metric, serve, wait_for
 
 
 def idle(base_url: str) -> bool:
@@ -38,20 +30,13 @@ def idle(base_url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def folder(model_dirs):
-    return str(model_dirs("llama")[0])
-
-
-def serve(folder, *flags):
-    return tandem_process("serve", "--model", folder, "--served-model-name", MODEL, *flags)
-
-
-@pytest.fixture(scope="module")
-def cluster(folder):
+def cluster(llama_folder):
     """One prefill instance, two decode instances, a router in front."""
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(folder, *role("prefill"), "--kv-lease-seconds", "3"))
-        decodes = [stack.enter_context(serve(folder, *role("decode"))) for _ in range(2)]
+        prefill = stack.enter_context(
+            serve(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "3")
+        )
+        decodes = [stack.enter_context(serve(llama_folder, *kv_role("decode"))) for _ in range(2)]
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", *decodes)
         )
@@ -112,7 +97,7 @@ def test_a_decode_side_that_never_comes_back_leaks_nothing(cluster):
     assert metric(prefill, "kv_lease_expiries_total") >= 1
 
 
-def signed(params: dict, prompt: list[int], secret: str = SECRET, salt=None) -> dict:
+def signed(params: dict, prompt: list[int], secret: str = KV_SECRET, salt=None) -> dict:
     """Parameters as a prefill instance of the deployment (holding ``secret``) would
     return them for ``prompt``."""
     digest = prompt_digest(prompt[: params["remote_num_tokens"]], salt)
@@ -120,7 +105,7 @@ def signed(params: dict, prompt: list[int], secret: str = SECRET, salt=None) -> 
     return {**params, "signature": KVAuth(secret).sign(params)}
 
 
-def test_a_failed_pull_recomputes_or_fails_by_setting(folder, tiny_server):
+def test_a_failed_pull_recomputes_or_fails_by_setting(llama_folder, tiny_server):
     prompt = prompts()["long"]
     bogus = signed({"remote_host": "127.0.0.1", "remote_port": 9,
                     "remote_block_ids": list(range(6)), "remote_num_tokens": 89,
@@ -129,7 +114,7 @@ def test_a_failed_pull_recomputes_or_fails_by_setting(folder, tiny_server):
             "ignore_eos": True, "kv_transfer_params": bogus}  # fmt: skip
     expected = complete(tiny_server, prompt, stream=False)
     for policy in ("recompute", "fail"):
-        with serve(folder, *role("decode"), "--kv-transfer-failure", policy) as decode:
+        with serve(llama_folder, *kv_role("decode"), "--kv-transfer-failure", policy) as decode:
             response = httpx.post(f"{decode}/v1/completions", json=body, timeout=60)
             if policy == "recompute":
                 assert response.status_code == 200
@@ -142,13 +127,13 @@ def test_a_failed_pull_recomputes_or_fails_by_setting(folder, tiny_server):
             wait_for(lambda decode=decode: idle(decode))
 
 
-def test_a_dead_prefill_instance_is_skipped_then_reported(folder, tiny_server):
+def test_a_dead_prefill_instance_is_skipped_then_reported(llama_folder, tiny_server):
     prompt = prompts()["block multiple"]
     with contextlib.ExitStack() as stack:
-        dying = stack.enter_context(tandem_server("serve", "--model", folder,
-                                    "--served-model-name", MODEL, *role("prefill")))  # fmt: skip
-        alive = stack.enter_context(serve(folder, *role("prefill")))
-        decode = stack.enter_context(serve(folder, *role("decode")))
+        dying = stack.enter_context(tandem_server("serve", "--model", llama_folder,
+                                    "--served-model-name", MODEL, *kv_role("prefill")))  # fmt: skip
+        alive = stack.enter_context(serve(llama_folder, *kv_role("prefill")))
+        decode = stack.enter_context(serve(llama_folder, *kv_role("decode")))
         router = stack.enter_context(
             tandem_process("router", "--prefill", dying.url, alive, "--decode", decode)
         )
@@ -186,11 +171,13 @@ def test_a_client_hanging_up_frees_everything(cluster):
     assert aborted(cluster["decodes"]) == before + 1  # the decode request was aborted
 
 
-def test_a_killed_decode_instance_leaves_the_prefill_side_clean(folder):
+def test_a_killed_decode_instance_leaves_the_prefill_side_clean(llama_folder):
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(folder, *role("prefill"), "--kv-lease-seconds", "2"))
-        decode = stack.enter_context(tandem_server("serve", "--model", folder,
-                                     "--served-model-name", MODEL, *role("decode")))  # fmt: skip
+        prefill = stack.enter_context(
+            serve(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "2")
+        )
+        decode = stack.enter_context(tandem_server("serve", "--model", llama_folder,
+                                     "--served-model-name", MODEL, *kv_role("decode")))  # fmt: skip
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", decode.url)
         )
@@ -239,8 +226,8 @@ class HeldPulls:
 REMOTE = {"remote_block_ids": list(range(6)), "remote_num_tokens": 89, "lease_id": "x"}
 
 
-def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(folder):
-    engine = LLM(folder, block_size=16).engine
+def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(llama_folder):
+    engine = LLM(llama_folder, block_size=16).engine
     connector = HeldPulls()
     engine.set_kv_connector(connector)
     prompt = prompts()["long"]
@@ -258,10 +245,10 @@ def test_an_abort_during_the_pull_frees_the_blocks_once_it_ends(folder):
 
 
 @pytest.mark.parametrize("outcome", ["ok", "recompute", "fail"])
-def test_a_parked_request_runs_recomputes_or_fails_when_its_pull_ends(folder, outcome):
+def test_a_parked_request_runs_recomputes_or_fails_when_its_pull_ends(llama_folder, outcome):
     """After a pull ends the request runs from the pulled tokens (only the last prompt
     token is computed here), recomputes its prompt, or fails, with nothing leaked."""
-    engine = LLM(folder, block_size=16).engine
+    engine = LLM(llama_folder, block_size=16).engine
     connector = HeldPulls()
     engine.set_kv_connector(connector)
     prompt = prompts()["long"]

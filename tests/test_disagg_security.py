@@ -20,10 +20,8 @@ from tandem.disagg.auth import KVAuth
 from tandem.disagg.transfer import BlocksHeader, Notify, ReadRequest
 from tandem.server.launch import tandem_process, tandem_server
 from tests.hf_models import VOCAB_SIZE
-from tests.servers import metric, wait_for
+from tests.servers import KV_SECRET, MODEL, kv_role, metric, serve, wait_for
 
-MODEL = "tiny"
-SECRET = "the-deployment-secret"
 KEY = "client-key"
 
 
@@ -36,22 +34,13 @@ SECRET_PROMPT, FILLER = ids(90, 1), ids(90, 2)
 
 
 @pytest.fixture(scope="module")
-def folder(model_dirs):
-    return str(model_dirs("llama")[0])
-
-
-def serve(folder, *flags):
-    return tandem_process("serve", "--model", folder, "--served-model-name", MODEL, *flags)
-
-
-@pytest.fixture(scope="module")
-def deployment(folder):
+def deployment(llama_folder):
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(
-            serve(folder, "--role", "prefill", "--kv-secret", SECRET, "--num-blocks", "64",
+            serve(llama_folder, *kv_role("prefill"), "--num-blocks", "64",
                   "--kv-max-leased-fraction", "0.25")
         )  # fmt: skip
-        decode = stack.enter_context(serve(folder, "--role", "decode", "--kv-secret", SECRET))
+        decode = stack.enter_context(serve(llama_folder, *kv_role("decode")))
         yield {"prefill": prefill, "decode": decode}
 
 
@@ -86,7 +75,7 @@ def release_all(prefill: str, *leases: dict) -> None:
     wait_for(lambda: metric(prefill, "kv_leases") == 0)
 
 
-def token(params: dict, secret: str = SECRET) -> str:
+def token(params: dict, secret: str = KV_SECRET) -> str:
     return KVAuth(secret).lease_token(params["lease_id"])
 
 
@@ -149,7 +138,7 @@ def test_the_kv_port_serves_only_leased_blocks_to_lease_holders(deployment):
         "unleased blocks, no token": ReadRequest(outside),
         "a wrong token": ReadRequest(blocks, lease, token(params, "guess")),
         "blocks outside the lease": ReadRequest(outside, lease, token(params)),
-        "a made-up lease": ReadRequest(blocks, "other", KVAuth(SECRET).lease_token("other")),
+        "a made-up lease": ReadRequest(blocks, "other", KVAuth(KV_SECRET).lease_token("other")),
     }
     for name, attempt in attempts.items():
         header_frame, data = raw_request(params, attempt)
@@ -185,13 +174,13 @@ def test_direct_clients_cannot_pin_the_prefill_cache(deployment):
 
 
 @pytest.fixture(scope="module")
-def keyed(folder):
+def keyed(llama_folder):
     """A router and instances sharing a client API key."""
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(serve(
-            folder, "--role", "prefill", "--kv-secret", SECRET, "--api-key", KEY))  # fmt: skip
+            llama_folder, *kv_role("prefill"), "--api-key", KEY))  # fmt: skip
         decode = stack.enter_context(serve(
-            folder, "--role", "decode", "--kv-secret", SECRET, "--api-key", KEY))  # fmt: skip
+            llama_folder, *kv_role("decode"), "--api-key", KEY))  # fmt: skip
         router = stack.enter_context(tandem_process(
             "router", "--prefill", prefill, "--decode", decode, "--api-key", KEY,
             "--max-body-bytes", str(ROUTER_MAX_BODY), "--header-timeout", "1"))  # fmt: skip
@@ -259,15 +248,15 @@ def test_a_clients_transfer_parameters_never_reach_an_instance(keyed):
     assert response.status_code == 200, response.text
 
 
-def test_a_dead_decode_instance_is_skipped_and_a_lost_stream_ends_cleanly(folder):
+def test_a_dead_decode_instance_is_skipped_and_a_lost_stream_ends_cleanly(llama_folder):
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(folder, "--role", "prefill", "--kv-secret", SECRET))
+        prefill = stack.enter_context(serve(llama_folder, *kv_role("prefill")))
         dead = stack.enter_context(tandem_server(
-            "serve", "--model", folder, "--served-model-name", MODEL, "--role", "decode",
-            "--kv-secret", SECRET))  # fmt: skip
+            "serve", "--model", llama_folder, "--served-model-name", MODEL,
+            *kv_role("decode")))  # fmt: skip
         alive = stack.enter_context(tandem_server(
-            "serve", "--model", folder, "--served-model-name", MODEL, "--role", "decode",
-            "--kv-secret", SECRET))  # fmt: skip
+            "serve", "--model", llama_folder, "--served-model-name", MODEL,
+            *kv_role("decode")))  # fmt: skip
         router = stack.enter_context(tandem_process(
             "router", "--prefill", prefill, "--decode", dead.url, alive.url))  # fmt: skip
         dead.process.kill()
