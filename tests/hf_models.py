@@ -28,7 +28,7 @@ CORPUS = [
     "def forward(self, input_ids, positions):\n    return self.model(input_ids)",
 ] * 20
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -70,6 +70,24 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3":
         # head_dim * heads != hidden: the explicit head_dim must be honoured.
         cfg = transformers.Qwen3Config(**{**llama_like, "head_dim": 32, **overrides})
+    elif arch == "gemma3":
+        # Local layers slide over 8 tokens (prompts are longer), with their own rotary
+        # base; head_dim * heads != hidden and the score scale is not head_dim's.
+        gemma = dict(
+            llama_like,
+            head_dim=32,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            pad_token_id=2,
+        )
+        cfg = transformers.Gemma3TextConfig(**{**gemma, **overrides})
+        cfg.architectures = ["Gemma3ForCausalLM"]
     elif arch == "gpt2":
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
         cfg = transformers.GPT2Config(**{**gpt2, **overrides})

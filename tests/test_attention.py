@@ -63,7 +63,7 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
         contexts.append((k_ctx, v_ctx))
     query_lens = [new for _, new in shapes]
     num_computed = [cached for cached, _ in shapes]
-    metadata = build_paged_metadata(query_lens, num_computed, tables, BLOCK_SIZE, window)
+    metadata = build_paged_metadata(query_lens, num_computed, tables, BLOCK_SIZE, [window])
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])

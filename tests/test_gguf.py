@@ -110,7 +110,7 @@ def gguf_files(hf_folders, tmp_path_factory):
 def tandem_logits(path: Path, ids: list[int], quantization: str) -> torch.Tensor:
     lm = load_model(path, quantization=quantization)
     set_linear_method(lm.model, lambda layer: linear_method_for(layer, lm.device, lm.dtype))
-    attn = CausalAttention(1, len(ids), lm.config.sliding_window)
+    attn = CausalAttention(1, len(ids), lm.config.layer_windows())
     with torch.no_grad():
         hidden = lm.model(torch.tensor(ids), torch.arange(len(ids)), attn)
         return lm.model.compute_logits(hidden)

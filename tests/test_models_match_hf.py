@@ -114,7 +114,7 @@ def test_sharded_checkpoint_loads(model_dirs):
     assert_close(ours, reference_logits(hf_model, ids))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
 def test_greedy_generation_matches_transformers(model_dirs, arch):
     folder, hf_model = model_dirs(arch)
     loaded = load_model(folder)
@@ -136,8 +136,9 @@ def test_greedy_generation_matches_transformers(model_dirs, arch):
     assert naive.tolist() == expected.tolist()
 
 
-def test_bfloat16_close_to_transformers_bfloat16(model_dirs):
-    folder, hf_model = model_dirs("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bfloat16_close_to_transformers_bfloat16(model_dirs, arch):
+    folder, hf_model = model_dirs(arch)
     loaded = load_model(folder, dtype="bfloat16")
     ids = prompts([40])[0]
     hf_bf16 = type(hf_model)(hf_model.config).eval()

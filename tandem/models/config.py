@@ -43,12 +43,22 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # The layers that slide when only some do (Gemma 3: five local layers to each
+    # global one); None: every layer slides when sliding_window is set.
+    sliding_layers: tuple[int, ...] | None = None
     # dtype the checkpoint was saved in, e.g. "bfloat16"; None when the config is silent.
     checkpoint_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Settings only one family reads (e.g. GPT-2's attention scaling switches).
     family_options: dict[str, Any] = field(default_factory=dict)
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer attends its whole context)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        sliding = range(self.num_layers) if self.sliding_layers is None else self.sliding_layers
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
 
     def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
         """KV cache bytes one token takes (on one of ``tp`` tensor-parallel ranks): K and

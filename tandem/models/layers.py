@@ -44,12 +44,16 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.dim() == 2 and cpu_kernels.usable(x):
             out = torch.empty_like(x)
-            cpu_kernels.load().rms_norm(out, x, residual, self.weight, self.eps)
+            cpu_kernels.load().rms_norm(out, x, residual, self.multiplier(), self.eps)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def multiplier(self) -> torch.Tensor:
+        """What the normalised values are multiplied by (Gemma's norm: 1 + weight)."""
+        return self.weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, as the reference does, so

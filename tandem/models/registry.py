@@ -9,6 +9,7 @@ import torch
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
+from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.gpt2 import GPT2LMHeadModel
 from tandem.models.layers import AttentionContext
 from tandem.models.llama import LlamaForCausalLM
@@ -58,6 +59,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

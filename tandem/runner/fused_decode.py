@@ -72,7 +72,6 @@ class FusedDecode:
         group = backend.metadata.groups[0]
         self.block_tables = group.block_tables
         self.context_lens = group.context_lens
-        self.window = backend.metadata.sliding_window or 0
 
     @staticmethod
     def applies(backend: TorchPagedAttention) -> bool:
@@ -86,13 +85,15 @@ class FusedDecode:
         args = layer_arguments(layer)
         if args is None or rope.cos is not None or h.dtype != torch.float32 or h.dim() != 2:
             return None
-        k_blocks, v_blocks = self.backend.kv_cache[layer.self_attn.layer_idx]
+        layer_idx = layer.self_attn.layer_idx
+        k_blocks, v_blocks = self.backend.kv_cache[layer_idx]
+        window = self.backend.metadata.window(layer_idx) or 0
         norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim = args
         empty = h.new_empty(0)
         out, residual = cpu_kernels.load().llama_decode_layer(
             h, empty if residual is None else residual, norm1, norm2, eps, qkv, o_proj,
             gate_up, down, heads, kv_heads, head_dim, rope.positions, rope.cos_sin,
             k_blocks, v_blocks, self.backend.metadata.slot_mapping, self.block_tables,
-            self.context_lens, layer.self_attn.scale, self.window,
+            self.context_lens, layer.self_attn.scale, window,
         )  # fmt: skip
         return out, residual

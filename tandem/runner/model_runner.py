@@ -269,7 +269,7 @@ class ModelRunner:
             [c.num_computed_tokens for c in chunks],
             [c.block_table for c in chunks],
             self.block_size,
-            self.config.sliding_window,
+            self.config.layer_windows(),
             self.device,
         )
         input_ids = torch.tensor(
@@ -289,6 +289,6 @@ def forward_no_cache(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tens
     """Full causal forward over [B, L] token ids, no cache -> logits [B, L, vocab]."""
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
-    attn = CausalAttention(batch, length, loaded.config.sliding_window)
+    attn = CausalAttention(batch, length, loaded.config.layer_windows())
     hidden = loaded.model(input_ids.flatten(), positions, attn)
     return loaded.model.compute_logits(hidden).view(batch, length, -1)

@@ -38,11 +38,11 @@ class CpuPagedAttention(TorchPagedAttention):
         cpu_kernels.load().write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)
 
     def attend_group(
-        self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float
-    ) -> None:
+        self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float,
+        window: int | None,
+    ) -> None:  # fmt: skip
         if group.query_index.shape[1] != 1:
-            return super().attend_group(index, group, q, k_blocks, v_blocks, out, scale)
-        window = self.metadata.sliding_window
+            return super().attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
         first = group.contiguous_from
         if first is not None:
             rows = slice(first, first + len(group.context_lens))

@@ -12,14 +12,18 @@ Sequences are grouped so that no group pays for another's shape:
     decodes          one query each; padded to [S, 1] queries x [S, Lk] keys
     continuing       prompt chunks after cached tokens; padded to [S, Lq] x [S, Lk]
     fresh prompts    nothing cached: causal attention over this forward's own K/V,
-                     batched by length (no gather, no padding, no explicit mask)
+                     batched by length (no gather, no padding, no mask unless a
+                     sliding window is shorter than the prompt)
+
+Sliding windows are per layer (``layer_windows``): Mistral slides in every layer,
+Gemma 3 in five of every six. Each group builds the mask of each window it is asked
+for once per forward, and every layer with that window shares it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,16 +43,20 @@ class AttentionGroup:
     valid_tokens: torch.Tensor  # flat-batch token index of each real row
     context_lens: torch.Tensor  # [S] tokens of context, the new ones included
     num_computed: torch.Tensor  # [S] of them cached before this forward
-    sliding_window: int | None
     block_size: int
     # When the group's queries are flat-batch tokens [first, first + S), one each, a
     # kernel reads and writes them in place (a slice, no gather or scatter).
     contiguous_from: int | None = None
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @cached_property
-    def mask(self) -> torch.Tensor:
+    def mask(self, window: int | None) -> torch.Tensor:
         """[S, 1, Lq, Lk] True where a query may attend a key (causal, within the
-        context, within the sliding window)."""
+        context, within ``window`` positions when there is one)."""
+        if window not in self._masks:
+            self._masks[window] = self._mask(window)
+        return self._masks[window]
+
+    def _mask(self, window: int | None) -> torch.Tensor:
         device = self.block_tables.device
         max_q = self.query_index.shape[1]
         max_k = self.block_tables.shape[1] * self.block_size
@@ -56,17 +64,34 @@ class AttentionGroup:
         k_pos = torch.arange(max_k, device=device)
         k_real = k_pos[None, :] < self.context_lens[:, None]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_real[:, None, :]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        if window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
         return mask[:, None]
+
+
+def sliding_causal_mask(length: int, window: int | None, device: torch.device):
+    """[L, L] True where position q may attend position k (k <= q, k > q - window), or
+    None when the window does not cut (plain causal attention needs no mask)."""
+    if window is None or length <= window:
+        return None
+    pos = torch.arange(length, device=device)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
 
 @dataclass
 class FreshPromptGroup:
-    """Prompts with nothing cached yet, all of one length: plain causal attention over
-    this forward's own K/V."""
+    """Prompts with nothing cached yet, all of one length: causal attention over this
+    forward's own K/V."""
 
     token_index: torch.Tensor  # [S, L] flat-batch token indices
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """The [L, L] sliding-window mask, None when plain causal attention is right."""
+        if window not in self._masks:
+            length = self.token_index.shape[1]
+            self._masks[window] = sliding_causal_mask(length, window, self.token_index.device)
+        return self._masks[window]
 
 
 @dataclass
@@ -75,8 +100,13 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     groups: list[AttentionGroup]  # decodes; prompt chunks that continue after the cache
     fresh_prompts: list[FreshPromptGroup]
-    sliding_window: int | None  # keys older than this many positions are not attended
+    # Per layer: keys more than this many positions back are not attended (None: all
+    # are). Empty when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
     num_tokens: int = 0
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
 
 def build_paged_metadata(
@@ -84,7 +114,7 @@ def build_paged_metadata(
     num_computed: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     block_size: int,
-    sliding_window: int | None = None,
+    layer_windows: Sequence[int | None] = (),
     device: torch.device | str = "cpu",
 ) -> PagedAttentionMetadata:
     """Metadata for S sequences contributing ``query_lens[s]`` tokens each, positioned
@@ -104,13 +134,12 @@ def build_paged_metadata(
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         if q_len == 1:
             decodes.append(s)
-        elif computed == 0 and (sliding_window is None or q_len <= sliding_window):
+        elif computed == 0:
             fresh.setdefault(q_len, []).append(s)
         else:
             continuing.append(s)
     groups = [
-        _group(members, query_lens, num_computed, starts, block_tables, block_size,
-               sliding_window, device)
+        _group(members, query_lens, num_computed, starts, block_tables, block_size, device)
         for members in (decodes, continuing)
         if members
     ]  # fmt: skip
@@ -123,7 +152,7 @@ def build_paged_metadata(
         _long(slots, device),
         groups,
         fresh_prompts,
-        sliding_window,
+        tuple(layer_windows) if any(w is not None for w in layer_windows) else (),
         len(positions),
     )
 
@@ -135,7 +164,6 @@ def _group(
     starts: list[int],
     block_tables: Sequence[Sequence[int]],
     block_size: int,
-    sliding_window: int | None,
     device: torch.device,
 ) -> AttentionGroup:
     q_lens = [query_lens[s] for s in members]
@@ -163,7 +191,6 @@ def _group(
         valid_tokens=_long(valid_tokens, device),
         context_lens=_long(context, device),
         num_computed=_long(computed, device),
-        sliding_window=sliding_window,
         block_size=block_size,
         contiguous_from=first if contiguous else None,
     )

@@ -60,14 +60,15 @@ class TorchPagedAttention:
         # Gather buffers and head-repeated masks, one per group, reused by every layer
         # of this forward: fresh multi-MB allocations per layer cost page faults on CPU.
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
         k_blocks, v_blocks = self.kv_cache[layer_idx]  # [num_blocks, block_size, Hkv, D]
         self.write_kv(k, v, k_blocks, v_blocks)
         out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
+        window = self.metadata.window(layer_idx)
         for index, group in enumerate(self.metadata.groups):
-            self.attend_group(index, group, q, k_blocks, v_blocks, out, scale)
+            self.attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
         for group in self.metadata.fresh_prompts:
             num_seqs, length = group.token_index.shape
             tokens = group.token_index.flatten()
@@ -78,6 +79,7 @@ class TorchPagedAttention:
                 num_seqs,
                 length,
                 scale,
+                group.mask(window),
             )
             out.index_copy_(0, tokens, group_out)
         return out
@@ -91,8 +93,9 @@ class TorchPagedAttention:
         v_blocks.view(-1, num_kv_heads, width).index_copy_(0, slots, v)
 
     def attend_group(
-        self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float
-    ) -> None:
+        self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float,
+        window: int | None,
+    ) -> None:  # fmt: skip
         num_kv_heads, width = k_blocks.shape[-2:]
         k_rows = k_blocks.view(k_blocks.shape[0], -1)
         v_rows = v_blocks.view(v_blocks.shape[0], -1)
@@ -108,11 +111,13 @@ class TorchPagedAttention:
         if k_blocks.dtype == torch.uint8:
             keys, values = dequantize_kv_rows(keys, q.dtype), dequantize_kv_rows(values, q.dtype)
         queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
-        if index not in self._masks:
+        if (index, window) not in self._masks:
             # The query heads sharing a KV head are stacked on the query axis, so the
             # mask repeats once per head of the group (built once per forward).
-            self._masks[index] = group.mask.repeat(1, 1, q.shape[1] // num_kv_heads, 1)
-        group_out = _grouped_attention(queries, keys, values, self._masks[index], scale)
+            heads_per_kv = q.shape[1] // num_kv_heads
+            self._masks[index, window] = group.mask(window).repeat(1, 1, heads_per_kv, 1)
+        mask = self._masks[index, window]
+        group_out = _grouped_attention(queries, keys, values, mask, scale)
         group_out = group_out.flatten(0, 1)
         if group.valid_rows is not None:
             group_out = group_out.index_select(0, group.valid_rows)

@@ -1,0 +1,211 @@
+"""Gemma 3 (text): the Llama network with local and global attention layers.
+
+What differs from Llama, each as transformers' ``Gemma3ForCausalLM`` computes it:
+
+- Five of every six layers attend a sliding window (``layer_types``; 512 tokens in
+  the 270M model) with rotary base 10,000; the others attend everything with base
+  1,000,000 (and the rope scaling, if any). Each kind has its own rotary table.
+- Per-head RMSNorm of q and k, and four norms per block: before and after attention,
+  before and after the MLP. Each sublayer's output is normed before it joins the
+  residual stream.
+- Gemma's RMSNorm scales by ``1 + weight``, in float32 before rounding to the model
+  dtype (``GemmaRMSNorm``); in float32 the shared RMSNorm kernel computes the same.
+- GeGLU: the gated MLP with tanh-approximated GELU.
+- Embeddings are multiplied by sqrt(hidden) (rounded to the model dtype first), the
+  LM head is the unscaled embedding; attention scores are scaled by
+  ``query_pre_attn_scalar ** -0.5``; logits are soft-capped when the config says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.config import ModelConfig, parse_rope, require
+from tandem.models.layers import AttentionContext, RMSNorm, RotaryEmbedding, RotaryPositions
+from tandem.models.linear import Linear
+from tandem.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM, parse_llama_config
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rotary settings per layer kind, from transformers 5's ``rope_parameters`` keyed
+    by kind or the older ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``."""
+    params = raw.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        by_kind = {kind: dict(params.get(kind) or {}) for kind in (FULL, SLIDING)}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), **params}
+        if raw.get("rope_theta") is not None:
+            full.setdefault("rope_theta", raw["rope_theta"])
+        local = {}
+        if raw.get("rope_local_base_freq") is not None:
+            local["rope_theta"] = raw["rope_local_base_freq"]
+        by_kind = {FULL: full, SLIDING: local}
+    for kind, theta in DEFAULT_THETA.items():
+        by_kind[kind].setdefault("rope_theta", theta)
+    return by_kind
+
+
+def parse_gemma3_config(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with bidirectional attention (an encoder) is not supported")
+    if raw.get("attn_logit_softcapping"):
+        raise ModelLoadError("Gemma 3 with attn_logit_softcapping is not supported")
+    num_layers = require(raw, "num_hidden_layers")
+    pattern = raw.get("sliding_window_pattern") or 6
+    layer_types = raw.get("layer_types") or [
+        SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)
+    ]
+    unknown = set(layer_types) - {SLIDING, FULL}
+    if unknown or len(layer_types) != num_layers:
+        raise ModelLoadError(f"Gemma 3 layer_types must name {num_layers} of {SLIDING}, {FULL}")
+    head_dim = raw.get("head_dim") or 256
+    ropes = {
+        kind: parse_rope({"rope_parameters": params}, head_dim)
+        for kind, params in _rope_parameters(raw).items()
+    }
+    return parse_llama_config(
+        {**raw, "rope_parameters": None, "rope_scaling": None},
+        head_dim=head_dim,
+        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+        max_position_embeddings=raw.get("max_position_embeddings") or 131072,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        qk_norm=True,
+        rope=ropes[FULL],
+        sliding_window=raw.get("sliding_window") or 4096,
+        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING),
+        family_options={
+            "local_rope": ropes[SLIDING],
+            "query_pre_attn_scalar": raw.get("query_pre_attn_scalar") or head_dim,
+            "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        },
+    )
+
+
+class GemmaRMSNorm(RMSNorm):
+    """``(x / rms(x) * (1 + weight)).to(dtype)`` with the norm and the scale in float32;
+    ``weight`` is the checkpoint's. In float32 that is the shared RMSNorm's arithmetic
+    (its kernel included) with ``1 + weight`` as the multiplier."""
+
+    _multiplier: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def multiplier(self) -> torch.Tensor:
+        # Computed once per weight version (the kernel path runs without autograd).
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._multiplier is None or self._multiplier[0] != key:
+            self._multiplier = (key, 1.0 + self.weight.detach().float())
+        return self._multiplier[1]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.scale = config.family_options["query_pre_attn_scalar"] ** -0.5
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.norm_eps)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.sliding = config.layer_windows()[layer_idx] is not None
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.norm_eps)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        rope: RotaryPositions,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Llama's block: takes the previous block's (normed) MLP output ``h`` and
+        the stream before it, returns this block's and the stream."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rotary, rope, attn))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
+        assert config.rope is not None
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.local_rotary = RotaryEmbedding(
+            config.family_options["local_rope"], config.max_position_embeddings
+        )
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Checkpoint names and values are Hugging Face's (q/k/v and gate/up fused as
+    Llama's)."""
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any]) -> ModelConfig:
+        return parse_gemma3_config(raw)
+
+    def __init__(self, config: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.softcap = config.family_options["final_logit_softcapping"]
+        # sqrt(hidden) rounded to float32 as the reference's buffer, then to the model dtype
+        self.embed_scale = float(np.float32(config.hidden_size**0.5))
+        self.tie_weights()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        m = self.model
+        h = m.embed_tokens(input_ids)
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+        ropes = {
+            False: (m.rotary, m.rotary.prepare(positions, h.dtype)),
+            True: (m.local_rotary, m.local_rotary.prepare(positions, h.dtype)),
+        }
+        residual = None
+        for layer in m.layers:
+            h, residual = layer(h, residual, *ropes[layer.sliding], attn)
+        return m.norm(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
