@@ -24,6 +24,7 @@ from gguf import quants
 from tandem import LLM, SamplingParams
 from tandem.errors import ModelLoadError
 from tandem.models.gguf_export import export_gguf
+from tandem.models.gguf_file import GGUFFile
 from tandem.models.gguf_tokenizer import build_tokenizer
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import load_model
@@ -60,6 +61,16 @@ def _encoder(code: GGMLType):
     return encode
 
 
+def _mixed_encoder(name: str, t: torch.Tensor):
+    """As llama.cpp's Q4_K_M files mix types: q and k Q5_0, the MLP's down Q6_K, the
+    rest left to the base format (Q8_0), so a fused qkv has parts of two formats."""
+    if ".attn_q." in name or ".attn_k." in name:
+        return _encoder(GGMLType.Q5_0)(name, t)
+    if ".ffn_down." in name:
+        return _encoder(GGMLType.Q6_K)(name, t)
+    return None
+
+
 FORMATS = {
     "F32": ("f32", None),
     "F16": ("f16", None),
@@ -69,6 +80,7 @@ FORMATS = {
     "Q4_K": ("q4_k", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                                    GGMLType.Q5_K, GGMLType.Q6_K)},
+    "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
 # transformers' GGUF config for qwen3 does not read the file's key_length.
@@ -84,6 +96,11 @@ def hf_folders(tmp_path_factory):
             # transformers reads "mistral" in a file's name as its own GGUF type: avoid it
             folder = tmp_path_factory.mktemp(f"hf-{arch[:3]}")
             extra = {"head_dim": 128} if arch == "qwen3" else {}
+            if arch == "gemma3":
+                # The layout llama.cpp's gemma3 assumes (6 layers: 1 global; scores
+                # scaled by head_dim), which transformers' GGUF loader fixes at 256.
+                extra = {"num_hidden_layers": 6, "layer_types": None, "head_dim": 256,
+                         "query_pre_attn_scalar": 256}  # fmt: skip
             save_model(folder, arch, **SHAPE, **extra)
             built[arch] = folder
         return built[arch]
@@ -99,7 +116,7 @@ def gguf_files(hf_folders, tmp_path_factory):
         if (arch, fmt) not in built:
             base, code = FORMATS[fmt]
             folder = tmp_path_factory.mktemp(f"gguf-{arch[:3]}-{fmt}")
-            encoder = _encoder(code) if code is not None else None
+            encoder = _mixed_encoder if code == "mixed" else _encoder(code) if code else None
             export_gguf(hf_folders(arch), folder / "model.gguf", base, encoder)
             built[arch, fmt] = folder / "model.gguf"
         return built[arch, fmt]
@@ -125,7 +142,9 @@ def transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 CASES = [("llama", fmt) for fmt in FORMATS] + [
-    (arch, fmt) for arch in ("mistral", "qwen2", "qwen3") for fmt in ("F16", "Q4_1", "Q6_K")
+    (arch, fmt)
+    for arch in ("mistral", "qwen2", "qwen3", "gemma3")
+    for fmt in ("F16", "Q4_1", "Q6_K", "mixed")
 ]
 
 
@@ -141,6 +160,27 @@ def test_logits_equal_transformers_on_the_dequantized_weights(gguf_files, arch, 
     assert (quantized - expected).abs().max() < 0.05 * expected.abs().max()
     agree = (quantized.argmax(-1) == expected.argmax(-1)).float().mean()
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize("arch, fmt", [("llama", "Q4_K"), ("gemma3", "mixed")])
+def test_the_file_reader_reads_what_the_gguf_package_reads(gguf_files, tmp_path, arch, fmt):
+    """tandem's reader (gguf_file.py) against the format's reference reader: every
+    key's value, every tensor's name, shape, type and bytes; a cut file is an error."""
+    path = gguf_files(arch, fmt)
+    ours, reference = GGUFFile(path), gguf.GGUFReader(str(path))
+    keys = [k for k in reference.fields if not k.startswith("GGUF.")]
+    assert sorted(ours.fields) == sorted(keys)
+    for key in keys:
+        assert ours.fields[key] == reference.fields[key].contents(), key
+    assert len(ours.tensors) == len(reference.tensors)
+    for info, tensor in zip(ours.tensors, reference.tensors, strict=True):
+        assert (info.name, info.type) == (tensor.name, int(tensor.tensor_type))
+        assert info.shape == tuple(tensor.shape.tolist()) and info.nbytes == tensor.n_bytes
+        assert np.array_equal(ours.data(info), np.asarray(tensor.data).view(np.uint8).ravel())
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        load_model(cut)
 
 
 def test_weights_stay_quantized_in_memory(gguf_files):
@@ -302,13 +342,23 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
 
 
 @pytest.mark.parametrize(
-    "fmt, kv_cache_dtype", [("Q4_K", "auto"), ("Q8_0", "auto"), ("Q4_1", "auto"), ("Q4_1", "int8")]
+    "arch, fmt, kv_cache_dtype",
+    [
+        ("llama", "Q4_K", "auto"),
+        ("llama", "Q8_0", "auto"),
+        ("llama", "Q4_1", "auto"),
+        ("llama", "Q4_1", "int8"),
+        ("qwen3", "Q8_0", "auto"),  # q/k norms
+        ("gemma3", "mixed", "auto"),  # and post-norms, GeGLU, a qkv of two formats
+    ],
 )
-def test_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, fmt, kv_cache_dtype):
+def test_whole_layer_decode_equals_layer_by_layer(
+    gguf_files, monkeypatch, arch, fmt, kv_cache_dtype
+):
     """Decode-only steps run each layer in one compiled call (runner/fused_decode.py):
     the same kernels in the same order, so tokens and logprobs are bit for bit the
     layer-by-layer path's, batched and alone."""
-    path = str(gguf_files("llama", fmt))
+    path = str(gguf_files(arch, fmt))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
 

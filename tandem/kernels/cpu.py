@@ -1,7 +1,8 @@
 """tandem's CPU kernels, compiled on first use, and when to use them.
 
 cpu_ops.cpp: everything in a decoder layer that is not a weight matmul: RMSNorm with
-the residual add fused in, rotary in place, silu(gate) * up, the KV-cache write, and
+the residual add fused in (and per head, for q/k norms), rotary in place, silu(gate) *
+up and gelu_tanh(gate) * up, the KV-cache write, and
 paged decode attention that reads each K/V row once, straight from the blocks. Eager
 torch spends about 40 small ops per layer on these; the kernels make it 7 calls. Also
 the small-batch float linear layer and greedy argmax.
@@ -9,7 +10,7 @@ the small-batch float linear layer and greedy argmax.
 quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
 integer dot products (tandem/quant/).
 
-decode_layer.cpp: a whole Llama-family decoder layer for decode tokens, the calls
+decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tokens, the calls
 above made from C++ (runner/fused_decode.py decides when).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
@@ -44,8 +45,10 @@ SOURCES = [
 ]
 FUNCTIONS = [
     "rms_norm",
+    "rms_norm_heads",
     "rotary",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "write_kv",
     "decode_attention",
     "small_linear",

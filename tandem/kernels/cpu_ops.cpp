@@ -37,6 +37,17 @@ template <typename T> inline float round_t(float x) { return static_cast<float>(
 // out = weight * T(x / rms(x)), the norm in float32 and the scale in T, as the reference.
 // With a residual: residual = T(x + residual) first, and the norm reads the sum.
 
+// One row, held in float32 in ``buf``: out = weight * T(buf / rms(buf)).
+template <typename T>
+inline void norm_row(T* o, const float* buf, const T* weight, int64_t dim, double eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < dim; ++i) sum += buf[i] * buf[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+  for (int64_t i = 0; i < dim; ++i) {
+    o[i] = static_cast<T>(to_f(weight[i]) * round_t<T>(buf[i] * inv));
+  }
+}
+
 template <typename T>
 void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
                    int64_t out_stride, int64_t x_stride, int64_t res_stride, double eps) {
@@ -44,7 +55,6 @@ void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * x_stride;
-      float sum = 0.f;
       if (residual != nullptr) {
         T* rr = residual + r * res_stride;
         for (int64_t i = 0; i < dim; ++i) {
@@ -55,12 +65,23 @@ void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int
       } else {
         for (int64_t i = 0; i < dim; ++i) buf[i] = to_f(xr[i]);
       }
-      for (int64_t i = 0; i < dim; ++i) sum += buf[i] * buf[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-      T* o = out + r * out_stride;
-      for (int64_t i = 0; i < dim; ++i) {
-        o[i] = static_cast<T>(to_f(weight[i]) * round_t<T>(buf[i] * inv));
-      }
+      norm_row<T>(out + r * out_stride, buf.data(), weight, dim, eps);
+    }
+  });
+}
+
+// Each head of x [T, H, D] (strided tokens and heads) normed on its own (q/k norms).
+template <typename T>
+void rms_norm_heads_impl(T* out, const T* x, const T* weight, int64_t tokens, int64_t heads,
+                         int64_t dim, int64_t out_t, int64_t out_h, int64_t x_t, int64_t x_h,
+                         double eps) {
+  at::parallel_for(0, tokens * heads, grain_rows(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / heads, h = r % heads;
+      const T* xr = x + t * x_t + h * x_h;
+      for (int64_t i = 0; i < dim; ++i) buf[i] = to_f(xr[i]);
+      norm_row<T>(out + t * out_t + h * out_h, buf.data(), weight, dim, eps);
     }
   });
 }
@@ -87,19 +108,29 @@ void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int6
   });
 }
 
-// -- silu(gate) * up ---------------------------------------------------------------
+// -- act(gate) * up: silu (Llama) or tanh-approximated GELU (Gemma's GeGLU) --------
 
-template <typename T>
-void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
-                       int64_t x_stride) {
+enum class Act { kSilu, kGeluTanh };
+
+template <Act A> inline float activate(float g) {
+  if constexpr (A == Act::kSilu) {
+    return g / (1.f + std::exp(-g));
+  } else {
+    constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + std::tanh(kBeta * (g + 0.044715f * g * g * g)));
+  }
+}
+
+template <typename T, Act A>
+void act_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
+                      int64_t x_stride) {
   at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
       const T* up = gate + dim;
       T* o = out + r * out_stride;
       for (int64_t i = 0; i < dim; ++i) {
-        const float g = to_f(gate[i]);
-        o[i] = static_cast<T>(round_t<T>(g / (1.f + std::exp(-g))) * to_f(up[i]));
+        o[i] = static_cast<T>(round_t<T>(activate<A>(to_f(gate[i]))) * to_f(up[i]));
       }
     }
   });
@@ -277,6 +308,17 @@ void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> r
   });
 }
 
+// out [T, H, D] = each head of x [T, H, D] (strided tokens and heads) normed, times weight.
+void rms_norm_heads(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && out.dim() == 3 && x.stride(2) == 1 && out.stride(2) == 1);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type());
+  TANDEM_DISPATCH(x.scalar_type(), "rms_norm_heads", [&] {
+    rms_norm_heads_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                  weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2),
+                                  out.stride(0), out.stride(1), x.stride(0), x.stride(1), eps);
+  });
+}
+
 // In place on q [T, H, D] and k [T, Hkv, D] (views with strided tokens): neox rotary of
 // the first rot_dim features; cos_sin [positions, rot_dim] float32 (cos half, sin half).
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin) {
@@ -297,8 +339,18 @@ void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Te
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   check_rows(out, "out"); check_rows(x, "x");
   TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0),
-                                out.size(1), out.stride(0), x.stride(0));
+    act_and_mul_impl<scalar_t, Act::kSilu>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                           x.size(0), out.size(1), out.stride(0), x.stride(0));
+  });
+}
+
+// out [R, N] = gelu_tanh(x[:, :N]) * x[:, N:]
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+  check_rows(out, "out"); check_rows(x, "x");
+  TANDEM_DISPATCH(x.scalar_type(), "gelu_tanh_and_mul", [&] {
+    act_and_mul_impl<scalar_t, Act::kGeluTanh>(out.data_ptr<scalar_t>(),
+                                               x.data_ptr<scalar_t>(), x.size(0), out.size(1),
+                                               out.stride(0), x.stride(0));
   });
 }
 

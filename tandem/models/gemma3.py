@@ -148,7 +148,13 @@ class Gemma3DecoderLayer(nn.Module):
         attn: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As Llama's block: takes the previous block's (normed) MLP output ``h`` and
-        the stream before it, returns this block's and the stream."""
+        the stream before it, returns this block's and the stream. The attention
+        backend may run the whole block in one call (``decode_layer``)."""
+        fused = getattr(attn, "decode_layer", None)
+        if fused is not None:
+            out = fused(self, h, residual, rope)
+            if out is not None:
+                return out
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:

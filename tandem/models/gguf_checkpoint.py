@@ -10,9 +10,12 @@ any checkpoint, and yields each tensor under its Hugging Face name with its raw 
 llama.cpp's converter reorders the rows of q and k for the llama architecture (its
 rotary pairs dimension i with i + 1, Hugging Face's with i + d/2); ``tensors`` puts
 them back, as transformers' GGUF loader does. Whole rows move, so quantized rows are
-reordered without decoding them.
+reordered without decoding them. For Gemma the converter stored each norm weight plus
+one (the ``1 + weight`` Gemma's norm multiplies by); ``tensors`` takes the one off,
+as transformers' GGUF loader does.
 
-The file is read with the ``gguf`` package (the format's reference reader).
+The file is read by gguf_file.py (the ``gguf`` package's reader is too slow for a
+262k-token vocabulary).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from tandem.errors import ModelLoadError
+from tandem.models.gguf_file import GGUFFile
 from tandem.quant.blocks import BLOCK, FLOAT_TYPES, GGMLType, check_supported
 
 # GGUF architecture name -> the model class name of config.json's "architectures".
@@ -35,9 +39,12 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter permuted q / k rows for llama.cpp's rotary layout.
 PERMUTED_QK = {"llama", "mistral"}
+# Architectures whose converter wrote norm weights as 1 + weight.
+NORM_PLUS_ONE = {"gemma3"}
 
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -57,18 +64,27 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's blocks have a norm before and after attention and the MLP.
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCHITECTURE_LAYER_NAMES = {"gemma3": GEMMA_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, architecture: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for a
     tensor tandem does not use."""
     match = _LAYER_TENSOR.fullmatch(name)
     if match:
         layer, part, kind = match.groups()
-        if part not in LAYER_NAMES:
+        names = ARCHITECTURE_LAYER_NAMES.get(architecture, LAYER_NAMES)
+        if part not in names:
             return None
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     return f"{GLOBAL_NAMES[base]}.{kind}" if base in GLOBAL_NAMES else None
 
@@ -97,14 +113,8 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise ModelLoadError(
-                f"reading {self.path.name} needs the gguf package (pip install gguf)"
-            ) from None
-        try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as exc:
+            self._file = GGUFFile(self.path)
+        except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from None
         self.architecture = str(self.value("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
@@ -113,11 +123,10 @@ class GGUFCheckpoint:
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported "
                 f"(supported: {supported})"
             )
-        self.tensor_names = {t.name for t in self._reader.tensors}
+        self.tensor_names = {t.name for t in self._file.tensors}
 
     def value(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._file.fields.get(key, default)
 
     def _arch(self, key: str, default: Any = None) -> Any:
         return self.value(f"{self.architecture}.{key}", default)
@@ -144,8 +153,8 @@ class GGUFCheckpoint:
             )
         heads = self._required("attention.head_count")
         hidden = self._required("embedding_length")
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._arch("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self.value("tokenizer.ggml.tokens")
+        vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab is None:
             raise ModelLoadError(f"{self.path.name} states no vocabulary size")
         config: dict[str, Any] = {
@@ -170,6 +179,12 @@ class GGUFCheckpoint:
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
             "sliding_window": self._arch("attention.sliding_window"),
         }
+        if self.architecture == "gemma3":
+            # Not in the file: llama.cpp scales scores by 1/sqrt(head_dim), except for
+            # the 27B model (62 layers): 1/sqrt(hidden / heads). Local layers (5 of
+            # each 6) use rotary base 10,000, the parser's default.
+            is_27b = config["num_hidden_layers"] == 62
+            config["query_pre_attn_scalar"] = hidden // heads if is_27b else config["head_dim"]
         rotary = self._arch("rope.dimension_count")
         if rotary is not None and rotary != config["head_dim"]:
             config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -191,13 +206,13 @@ class GGUFCheckpoint:
                 "attn_q": config["num_attention_heads"],
                 "attn_k": config["num_key_value_heads"],
             }
-        for tensor in self._reader.tensors:
-            name = hf_name(tensor.name)
+        for tensor in self._file.tensors:
+            name = hf_name(tensor.name, self.architecture)
             if name is None:
                 continue
-            code = check_supported(int(tensor.tensor_type), tensor.name)
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            data = torch.from_numpy(np.array(tensor.data))  # a copy: the map is read-only
+            code = check_supported(tensor.type, tensor.name)
+            shape = tuple(reversed(tensor.shape))
+            data = torch.from_numpy(np.array(self._file.data(tensor)))  # a copy: read-only map
             if code in FLOAT_TYPES:
                 data = data.view(FLOAT_TYPES[code]).reshape(shape)
             else:
@@ -205,6 +220,8 @@ class GGUFCheckpoint:
             part = tensor.name.split(".")[-2]
             if self.architecture in PERMUTED_QK and part in ("attn_q", "attn_k"):
                 data = _unpermute_rows(data, heads[part])
+            if self.architecture in NORM_PLUS_ONE and name.endswith("norm.weight"):
+                data = data - 1
             yield GGUFTensor(name, tensor.name, code, shape, data)
 
 

@@ -18,7 +18,13 @@ import numpy as np
 import torch
 
 from tandem.errors import ModelLoadError
-from tandem.models.gguf_checkpoint import GLOBAL_NAMES, LAYER_NAMES, PERMUTED_QK
+from tandem.models.gguf_checkpoint import (
+    ARCHITECTURE_LAYER_NAMES,
+    GLOBAL_NAMES,
+    LAYER_NAMES,
+    NORM_PLUS_ONE,
+    PERMUTED_QK,
+)
 from tandem.models.loader import iterate_checkpoint, read_config
 from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.quantize import FORMATS, quantize
@@ -30,19 +36,21 @@ EXPORT_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 EXPORT_TYPES.update(FORMATS)
 
 _GGUF_NAMES = {f"{hf}.": f"{gguf}." for gguf, hf in GLOBAL_NAMES.items()}
-_LAYER_GGUF = {f"{hf}.": f"{gguf}." for gguf, hf in LAYER_NAMES.items()}
 
 
-def gguf_name(name: str) -> str | None:
+def gguf_name(name: str, arch: str = "llama") -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
     if name.startswith("model.layers."):
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        for hf, gguf in _LAYER_GGUF.items():
+        names = ARCHITECTURE_LAYER_NAMES.get(arch, LAYER_NAMES)
+        for gguf, hf in names.items():
+            hf, gguf = f"{hf}.", f"{gguf}."
             if rest.startswith(hf):
                 return f"blk.{layer}.{gguf}{rest.removeprefix(hf)}"
         return None
@@ -124,6 +132,28 @@ def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
         writer.add_chat_template(template)
 
 
+def _add_gemma3_keys(writer, config) -> None:
+    """llama.cpp's gemma3 reads the sliding window from the file and fixes the rest:
+    5 local layers to 1 global, local rotary base 10,000, scores scaled by
+    1/sqrt(head_dim). A model that differs cannot be written faithfully."""
+    expected = tuple(None if (i + 1) % 6 == 0 else config.sliding_window
+                     for i in range(config.num_layers))  # fmt: skip
+    options = config.family_options
+    if (
+        config.layer_windows() != expected
+        or options["local_rope"].theta != 10000.0
+        or options["local_rope"].scaling_type != "default"
+        or options["query_pre_attn_scalar"] != config.head_dim
+        or options["final_logit_softcapping"]
+    ):
+        raise ModelLoadError(
+            "this Gemma 3 config differs from what llama.cpp's gemma3 assumes (5 local "
+            "layers to 1 global, local rope base 10000, query_pre_attn_scalar = head_dim, "
+            "no logit soft-capping): it cannot be exported faithfully"
+        )
+    writer.add_sliding_window(config.sliding_window)
+
+
 Encoder = Callable[[str, torch.Tensor], "tuple[GGMLType, np.ndarray] | None"]
 
 
@@ -167,13 +197,17 @@ def export_gguf(
         writer.add_rope_dimension_count(config.rope.rotary_dim)
         if config.rope.scaling_type != "default":
             raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
+    if arch == "gemma3":
+        _add_gemma3_keys(writer, config)
     _add_tokenizer(writer, folder, raw)
 
     for name, tensor, _ in iterate_checkpoint(folder):
-        target = gguf_name(name)
+        target = gguf_name(name, arch)
         if target is None:
             continue
         t = tensor.float()
+        if arch in NORM_PLUS_ONE and target.endswith("norm.weight"):
+            t = t + 1
         if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
             heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
             t = _permute_rows(t, heads)

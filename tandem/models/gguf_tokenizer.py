@@ -7,7 +7,10 @@ template as metadata. The model type says how they were meant to be used:
     gpt2    byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): tokens spelled in GPT-2's
             byte alphabet, merges in the file, a split regex per ``tokenizer.ggml.pre``
     llama   SentencePiece BPE (Llama 2, Mistral): "▁" for spaces, byte fallback
-            tokens <0xNN>, merges in the file or recovered from the scores
+            tokens <0xNN>, merges in the file or recovered from the scores.
+            Gemma's differs: no prefix space, runs of spaces stored as spaces (spelled
+            "▁" here, as its tokenizer looks them up), and merges ranked by the
+            tokens' order in the file, which its scores do not follow.
 
 The result encodes as transformers' GGUF tokenizer does (the tests compare them on
 multilingual and code text): the same models, pre-tokenizers and decoders, control
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.errors import ModelLoadError
@@ -113,7 +116,12 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFToke
     return tok
 
 
-def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float]) -> HFTokenizer:
+def _sentencepiece(
+    tokens: list[str], merges: list[str] | None, scores: list[float], gemma: bool = False
+) -> HFTokenizer:
+    if gemma:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(index) for index in range(len(tokens))]
     vocab = {token: index for index, token in enumerate(tokens)}
     if merges:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -122,18 +130,16 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
     tok = HFTokenizer(
         models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None)
     )
+    spaces = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.decoder = decoders.Sequence(spaces)
+        return tok
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="\u2581", prepend_scheme="first", split=False
     )
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("\u2581", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(content=" ", left=1),
-        ]
-    )
+    tok.decoder = decoders.Sequence([*spaces, decoders.Strip(content=" ", left=1)])
     return tok
 
 
@@ -151,7 +157,8 @@ def build_tokenizer(value: Any) -> tuple[HFTokenizer, dict[str, str | None], boo
         add_bos_default = False
     elif kind == "llama":
         scores = value("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        tok = _sentencepiece(tokens, value("tokenizer.ggml.merges"), scores)
+        gemma = str(value("general.architecture", "")).startswith("gemma")
+        tok = _sentencepiece(tokens, value("tokenizer.ggml.merges"), scores, gemma)
         alphabet = None
         add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     else:

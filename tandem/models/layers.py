@@ -46,6 +46,10 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(x)
             cpu_kernels.load().rms_norm(out, x, residual, self.multiplier(), self.eps)
             return out if residual is None else (out, residual)
+        if x.dim() == 3 and residual is None and x.stride(2) == 1 and cpu_kernels.usable(x):
+            out = x.new_empty(x.shape)  # per head (q/k norms), strided tokens and heads
+            cpu_kernels.load().rms_norm_heads(out, x, self.multiplier(), self.eps)
+            return out
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -66,12 +70,30 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2N] -> silu(x[:, :N]) * x[:, N:]: the gated MLP's activation in one pass."""
+    return _act_and_mul(x, "silu_and_mul", F.silu)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2N] -> gelu_tanh(x[:, :N]) * x[:, N:]: GeGLU in one pass."""
+    return _act_and_mul(x, "gelu_tanh_and_mul", lambda g: F.gelu(g, approximate="tanh"))
+
+
+def _act_and_mul(x: torch.Tensor, kernel: str, act) -> torch.Tensor:
     size = x.shape[-1] // 2
     if x.dim() == 2 and cpu_kernels.usable(x):
         out = x.new_empty(x.shape[0], size)
-        cpu_kernels.load().silu_and_mul(out, x)
+        getattr(cpu_kernels.load(), kernel)(out, x)
         return out
-    return F.silu(x[..., :size]) * x[..., size:]
+    return act(x[..., :size]) * x[..., size:]
+
+
+# Gated MLP activations computed in one pass with the up projection.
+FUSED_ACTIVATIONS = {
+    "silu": silu_and_mul,
+    "gelu_new": gelu_tanh_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    "gelu_fast": gelu_tanh_and_mul,
+}
 
 
 def activation(name: str):

@@ -20,12 +20,12 @@ from tandem.models.config import (
     require,
 )
 from tandem.models.layers import (
+    FUSED_ACTIVATIONS,
     AttentionContext,
     RMSNorm,
     RotaryEmbedding,
     RotaryPositions,
     activation,
-    silu_and_mul,
 )
 from tandem.models.linear import Linear, MergedLinear
 
@@ -106,13 +106,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = activation(config.hidden_act)
-        self.fused_silu = config.hidden_act == "silu"
+        self.act_and_mul = FUSED_ACTIVATIONS.get(config.hidden_act)
         self.intermediate_size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_silu:
-            return self.down_proj(silu_and_mul(gate_up))
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -6,11 +6,12 @@ views, dispatch: ~100 us a layer on 2 cores) costs as much as its matmuls.
 order, from C++: outputs equal the layer-by-layer path bit for bit.
 
 It applies when every token of the step is a decode and they are one contiguous run
-(the scheduler puts decodes first), and the layer is the plain Llama shape on the CPU
-kernels: float32, rotary on the kernel path, silu MLP, no q/k norm, no biases, and
-each linear layer one packed quantized matrix (runner/linear/quantized.py). Anything
-else runs layer by layer. The attention backend offers it to the model as
-``attn.decode_layer``; the model file only asks.
+(the scheduler puts decodes first), and the layer is a shape the kernel knows on the
+CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
+biases, each linear layer one packed quantized matrix (runner/linear/quantized.py);
+q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
+parts. Anything else runs layer by layer. The attention backend offers it to the
+model as ``attn.decode_layer``; the model file only asks.
 """
 
 from __future__ import annotations
@@ -20,44 +21,66 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.models.layers import gelu_tanh_and_mul
 from tandem.runner.linear.quantized import QuantizedLinearMethod
 
 if TYPE_CHECKING:
     from tandem.runner.attention.torch_sdpa import TorchPagedAttention
 
 
-def _packed(linear) -> tuple | None:
+def _packed(linear) -> list[tuple] | None:
+    """The linear layer's packed parts as the kernel takes them, or None when it is
+    not all packed quantized weights without a bias."""
     parts = getattr(linear, "packed_parts", None)
-    if not isinstance(linear.method, QuantizedLinearMethod) or not parts or len(parts) != 1:
+    if not isinstance(linear.method, QuantizedLinearMethod) or not parts:
         return None
     if linear.bias is not None:
         return None
-    w = parts[0][1]
-    corr = w.corr if w.corr is not None else w.scales.new_empty(0)
-    return (w.values, w.scales, corr, w.rows, w.group, w.offset)
+    return [
+        (start, w.values, w.scales, w.corr if w.corr is not None else w.scales.new_empty(0),
+         w.rows, w.group, w.offset)
+        for start, w in parts
+    ]  # fmt: skip
+
+
+def _norm_args(layer) -> tuple[torch.Tensor, ...] | None:
+    """The norms' multipliers (empty where the layer has none: the kernel's optional
+    parts), in the kernel's order, or None when one is not float32."""
+    attn = layer.self_attn
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    norms = [
+        layer.input_layernorm,
+        layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
+        attn.q_norm if attn.qk_norm else None,
+        attn.k_norm if attn.qk_norm else None,
+        layer.post_attention_layernorm if gemma else None,
+        layer.post_feedforward_layernorm if gemma else None,
+    ]
+    args = tuple(n.multiplier() if n is not None else torch.empty(0) for n in norms)
+    if any(a.numel() and a.dtype != torch.float32 for a in args):
+        return None
+    return args
 
 
 def layer_arguments(layer) -> tuple | None:
-    """The layer's fixed arguments, or None when it is not the plain shape (cached on
-    the layer after the first look)."""
+    """The layer's fixed arguments, or None when it is not a shape the kernel runs
+    (cached on the layer after the first look)."""
     cached = getattr(layer, "_fused_decode", False)
     if cached is not False:
         return cached
     args = None
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    plain = (
-        attn is not None and mlp is not None and not getattr(attn, "qk_norm", True)
-        and getattr(mlp, "fused_silu", False)
-        and layer.input_layernorm.weight.dtype == torch.float32
-    )  # fmt: skip
-    if plain:
+    act = getattr(mlp, "act_and_mul", None)
+    norms = _norm_args(layer) if attn is not None and act is not None else None
+    if norms is not None:
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         packed = [_packed(linear) for linear in linears]
         if all(p is not None for p in packed):
+            input_norm, post_norm, *optional = norms
             args = (
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, *packed,
-                attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                input_norm, post_norm, layer.input_layernorm.eps, *packed,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, *optional,
+                act is gelu_tanh_and_mul,
             )  # fmt: skip
     layer._fused_decode = args
     return args
@@ -88,12 +111,14 @@ class FusedDecode:
         layer_idx = layer.self_attn.layer_idx
         k_blocks, v_blocks = self.backend.kv_cache[layer_idx]
         window = self.backend.metadata.window(layer_idx) or 0
-        norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim = args
+        (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
+         q_norm, k_norm, post_attn_norm, post_mlp_norm, gelu) = args  # fmt: skip
         empty = h.new_empty(0)
         out, residual = cpu_kernels.load().llama_decode_layer(
             h, empty if residual is None else residual, norm1, norm2, eps, qkv, o_proj,
             gate_up, down, heads, kv_heads, head_dim, rope.positions, rope.cos_sin,
             k_blocks, v_blocks, self.backend.metadata.slot_mapping, self.block_tables,
-            self.context_lens, layer.self_attn.scale, window,
+            self.context_lens, layer.self_attn.scale, window, q_norm, k_norm,
+            post_attn_norm, post_mlp_norm, gelu,
         )  # fmt: skip
         return out, residual

