@@ -12,6 +12,10 @@ from typing import Any
 
 from tandem.errors import InvalidParameterError
 
+# What the KV cache may store: the model's dtype, another float type, or int8 rows with
+# scales (runner/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
+
 SCHEDULING_POLICIES = ("chunked", "prefill-first")
 
 
@@ -39,15 +43,16 @@ class CacheConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "auto (the model's dtype) or int8 (per token and head scales: a quarter of float32's "
-        "bytes)",
+        "auto (the model's dtype), bfloat16, fp8 (e4m3, saturating) or int8 (per token and "
+        "head scales: a quarter of float32's bytes)",
         "DTYPE",
     )
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "int8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidParameterError(
-                "kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of auto, int8"
+                "kv_cache_dtype",
+                f"{self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
             )
         if self.block_size < 1:
             raise InvalidParameterError("block_size", "must be >= 1")

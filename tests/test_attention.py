@@ -7,7 +7,12 @@ import torch
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.runner.attention import BACKENDS, build_paged_metadata
-from tandem.runner.kv_cache import dequantize_kv_rows, quantize_kv_rows
+from tandem.runner.kv_cache import (
+    STORED_DTYPES,
+    cache_rows,
+    dequantize_kv_rows,
+    quantize_kv_rows,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
@@ -30,11 +35,12 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("batch", ["mixed", "decodes"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
 def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
     """With an int8 cache, every token read from the cache is its int8 row times its
-    scale (the reference reads the same rows); prompts the backend attends without
-    the cache see their K/V as computed."""
+    scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
+    reads the same rows); prompts the backend attends without the cache see their K/V
+    as computed."""
     if backend == "cpu-paged" and cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     torch.manual_seed(0)
@@ -48,7 +54,9 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
         kv_cache = torch.zeros(
             1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM + 4, dtype=torch.uint8
         )
-    store = quantize_kv_rows if kv_dtype == "int8" else (lambda x: x)
+    elif kv_dtype in STORED_DTYPES:
+        kv_cache = kv_cache.to(STORED_DTYPES[kv_dtype])
+    store = quantize_kv_rows if kv_dtype == "int8" else (lambda x: cache_rows(x, kv_cache.dtype))
     pool = torch.randperm(NUM_BLOCKS).tolist()
     tables, contexts = [], []
     for cached, new in shapes:
@@ -84,6 +92,8 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
         if kv_dtype == "int8" and start not in fresh:  # read back from the int8 cache
             k_ctx = dequantize_kv_rows(quantize_kv_rows(k_ctx), torch.float32)
             v_ctx = dequantize_kv_rows(quantize_kv_rows(v_ctx), torch.float32)
+        elif kv_dtype in STORED_DTYPES and start not in fresh:  # rounded to the cache type
+            k_ctx, v_ctx = (cache_rows(x, kv_cache.dtype).float() for x in (k_ctx, v_ctx))
         expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new

@@ -169,8 +169,8 @@ inline void for_each_token(const int64_t* table, int64_t first, int64_t len,
   }
 }
 
-// How a cache row of one (token, KV head) is stored: as the model's dtype (KV = T),
-// or int8 (KV = int8_t) followed by its float32 scale: head_dim + 4 bytes, the value
+// How a cache row of one (token, KV head) is stored: as a float type (KV = T, bfloat16
+// or fp8 e4m3), or int8 (KV = int8_t) followed by its float32 scale: head_dim + 4 bytes, the value
 // being scale * q. tandem/runner/kv_cache.py writes the same layout from torch.
 template <typename KV>
 struct KVRows {
@@ -251,6 +251,38 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       }
     }
   });
+}
+
+// A cache of another float type than the model's (bfloat16, fp8 e4m3): rows rounded on
+// write as torch's .to() rounds (fp8 saturating at +-448, where .to() would give NaN).
+template <typename KV> inline KV to_cache(float x) {
+  if constexpr (std::is_same_v<KV, c10::Float8_e4m3fn>) x = std::clamp(x, -448.f, 448.f);
+  return static_cast<KV>(x);
+}
+
+template <typename T, typename KV>
+void write_kv_cast_impl(const T* k, const T* v, int64_t tokens, int64_t row, int64_t k_stride,
+                        int64_t v_stride, KV* k_cache, KV* v_cache, const int64_t* slots) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < row; ++i) {
+      k_cache[slots[t] * row + i] = to_cache<KV>(to_f(k[t * k_stride + i]));
+      v_cache[slots[t] * row + i] = to_cache<KV>(to_f(v[t * v_stride + i]));
+    }
+  }
+}
+
+// fn(KV{}) for a float cache's element type: T itself, bfloat16 or fp8 e4m3.
+template <typename T, typename Fn>
+void dispatch_cache(torch::ScalarType type, Fn&& fn) {
+  if (type == c10::CppTypeToScalarType<T>::value) {
+    fn(T{});
+  } else if (type == torch::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else if (type == torch::kFloat8_e4m3fn) {
+    fn(c10::Float8_e4m3fn{});
+  } else {
+    TORCH_CHECK(false, "KV cache type ", type, " is not supported");
+  }
 }
 
 // Rows of k / v [tokens, Hkv, D] -> int8 cache rows: per (token, head), scale =
@@ -371,10 +403,20 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     return;
   }
   TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
-    write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
-                            k.size(1) * k.size(2), k.stride(0), v.stride(0),
-                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            slots.data_ptr<int64_t>());
+    if (k_cache.scalar_type() == k.scalar_type()) {
+      write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
+                              k.size(1) * k.size(2), k.stride(0), v.stride(0),
+                              k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              slots.data_ptr<int64_t>());
+      return;
+    }
+    dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
+      using KV = decltype(tag);
+      write_kv_cast_impl<scalar_t, KV>(
+          k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0), k.size(1) * k.size(2),
+          k.stride(0), v.stride(0), static_cast<KV*>(k_cache.data_ptr()),
+          static_cast<KV*>(v_cache.data_ptr()), slots.data_ptr<int64_t>());
+    });
   });
 }
 
@@ -398,12 +440,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     return;
   }
   TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t, scalar_t>(
-        out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
-        q.size(0), q.size(1), q.size(2), k_cache.data_ptr<scalar_t>(),
-        v_cache.data_ptr<scalar_t>(), k_cache.size(1), k_cache.size(2),
-        block_tables.data_ptr<int64_t>(), block_tables.size(1),
-        context_lens.data_ptr<int64_t>(), scale, window);
+    dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
+      using KV = decltype(tag);
+      decode_attention_impl<scalar_t, KV>(
+          out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
+          q.size(0), q.size(1), q.size(2), static_cast<const KV*>(k_cache.data_ptr()),
+          static_cast<const KV*>(v_cache.data_ptr()), k_cache.size(1), k_cache.size(2),
+          block_tables.data_ptr<int64_t>(), block_tables.size(1),
+          context_lens.data_ptr<int64_t>(), scale, window);
+    });
   });
 }
 

@@ -11,6 +11,11 @@ and their float32 scale (max|x| / 127), in a uint8 tensor whose last dimension i
 whose blocks move as they are. The CPU kernels (tandem/kernels/cpu_ops.cpp) read and
 write that layout; ``quantize_kv_rows`` / ``dequantize_kv_rows`` are the same in torch
 (the prompt path's gathers, and any device without the kernels).
+
+``kv_cache_dtype="bfloat16"`` / ``"fp8"`` store rows in that type whatever the model
+computes in (a float32 model's cache at half or a quarter of its bytes); values are
+rounded on write and widened on read. fp8 is e4m3 (3 mantissa bits, as vLLM's
+``fp8_e4m3``) without per-tensor scales: values beyond its +-448 range saturate.
 """
 
 from __future__ import annotations
@@ -22,8 +27,19 @@ import torch
 
 from tandem.models.config import ModelConfig
 
-KV_CACHE_DTYPES = ("auto", "int8")
+# The element types a cache may store instead of the model's (int8 is its own layout).
+STORED_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 SCALE_BYTES = 4  # an int8 row's float32 scale
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows in the cache's element type (fp8 saturating, not NaN, past its range)."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def kv_bytes_per_block(
@@ -32,7 +48,7 @@ def kv_bytes_per_block(
     if kv_cache_dtype == "int8":
         per_element = (config.head_dim + SCALE_BYTES) / config.head_dim
     else:
-        per_element = torch.empty((), dtype=dtype).element_size()
+        per_element = torch.empty((), dtype=STORED_DTYPES.get(kv_cache_dtype, dtype)).element_size()
     return int(config.kv_bytes_per_token(per_element)) * block_size
 
 
@@ -47,6 +63,7 @@ def allocate_kv_cache(
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "int8":
         shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
+    dtype = STORED_DTYPES.get(kv_cache_dtype, dtype)
     if device.type == "cpu":
         return zeroed_on_first_touch(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

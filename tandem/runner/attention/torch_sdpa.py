@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.runner.attention.metadata import AttentionGroup, PagedAttentionMetadata
-from tandem.runner.kv_cache import dequantize_kv_rows, quantize_kv_rows
+from tandem.runner.kv_cache import cache_rows, dequantize_kv_rows, quantize_kv_rows
 
 
 def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -45,6 +45,11 @@ def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=Non
         enable_gqa=h != hkv,
     )
     return out.transpose(1, 2).reshape(num_seqs * length, h, -1)
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes: torch's CPU index_copy_ / index_select have no fp8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class TorchPagedAttention:
@@ -89,6 +94,9 @@ class TorchPagedAttention:
         slots = self.metadata.slot_mapping
         if k_blocks.dtype == torch.uint8:  # int8 rows with their scales (kv_cache.py)
             k, v = quantize_kv_rows(k), quantize_kv_rows(v)
+        else:  # a cache type of its own (bfloat16, fp8) rounds here
+            k, v = cache_rows(k, k_blocks.dtype), cache_rows(v, v_blocks.dtype)
+        k_blocks, v_blocks, k, v = (_copyable(t) for t in (k_blocks, v_blocks, k, v))
         k_blocks.view(-1, num_kv_heads, width).index_copy_(0, slots, k)
         v_blocks.view(-1, num_kv_heads, width).index_copy_(0, slots, v)
 
@@ -97,8 +105,9 @@ class TorchPagedAttention:
         window: int | None,
     ) -> None:  # fmt: skip
         num_kv_heads, width = k_blocks.shape[-2:]
-        k_rows = k_blocks.view(k_blocks.shape[0], -1)
-        v_rows = v_blocks.view(v_blocks.shape[0], -1)
+        stored = k_blocks.dtype
+        k_rows = _copyable(k_blocks).view(k_blocks.shape[0], -1)
+        v_rows = _copyable(v_blocks).view(v_blocks.shape[0], -1)
         num_seqs, num_q = group.query_index.shape
         blocks = group.block_tables.flatten()
         if index not in self._workspaces:
@@ -108,8 +117,10 @@ class TorchPagedAttention:
         kv_shape = (num_seqs, -1, num_kv_heads, width)
         keys = torch.index_select(k_rows, 0, blocks, out=k_buffer).view(kv_shape)
         values = torch.index_select(v_rows, 0, blocks, out=v_buffer).view(kv_shape)
-        if k_blocks.dtype == torch.uint8:
+        if stored == torch.uint8:
             keys, values = dequantize_kv_rows(keys, q.dtype), dequantize_kv_rows(values, q.dtype)
+        elif stored != q.dtype:
+            keys, values = keys.view(stored).to(q.dtype), values.view(stored).to(q.dtype)
         queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
         if (index, window) not in self._masks:
             # The query heads sharing a KV head are stacked on the query axis, so the
