@@ -7,7 +7,9 @@ step reads / the measured read bandwidth; a batch of 16 reads them once for 16
 tokens). Greedy, 2 threads each, medians of repetitions.
 
 Files: SmolLM2-135M-Instruct as installed (Q4_1, its Q8_0 embedding doubling as the
-tied LM head) and requantized by llama.cpp's llama-quantize to Q8_0 and Q4_0; and the
+tied LM head) and requantized by llama.cpp's llama-quantize to Q8_0 and Q4_0; Gemma 3
+270M (Q4_K_M, when its package is installed: its 262k x 640 Q8_0 embedding, the tied
+LM head, is two thirds of a decode step's bytes); and the
 random-weight 125M Llama of benchmarks/common.py written by tandem's exporter in F16,
 Q8_0 and Q4_0 (so this also shows llama.cpp loading tandem's files).
 
@@ -38,7 +40,7 @@ import torch
 from benchmarks.common import BENCH_DIR, llama_125m_folder, machine
 from benchmarks.decode_roofline import tandem_step_seconds
 from tandem import LLM, SamplingParams
-from tandem.models.catalog import resolve_model
+from tandem.models.catalog import is_installed, resolve_model
 from tandem.models.gguf_export import export_gguf
 from tandem.plan.measure import memory_bandwidth_gbs
 
@@ -64,6 +66,8 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
     folder = BENCH_DIR / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     files = {"smollm2 Q4_1": Path(resolve_model("smollm2-135m-instruct"))}
+    if is_installed("gemma3-270m"):  # Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K; a 262k vocabulary
+        files["gemma3-270m Q4_K_M"] = Path(resolve_model("gemma3-270m"))
     for fmt in ("Q8_0", "Q4_0"):
         out = folder / f"smollm2-{fmt.lower()}.gguf"
         if not out.is_file() and llama_bin is not None:

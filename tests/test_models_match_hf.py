@@ -147,3 +147,34 @@ def test_bfloat16_close_to_transformers_bfloat16(model_dirs, arch):
     runner = ModelRunner(loaded, 8, 16)
     ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2])], all_logits=True)
     assert_close(ours, reference_logits(hf_bf16, ids), rel=3e-2)
+
+
+def test_gemma3_configs_of_both_transformers_generations_parse_alike():
+    """transformers 4 wrote rope_theta / rope_local_base_freq / rope_scaling and a
+    sliding_window_pattern; transformers 5 writes rope_parameters per layer kind and
+    layer_types. Both describe the same model."""
+    from tandem.models.gemma3 import parse_gemma3_config
+
+    common = dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=384, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+    )  # fmt: skip
+    old = parse_gemma3_config(
+        dict(common, rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+             rope_scaling={"rope_type": "linear", "factor": 8.0})
+    )  # fmt: skip
+    new = parse_gemma3_config(
+        dict(
+            common,
+            layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    )
+    assert old == new
+    assert new.layer_windows() == (8, 8, 8, 8, 8, None, 8)
+    assert (new.rope.theta, new.rope.scaling_type) == (1e6, "linear")
+    assert new.family_options["local_rope"].theta == 10000.0
