@@ -70,6 +70,28 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
         assert agree.float().mean() >= 0.9
 
 
+TEXTS = [
+    "Hello world",
+    "  leading spaces and  double  spaces\n\n\ttabs",
+    "Grüße aus Köln: ça va? 日本語のテキスト。Привет, мир! 🙂👍",
+    "def f(x):\n    return x**2  # square\n\nprint(f(3))",
+    "<start_of_turn>user\nhi<end_of_turn>\n1234567 3.14159",
+]
+
+
+def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(models):
+    """Gemma's SentencePiece vocabulary rebuilt from the file (no prefix space, runs of
+    spaces, merges in file order) against transformers' GGUF tokenizer."""
+    _, exact, _ = models
+    ours = exact.get_tokenizer()
+    path = resolve_model("gemma3-270m")
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
 def test_the_quantized_file_completes_a_prompt(models):
     _, _, quantized = models
     out = quantized.generate(
