@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    # token id -> a value added to its logit before sampling (OpenAI's logit_bias;
+    # -100 bans a token, +100 all but forces it). The logprobs stay the raw model's.
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -95,6 +98,12 @@ class SamplingParams:
         self.stop_strings = tuple(stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+            valid = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not valid or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {bias!r}")
 
     @property
     def greedy(self) -> bool:

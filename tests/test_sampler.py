@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tandem.errors import InvalidParameterError
 from tandem.runner.sampler import SamplingRow, apply_penalties, sample, sampling_probs
 from tandem.sampling import SamplingParams, model_sampling_defaults
 
@@ -118,3 +119,27 @@ def test_model_sampling_defaults_read_generation_config_keys():
     # transformers' do_sample=False is greedy whatever temperature says.
     assert model_sampling_defaults({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
     assert model_sampling_defaults({}) == {}
+
+
+def test_logit_bias_adds_to_the_logits_and_leaves_the_logprobs_raw():
+    """OpenAI's logit_bias: each listed token's logit moves by its bias before the
+    choice (-100 bans, +100 forces); the reported logprobs stay the model's."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0] + [0.0] * (VOCAB - 4)] * 3)
+    rows = [
+        row(temperature=0, logprobs=1),
+        row(temperature=0, logprobs=1, logit_bias={1: -100.0}),
+        row(temperature=0, logprobs=1, logit_bias={2: 100.0, 3: 0.5}),
+    ]
+    out = sample(logits, rows)
+    assert [o.token_id for o in out] == [1, 3, 2]
+    raw = torch.log_softmax(logits[0], -1)
+    assert out[2].logprob == pytest.approx(raw[2].item(), abs=1e-6)
+    assert logits[0, 1] == 3.0  # the caller's logits untouched
+
+
+@pytest.mark.parametrize(
+    "bias", [{-1: 1.0}, {"5": 1.0}, {5: 101.0}, {5: float("nan")}, {True: 1.0}, {5: "1"}]
+)
+def test_bad_logit_bias_is_refused_naming_it(bias):
+    with pytest.raises(InvalidParameterError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import httpx
 import openai
@@ -64,8 +65,13 @@ def reference(folder):
 # -- the happy paths --------------------------------------------------------------------
 
 
-def test_models_lists_the_served_name(client):
+def test_models_lists_the_served_name(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == 512
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+    assert httpx.get(f"{server}/version").json()["version"] == version("tandem")
 
 
 def test_completion_equals_the_offline_engine(client, reference):
@@ -158,6 +164,25 @@ def test_stop_string_ends_the_text_before_it(client):
     )
     assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_logit_bias_bans_and_forces_tokens_as_offline(client, reference):
+    """Through the OpenAI SDK: a ban (-100) on the greedy first token changes it; +100
+    on a token makes every token that one; each equals the offline engine's."""
+    plain = reference(PROMPT, temperature=0, max_tokens=6).outputs[0]
+    first = plain.token_ids[0]
+    forced = (first + 7) % 300
+    for bias in ({first: -100}, {forced: 100}):
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+            logit_bias={str(k): v for k, v in bias.items()},
+        )  # fmt: skip
+        expected = reference(PROMPT, temperature=0, max_tokens=6, logit_bias=bias).outputs[0]
+        assert response.choices[0].text == expected.text
+        if bias == {first: -100}:
+            assert expected.token_ids[0] != first
+        else:
+            assert expected.token_ids == [forced] * 6
 
 
 def test_logprobs_completions_and_chat(client):

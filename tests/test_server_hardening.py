@@ -158,7 +158,11 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
     [
         ("/v1/completions", {"prompt": "a", "best_of": 2}, "best_of"),
         ("/v1/completions", {"prompt": "a", "suffix": "z"}, "suffix"),
-        ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 100}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}},
+         "logit_bias"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                                   "tool_choice": "required"}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
@@ -166,7 +170,7 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
         ("/v1/chat/completions", {"guided_regex": "a+"}, "guided_regex"),
     ],
 )  # fmt: skip
-def test_fields_that_change_the_answer_are_refused_not_ignored(server, path, body, param):
+def test_unsupported_or_bad_fields_are_refused_not_ignored(server, path, body, param):
     if path.endswith("chat/completions"):
         body = {"messages": [{"role": "user", "content": "hi"}], **body}
     assert_openai_error(post(server, path, max_tokens=2, **body), 400, param)

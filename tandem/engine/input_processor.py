@@ -117,6 +117,8 @@ class InputProcessor:
         # the whole batch's sampling step, not just this request.
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise InvalidParameterError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise InvalidParameterError("logit_bias", f"keys must be token ids in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

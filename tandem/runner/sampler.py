@@ -128,13 +128,27 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Penalties and the min_tokens ban applied: the logits greedy rows take the
-    argmax of and sampled rows turn into probabilities (``sampling_probs``)."""
+    """Penalties, logit biases and the min_tokens ban applied: the logits greedy rows
+    take the argmax of and sampled rows turn into probabilities (``sampling_probs``)."""
     banning = any(r.banned_token_ids for r in rows)
+    biased = any(r.params.logit_bias for r in rows)
     if any(needs_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
-    elif banning:
+    elif banning or biased:
         logits = logits.clone()  # the caller's logits stay as they were
+    if biased:
+        rows_index, tokens, values = [], [], []
+        for i, row in enumerate(rows):
+            for token, bias in (row.params.logit_bias or {}).items():
+                rows_index.append(i)
+                tokens.append(token)
+                values.append(bias)
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(rows_index, device=device), torch.tensor(tokens, device=device)),
+            torch.tensor(values, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
     if banning:
         for i, row in enumerate(rows):
             if row.banned_token_ids:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: FastAPI routes over an AsyncEngine.
 
     GET  /v1/models            POST /v1/completions     POST /v1/chat/completions
-    POST /tokenize             POST /detokenize         GET  /health   GET /metrics
+    GET  /v1/models/{id}       POST /tokenize           POST /detokenize
+    GET  /health               GET  /metrics            GET  /version
 
     POST /trace/start  POST /trace/stop   (with --api-key or --enable-trace-endpoints)
 
@@ -21,6 +22,8 @@ import json
 import secrets
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,6 +60,13 @@ STREAMING = {
     },
     **ERRORS,
 }
+
+
+def package_version() -> str:
+    try:
+        return distribution_version("tandem")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 def build_app(
@@ -175,17 +185,28 @@ def build_app(
         text = await asyncio.to_thread(metrics.render)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "tandem",
+        "root": str(engine.engine.config.model),
+        "max_model_len": max_model_len,
+    }
+
     @app.get("/v1/models", dependencies=guarded, responses=ERRORS)
     async def models():
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "tandem",
-            "root": str(engine.engine.config.model),
-            "max_model_len": max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}", dependencies=guarded, responses=ERRORS)
+    async def model(model: str):
+        """One model's card (the SDK's ``models.retrieve``); 404 for another name."""
+        check_model(model)
+        return card
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.post("/trace/start", dependencies=trace_guarded, responses=ERRORS)
     async def start_trace():

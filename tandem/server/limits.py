@@ -39,6 +39,7 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024  # entries of logit_bias
     header_timeout: float = 15.0  # seconds
     body_timeout: float = 60.0
 
@@ -62,6 +63,10 @@ class ServerLimits:
         if len(body.stop_token_ids or ()) > self.max_stop_token_ids:
             raise InvalidParameterError(
                 "stop_token_ids", f"may hold at most {self.max_stop_token_ids} ids"
+            )
+        if len(body.logit_bias or ()) > self.max_logit_bias:
+            raise InvalidParameterError(
+                "logit_bias", f"may hold at most {self.max_logit_bias} entries"
             )
 
 

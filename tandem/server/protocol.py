@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; but a known field that
 would change the meaning of the answer and that tandem does not implement (tools,
-response_format, logit_bias, best_of, suffix, guided decoding) is refused with a 400,
+response_format, best_of, suffix, guided decoding) is refused with a 400,
 never silently dropped. Type errors become 400s naming the field (see api.py); value
 checks happen once, in SamplingParams, so the HTTP API and the Python API reject
 exactly the same things. ``ErrorResponse`` is the error body every route documents.
@@ -78,7 +78,6 @@ def render_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -120,9 +119,10 @@ class _Sampling(_Body):
     # Disaggregated serving (tandem.disagg): {"do_remote_decode": true} to a prefill
     # instance; the parameters it returned, to a decode instance.
     kv_transfer_params: dict[str, Any] | None = None
+    # token id (a string, as JSON keys are) -> bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     # Refused unless off (see _UNSUPPORTED_OFF_VALUES); typed so the schema shows them.
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -163,7 +163,18 @@ class _Sampling(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise InvalidParameterError("logit_bias", f"keys must be token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_Sampling):
