@@ -102,6 +102,22 @@ def test_streamed_completion_is_the_same_text_with_usage_last(client):
     assert text_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_continuous_usage_stats_count_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so
+    far (what load generators read TPOT from), the last chunk the total."""
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+            temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 8
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
+    assert chunks[-1].choices == []
+
+
 def test_chat_streamed_and_not(client, reference, folder):
     messages = [{"role": "user", "content": "Hello there"}]
     response = client.chat.completions.create(
@@ -164,6 +180,19 @@ def test_stop_string_ends_the_text_before_it(client):
     )
     assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_x_request_id_is_echoed(server):
+    """On answers and on errors alike; an oversized id is not echoed."""
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    ok = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "abc-1"
+    bad = httpx.post(
+        f"{server}/v1/completions", json={**body, "n": 0}, headers={"X-Request-Id": "abc-2"}
+    )
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "abc-2"
+    long = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Request-Id": "x" * 300})
+    assert "x-request-id" not in long.headers
 
 
 def test_logit_bias_bans_and_forces_tokens_as_offline(client, reference):

@@ -193,6 +193,25 @@ def test_message_content_must_be_text(server, content):
     assert "messages" in response.json()["error"]["param"]
 
 
+def test_a_tool_calling_history_renders_as_the_template_says(server):
+    """An assistant turn that only called a tool (content null, tool_calls) and the
+    tool's answer: the standard tool-calling history is a conversation, not a 500."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
+    ]
+    ok = post(server, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["role"] == "assistant"
+    no_calls = [messages[0], {"role": "assistant", "content": None}]
+    assert_openai_error(
+        post(server, "/v1/chat/completions", messages=no_calls), 400, "messages[1].content"
+    )
+
+
 def test_a_message_needs_a_role(server):
     response = post(server, "/v1/chat/completions", messages=[{"content": "hi"}])
     assert_openai_error(response, 400, "messages[0].role")
@@ -232,7 +251,7 @@ def test_the_openapi_document_tells_the_truth(server):
     assert "400" in chat["responses"]
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     message = schema["components"]["schemas"]["ChatMessage"]
-    assert "role" in message["required"] and "content" in message["required"]
+    assert "role" in message["required"]  # content: optional for tool-calling assistants
 
 
 # -- trace endpoints ----------------------------------------------------------------

@@ -9,7 +9,8 @@
 Responses and stream chunks have OpenAI's shapes (see responses.py); every error,
 the framework's own included (bad JSON, unknown route, wrong method, body too
 large), is ``{"error": {"message", "type", "param", "code"}}`` with its status, and
-the OpenAPI document says so (protocol.ErrorResponse; no 422s). What one client may
+the OpenAPI document says so (protocol.ErrorResponse; no 422s). A request's
+``X-Request-Id`` comes back on its response (request_id.py). What one client may
 ask is bounded (limits.py). A client that disconnects, streaming or not, aborts its
 requests at once.
 """
@@ -46,6 +47,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     render_conversation,
 )
+from tandem.server.request_id import EchoRequestId
 
 _HTTP_ERROR_TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -90,8 +92,9 @@ def build_app(
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="tandem", version=package_version(), lifespan=lifespan)
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
+    app.add_middleware(EchoRequestId)  # outermost: its errors carry the id too
     handler = CompletionHandler(engine, model_name)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
@@ -267,6 +270,7 @@ def build_app(
             body.include_usage_in_stream,
             chat=False,
             kv_transfer_params=body.kv_transfer_params,
+            continuous_usage=body.continuous_usage_in_stream,
         )
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses=STREAMING)
@@ -285,6 +289,7 @@ def build_app(
         return await handler.serve(
             request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
             chat=True, kv_transfer_params=body.kv_transfer_params,
+            continuous_usage=body.continuous_usage_in_stream,
         )  # fmt: skip
 
     return app

@@ -39,7 +39,10 @@ class CompletionHandler:
         include_usage: bool,
         chat: bool,
         kv_transfer_params: dict[str, Any] | None = None,
+        continuous_usage: bool = False,
     ):
+        """``include_usage``: a last stream chunk with the usage; ``continuous_usage``:
+        also the usage so far in every chunk (vLLM's continuous_usage_stats)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # A stream sends what is new each step; a response needs only the end.
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -70,7 +73,8 @@ class CompletionHandler:
         )
         if stream:
             return StreamingResponse(
-                self._sse(state, outputs, engine_ids, include_usage), media_type="text/event-stream"
+                self._sse(state, outputs, engine_ids, include_usage, continuous_usage),
+                media_type="text/event-stream",
             )
         return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
 
@@ -109,14 +113,21 @@ class CompletionHandler:
         outputs: asyncio.Queue,
         engine_ids: list[str],
         include_usage: bool,
+        continuous_usage: bool,
     ) -> AsyncIterator[str]:
+        def event(chunk: dict[str, Any]) -> str:
+            return _event({**chunk, "usage": state.usage()} if continuous_usage else chunk)
+
         try:
-            if state.chat:
-                for index in range(state.num_choices):
-                    yield _event(state.role_chunk(index))
+            roles_sent = not state.chat
             async for output in self._next_outputs(outputs, engine_ids):
+                if not roles_sent:  # with the first output, as vLLM: the prompt is counted
+                    state.note_prompt(output)
+                    for index in range(state.num_choices):
+                        yield event(state.role_chunk(index))
+                    roles_sent = True
                 for index, delta in state.update(output):
-                    yield _event(state.chunk(index, delta))
+                    yield event(state.chunk(index, delta))
             if include_usage:
                 yield _event(state.usage_chunk())
         except Exception as exc:  # an error mid-stream: an error frame, then [DONE]

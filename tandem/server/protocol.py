@@ -38,7 +38,8 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # with include_usage: the usage so far in every chunk
 
 
 class ContentPart(BaseModel):
@@ -51,17 +52,28 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # name; what templates may read
+    # Extra fields (name, tool_calls, tool_call_id...) reach the chat template as given.
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1)
-    content: str | list[ContentPart]
+    # None only for an assistant message that made tool calls (its ``tool_calls``).
+    content: str | list[ContentPart] | None = None
 
 
 def render_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: content parts joined into plain text
-    (chat completions and /tokenize count the same tokens)."""
+    (chat completions and /tokenize count the same tokens); an assistant's tool calls
+    with no content keep ``content: None``, as transformers passes them."""
     rendered = []
     for index, message in enumerate(messages):
         content = message.content
+        if content is None:
+            if message.role != "assistant" or not getattr(message, "tool_calls", None):
+                raise InvalidParameterError(
+                    f"messages[{index}].content",
+                    "is required (only an assistant message with tool_calls may omit it)",
+                )
+            rendered.append({**message.model_dump(), "content": None})
+            continue
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise InvalidParameterError(
@@ -138,6 +150,10 @@ class _Sampling(_Body):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs):
         self.refuse_unsupported()

@@ -53,13 +53,18 @@ class ChoiceStream:
     def num_choices(self) -> int:
         return len(self.choices)
 
+    def note_prompt(self, output: RequestOutput) -> int:
+        """Record the prompt's token counts (for the usage); returns its index."""
+        prompt_index = self._prompt_index[output.request_id]
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
+        return prompt_index
+
     def update(self, output: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
         """Take one engine request's output (its completions carry only what is new:
         the DELTA or FINAL_ONLY output kinds); return the choices that changed with
         their delta (new text, new tokens' logprobs, finish)."""
-        prompt_index = self._prompt_index[output.request_id]
-        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
-        self.cached_tokens[prompt_index] = output.num_cached_tokens
+        prompt_index = self.note_prompt(output)
         deltas = []
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
