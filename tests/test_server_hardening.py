@@ -42,6 +42,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     assert response.headers["content-type"].startswith("application/json")
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert isinstance(error["code"], str) and error["code"]  # always a string
     if param is not None:
         assert error["param"] == param, error
 

@@ -1,8 +1,11 @@
 """The error model of tandem's HTTP servers (the OpenAI API and the router): OpenAI's
-shape, ``{"error": {"message", "type", "param", "code"}}``, with the status code."""
+shape, ``{"error": {"message", "type", "param", "code"}}``, with the status code.
+``code`` is always a string: a specific one where there is one (``invalid_api_key``,
+``model_not_found``, ``queue_full``...), else the status's name (``bad_request``)."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -29,9 +32,18 @@ class APIError(Exception):
                 "message": str(self),
                 "type": self.type,
                 "param": self.param,
-                "code": self.code if self.code is not None else self.status,
+                "code": self.code if self.code is not None else status_code_name(self.status),
             }
         }
+
+
+def status_code_name(status: int) -> str:
+    """404 -> "not_found": the error code when no more specific one applies."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return f"http_{status}"
+    return phrase.lower().replace(" ", "_").replace("-", "_")
 
 
 def as_api_error(exc: Exception) -> APIError:

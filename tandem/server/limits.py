@@ -25,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem.errors import InvalidParameterError
 from tandem.runner import host_memory
+from tandem.server.errors import status_code_name
 
 logger = logging.getLogger("tandem.server")
 # After a request body this large, free heap memory goes back to the system.
@@ -129,7 +130,7 @@ class BodyGuard:
 
 async def _send_error(send, status: int, message: str) -> None:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": status}}  # fmt: skip
+                      "code": status_code_name(status)}}  # fmt: skip
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})

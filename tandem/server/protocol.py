@@ -27,7 +27,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str  # a specific code ("invalid_api_key") or the status's name ("bad_request")
 
 
 class ErrorResponse(BaseModel):
