@@ -13,6 +13,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
+from tandem.models.tokenizer import Tokenizer
 from tandem.server.api import build_app
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.launch import tandem_process
@@ -100,6 +101,36 @@ def test_streamed_completion_is_the_same_text_with_usage_last(client):
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in text_chunks[:-1]] == [None] * (len(text_chunks) - 1)
     assert text_chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_assistant_prefill_continues_the_final_message(client, server, reference, folder):
+    """continue_final_message: the answer continues the last (assistant) message, as
+    the offline engine continues the same prompt text; with add_generation_prompt
+    left on it is a 400 naming the field."""
+    messages = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": PROMPT}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    prompt = Tokenizer(folder).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prompt.endswith(PROMPT)
+    ids = Tokenizer(folder).encode(prompt, add_special_tokens=False)  # the template has BOS
+    expected = reference({"prompt_token_ids": ids}, temperature=0, max_tokens=6)
+    assert response.choices[0].message.content == expected.outputs[0].text
+    tokens = httpx.post(
+        f"{server}/tokenize",
+        json={"messages": messages, "add_generation_prompt": False,
+              "continue_final_message": True},
+    ).json()["tokens"]  # fmt: skip
+    assert tokens == ids
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "continue_final_message"
 
 
 def test_continuous_usage_stats_count_every_chunk(client):

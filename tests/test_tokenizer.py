@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from tandem.errors import TandemError
+from tandem.errors import InvalidParameterError, TandemError
 from tandem.models.tokenizer import Tokenizer
 
 TEXTS = ["The quick brown fox", "naïve café 東京 ✓", "", "def f(x):\n    return x"]
@@ -59,6 +59,22 @@ def test_chat_template_matches_transformers(folders, add_generation_prompt):
     if not isinstance(expected_ids, list):  # transformers 5 returns a BatchEncoding
         expected_ids = expected_ids["input_ids"]
     assert ours.encode_chat(CONVERSATION) == expected_ids
+
+
+@pytest.mark.parametrize("final", ["KV in", "  spaced  ", "ends with a space "])
+def test_continue_final_message_matches_transformers(folders, final):
+    """Assistant prefill: the text stops where the last message's content does."""
+    folder, reference = folders
+    conversation = [*CONVERSATION, {"role": "assistant", "content": final}]
+    expected = reference.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    ours = Tokenizer(folder).apply_chat_template(
+        conversation, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == expected
+    with pytest.raises(InvalidParameterError, match="continue_final_message"):
+        Tokenizer(folder).apply_chat_template(conversation, continue_final_message=True)
 
 
 def test_chat_template_from_tokenizer_config(tmp_path, folders):

@@ -20,7 +20,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from tandem.errors import ModelLoadError, TandemError
+from tandem.errors import InvalidParameterError, ModelLoadError, TandemError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -148,18 +148,46 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """The prompt text for a conversation, as transformers' apply_chat_template."""
+        """The prompt text for a conversation, as transformers' apply_chat_template.
+        ``continue_final_message``: the text ends where the last message's content does
+        (no end-of-turn after it), so the model continues that message (assistant
+        prefill)."""
         if self.chat_template_source is None:
             raise TandemError("this model's tokenizer has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParameterError(
+                "continue_final_message", "cannot be combined with add_generation_prompt"
+            )
         if self._chat_template is None:
             self._chat_template = _compile_template(self.chat_template_source)
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
-        return self._chat_template.render(
+        text = self._chat_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables, **kwargs
         )
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         # The template writes the special tokens itself, so none are added here.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation up to the end of its last message's content, found as
+    transformers finds it (the last occurrence; a template that trims the content is
+    cut after the trimmed text)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise InvalidParameterError(
+            "continue_final_message",
+            "the final message's text does not appear in the rendered conversation",
+        )
+    at = text.rindex(final.strip())
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]

@@ -239,7 +239,10 @@ def build_app(
             conversation = render_conversation(body.messages)
             encoder = need_tokenizer("messages")
             tokens = await asyncio.to_thread(
-                encoder.encode_chat, conversation, add_generation_prompt=body.add_generation_prompt
+                encoder.encode_chat,
+                conversation,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
         else:
             require_unicode(body.prompt, "prompt")
@@ -283,6 +286,7 @@ def build_app(
             encoder.encode_chat,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
         )
         prompt = engine_prompt(prompt_ids, body.cache_salt)

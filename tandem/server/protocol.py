@@ -220,7 +220,8 @@ class CompletionRequest(_Sampling):
 
 # Template variables the server passes itself (the conversation, the special tokens).
 RESERVED_TEMPLATE_VARIABLES = {
-    "messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
+    "messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+    "unk_token", "pad_token",
 }  # fmt: skip
 
 
@@ -230,6 +231,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # Assistant prefill: continue the last message (needs add_generation_prompt false).
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless off (see _UNSUPPORTED_OFF_VALUES): typed so the schema shows them.
     tools: list[dict[str, Any]] | None = None
@@ -267,6 +270,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
