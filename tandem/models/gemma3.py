@@ -191,8 +191,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3Model(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.softcap = config.family_options["final_logit_softcapping"]
-        # sqrt(hidden) rounded to float32 as the reference's buffer, then to the model dtype
-        self.embed_scale = float(np.float32(config.hidden_size**0.5))
+        self._embed_scales: dict[torch.dtype, float] = {}
         self.tie_weights()
 
     def forward(
@@ -200,7 +199,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         m = self.model
         h = m.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+        h = h * self.embed_scale(h.dtype)
         ropes = {
             False: (m.rotary, m.rotary.prepare(positions, h.dtype)),
             True: (m.local_rotary, m.local_rotary.prepare(positions, h.dtype)),
@@ -209,6 +208,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for layer in m.layers:
             h, residual = layer(h, residual, *ropes[layer.sliding], attn)
         return m.norm(h, residual)[0]
+
+    def embed_scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden) rounded to float32 (the reference's buffer), then to ``dtype``:
+        exact in ``dtype``, so multiplying by it as a Python number rounds as the
+        reference's tensor product does, without a device tensor per forward."""
+        if dtype not in self._embed_scales:
+            scale32 = torch.tensor(float(np.float32(self.config.hidden_size**0.5)))
+            self._embed_scales[dtype] = float(scale32.to(dtype))
+        return self._embed_scales[dtype]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
