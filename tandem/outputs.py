@@ -83,6 +83,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # of the first sample (all share one arrival)
     # Disaggregated prefill: where the prompt's K/V wait for a decode instance.
     kv_transfer_params: dict | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then each
+    # prompt token's entry (the token and the top ones), as for generated tokens.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the request failed alone (its samples finish with "error"; what they
     # had generated is dropped); the other requests of the step are unaffected.
     error: str | None = None

@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    # top-k logprobs per prompt token (plus the prompt's own; the first has none). Such a
+    # request computes its whole prompt (it skips the prefix cache).
+    prompt_logprobs: int | None = None
     # token id -> a value added to its logit before sampling (OpenAI's logit_bias;
     # -100 bans a token, +100 all but forces it). The logprobs stay the raw model's.
     logit_bias: dict[int, float] | None = None
@@ -83,8 +86,13 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):  # fmt: skip
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         # A generator takes a 64-bit seed; sample i of n uses seed + i.

@@ -214,6 +214,8 @@ class Engine:
         forward pass raises here, and then every request in the step is lost."""
         scheduler_output = self.scheduler.schedule()
         result = self.runner.execute(scheduler_output)
+        for request_id, (first, scored) in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(request_id, first, scored)
         updated = self.scheduler.update(scheduler_output, result.sampled, result.failed)
         outputs = self.output_processor.process(updated)
         if self.observers:

@@ -67,6 +67,16 @@ class _Parent:
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
     samples: list[_Sample] = field(default_factory=list)
+    # With prompt_logprobs: None for the first prompt token, then one entry per token
+    # as the prompt's chunks are computed; reported once it is whole.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(
+            self.prompt_token_ids
+        )
 
     @property
     def finished(self) -> bool:
@@ -107,12 +117,26 @@ class OutputProcessor:
                     params.skip_special_tokens,
                     params.include_stop_str_in_output,
                 )
+            if params.prompt_logprobs is not None:
+                parent.prompt_logprobs = [None]
             sample = _Sample(child, index, detokenizer, None, None, eager)
             if params.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
             parent.samples.append(sample)
             self._children[child.request_id] = (parent, sample)
         self.parents[request.request_id] = parent
+
+    def add_prompt_logprobs(self, request_id: str, first: int, scored: list) -> None:
+        """Scores of prompt tokens ``first``.. from one child's computed chunk. Kept
+        once per parent: another child's, or a recompute after preemption, repeats
+        positions already held."""
+        parent, _ = self._children.get(request_id, (None, None))
+        if parent is None or parent.prompt_logprobs is None:
+            return
+        held = parent.prompt_logprobs
+        for position, token in enumerate(scored, start=first):
+            if position == len(held):
+                held.append(self._logprob_entry(token))
 
     def children(self, request_id: str) -> list[Request]:
         parent = self.parents.get(request_id)
@@ -190,6 +214,11 @@ class OutputProcessor:
         return detokenizer is not None and detokenizer.update(token_id) is not None
 
     def _record_logprobs(self, sample: _Sample, token: SampledToken) -> None:
+        sample.logprobs.append(self._logprob_entry(token))
+        sample.cumulative_logprob += token.logprob
+
+    def _logprob_entry(self, token: SampledToken) -> dict[int, Logprob]:
+        """token id -> Logprob: the top ones with their ranks, and the token itself."""
         decode = (lambda t: self.tokenizer.decode([t], False)) if self.tokenizer else lambda t: None
         entry = {
             t: Logprob(value, rank, decode(t))
@@ -197,8 +226,7 @@ class OutputProcessor:
         }
         if token.token_id not in entry:
             entry[token.token_id] = Logprob(token.logprob, None, decode(token.token_id))
-        sample.logprobs.append(entry)
-        sample.cumulative_logprob += token.logprob
+        return entry
 
     def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput | None:
         kind = parent.output_kind
@@ -217,6 +245,12 @@ class OutputProcessor:
         ) or RequestMetrics.from_timeline(first.timeline)
         # What the KV connector says of a finished request (where its K/V wait).
         transfer = first.kv_transfer_output if first.status.finished else None
+        prompt_logprobs = None
+        if parent.prompt_logprobs_ready and not (
+            kind == RequestOutputKind.DELTA and parent.sent_prompt_logprobs
+        ):  # DELTA: in the first output only
+            prompt_logprobs = parent.prompt_logprobs
+            parent.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -226,6 +260,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             metrics=metrics,
             kv_transfer_params=transfer,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _completion(self, sample: _Sample, kind: RequestOutputKind) -> CompletionOutput | None:

@@ -28,7 +28,7 @@ from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.runner.linear import linear_method_for
-from tandem.runner.sampler import sample
+from tandem.runner.sampler import sample, scored_tokens
 from tandem.spec_decode.proposer import Proposer, make_proposer
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
@@ -166,19 +166,31 @@ class ModelRunner:
             return result
         drafts = self._drafts(scheduled)
         chunks, logit_rows, position = [], [], 0
+        prompt_rows: list[int] = []  # rows whose logits score the next prompt token
+        prompt_spans: list[tuple[RequestState, int, int]] = []  # (state, first position, count)
         for item, state in scheduled:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
             tokens = state.all_token_ids[start : start + item.num_new_tokens]
             chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids))
+            if state.sampling_params.prompt_logprobs is not None:
+                # Position j's logits score prompt token j + 1.
+                count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
+                if count > 0:
+                    prompt_rows.extend(range(position, position + count))
+                    prompt_spans.append((state, start + 1, count))
             position += len(tokens) + len(guess)
             if item.samples:  # the last token's logits, and each draft's
                 logit_rows.extend(range(position - 1 - len(guess), position))
-        if not logit_rows:
+        if not logit_rows and not prompt_rows:
             self.forward(chunks)
             return result
-        logits = self.forward(chunks, logit_indices=logit_rows)
-        self._new_tokens(scheduled, drafts, logits, result)
+        logits = self.forward(chunks, logit_indices=prompt_rows + logit_rows)
+        if prompt_rows:
+            self._prompt_logprobs(logits[: len(prompt_rows)], prompt_spans, result)
+            logits = logits[len(prompt_rows) :]
+        if logit_rows:
+            self._new_tokens(scheduled, drafts, logits, result)
         for request_id, tokens in result.sampled.items():
             batch.requests[request_id].append([t.token_id for t in tokens])
         return result
@@ -195,6 +207,19 @@ class ModelRunner:
             self.input_batch.finished(request_id)
             if self.proposer is not None:
                 self.proposer.forget(request_id)
+
+    def _prompt_logprobs(self, logits, spans, result: RunnerOutput) -> None:
+        """Each span's prompt tokens scored by the logits before them (the raw
+        distribution, as for generated tokens), with the top ones asked for."""
+        row = 0
+        for state, first, count in spans:  # (targets and k were validated at the door)
+            targets = state.prompt_token_ids[first : first + count]
+            log_probs = torch.log_softmax(logits[row : row + count].float(), dim=-1)
+            k = state.sampling_params.prompt_logprobs
+            result.prompt_logprobs[state.request_id] = (
+                first, scored_tokens(targets, log_probs, [k] * count)
+            )  # fmt: skip
+            row += count
 
     def _drafts(self, scheduled) -> dict[str, tuple]:
         """The proposer's (draft tokens, draft distributions) per speculating request."""
@@ -280,7 +305,10 @@ class ModelRunner:
             if logit_indices is None:
                 logit_indices = list(itertools.accumulate(query_lens))
                 logit_indices = [end - 1 for end in logit_indices]
-            if len(logit_indices) != len(hidden):
+            # (Every row in order needs no gather; the same count in another order does.)
+            if len(logit_indices) != len(hidden) or any(
+                i != row for row, i in enumerate(logit_indices)
+            ):
                 hidden = hidden[torch.tensor(logit_indices, device=self.device)]
         return self.model.compute_logits(hidden)
 

@@ -172,16 +172,23 @@ def with_logprobs(
     tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]
 ) -> list[SampledToken]:
     """SampledTokens, with the raw-distribution logprobs of rows that asked for them."""
-    results = [SampledToken(t) for t in tokens]
     if raw_logprobs is None:
-        return results
-    num_logprobs = max((r.params.logprobs or 0) for r in rows)
-    index = torch.tensor(tokens, device=raw_logprobs.device)[:, None]
-    chosen = raw_logprobs.gather(1, index).flatten().tolist()
-    top_values, top_ids = raw_logprobs.topk(max(num_logprobs, 1), dim=-1)
+        return [SampledToken(t) for t in tokens]
+    return scored_tokens(tokens, raw_logprobs, [r.params.logprobs for r in rows])
+
+
+def scored_tokens(
+    tokens: list[int], log_probs: torch.Tensor, top_k: list[int | None]
+) -> list[SampledToken]:
+    """Each row's token with its log-probability and the row's ``top_k[i]`` best
+    (None: neither): ``log_probs`` [N, vocab] normalised."""
+    results = [SampledToken(t) for t in tokens]
+    num_logprobs = max((k or 0) for k in top_k)
+    index = torch.tensor(tokens, device=log_probs.device)[:, None]
+    chosen = log_probs.gather(1, index).flatten().tolist()
+    top_values, top_ids = log_probs.topk(max(num_logprobs, 1), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
+    for i, k in enumerate(top_k):
         if k is None:
             continue
         results[i].logprob = chosen[i]
