@@ -213,6 +213,38 @@ def test_stop_string_ends_the_text_before_it(client):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_echo_scores_the_prompt_as_lm_eval_harness_asks(client, reference):
+    """echo + logprobs 1 + max_tokens 0: the prompt alone, each token's logprob under
+    the model (the first null), as the offline engine's prompt_logprobs; with tokens
+    generated, they follow the prompt in text and logprobs; streamed, the same text."""
+    scored = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    offline = reference(PROMPT, max_tokens=1, prompt_logprobs=1)
+    ids = offline.prompt_token_ids
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    for position in range(1, len(ids)):
+        expected = offline.prompt_logprobs[position][ids[position]].logprob
+        assert logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-5)
+    both = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0
+    ).choices[0]
+    generated = reference(PROMPT, max_tokens=3, temperature=0).outputs[0].text
+    assert both.text == PROMPT + generated
+    assert len(both.logprobs.tokens) == len(ids) + 3
+    assert both.logprobs.text_offset[len(ids)] == len(PROMPT)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + generated
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"
+
+
 def test_x_request_id_is_echoed(server):
     """On answers and on errors alike; an oversized id is not echoed."""
     body = {"prompt": PROMPT, "max_tokens": 2}

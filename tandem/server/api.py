@@ -274,6 +274,8 @@ def build_app(
             chat=False,
             kv_transfer_params=body.kv_transfer_params,
             continuous_usage=body.continuous_usage_in_stream,
+            echo=body.echo,
+            drop_generated=body.echo and body.max_tokens == 0,
         )
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses=STREAMING)

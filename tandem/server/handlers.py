@@ -21,7 +21,7 @@ from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.errors import as_api_error
-from tandem.server.responses import ChoiceStream
+from tandem.server.responses import ChoiceStream, Echo
 
 
 class CompletionHandler:
@@ -40,6 +40,8 @@ class CompletionHandler:
         chat: bool,
         kv_transfer_params: dict[str, Any] | None = None,
         continuous_usage: bool = False,
+        echo: bool = False,
+        drop_generated: bool = False,
     ):
         """``include_usage``: a last stream chunk with the usage; ``continuous_usage``:
         also the usage so far in every chunk (vLLM's continuous_usage_stats)."""
@@ -70,6 +72,7 @@ class CompletionHandler:
             params.n,
             chat,
             want_logprobs=params.logprobs is not None,
+            echo=Echo(self._decode, drop_generated) if echo else None,
         )
         if stream:
             return StreamingResponse(
@@ -77,6 +80,10 @@ class CompletionHandler:
                 media_type="text/event-stream",
             )
         return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.engine.tokenizer
+        return tokenizer.decode(token_ids, False) if tokenizer is not None else ""
 
     async def _next_outputs(
         self, outputs: asyncio.Queue, engine_ids: list[str]

@@ -10,6 +10,7 @@ exactly the same things. ``ErrorResponse`` is the error body every route documen
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -195,8 +196,11 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (score the prompt alone).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before the completion, its tokens' logprobs first with logprobs (how
+    # lm-eval-harness scores log-likelihoods: echo, logprobs 1, max_tokens 0).
     echo: bool = False
     best_of: int | None = None  # refused unless 1
     suffix: str | None = None  # refused
@@ -213,9 +217,14 @@ class CompletionRequest(_Sampling):
         return list(prompt)
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        if self.echo:
-            raise InvalidParameterError("echo", "is not supported")
-        return self._sampling_params(defaults, self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameterError("max_tokens", "must be >= 1 (0 only with echo)")
+        # max_tokens 0: one token runs the prompt; the response drops it (responses.Echo).
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        params = self._sampling_params(defaults, max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 # Template variables the server passes itself (the conversation, the special tokens).

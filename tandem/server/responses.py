@@ -8,7 +8,9 @@ samples; choice ``i * n + j`` is sample j of prompt i, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,17 @@ from tandem.outputs import Logprob, RequestOutput
 
 # JSON has no -Infinity; a token the model rules out entirely gets this instead.
 MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class Echo:
+    """Completions' ``echo``: each choice starts with its prompt (and, with logprobs,
+    the prompt tokens' logprobs, the first one null). ``decode`` turns token ids into
+    text; ``drop_generated``: max_tokens 0, the prompt alone (one token was generated
+    only to run the prompt, and is not shown or counted)."""
+
+    decode: Callable[[list[int]], str]
+    drop_generated: bool = False
 
 
 @dataclass
@@ -39,11 +52,16 @@ class ChoiceStream:
         n: int,
         chat: bool,
         want_logprobs: bool,
+        echo: Echo | None = None,
     ) -> None:
         self.response_id, self.model, self.created = response_id, model, created
         self.chat = chat
         self.n = n
         self.want_logprobs = want_logprobs
+        self.echo = echo
+        # Per prompt, with echo: its text and its tokens' logprobs (completions' shape).
+        self.echoed: dict[int, tuple[str, dict[str, list] | None]] = {}
+        self.echo_sent: set[int] = set()  # choices whose echo went out (streaming)
         self._prompt_index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
         self.choices = [_Choice() for _ in range(len(engine_ids) * n)]
         self.prompt_tokens = [0] * len(engine_ids)
@@ -58,7 +76,35 @@ class ChoiceStream:
         prompt_index = self._prompt_index[output.request_id]
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = output.num_cached_tokens
+        if self.echo is not None and prompt_index not in self.echoed:
+            self.echoed[prompt_index] = self._echo_of(output)
+            base = len(self.echoed[prompt_index][0])
+            for choice in self.choices[prompt_index * self.n : (prompt_index + 1) * self.n]:
+                choice.sent_offset = base  # generated tokens' text_offset follow the prompt
         return prompt_index
+
+    def _echo_of(self, output: RequestOutput) -> tuple[str, dict[str, list] | None]:
+        ids = output.prompt_token_ids
+        text = output.prompt if output.prompt is not None else self.echo.decode(ids)
+        if not self.want_logprobs or output.prompt_logprobs is None:
+            return text, None
+        shaped: dict[str, list] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [],
+        }  # fmt: skip
+        offset = 0
+        for token_id, entry in zip(ids, output.prompt_logprobs, strict=True):
+            if entry is None:  # the first token: nothing before it to score it
+                piece, logprob, top = self.echo.decode([token_id]), None, None
+            else:
+                piece, logprob = entry[token_id].decoded_token or "", entry[token_id].logprob
+                logprob = _finite(logprob)
+                top = {(e.decoded_token or ""): _finite(e.logprob) for e in entry.values()}
+            shaped["tokens"].append(piece)
+            shaped["token_logprobs"].append(logprob)
+            shaped["top_logprobs"].append(top)
+            shaped["text_offset"].append(offset)
+            offset += len(piece)
+        return text, shaped
 
     def update(self, output: RequestOutput) -> list[tuple[int, dict[str, Any]]]:
         """Take one engine request's output (its completions carry only what is new:
@@ -69,6 +115,13 @@ class ChoiceStream:
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
             choice = self.choices[index]
+            if self.echo is not None and index not in self.echo_sent:
+                self.echo_sent.add(index)
+                text, logprobs = self.echoed[prompt_index]
+                deltas.append((index, {"text": text, "logprobs": logprobs,
+                                       "finish_reason": None, "stop_reason": None}))  # fmt: skip
+            if self.echo is not None and self.echo.drop_generated:
+                completion = _nothing_generated(completion)
             choice.text += completion.text
             choice.token_ids.extend(completion.token_ids)
             choice.logprobs.extend(completion.logprobs or [])
@@ -140,7 +193,8 @@ class ChoiceStream:
     def final_response(self) -> dict[str, Any]:
         choices = []
         for index, choice in enumerate(self.choices):
-            logprobs = self._logprobs(choice, 0, len(choice.token_ids))
+            base = len(self.echoed[index // self.n][0]) if self.echo is not None else 0
+            logprobs = self._logprobs(choice, 0, len(choice.token_ids), base)
             if self.chat:
                 choices.append(
                     {
@@ -151,10 +205,15 @@ class ChoiceStream:
                     }
                 )
             else:
+                text = choice.text
+                if self.echo is not None:
+                    echoed_text, echoed_logprobs = self.echoed[index // self.n]
+                    text = echoed_text + text
+                    logprobs = _joined(echoed_logprobs, logprobs)
                 choices.append(
                     {
                         "index": index,
-                        "text": choice.text,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason,
@@ -200,6 +259,19 @@ class ChoiceStream:
             result["text_offset"].append(offset)
             offset += len(text)
         return result
+
+
+def _nothing_generated(completion):
+    """The completion without its tokens (echo with max_tokens 0), keeping its finish."""
+    return dataclasses.replace(
+        completion, text="", token_ids=[], logprobs=[] if completion.logprobs is not None else None
+    )
+
+
+def _joined(first: dict[str, list] | None, second: dict[str, list] | None):
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def _finite(value: float) -> float:
