@@ -190,6 +190,13 @@ def test_n_and_seed_are_reproducible(client):
     assert sample(7) == first
     assert first[0] != first[1]  # children get distinct seeds
     assert sample(8) != first
+    streamed = ["", ""]  # n with streaming: chunks by choice index, the same samples
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, n=2, seed=7, temperature=1.0, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == first
 
 
 def test_a_batch_of_prompts_and_token_ids(client, reference):
