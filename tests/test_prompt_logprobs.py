@@ -10,6 +10,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
+from tandem.runner import model_runner
 from tandem.sampling import RequestOutputKind
 
 PROMPT = list(range(5, 45))
@@ -52,6 +53,14 @@ def test_prompt_logprobs_equal_transformers(setup, options):
         check(output.prompt_logprobs, reference, 2)
     if preempting:
         assert any(o.metrics.num_preemptions for o in outputs)
+
+
+def test_logits_made_a_few_rows_at_a_time_score_the_same(setup, monkeypatch):
+    folder, reference = setup
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 7)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    output = LLM(folder).generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    check(output.prompt_logprobs, reference, 3)
 
 
 def test_a_cached_prompt_is_scored_whole(setup):

@@ -61,6 +61,10 @@ class SpecItem:
         return self.request.block_ids
 
 
+# Prompt positions whose logits are made at once when scoring a prompt (memory bound).
+PROMPT_LOGPROB_ROWS = 256
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -166,30 +170,26 @@ class ModelRunner:
             return result
         drafts = self._drafts(scheduled)
         chunks, logit_rows, position = [], [], 0
-        prompt_rows: list[int] = []  # rows whose logits score the next prompt token
-        prompt_spans: list[tuple[RequestState, int, int]] = []  # (state, first position, count)
+        # Prompt tokens to score: (state, flat-batch row, its position + 1, count); the
+        # logits of position j score prompt token j + 1.
+        prompt_spans: list[tuple[RequestState, int, int, int]] = []
         for item, state in scheduled:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
             tokens = state.all_token_ids[start : start + item.num_new_tokens]
             chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids))
             if state.sampling_params.prompt_logprobs is not None:
-                # Position j's logits score prompt token j + 1.
                 count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
                 if count > 0:
-                    prompt_rows.extend(range(position, position + count))
-                    prompt_spans.append((state, start + 1, count))
+                    prompt_spans.append((state, position, start + 1, count))
             position += len(tokens) + len(guess)
             if item.samples:  # the last token's logits, and each draft's
                 logit_rows.extend(range(position - 1 - len(guess), position))
-        if not logit_rows and not prompt_rows:
-            self.forward(chunks)
-            return result
-        logits = self.forward(chunks, logit_indices=prompt_rows + logit_rows)
-        if prompt_rows:
-            self._prompt_logprobs(logits[: len(prompt_rows)], prompt_spans, result)
-            logits = logits[len(prompt_rows) :]
+        hidden = self.hidden_states(chunks)
+        if prompt_spans:
+            self._prompt_logprobs(hidden, prompt_spans, result)
         if logit_rows:
+            logits = self.model.compute_logits(self._rows(hidden, logit_rows))
             self._new_tokens(scheduled, drafts, logits, result)
         for request_id, tokens in result.sampled.items():
             batch.requests[request_id].append([t.token_id for t in tokens])
@@ -208,18 +208,21 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(request_id)
 
-    def _prompt_logprobs(self, logits, spans, result: RunnerOutput) -> None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans, result: RunnerOutput) -> None:
         """Each span's prompt tokens scored by the logits before them (the raw
-        distribution, as for generated tokens), with the top ones asked for."""
-        row = 0
-        for state, first, count in spans:  # (targets and k were validated at the door)
-            targets = state.prompt_token_ids[first : first + count]
-            log_probs = torch.log_softmax(logits[row : row + count].float(), dim=-1)
+        distribution, as for generated tokens), with the top ones asked for. Logits are
+        made PROMPT_LOGPROB_ROWS rows at a time: a whole chunk's at once would be
+        tokens x vocabulary floats (2 GB for 2,048 tokens of a 262k vocabulary)."""
+        for state, row, first, count in spans:  # (targets and k validated at the door)
             k = state.sampling_params.prompt_logprobs
-            result.prompt_logprobs[state.request_id] = (
-                first, scored_tokens(targets, log_probs, [k] * count)
-            )  # fmt: skip
-            row += count
+            scored = []
+            for offset in range(0, count, PROMPT_LOGPROB_ROWS):
+                size = min(PROMPT_LOGPROB_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[row + offset : row + offset + size])
+                targets = state.prompt_token_ids[first + offset : first + offset + size]
+                log_probs = torch.log_softmax(logits, dim=-1)
+                scored += scored_tokens(targets, log_probs, [k] * size)
+            result.prompt_logprobs[state.request_id] = (first, scored)
 
     def _drafts(self, scheduled) -> dict[str, tuple]:
         """The proposer's (draft tokens, draft distributions) per speculating request."""
@@ -288,9 +291,19 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits of each chunk's last token [S, vocab], of every token [T, vocab], or of
         the tokens at ``logit_indices`` in the flat batch."""
-        query_lens = [len(c.token_ids) for c in chunks]
+        hidden = self.hidden_states(chunks)
+        if not all_logits:
+            if logit_indices is None:
+                ends = itertools.accumulate(len(c.token_ids) for c in chunks)
+                logit_indices = [end - 1 for end in ends]
+            hidden = self._rows(hidden, logit_indices)
+        return self.model.compute_logits(hidden)
+
+    def hidden_states(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """The model over the chunks' tokens as one flat batch -> final hidden states
+        [T, hidden] (K/V written to the cache)."""
         metadata = build_paged_metadata(
-            query_lens,
+            [len(c.token_ids) for c in chunks],
             [c.num_computed_tokens for c in chunks],
             [c.block_table for c in chunks],
             self.block_size,
@@ -300,17 +313,14 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
         )
-        hidden = self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
-        if not all_logits:
-            if logit_indices is None:
-                logit_indices = list(itertools.accumulate(query_lens))
-                logit_indices = [end - 1 for end in logit_indices]
-            # (Every row in order needs no gather; the same count in another order does.)
-            if len(logit_indices) != len(hidden) or any(
-                i != row for row, i in enumerate(logit_indices)
-            ):
-                hidden = hidden[torch.tensor(logit_indices, device=self.device)]
-        return self.model.compute_logits(hidden)
+        return self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
+
+    def _rows(self, hidden: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        """hidden[indices]; every row in order needs no gather (the same count in
+        another order does)."""
+        if len(indices) == len(hidden) and all(i == row for row, i in enumerate(indices)):
+            return hidden
+        return hidden[torch.tensor(indices, device=self.device)]
 
 
 def forward_no_cache(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
