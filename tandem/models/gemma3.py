@@ -26,9 +26,15 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, parse_rope, require
-from tandem.models.layers import AttentionContext, RMSNorm, RotaryEmbedding, RotaryPositions
+from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.linear import Linear
-from tandem.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM, parse_llama_config
+from tandem.models.llama import (
+    GatedMLP,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    parse_llama_config,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
@@ -127,38 +133,29 @@ class Gemma3Attention(LlamaAttention):
         self.k_norm = GemmaRMSNorm(config.head_dim, config.norm_eps)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's block (its forward, the fused decode hook included) with a norm after
+    attention and around the MLP; local layers use the second rotary table."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = Gemma3Attention(config, layer_idx)
         self.mlp = GatedMLP(config)
-        self.sliding = config.layer_windows()[layer_idx] is not None
+        self.rotary_index = 1 if config.layer_windows()[layer_idx] is not None else 0
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.norm_eps)  # noqa: E731
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        rope: RotaryPositions,
-        attn: AttentionContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Llama's block: takes the previous block's (normed) MLP output ``h`` and
-        the stream before it, returns this block's and the stream. The attention
-        backend may run the whole block in one call (``decode_layer``)."""
-        fused = getattr(attn, "decode_layer", None)
-        if fused is not None:
-            out = fused(self, h, residual, rope)
-            if out is not None:
-                return out
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
+    def norms(self) -> tuple[RMSNorm | None, ...]:
+        attn = self.self_attn
+        return (
+            self.input_layernorm, self.pre_feedforward_layernorm, attn.q_norm, attn.k_norm,
+            self.post_attention_layernorm, self.post_feedforward_layernorm,
+        )  # fmt: skip
+
+    def attention_and_mlp(self, h, residual, rotary, rope, attn):
         h = self.post_attention_layernorm(self.self_attn(h, rotary, rope, attn))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
@@ -171,9 +168,9 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
         assert config.rope is not None
-        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
-        self.local_rotary = RotaryEmbedding(
-            config.family_options["local_rope"], config.max_position_embeddings
+        self.rotaries = nn.ModuleList(  # global layers' rotary, then local layers'
+            RotaryEmbedding(rope, config.max_position_embeddings)
+            for rope in (config.rope, config.family_options["local_rope"])
         )
 
 
@@ -194,20 +191,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self._embed_scales: dict[torch.dtype, float] = {}
         self.tie_weights()
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        m = self.model
-        h = m.embed_tokens(input_ids)
-        h = h * self.embed_scale(h.dtype)
-        ropes = {
-            False: (m.rotary, m.rotary.prepare(positions, h.dtype)),
-            True: (m.local_rotary, m.local_rotary.prepare(positions, h.dtype)),
-        }
-        residual = None
-        for layer in m.layers:
-            h, residual = layer(h, residual, *ropes[layer.sliding], attn)
-        return m.norm(h, residual)[0]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        return h * self.embed_scale(h.dtype)
 
     def embed_scale(self, dtype: torch.dtype) -> float:
         """sqrt(hidden) rounded to float32 (the reference's buffer), then to ``dtype``:

@@ -118,12 +118,22 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    rotary_index = 0  # which of the model's rotary tables this layer's attention uses
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def norms(self) -> tuple[RMSNorm | None, ...]:
+        """The layer's norms in the order the whole-layer decode kernel takes them
+        (runner/fused_decode.py): before attention, before the MLP (adding to the
+        stream), q and k per head, after attention, after the MLP; None: absent."""
+        attn = self.self_attn
+        q_norm, k_norm = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        return (self.input_layernorm, self.post_attention_layernorm, q_norm, k_norm, None, None)
 
     def forward(
         self,
@@ -146,6 +156,10 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
+        return self.attention_and_mlp(h, residual, rotary, rope, attn)
+
+    def attention_and_mlp(self, h, residual, rotary, rope, attn):
+        """The block after its input norm: ``h`` normed, ``residual`` the stream."""
         h = self.self_attn(h, rotary, rope, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -158,7 +172,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         assert config.rope is not None
-        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.rotaries = nn.ModuleList([rotary])  # one table for every layer
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,12 +208,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat token batch -> final hidden states [T, hidden]."""
         m = self.model
-        h = m.embed_tokens(input_ids)
-        rope = m.rotary.prepare(positions, h.dtype)
+        h = self.embed(input_ids)
+        ropes = [(rotary, rotary.prepare(positions, h.dtype)) for rotary in m.rotaries]
         residual = None
         for layer in m.layers:
-            h, residual = layer(h, residual, m.rotary, rope, attn)
+            h, residual = layer(h, residual, *ropes[layer.rotary_index], attn)
         return m.norm(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -44,19 +44,12 @@ def _packed(linear) -> list[tuple] | None:
 
 
 def _norm_args(layer) -> tuple[torch.Tensor, ...] | None:
-    """The norms' multipliers (empty where the layer has none: the kernel's optional
-    parts), in the kernel's order, or None when one is not float32."""
-    attn = layer.self_attn
-    gemma = hasattr(layer, "pre_feedforward_layernorm")
-    norms = [
-        layer.input_layernorm,
-        layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
-        attn.q_norm if attn.qk_norm else None,
-        attn.k_norm if attn.qk_norm else None,
-        layer.post_attention_layernorm if gemma else None,
-        layer.post_feedforward_layernorm if gemma else None,
-    ]
-    args = tuple(n.multiplier() if n is not None else torch.empty(0) for n in norms)
+    """The layer's norms' multipliers in the kernel's order (``layer.norms()``; empty
+    where it has none: the kernel's optional parts), or None when one is not float32."""
+    norms = getattr(layer, "norms", None)
+    if norms is None:
+        return None
+    args = tuple(n.multiplier() if n is not None else torch.empty(0) for n in norms())
     if any(a.numel() and a.dtype != torch.float32 for a in args):
         return None
     return args
