@@ -271,7 +271,8 @@ void write_kv_cast_impl(const T* k, const T* v, int64_t tokens, int64_t row, int
   }
 }
 
-// fn(KV{}) for a float cache's element type: T itself, bfloat16 or fp8 e4m3.
+// fn(KV{}) for the cache's element type: T itself, bfloat16, fp8 e4m3, or int8 (a
+// uint8 tensor of int8 rows, each followed by its scale: KVRows<int8_t>).
 template <typename T, typename Fn>
 void dispatch_cache(torch::ScalarType type, Fn&& fn) {
   if (type == c10::CppTypeToScalarType<T>::value) {
@@ -280,6 +281,8 @@ void dispatch_cache(torch::ScalarType type, Fn&& fn) {
     fn(c10::BFloat16{});
   } else if (type == torch::kFloat8_e4m3fn) {
     fn(c10::Float8_e4m3fn{});
+  } else if (type == torch::kUInt8) {
+    fn(int8_t{});
   } else {
     TORCH_CHECK(false, "KV cache type ", type, " is not supported");
   }
@@ -392,30 +395,27 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slots) {
   check_rows(k, "k"); check_rows(v, "v");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous());
-  if (k_cache.scalar_type() == torch::kUInt8) {  // int8 rows with their scales
-    TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
-      for (auto [x, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
-        write_kv_int8_impl<scalar_t>(x->data_ptr<scalar_t>(), x->size(0), x->size(1), x->size(2),
-                                     x->stride(0), static_cast<int8_t*>(cache->data_ptr()),
-                                     slots.data_ptr<int64_t>());
-      }
-    });
-    return;
-  }
   TANDEM_DISPATCH(k.scalar_type(), "write_kv", [&] {
-    if (k_cache.scalar_type() == k.scalar_type()) {
-      write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
-                              k.size(1) * k.size(2), k.stride(0), v.stride(0),
-                              k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                              slots.data_ptr<int64_t>());
-      return;
-    }
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
-      write_kv_cast_impl<scalar_t, KV>(
-          k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0), k.size(1) * k.size(2),
-          k.stride(0), v.stride(0), static_cast<KV*>(k_cache.data_ptr()),
-          static_cast<KV*>(v_cache.data_ptr()), slots.data_ptr<int64_t>());
+      if constexpr (std::is_same_v<KV, int8_t>) {  // quantized rows with their scales
+        for (auto [x, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+          write_kv_int8_impl<scalar_t>(x->template data_ptr<scalar_t>(), x->size(0), x->size(1),
+                                       x->size(2), x->stride(0),
+                                       static_cast<int8_t*>(cache->data_ptr()),
+                                       slots.data_ptr<int64_t>());
+        }
+      } else if constexpr (std::is_same_v<KV, scalar_t>) {  // copied
+        write_kv_impl<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0),
+                                k.size(1) * k.size(2), k.stride(0), v.stride(0),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                slots.data_ptr<int64_t>());
+      } else {  // rounded to the cache's type
+        write_kv_cast_impl<scalar_t, KV>(
+            k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(0), k.size(1) * k.size(2),
+            k.stride(0), v.stride(0), static_cast<KV*>(k_cache.data_ptr()),
+            static_cast<KV*>(v_cache.data_ptr()), slots.data_ptr<int64_t>());
+      }
     });
   });
 }
@@ -428,17 +428,6 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   check_rows(out, "out"); check_rows(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
-  if (k_cache.scalar_type() == torch::kUInt8) {  // int8 rows with their scales
-    TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-      decode_attention_impl<scalar_t, int8_t>(
-          out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
-          q.size(0), q.size(1), q.size(2), static_cast<const int8_t*>(k_cache.data_ptr()),
-          static_cast<const int8_t*>(v_cache.data_ptr()), k_cache.size(1), k_cache.size(2),
-          block_tables.data_ptr<int64_t>(), block_tables.size(1),
-          context_lens.data_ptr<int64_t>(), scale, window);
-    });
-    return;
-  }
   TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
