@@ -72,9 +72,8 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks that hold the longest run of ``request``'s leading full
-        blocks, leaving at least one token to compute. Takes no reference. A request
-        that wants its prompt's logprobs computes the whole prompt (no hits)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        blocks, leaving at least one token to compute. Takes no reference."""
+        if not self.enable_prefix_caching:
             return []
         size = self.block_size
         hits: list[int] = []

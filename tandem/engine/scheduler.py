@@ -324,9 +324,11 @@ class Scheduler:
         ):
             request = self.waiting[0]
             # A prefix cache hit starts the request past the tokens found there. (A request
-            # whose K/V came from another instance starts past them already.)
+            # whose K/V came from another instance starts past them already; one that
+            # wants its prompt's logprobs computes every prompt token.)
             base = request.num_computed_tokens
-            cached = [] if base else self.kv.find_cached_prefix(request)
+            scores_prompt = request.sampling_params.prompt_logprobs is not None
+            cached = [] if base or scores_prompt else self.kv.find_cached_prefix(request)
             request.num_computed_tokens = base or len(cached) * self.kv.block_size
             num_new = self._chunk_size(request, self._budget_left(out), whole)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
