@@ -85,8 +85,9 @@ def _score(runner, window: list[int], blocks: list[int], first: int, batch: int)
         end = min(start + batch, ctx)
         wanted = [p - start for p in range(max(start, first), min(end, ctx - 1))]
         chunk = SequenceChunk(window[start:end], start, blocks)
-        logits = runner.forward([chunk], logit_indices=wanted or [0])
         if wanted:
-            parts.append(logits.float())
+            parts.append(runner.forward([chunk], logit_indices=wanted).float())
+        else:  # the first half: its K/V only, no LM head
+            runner.hidden_states([chunk])
     log_probs = torch.cat(parts).log_softmax(dim=-1)
     return ScoredWindow(window, torch.tensor(window[first + 1 :]), log_probs)

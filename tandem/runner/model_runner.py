@@ -299,6 +299,7 @@ class ModelRunner:
             hidden = self._rows(hidden, logit_indices)
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
     def hidden_states(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """The model over the chunks' tokens as one flat batch -> final hidden states
         [T, hidden] (K/V written to the cache)."""
