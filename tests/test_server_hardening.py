@@ -169,6 +169,7 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
          "response_format"),
         ("/v1/chat/completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )  # fmt: skip
 def test_unsupported_or_bad_fields_are_refused_not_ignored(server, path, body, param):

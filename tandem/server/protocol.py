@@ -101,6 +101,7 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
+    "prompt_logprobs": (None,),  # vLLM's field; completions' echo + logprobs gives them
 }
 
 
@@ -141,6 +142,7 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
         for name, off in _UNSUPPORTED_OFF_VALUES.items():
