@@ -21,6 +21,7 @@ LIMIT_HELP = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_string_chars": "longest stop string",
     "max_stop_token_ids": "most stop token ids per request",
+    "max_logit_bias": "most logit_bias entries per request",
     "header_timeout": "seconds a client has to send its request headers",
     "body_timeout": "seconds a client has to send its request body (then 408)",
 }
