@@ -19,6 +19,22 @@ class InvalidParameterError(TandemError, ValueError):
         self.param = param
 
 
+class QueueFullError(TandemError):
+    """The waiting queue is at its configured limit; the client should retry later."""
+
+
+class RequestFailedError(TandemError):
+    """One request failed inside the engine (the others went on)."""
+
+
+class EngineStepError(TandemError):
+    """A step failed (a bug or an out-of-memory); the requests in it are lost."""
+
+
+class EngineDeadError(TandemError):
+    """The engine core (its thread or its process) has stopped; nothing more is served."""
+
+
 def require_unicode(text: str, param: str) -> None:
     """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer encodes: refuse it
     as a bad ``param`` (a 400), where it would otherwise fail inside the tokenizer."""

@@ -17,8 +17,9 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine.input_processor import EngineRequest
 from tandem.engine.output_processor import OutputProcessor
+from tandem.errors import RequestFailedError
 from tandem.sampling import RequestOutputKind
-from tandem.server.async_engine import AsyncEngine, RequestFailedError
+from tandem.server.async_engine import AsyncEngine
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 MAX_NEW = 8
@@ -125,7 +126,8 @@ def test_a_poisoned_stream_fails_alone_beside_live_streams(llama, prompts, expec
     """The server's engine thread: the poisoned stream ends with RequestFailedError,
     the streams beside it receive every delta of their correct output."""
     llm = LLM(str(llama[0]), num_blocks=64, block_size=4)
-    process = llm.engine.input_processor.process
+    async_engine = AsyncEngine(llm.engine)
+    process = async_engine.input_processor.process
     poison_prompt, poison_params = POISONS["stop id past the vocabulary"]
 
     def let_poison_through(request_id, prompt, params, *args, **kwargs):
@@ -134,8 +136,7 @@ def test_a_poisoned_stream_fails_alone_beside_live_streams(llama, prompts, expec
             return unvalidated(request_id, poison_prompt, fields)
         return process(request_id, prompt, params, *args, **kwargs)
 
-    monkeypatch.setattr(llm.engine.input_processor, "process", let_poison_through)
-    async_engine = AsyncEngine(llm.engine)
+    monkeypatch.setattr(async_engine.input_processor, "process", let_poison_through)
 
     async def stream(request_id: str, prompt: list[int]):
         queue: asyncio.Queue = asyncio.Queue()

@@ -535,7 +535,7 @@ def test_preemptions_are_counted_when_they_happen(model_dirs):
 def test_a_failing_step_is_an_error_frame_and_the_server_keeps_serving(folder):
     engine = Engine(EngineConfig.from_kwargs(str(folder)))
     metrics = ServerMetrics(MODEL)
-    async_engine = AsyncEngine(engine, observer=metrics)
+    async_engine = AsyncEngine(engine, metrics=metrics)
     real_step = engine.step
     failures = iter([True])
 
@@ -546,7 +546,7 @@ def test_a_failing_step_is_an_error_frame_and_the_server_keeps_serving(folder):
 
     engine.step = flaky_step
     try:
-        with thread_server(build_app(async_engine, metrics, MODEL)) as base_url:
+        with thread_server(build_app(async_engine, MODEL)) as base_url:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
             lines = [
                 line

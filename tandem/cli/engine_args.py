@@ -144,12 +144,17 @@ def model_or_default(args: argparse.Namespace) -> str:
     return model
 
 
-def apply_threads(args: argparse.Namespace) -> None:
+def checked_threads(args: argparse.Namespace) -> int:
+    """``--threads``, refused if negative (0: torch's default)."""
     if args.threads < 0:
         raise InvalidParameterError(
             "--threads", f"must be >= 0 (0: torch's default), got {args.threads}"
         )
-    if args.threads:
+    return args.threads
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if checked_threads(args):
         import torch
 
         torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ import dataclasses
 
 from tandem.cli.engine_args import (
     add_engine_arguments,
-    apply_threads,
+    checked_threads,
     engine_options,
     model_or_default,
 )
@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-trace-endpoints", action="store_true",
         help="allow POST /trace/start and /trace/stop without --api-key (off by default)",
     )  # fmt: skip
+    http.add_argument(
+        "--no-engine-process", action="store_true",
+        help="run the engine core on a thread of the server's process (for debugging; "
+        "by default it runs in its own process, beside the HTTP server's)",
+    )  # fmt: skip
     add_limit_arguments(parser, LIMIT_HELP)
     add_engine_arguments(parser, kv_transfer=True)
 
@@ -81,7 +86,6 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 def run(args: argparse.Namespace) -> None:
     from tandem.server.serve import run_server
 
-    apply_threads(args)
     run_server(
         model_or_default(args),
         engine_options(args),
@@ -94,4 +98,6 @@ def run(args: argparse.Namespace) -> None:
         trace=args.trace,
         limits=limits_from(args),
         enable_trace_endpoints=args.enable_trace_endpoints,
+        engine_process=not args.no_engine_process,
+        threads=checked_threads(args),
     )

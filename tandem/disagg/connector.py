@@ -20,7 +20,7 @@ a decode instance queues a request that names remote blocks only if they verify
 (``check``), and every read or release presents the lease's token. A prefill
 instance keeps at most ``max_leased_fraction`` of its cache under leases.
 
-Every engine-state change happens on the engine thread (AsyncEngine.submit): the
+Every engine-state change happens on the core thread (EngineCore.submit): the
 scheduler's hooks run there, and the agent's threads hand their results over through
 it; the agent only moves bytes between leased or freshly allocated blocks.
 """
@@ -36,11 +36,11 @@ from typing import Any
 from tandem.config import KVTransferConfig
 from tandem.disagg.auth import KVAuth, prompt_digest
 from tandem.disagg.transfer import KVTransferError, make_kv_agent
+from tandem.engine.core import EngineCore
 from tandem.engine.input_processor import EngineRequest
 from tandem.engine.kv_connector import FinishedTransfer
 from tandem.engine.request import Request, RequestStatus
 from tandem.errors import InvalidParameterError, TandemError
-from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.disagg")
@@ -49,14 +49,14 @@ logger = logging.getLogger("tandem.disagg")
 class DisaggConnector:
     def __init__(
         self,
-        async_engine: AsyncEngine,
+        core: EngineCore,
         metrics: ServerMetrics,
         config: KVTransferConfig,
         host: str = "127.0.0.1",
         transfer_timeout_s: float = 30.0,
     ) -> None:
-        self.async_engine = async_engine
-        self.engine = engine = async_engine.engine
+        self.core = core
+        self.engine = engine = core.engine
         self.metrics = metrics
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
@@ -120,7 +120,7 @@ class DisaggConnector:
         request_id = request.request_id
 
         def done(_) -> None:  # (agent thread) hand the outcome to the engine thread
-            self.async_engine.submit(lambda: self._pulled(request_id, future, peer, lease_id))
+            self.core.submit(lambda: self._pulled(request_id, future, peer, lease_id))
 
         future.add_done_callback(done)
 
@@ -177,7 +177,7 @@ class DisaggConnector:
         (a release without the lease's token is ignored)."""
         lease_id = message.get("release")
         if self.auth.check_lease_token(lease_id, message.get("token")):
-            self.async_engine.submit(lambda: self._release(lease_id))
+            self.core.submit(lambda: self._release(lease_id))
 
     def _authorize_read(self, lease_id: object, token: object, block_ids: list[int]) -> str:
         """(Agent thread) why a read may not be served, or "" when it may: it must name
@@ -202,7 +202,7 @@ class DisaggConnector:
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.5):
             if self.leases:
-                self.async_engine.submit(self._expire)
+                self.core.submit(self._expire)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -234,7 +234,7 @@ class DisaggConnector:
         recompute = self.config.on_failure == "recompute"
         self._finished.append(FinishedTransfer(request_id, error is None, recompute))
         for failed_id in self.engine.poll_kv_transfers():
-            self.async_engine.fail(
+            self.core.fail(
                 failed_id,
                 TandemError(
                     f"could not read the prompt's KV from the prefill instance: {error}"

@@ -238,11 +238,14 @@ class OutputProcessor:
             if not completions:
                 return None
         first = parent.samples[0].request
-        # The first sample's metrics (all samples share one arrival).
-        metrics = next(
-            (c.metrics for c in completions if c.index == 0),
-            None,
-        ) or RequestMetrics.from_timeline(first.timeline)
+        # The first sample's metrics (all samples share one arrival); DELTA: in the
+        # last output only.
+        metrics = None
+        if finished or kind != RequestOutputKind.DELTA:
+            metrics = next(
+                (c.metrics for c in completions if c.index == 0 and c.metrics is not None),
+                None,
+            ) or RequestMetrics.from_timeline(first.timeline)
         # What the KV connector says of a finished request (where its K/V wait).
         transfer = first.kv_transfer_output if first.status.finished else None
         prompt_logprobs = None
@@ -287,6 +290,7 @@ class OutputProcessor:
         else:
             token_ids = list(token_ids)
         sample.reported_finish = finished
+        unfinished_delta = kind == RequestOutputKind.DELTA and not finished
         return CompletionOutput(
             index=sample.index,
             text=text,
@@ -295,7 +299,8 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             logprobs=logprobs,
             cumulative_logprob=sample.cumulative_logprob,
-            metrics=RequestMetrics.from_timeline(request.timeline),
+            # DELTA: in the last output only (the token times grow with every step).
+            metrics=None if unfinished_delta else RequestMetrics.from_timeline(request.timeline),
         )
 
 

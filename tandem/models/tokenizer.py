@@ -128,12 +128,21 @@ class Tokenizer:
         self.chat_template_source = chat_template
         self._chat_template: jinja2.Template | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (the engine-core process sends its tokenizer to the server): the
+        compiled chat template stays behind and is compiled again on first use."""
+        return {**self.__dict__, "_chat_template": None}
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its JSON (for the grammar engine)."""
+        return self._tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

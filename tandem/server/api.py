@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: FastAPI routes over an AsyncEngine.
+"""The OpenAI-compatible HTTP API: FastAPI routes over an EngineClient (the engine
+core in its own process, or on a thread of this one).
 
     GET  /v1/models            POST /v1/completions     POST /v1/chat/completions
     GET  /v1/models/{id}       POST /tokenize           POST /detokenize
@@ -34,11 +35,10 @@ from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, as_api_error, invalid_body
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import BodyGuard, ServerLimits
-from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,8 +72,7 @@ def package_version() -> str:
 
 
 def build_app(
-    engine: AsyncEngine,
-    metrics: ServerMetrics,
+    engine: EngineClient,
     model_name: str,
     api_key: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
@@ -96,9 +95,9 @@ def build_app(
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
     app.add_middleware(EchoRequestId)  # outermost: its errors carry the id too
     handler = CompletionHandler(engine, model_name)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
-    defaults = model_sampling_defaults(engine.engine.model_info.generation_config)
+    tokenizer = engine.info.tokenizer
+    max_model_len = engine.info.max_model_len
+    defaults = model_sampling_defaults(engine.info.generation_config)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -179,13 +178,14 @@ def build_app(
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> dict[str, str]:
         if not engine.is_alive:
-            raise APIError(503, "the engine thread has stopped", "server_error")
+            raise APIError(503, engine.dead_reason, "service_unavailable", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
-        """Prometheus exposition text (vLLM's metric names under ``tandem:``)."""
-        text = await asyncio.to_thread(metrics.render)
+        """Prometheus exposition text (vLLM's metric names under ``tandem:``), kept
+        by the engine core."""
+        text = await engine.render_metrics()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     card = {
@@ -193,7 +193,7 @@ def build_app(
         "object": "model",
         "created": created,
         "owned_by": "tandem",
-        "root": str(engine.engine.config.model),
+        "root": str(engine.config.model),
         "max_model_len": max_model_len,
     }
 
@@ -214,18 +214,18 @@ def build_app(
     @app.post("/trace/start", dependencies=trace_guarded, responses=ERRORS)
     async def start_trace():
         """Record every engine step from now on (tandem.trace)."""
-        await engine.call(lambda e: e.start_trace())
+        await engine.start_trace()
         return {"tracing": True}
 
     @app.post("/trace/stop", dependencies=trace_guarded, responses=ERRORS)
     async def stop_trace():
         """Stop recording; the body is the Chrome trace-event JSON (for Perfetto or
-        `tandem trace plot`). Nothing is written on the server; the JSON is built on a
-        worker thread, off the engine's and the event loop's way."""
-        tracer = await engine.call(lambda e: e.stop_trace())
-        if tracer is None:
+        `tandem trace plot`). Nothing is written on the server; the trace is built and
+        encoded off the engine loop's and the event loop's way."""
+        trace = await engine.stop_trace()
+        if trace is None:
             raise APIError(400, "no trace is being recorded", "invalid_request_error")
-        text = await asyncio.to_thread(lambda: json.dumps(tracer.chrome_trace()))
+        text = await asyncio.to_thread(json.dumps, trace)
         return Response(text, media_type="application/json")
 
     @app.post("/tokenize", dependencies=guarded, responses=ERRORS)
@@ -253,7 +253,7 @@ def build_app(
     @app.post("/detokenize", dependencies=guarded, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        vocab = engine.engine.model_info.vocab_size
+        vocab = engine.info.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise InvalidParameterError("tokens", f"token ids must be in [0, {vocab})")
         return {"prompt": need_tokenizer("tokens").decode(body.tokens)}

@@ -10,11 +10,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from tandem.errors import InvalidParameterError, TandemError
-
-
-class QueueFullError(TandemError):
-    """The waiting queue is at its configured limit; the client should retry later."""
+from tandem.errors import EngineDeadError, InvalidParameterError, QueueFullError, TandemError
 
 
 class APIError(Exception):
@@ -54,6 +50,8 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", code="engine_dead")
     if isinstance(exc, TandemError):
         return APIError(500, str(exc), "server_error")
     return APIError(500, f"internal error: {exc}", "server_error")

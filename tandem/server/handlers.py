@@ -19,13 +19,13 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.engine_client import EngineClient
 from tandem.server.errors import as_api_error
 from tandem.server.responses import ChoiceStream, Echo
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -82,7 +82,7 @@ class CompletionHandler:
         return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
 
     def _decode(self, token_ids: list[int]) -> str:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.info.tokenizer
         return tokenizer.decode(token_ids, False) if tokenizer is not None else ""
 
     async def _next_outputs(

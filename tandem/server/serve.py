@@ -1,23 +1,28 @@
-"""``tandem serve``: claim the port, load the model, start the engine thread, run
-uvicorn (with the header timeout of limits.py)."""
+"""``tandem serve``: claim the port, start the engine core (its own process, or a
+thread with ``engine_process=False``), run uvicorn (with the header timeout of
+limits.py). If the core process dies, the server fails what was in flight, answers
+503 for a moment, then exits with status 1."""
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 from pathlib import Path
 
 import uvicorn
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import Engine
 from tandem.errors import TandemError
 from tandem.server.api import build_app
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.engine_client import EngineClient
 from tandem.server.limits import ServerLimits, h11_protocol
-from tandem.server.metrics import ServerMetrics
+from tandem.server.served_engine import CoreOptions, ServedEngine
 
 logger = logging.getLogger("tandem.server")
+
+# After the core died: seconds left to send the error frames (and 503s) before exiting.
+EXIT_GRACE_S = 1.0
 
 
 def run_server(
@@ -32,47 +37,71 @@ def run_server(
     trace: str | None = None,
     limits: ServerLimits | None = None,
     enable_trace_endpoints: bool = False,
+    engine_process: bool = True,
+    threads: int = 0,
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     limits = limits or ServerLimits()
     listener = claim_port(host, port)  # a busy port fails now, not after loading the model
     config = EngineConfig.from_kwargs(model, **engine_options)
-    engine = Engine(config)
     name = served_model_name or Path(model).name
-    metrics = ServerMetrics(name, engine.max_model_len)
-    if trace is not None:
-        engine.start_trace()
-    async_engine = AsyncEngine(engine, max_waiting_requests, metrics)
-    engine.notify_changed()  # the gauges start from the idle engine
-    connector = None
-    if config.kv_transfer is not None and config.kv_transfer.role != "both":
-        from tandem.disagg.connector import DisaggConnector
+    options = CoreOptions(name, max_waiting_requests, trace, host, log_level, threads)
+    server: uvicorn.Server | None = None
+    died = threading.Event()
 
-        connector = DisaggConnector(async_engine, metrics, config.kv_transfer, host)
+    def on_dead(_: str) -> None:
+        died.set()
 
-    def shutdown() -> None:
-        async_engine.shutdown()
-        if connector is not None:
-            connector.close()
-        if trace is not None and engine.tracer is not None:
-            engine.stop_trace(trace)
-            logger.info("trace written to %s", trace)
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
 
-    app = build_app(async_engine, metrics, name, api_key, shutdown, limits, enable_trace_endpoints)
-    logger.info(
-        "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d)",
-        model, name, host, port, engine.kv_manager.num_blocks,
-        engine.kv_manager.block_size, engine.max_model_len,
+        threading.Timer(EXIT_GRACE_S, stop).start()
+
+    if engine_process:
+        from tandem.server.core_client import EngineCoreClient
+
+        client: EngineClient = EngineCoreClient(config, options, on_dead)
+    else:
+        client = _in_process_engine(config, options)
+    app = build_app(
+        client, name, api_key, client.shutdown, limits, enable_trace_endpoints
     )  # fmt: skip
-    run_app(app, listener, log_level, limits.header_timeout)
+    info = client.info
+    logger.info(
+        "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d, "
+        "engine core %s)",
+        model, name, host, port, info.num_blocks, info.block_size, info.max_model_len,
+        "in its own process" if engine_process else "on a thread of this process",
+    )  # fmt: skip
+    server = make_server(app, log_level, limits.header_timeout)
+    server.run(sockets=[listener])
+    if died.is_set():
+        raise SystemExit(f"tandem serve: {client.dead_reason}")
 
 
-def run_app(app, listener: socket.socket, log_level: str, header_timeout: float) -> None:
-    """uvicorn on a claimed port, closing connections whose headers are too slow."""
+def _in_process_engine(config: EngineConfig, options: CoreOptions) -> EngineClient:
+    """The core on a thread of this process (``--no-engine-process``)."""
+    from tandem.server.async_engine import AsyncEngine
+
+    served = ServedEngine(config, options)
+    client = AsyncEngine(
+        served.engine, options.max_waiting_requests, served.metrics, on_shutdown=served.close
+    )
+    served.connect(client.core)
+    return client
+
+
+def make_server(app, log_level: str, header_timeout: float) -> uvicorn.Server:
+    """uvicorn for a claimed port, closing connections whose headers are too slow."""
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, http=h11_protocol(header_timeout)
     )
-    uvicorn.Server(config).run(sockets=[listener])
+    return uvicorn.Server(config)
+
+
+def run_app(app, listener: socket.socket, log_level: str, header_timeout: float) -> None:
+    make_server(app, log_level, header_timeout).run(sockets=[listener])
 
 
 def claim_port(host: str, port: int) -> socket.socket:
