@@ -25,6 +25,48 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the text generated (vLLM's names): exactly one of a JSON schema
+    (``json``, as a dict or its JSON text), any JSON object (``json_object``), a
+    regular expression, a list of literal choices, or a grammar (Lark, or llama.cpp's
+    GBNF). tandem/grammar.py turns it into token masks."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # The request field it came from (response_format, guided_json...): errors name it.
+    source: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError(
+                self.source,
+                f"give exactly one of {', '.join(STRUCTURED_FIELDS)} (got {given or 'none'})",
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidParameterError(
+                self.source, "choice must be a non-empty list of non-empty strings"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameterError(self.source, f"{name} must be a non-empty string")
+
+    def constraint(self) -> tuple[str, object]:
+        """(the field given, its value)."""
+        name = next(n for n in STRUCTURED_FIELDS if getattr(self, n) not in (None, False))
+        return name, getattr(self, name)
+
+
+STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -47,6 +89,8 @@ class SamplingParams:
     # token id -> a value added to its logit before sampling (OpenAI's logit_bias;
     # -100 bans a token, +100 all but forces it). The logprobs stay the raw model's.
     logit_bias: dict[int, float] | None = None
+    # Generation held to a JSON schema, regex, choice or grammar (tandem/grammar.py).
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

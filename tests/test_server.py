@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib.metadata import version
+from typing import Annotated, Literal
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -303,6 +307,66 @@ def test_logprobs_completions_and_chat(client):
     assert len(content) == 4
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+COLORED = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 6},
+    },
+    "required": ["ok", "color", "name"],
+    "additionalProperties": False,
+}
+
+
+class Colored(pydantic.BaseModel):
+    """COLORED as the SDK's users write it."""
+
+    ok: bool
+    color: Literal["red", "green", "blue"]
+    name: Annotated[str, pydantic.Field(max_length=6)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_holds(client, stream):
+    response_format = {"type": "json_schema", "json_schema": {"name": "obj", "schema": COLORED}}
+    for seed in range(3):  # a random-weight model: only the mask makes this valid JSON
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "An object:"}], max_tokens=60,
+            temperature=1.0, seed=seed, response_format=response_format, stream=stream,
+        )  # fmt: skip
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+        else:
+            text = reply.choices[0].message.content
+        jsonschema.validate(json.loads(text), COLORED)
+
+
+def test_the_sdk_parses_answers_into_its_model(client):
+    reply = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "An object:"}], max_tokens=60,
+        temperature=1.0, seed=11, response_format=Colored,
+    )  # fmt: skip
+    assert isinstance(reply.choices[0].message.parsed, Colored)
+
+
+def test_vllm_structured_outputs_on_completions(client):
+    choices = ["alpha", "beta", "gamma"]
+    for body, check in [
+        ({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
+        ({"structured_outputs": {"regex": "[a-c]{2}[0-9]"}},
+         lambda t: re.fullmatch("[a-c]{2}[0-9]", t)),
+        ({"guided_json": COLORED}, lambda t: jsonschema.validate(json.loads(t), COLORED) is None),
+        ({"response_format": {"type": "json_object"}, "max_tokens": 200},
+         lambda t: t.startswith("{")),
+    ]:  # fmt: skip
+        reply = client.completions.create(
+            model=MODEL, prompt=PROMPT, temperature=1.0, seed=5,
+            extra_body={"max_tokens": 60, **body},
+        )  # fmt: skip
+        assert check(reply.choices[0].text), (body, reply.choices[0].text)
 
 
 def test_tokenize_and_detokenize_round_trip(server, reference):

@@ -166,9 +166,15 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
          "logit_bias"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                                   "tool_choice": "required"}, "tools"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"properties": {"a": {"$ref": "#/nowhere"}}}}}},
          "response_format"),
-        ("/v1/chat/completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"},
+                                  "guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "a", "guided_regex": "(a"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "a", "structured_outputs": {
+            "choice": ["a"], "structural_tag": "x"}}, "structured_outputs.structural_tag"),
         ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )  # fmt: skip

@@ -170,6 +170,7 @@ class Engine:
                 index,
                 params.n,
             )
+            child.grammar = request.grammar
         self.output_processor.add_request(request, children)
         for child in children:
             if params.n == 1:

@@ -37,6 +37,7 @@ class EngineRequest:
     arrival_time: float
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None
+    grammar: str | None = None  # structured outputs: the compiled constraint (grammar.py)
 
 
 class InputProcessor:
@@ -83,7 +84,20 @@ class InputProcessor:
             arrival_time or time.perf_counter(),
             cache_salt,
             transfer,
+            self._grammar(params),
         )
+
+    def _grammar(self, params: SamplingParams) -> str | None:
+        """A structured-output constraint compiled (a 400 if the library cannot)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidParameterError(
+                "structured_outputs", "needs a model with a tokenizer (grammars are text)"
+            )
+        from tandem.grammar import grammar_for
+
+        return grammar_for(params.structured_outputs)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

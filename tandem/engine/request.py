@@ -73,6 +73,7 @@ class Request:
         # connector, and what the connector says about this request when it finishes.
         self.kv_transfer: KVTransferParams | None = None
         self.kv_transfer_output: dict[str, Any] | None = None
+        self.grammar: str | None = None  # structured outputs: the runner masks by it
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         self.timeline = RequestTimeline(arrival_time or time.perf_counter())

@@ -58,6 +58,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     # Banned while the output is shorter than min_tokens: EOS (unless ignored), stop ids.
     stop_token_ids: tuple[int, ...]
+    grammar: str | None = None  # structured outputs (tandem/grammar.py)
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,7 @@ class Scheduler:
             list(request.output_token_ids),
             request.sampling_params,
             (*request.eos_token_ids, *request.stop_token_ids),
+            request.grammar,
         )
 
     def update(

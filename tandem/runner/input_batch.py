@@ -15,11 +15,14 @@ every step under preemption, prefix hits and speculation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tandem.engine.scheduler import NewRequestData, ScheduledRequest
+from tandem.grammar import GrammarMatcher
 from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
 from tandem.sampling import SamplingParams
 
@@ -35,6 +38,7 @@ class RequestState:
     block_ids: list[int]
     generator: torch.Generator | None  # its own, when it has a seed and samples
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
+    grammar: GrammarMatcher | None = None  # structured outputs: where it is in its grammar
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +49,8 @@ class RequestState:
         self.all_token_ids.extend(token_ids)
         if self.penalty_counts is not None:
             self.penalty_counts.add(token_ids)
+        if self.grammar is not None:
+            self.grammar.consume(token_ids)
 
     def sampling_row(self, drafts: list[int] | tuple[int, ...] = ()) -> SamplingRow:
         """How this request samples its next token; with ``drafts``, the token after
@@ -58,9 +64,17 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, device: torch.device, vocab_size: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        vocab_size: int,
+        grammar_tokenizer: Callable[[], Any] | None = None,
+    ) -> None:
+        """``grammar_tokenizer``: the vocabulary for structured outputs (built on first
+        use; grammar.py)."""
         self.device = device
         self.vocab_size = vocab_size
+        self.grammar_tokenizer = grammar_tokenizer
         self.requests: dict[str, RequestState] = {}
         # Seeded requests' generators live until the request finishes, across
         # preemptions, so a preempted request draws exactly what it would have drawn.
@@ -90,10 +104,17 @@ class InputBatch:
             generator,
             None,
         )
+        state = self.requests[new.request_id]
         if needs_penalties(params):
-            self.requests[new.request_id].penalty_counts = PenaltyCounts.of(
+            state.penalty_counts = PenaltyCounts.of(
                 new.prompt_token_ids, new.output_token_ids, self.vocab_size, self.device
             )
+        if new.grammar is not None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("structured outputs need a model with a tokenizer")
+            state.grammar = GrammarMatcher(new.grammar, self.grammar_tokenizer())
+            if new.output_token_ids:  # resumed after a preemption: where it was
+                state.grammar.consume(list(new.output_token_ids))
 
     def update_blocks(self, item: ScheduledRequest) -> RequestState:
         state = self.requests[item.request_id]

@@ -20,6 +20,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
+from tandem.grammar import apply_masks, fill_masks, grammar_tokenizer, new_masks
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
 from tandem.runner import host_memory
@@ -92,7 +93,9 @@ class ModelRunner:
         # Requests with a seed sample from their own generator (input_batch.py); the
         # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
-        self.input_batch = InputBatch(loaded.device, loaded.config.vocab_size)
+        self.input_batch = InputBatch(
+            loaded.device, loaded.config.vocab_size, self._grammar_tokenizer
+        )
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
@@ -104,6 +107,13 @@ class ModelRunner:
             eos_token_ids=loaded.eos_token_ids,
             tokenizer=loaded.tokenizer,
             generation_config=loaded.generation_config,
+        )
+
+    def _grammar_tokenizer(self):
+        if self.loaded.tokenizer is None:
+            raise ValueError("structured outputs need a model with a tokenizer")
+        return grammar_tokenizer(
+            self.loaded.tokenizer, self.config.vocab_size, self.loaded.eos_token_ids
         )
 
     @classmethod
@@ -191,8 +201,9 @@ class ModelRunner:
         if logit_rows:
             logits = self.model.compute_logits(self._rows(hidden, logit_rows))
             self._new_tokens(scheduled, drafts, logits, result)
-        for request_id, tokens in result.sampled.items():
-            batch.requests[request_id].append([t.token_id for t in tokens])
+        for request_id, tokens in list(result.sampled.items()):
+            with self._failing_alone(request_id, result):  # (a grammar refusing a token)
+                batch.requests[request_id].append([t.token_id for t in tokens])
         return result
 
     @contextlib.contextmanager
@@ -236,7 +247,15 @@ class ModelRunner:
         proposals = self.proposer.propose(
             speculating, RequestState.sampling_row, self.shared_generator
         )
-        return {s.request.request_id: p for s, p in zip(speculating, proposals, strict=True)}
+        drafts = {}
+        for item, (guess, guess_probs) in zip(speculating, proposals, strict=True):
+            grammar = item.request.grammar
+            if grammar is not None and guess:  # cut at the first token the grammar refuses
+                valid = grammar.valid_prefix(guess)
+                guess = guess[:valid]
+                guess_probs = None if guess_probs is None else guess_probs[:valid]
+            drafts[item.request.request_id] = (guess, guess_probs)
+        return drafts
 
     def _new_tokens(self, scheduled, drafts, logits, result: RunnerOutput) -> None:
         """Sample the plain rows in one batch; verify each speculating request's drafts.
@@ -254,6 +273,10 @@ class ModelRunner:
                 continue
             first, row = row, row + len(guess) + 1
             with self._failing_alone(item.request_id, result):
+                if state.grammar is not None:  # each position under the drafts before it
+                    masks = new_masks(len(guess) + 1, self.config.vocab_size)
+                    state.grammar.fill_after(list(guess), masks, 0)
+                    apply_masks(logits[first:row], masks, list(range(len(guess) + 1)))
                 rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
                 tokens = verify(
                     logits[first:row], rows, list(guess), guess_probs, self.shared_generator
@@ -265,6 +288,11 @@ class ModelRunner:
             return
         if len(plain_rows) != len(logits):  # else every row, in order: no copy
             logits = logits[torch.tensor(plain_rows, device=self.device)]
+        constrained = [i for i, state in enumerate(plain) if state.grammar is not None]
+        if constrained:
+            masks = new_masks(len(constrained), self.config.vocab_size)
+            fill_masks([(plain[i].grammar, j) for j, i in enumerate(constrained)], masks)
+            apply_masks(logits, masks, constrained)
         try:
             tokens = sample(
                 logits, [state.sampling_row() for state in plain], self.shared_generator

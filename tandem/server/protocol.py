@@ -2,21 +2,29 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; but a known field that
 would change the meaning of the answer and that tandem does not implement (tools,
-response_format, best_of, suffix, guided decoding) is refused with a 400,
-never silently dropped. Type errors become 400s naming the field (see api.py); value
-checks happen once, in SamplingParams, so the HTTP API and the Python API reject
-exactly the same things. ``ErrorResponse`` is the error body every route documents.
+best_of, suffix, vLLM's prompt_logprobs) is refused with a 400, never silently
+dropped. Structured outputs come as OpenAI's ``response_format``, vLLM's
+``structured_outputs`` or its older ``guided_*`` fields; at most one per request.
+Type errors become 400s naming the field (see api.py); value checks happen once, in
+SamplingParams, so the HTTP API and the Python API reject exactly the same things.
+``ErrorResponse`` is the error body every route documents.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.errors import InvalidParameterError, require_unicode
-from tandem.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from tandem.sampling import (
+    MAX_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 class _Body(BaseModel):
@@ -41,6 +49,34 @@ class ErrorResponse(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with the usage
     continuous_usage_stats: bool = False  # with include_usage: the usage so far in every chunk
+
+
+class JSONSchema(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that
+    validates against ``json_schema.schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one constraint. Its other options
+    (structural tags, whitespace patterns) are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ContentPart(BaseModel):
@@ -95,12 +131,6 @@ _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "prompt_logprobs": (None,),  # vLLM's field; completions' echo + logprobs gives them
 }
 
@@ -135,13 +165,15 @@ class _Sampling(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     # token id (a string, as JSON keys are) -> bias added to its logit, in [-100, 100]
     logit_bias: dict[str, float] | None = None
-    # Refused unless off (see _UNSUPPORTED_OFF_VALUES); typed so the schema shows them.
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None
+    # Structured outputs: at most one of these (tandem/grammar.py). guided_*: vLLM's
+    # older names for the same constraints.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # Refused unless off (see _UNSUPPORTED_OFF_VALUES); typed so the schema shows it.
     prompt_logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
@@ -183,7 +215,40 @@ class _Sampling(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint asked for, whichever field asked (None: free text)."""
+        given: list[StructuredOutputsParams] = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            schema = response_format.json_schema
+            if response_format.type == "json_object" or schema is None or schema.schema_ is None:
+                if response_format.type == "json_schema" and schema is None:
+                    raise InvalidParameterError(
+                        "response_format.json_schema", "is required with type json_schema"
+                    )
+                given.append(StructuredOutputsParams(json_object=True, source="response_format"))
+            else:
+                given.append(StructuredOutputsParams(json=schema.schema_, source="response_format"))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            if "json_" in fields:
+                fields["json"] = fields.pop("json_")
+            given.append(StructuredOutputsParams(**fields, source="structured_outputs"))
+        for name, field in (
+            ("guided_json", "json"), ("guided_regex", "regex"),
+            ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                given.append(StructuredOutputsParams(**{field: value}, source=name))
+        if len(given) > 1:
+            raise InvalidParameterError(
+                given[1].source, f"cannot be combined with {given[0].source}"
+            )
+        return given[0] if given else None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
