@@ -164,8 +164,9 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
         ("/v1/completions", {"prompt": "a", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}},
          "logit_bias"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                                  "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}],
+                                  "tool_choice": "required"}, "tools[0].function.name"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"properties": {"a": {"$ref": "#/nowhere"}}}}}},
          "response_format"),

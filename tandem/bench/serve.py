@@ -184,7 +184,7 @@ async def _benchmark(
         if not probe.success:
             raise TandemError(f"the first test request failed: {probe.error}")
 
-        rng = random.Random(args.seed)
+        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
 
@@ -203,13 +203,23 @@ async def _benchmark(
         tasks = []
         for index in range(len(requests)):
             tasks.append(asyncio.create_task(one(index, start)))
-            if math.isfinite(args.request_rate) and index + 1 < len(requests):
-                shape = args.burstiness
-                await asyncio.sleep(rng.gammavariate(shape, 1.0 / (args.request_rate * shape)))
+            if gaps[index]:
+                await asyncio.sleep(gaps[index])
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         bar.close()
     return results, duration
+
+
+def arrival_gaps(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait after sending each request (gamma-distributed with shape
+    ``burstiness``, mean 1 / ``rate``; all zero for an infinite rate). The same seed
+    gives the same schedule, so an offline replay can reproduce a run's arrivals."""
+    if not math.isfinite(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    gaps = [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(count - 1)]
+    return [*gaps, 0.0]
 
 
 def _save(args: argparse.Namespace, model: str, summary: dict, results: list[RequestResult]):

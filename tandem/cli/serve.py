@@ -12,6 +12,7 @@ from tandem.cli.engine_args import (
     model_or_default,
 )
 from tandem.server.limits import ServerLimits
+from tandem.server.tool_calls import PARSERS
 
 HELP = "an OpenAI-compatible HTTP server"
 LIMIT_HELP = {
@@ -57,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allow POST /trace/start and /trace/stop without --api-key (off by default)",
     )  # fmt: skip
     http.add_argument(
+        "--tool-call-parser", choices=PARSERS, default="hermes",
+        help="how chat answers are read for tool calls: hermes (<tool_call> blocks: "
+        "Hermes, Qwen) or json (a JSON call object or list: Llama 3) (default: hermes)",
+    )  # fmt: skip
+    http.add_argument(
         "--no-engine-process", action="store_true",
         help="run the engine core on a thread of the server's process (for debugging; "
         "by default it runs in its own process, beside the HTTP server's)",
@@ -99,5 +105,6 @@ def run(args: argparse.Namespace) -> None:
         limits=limits_from(args),
         enable_trace_endpoints=args.enable_trace_endpoints,
         engine_process=not args.no_engine_process,
+        tool_call_parser=args.tool_call_parser,
         threads=checked_threads(args),
     )

@@ -78,9 +78,11 @@ def build_app(
     on_shutdown: Callable[[], None] | None = None,
     limits: ServerLimits | None = None,
     enable_trace_endpoints: bool = False,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """``enable_trace_endpoints``: allow /trace/* without an API key (they are always
-    allowed, behind the key, when the server has one)."""
+    allowed, behind the key, when the server has one); ``tool_call_parser``: how chat
+    answers are read for tool calls (tool_calls.py)."""
     limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
@@ -282,20 +284,24 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         limits.check(body)
-        params = body.sampling_params(defaults)
+        tools = body.tool_calling(tool_call_parser)
+        params = body.sampling_params(defaults, tools)
         encoder = need_tokenizer("messages")
+        template_variables = dict(body.chat_template_kwargs or {})
+        if tools is not None:
+            template_variables["tools"] = tools.tools
         prompt_ids = await asyncio.to_thread(  # long conversations: off the event loop
             encoder.encode_chat,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **template_variables,
         )
         prompt = engine_prompt(prompt_ids, body.cache_salt)
         return await handler.serve(
             request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
             chat=True, kv_transfer_params=body.kv_transfer_params,
-            continuous_usage=body.continuous_usage_in_stream,
+            continuous_usage=body.continuous_usage_in_stream, tools=tools,
         )  # fmt: skip
 
     return app

@@ -22,6 +22,7 @@ from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import as_api_error
 from tandem.server.responses import ChoiceStream, Echo
+from tandem.server.tool_calls import ToolCalling
 
 
 class CompletionHandler:
@@ -42,6 +43,7 @@ class CompletionHandler:
         continuous_usage: bool = False,
         echo: bool = False,
         drop_generated: bool = False,
+        tools: ToolCalling | None = None,
     ):
         """``include_usage``: a last stream chunk with the usage; ``continuous_usage``:
         also the usage so far in every chunk (vLLM's continuous_usage_stats)."""
@@ -73,6 +75,7 @@ class CompletionHandler:
             chat,
             want_logprobs=params.logprobs is not None,
             echo=Echo(self._decode, drop_generated) if echo else None,
+            tools=tools,
         )
         if stream:
             return StreamingResponse(
@@ -134,7 +137,9 @@ class CompletionHandler:
                         yield event(state.role_chunk(index))
                     roles_sent = True
                 for index, delta in state.update(output):
-                    yield event(state.chunk(index, delta))
+                    chunk = state.chunk(index, delta)
+                    if chunk is not None:
+                        yield event(chunk)
             if include_usage:
                 yield _event(state.usage_chunk())
         except Exception as exc:  # an error mid-stream: an error frame, then [DONE]

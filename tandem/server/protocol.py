@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI API (plus vLLM's extensions), as pydantic models.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; but a known field that
-would change the meaning of the answer and that tandem does not implement (tools,
-best_of, suffix, vLLM's prompt_logprobs) is refused with a 400, never silently
-dropped. Structured outputs come as OpenAI's ``response_format``, vLLM's
-``structured_outputs`` or its older ``guided_*`` fields; at most one per request.
+would change the meaning of the answer and that tandem does not implement (the legacy
+functions/function_call, best_of, suffix, vLLM's prompt_logprobs) is refused with a
+400, never silently dropped. Structured outputs come as OpenAI's ``response_format``,
+vLLM's ``structured_outputs`` or its older ``guided_*`` fields; at most one per
+request. Tools and tool_choice: tool_calls.py.
 Type errors become 400s naming the field (see api.py); value checks happen once, in
 SamplingParams, so the HTTP API and the Python API reject exactly the same things.
 ``ErrorResponse`` is the error body every route documents.
@@ -25,6 +26,7 @@ from tandem.sampling import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from tandem.server.tool_calls import ToolCalling
 
 
 class _Body(BaseModel):
@@ -127,8 +129,6 @@ def render_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 _UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "prompt_logprobs": (None,),  # vLLM's field; completions' echo + logprobs gives them
@@ -297,7 +297,7 @@ class CompletionRequest(_Sampling):
 # Template variables the server passes itself (the conversation, the special tokens).
 RESERVED_TEMPLATE_VARIABLES = {
     "messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-    "unk_token", "pad_token",
+    "unk_token", "pad_token", "tools",
 }  # fmt: skip
 
 
@@ -310,13 +310,34 @@ class ChatCompletionRequest(_Sampling):
     # Assistant prefill: continue the last message (needs add_generation_prompt false).
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Refused unless off (see _UNSUPPORTED_OFF_VALUES): typed so the schema shows them.
+    # Tool calling (tool_calls.py): OpenAI's function tools, rendered by the chat template.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # Refused unless off (see _UNSUPPORTED_OFF_VALUES): typed so the schema shows them.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def tool_calling(self, parser: str) -> ToolCalling | None:
+        """The tools this answer may call (None: none may be called)."""
+        return ToolCalling.of(self.tools, self.tool_choice, parser, self.parallel_tool_calls)
+
+    def sampling_params(
+        self, defaults: dict[str, Any], tools: ToolCalling | None = None
+    ) -> SamplingParams:
+        """``tools``: "required" and a named function constrain the answer to calls."""
+        params = self._chat_sampling_params(defaults)
+        constraint = tools.constraint() if tools is not None else None
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise InvalidParameterError(
+                params.structured_outputs.source,
+                f"cannot be combined with tool_choice {self.tool_choice!r}",
+            )
+        return dataclasses.replace(params, structured_outputs=constraint)
+
+    def _chat_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

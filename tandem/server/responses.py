@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.outputs import Logprob, RequestOutput
+from tandem.server.tool_calls import ToolCalling
 
 # JSON has no -Infinity; a token the model rules out entirely gets this instead.
 MIN_LOGPROB = -9999.0
@@ -40,6 +41,7 @@ class _Choice:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # tokens whose logprobs were streamed
     sent_offset: int = 0  # characters those tokens decode to (completions' text_offset)
+    sent_content: int = 0  # with tools: characters of text streamed as content
 
 
 class ChoiceStream:
@@ -53,12 +55,15 @@ class ChoiceStream:
         chat: bool,
         want_logprobs: bool,
         echo: Echo | None = None,
+        tools: ToolCalling | None = None,
     ) -> None:
+        """``tools``: a chat whose answers may be tool calls (tool_calls.py)."""
         self.response_id, self.model, self.created = response_id, model, created
         self.chat = chat
         self.n = n
         self.want_logprobs = want_logprobs
         self.echo = echo
+        self.tools = tools
         # Per prompt, with echo: its text and its tokens' logprobs (completions' shape).
         self.echoed: dict[int, tuple[str, dict[str, list] | None]] = {}
         self.echo_sent: set[int] = set()  # choices whose echo went out (streaming)
@@ -174,18 +179,43 @@ class ChoiceStream:
         }
         return {**self.header("chunk"), "choices": [choice]}
 
-    def chunk(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    def chunk(self, index: int, delta: dict[str, Any]) -> dict[str, Any] | None:
+        """A stream chunk for a choice's delta (None: nothing to send yet: text held
+        back because it may be a tool call)."""
         if self.chat:
-            content = {"content": delta["text"]} if delta["text"] else {}
+            finish = delta["finish_reason"]
+            if self.tools is None:
+                message = {"content": delta["text"]} if delta["text"] else {}
+            else:
+                message = self._tool_delta(self.choices[index], finish is not None)
+                if message.get("tool_calls") and finish == "stop":
+                    finish = "tool_calls"
+                if not message and finish is None and delta["logprobs"] is None:
+                    return None
             choice = {
                 "index": index,
-                "delta": content,
+                "delta": message,
                 "logprobs": delta["logprobs"],
-                "finish_reason": delta["finish_reason"],
+                "finish_reason": finish,
             }
         else:
             choice = {"index": index, **delta}
         return {**self.header("chunk"), "choices": [choice]}
+
+    def _tool_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
+        """The content that may go out now; when the choice ends, the rest of the
+        content and its tool calls."""
+        if not finishing:
+            end, calls = self.tools.streamable(choice.text), []
+        else:
+            end, calls = self.tools.split(choice.text)
+        message: dict[str, Any] = {}
+        if end > choice.sent_content:
+            message["content"] = choice.text[choice.sent_content : end]
+            choice.sent_content = end
+        if calls:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return message
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header("chunk"), "choices": [], "usage": self.usage()}
@@ -196,12 +226,19 @@ class ChoiceStream:
             base = len(self.echoed[index // self.n][0]) if self.echo is not None else 0
             logprobs = self._logprobs(choice, 0, len(choice.token_ids), base)
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                finish = choice.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.parse(choice.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": choice.text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason,
+                        "finish_reason": finish,
                     }
                 )
             else:

@@ -39,6 +39,7 @@ def run_server(
     enable_trace_endpoints: bool = False,
     engine_process: bool = True,
     threads: int = 0,
+    tool_call_parser: str = "hermes",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     limits = limits or ServerLimits()
@@ -65,8 +66,8 @@ def run_server(
     else:
         client = _in_process_engine(config, options)
     app = build_app(
-        client, name, api_key, client.shutdown, limits, enable_trace_endpoints
-    )  # fmt: skip
+        client, name, api_key, client.shutdown, limits, enable_trace_endpoints, tool_call_parser
+    )
     info = client.info
     logger.info(
         "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d, "

@@ -1,0 +1,187 @@
+"""Tool calling for chat completions: the tools into the chat template, the model's
+answer out as ``tool_calls``.
+
+    tools, tool_choice  -> ToolCalling.of(body, parser)
+      the chat template gets ``tools`` (transformers' variable; Qwen, Hermes, Llama 3
+      templates render them); tool_choice "none" leaves them out
+      "required"       -> a structured-output constraint: a JSON array of one or more
+                          {"name", "arguments"} calls, each tool's arguments held to its
+                          ``parameters`` schema (one call if parallel_tool_calls is off)
+      {"function": f}  -> the constraint is f's parameters: the answer is the arguments
+      "auto"           -> free text, parsed by the server's --tool-call-parser:
+                          hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>
+                          blocks (Hermes, Qwen 2.5/3), the text around them the content
+                          json:   an answer that is a JSON call object or list of them
+                          (Llama 3 style; "parameters" is read as "arguments")
+
+Streaming with tools: content is sent as it comes until it may be the start of a call
+(a "<tool_call>" prefix, or an answer starting with "{" or "["); the rest is held and
+parsed when the choice ends, then sent as one ``tool_calls`` delta.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.errors import InvalidParameterError
+from tandem.sampling import StructuredOutputsParams
+
+PARSERS = ("hermes", "json")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass
+class ToolCalling:
+    tools: list[dict[str, Any]]  # OpenAI's tool objects, as given (the template's input)
+    choice: str  # "auto" | "required" | "named"
+    parser: str  # how "auto" answers are read (PARSERS)
+    parallel: bool = True
+    named: str | None = None  # the function tool_choice names
+
+    @classmethod
+    def of(
+        cls,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: str | dict[str, Any] | None,
+        parser: str,
+        parallel: bool = True,
+    ) -> ToolCalling | None:
+        """None when no tool may be called (no tools, or tool_choice "none")."""
+        if tool_choice is not None and not tools and tool_choice != "none":
+            raise InvalidParameterError("tool_choice", "needs tools")
+        if not tools or tool_choice == "none":
+            return None
+        names = []
+        for index, tool in enumerate(tools):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise InvalidParameterError(
+                    f"tools[{index}]", 'must be {"type": "function", "function": {...}}'
+                )
+            name = function.get("name")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+                raise InvalidParameterError(
+                    f"tools[{index}].function.name", "must be 1-64 letters, digits, _ . or -"
+                )
+            parameters = function.get("parameters", {})
+            if not isinstance(parameters, dict):
+                raise InvalidParameterError(
+                    f"tools[{index}].function.parameters", "must be a JSON schema object"
+                )
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise InvalidParameterError("tools", "function names must be unique")
+        if tool_choice in (None, "auto"):
+            return cls(tools, "auto", parser, parallel)
+        if tool_choice == "required":
+            return cls(tools, "required", parser, parallel)
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name")
+            if tool_choice.get("type") != "function" or name not in names:
+                raise InvalidParameterError(
+                    "tool_choice", f"must name one of the tools ({', '.join(names)})"
+                )
+            return cls(tools, "named", parser, parallel, name)
+        raise InvalidParameterError(
+            "tool_choice", 'must be "none", "auto", "required" or {"type": "function", ...}'
+        )
+
+    def _parameters(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            if tool["function"]["name"] == name:
+                return tool["function"].get("parameters") or {"type": "object"}
+        raise KeyError(name)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What "required" and a named function hold the answer to (None for auto)."""
+        if self.choice == "named":
+            return StructuredOutputsParams(json=self._parameters(self.named), source="tool_choice")
+        if self.choice != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    "arguments": self._parameters(tool["function"]["name"]),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in self.tools
+        ]
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema, source="tool_choice")
+
+    # -- reading the answer -------------------------------------------------------------
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(the message content, the tool calls in OpenAI's shape) of a whole answer.
+        Text that does not parse as a call stays content."""
+        end, calls = self.split(text)
+        if not calls:
+            return text, []
+        return text[:end].strip() or None, calls
+
+    def split(self, text: str) -> tuple[int, list[dict[str, Any]]]:
+        """(where the content ends, the calls after it): (len(text), []) without calls."""
+        if self.choice == "named":
+            return 0, [_call(self.named, text)]
+        if self.choice == "required" or self.parser == "json":
+            calls = _json_calls(text)
+            return (0, calls) if calls else (len(text), [])
+        calls = []
+        for block in _HERMES_BLOCK.findall(text):
+            found = _json_calls(block)
+            if not found:
+                return len(text), []  # a malformed block: the text as the model wrote it
+            calls += found
+        return (text.index(HERMES_OPEN), calls) if calls else (len(text), [])
+
+    def streamable(self, text: str) -> int:
+        """How much of a partial answer can go out as content now (the rest may
+        become a tool call)."""
+        if self.choice != "auto":
+            return 0
+        if self.parser == "json":
+            stripped = text.lstrip()
+            return 0 if not stripped or stripped[0] in "{[" else len(text)
+        at = text.find(HERMES_OPEN)
+        if at >= 0:
+            return at
+        for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):  # a partial tag
+            if HERMES_OPEN.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+
+def _json_calls(text: str) -> list[dict[str, Any]]:
+    """A call object or a list of them (name + arguments, or Llama 3's parameters)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        arguments = item.get("arguments", item.get("parameters", {}))
+        calls.append(_call(item["name"], arguments))
+    return calls
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": text},
+    }
