@@ -92,6 +92,29 @@ def test_small_linear_matches_torch(dtype, rows, out_features, in_features):
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("vocab", [5, 32, 4099, 49152])
+def test_grammar_masks_match_the_exact_bit_test(vocab):
+    """The kernel clears exactly the tokens whose bit is 0, in the listed rows only."""
+    from tandem.grammar import apply_masks
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    words = (vocab + 31) // 32
+    masks = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32)
+    masks[1] = -1  # everything allowed
+    masks[2, words // 2 :] = 0
+    rows = [4, 0, 2]
+    expected = logits.clone()
+    for mask, row in zip(masks.tolist(), rows, strict=True):
+        for token in range(vocab):
+            if not (mask[token // 32] >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    with torch.inference_mode():
+        got = logits.clone()
+        apply_masks(got, masks, rows)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 49152, 4099])
 def test_argmax_rows_matches_torch_ties_included(vocab):
     from tandem.runner.sampler import argmax_rows

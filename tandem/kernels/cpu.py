@@ -53,6 +53,7 @@ FUNCTIONS = [
     "decode_attention",
     "small_linear",
     "argmax_rows",
+    "mask_rows",
     "quant_linear",
     "quant_rows",
     "llama_decode_layer",

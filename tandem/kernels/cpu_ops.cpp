@@ -591,3 +591,35 @@ void argmax_rows(torch::Tensor out, torch::Tensor x) {
     }
   });
 }
+
+// Structured outputs (tandem/grammar.py): in row rows[i] of logits [S, vocab] (float,
+// unit stride), every token whose bit is clear in masks[i] becomes -inf. A mask row is
+// int32 words, bit j of word w standing for token 32 w + j (llguidance's layout);
+// tokens past its last word are cleared too. Rows are independent: one per task.
+void mask_rows(torch::Tensor logits, torch::Tensor masks, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+              logits.scalar_type() == torch::kFloat);
+  TORCH_CHECK(masks.dim() == 2 && masks.is_contiguous() && masks.scalar_type() == torch::kInt);
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == torch::kLong);
+  const int64_t count = rows.size(0), vocab = logits.size(1), words = masks.size(1);
+  TORCH_CHECK(count <= masks.size(0));
+  const int64_t* index = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r)
+    TORCH_CHECK(index[r] >= 0 && index[r] < logits.size(0), "mask_rows: row out of range");
+  float* data = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + index[r] * stride;
+      const uint32_t* word = bits + r * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t allowed = w < words ? word[w] : 0u;
+        if (allowed == 0xFFFFFFFFu) continue;
+        const int64_t last = std::min<int64_t>(32, vocab - w * 32);
+        for (int64_t b = 0; b < last; ++b)
+          if (!((allowed >> b) & 1u)) row[w * 32 + b] = -INFINITY;
+      }
+    }
+  });
+}
