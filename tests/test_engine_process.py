@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.server.launch import tandem_server
+from tandem.server.launch import free_port, tandem_server, wait_healthy
 from tests.servers import MODEL, metric, serve, wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):"]
@@ -141,3 +142,23 @@ def test_a_core_that_cannot_load_says_why(tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_on_the_process_group_is_a_clean_shutdown(folder):
+    """A terminal's Ctrl-C reaches the server and its core alike: the server shuts the
+    core down in order and exits as interrupted, with no crash reported."""
+    port = free_port()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", "--model", folder, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", server, log)
+            os.killpg(server.pid, signal.SIGINT)
+            assert server.wait(timeout=60) in (0, 130, -signal.SIGINT)  # as interrupted
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+        log.seek(0)
+        assert "exited with code" not in log.read()

@@ -49,7 +49,8 @@ class AsyncEngine(EngineClient):
             self.core.run()
         except BaseException as exc:  # a bug in the loop itself: say so, stop serving
             logger.exception("the engine thread stopped")
-            self._on_loop(self._core_died, f"the engine thread stopped: {exc}")
+            self.dead_reason = f"the engine thread stopped: {exc}"
+            self._on_loop(self._core_died, self.dead_reason)
 
     def _from_core(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> None:
         self._on_loop(self._deliver, outputs, failures)

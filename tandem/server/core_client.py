@@ -119,9 +119,14 @@ class EngineCoreClient(EngineClient):
     # -- the transport ----------------------------------------------------------------
 
     def _send(self, message) -> None:
+        """Never blocks (the event loop calls it): a core that is not reading, being
+        dead or stuck, is an EngineDeadError."""
         data = self._encoder.encode(message)
-        with self._send_lock:
-            self._to_core.send(data, copy=False)
+        try:
+            with self._send_lock:
+                self._to_core.send(data, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not reading its input") from None
 
     async def _request(self, make: Callable[[int], Any]) -> Any:
         """Send ``make(call_id)`` and wait for the core's CallResult."""
@@ -142,7 +147,8 @@ class EngineCoreClient(EngineClient):
 
     def _send_abort(self, request_id: str) -> None:
         if self.dead_reason is None:
-            self._send(AbortRequests([request_id]))
+            with contextlib.suppress(EngineDeadError):  # (it dies: its requests go too)
+                self._send(AbortRequests([request_id]))
 
     async def start_trace(self) -> None:
         await self._request(lambda call_id: CallCore(call_id, "start_trace"))
@@ -204,7 +210,7 @@ class EngineCoreClient(EngineClient):
         """Stop the core (it writes its trace, closes its KV listener) and clean up."""
         self._closing = True
         if self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, EngineDeadError):
                 self._send(Shutdown())
         self._stop_process()
         self._stopping.set()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -95,6 +96,9 @@ def run_engine_core(
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s core: %(message)s"
     )
+    # Ctrl-C in a terminal reaches the whole process group: the server handles it and
+    # shuts the core down in order (a core dying of it first would look like a crash).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         core_process = _CoreProcess(config, options, input_address, output_address)
     except TandemError as exc:
@@ -103,6 +107,8 @@ def run_engine_core(
     except Exception:
         pipe.send(("error", traceback.format_exc()))
         return
+    # SIGTERM (a supervisor stopping the group): finish the step, then stop.
+    signal.signal(signal.SIGTERM, lambda *_: core_process.core.stop())
     pipe.send(("ready", core_process.core.engine.model_info))
     threading.Thread(
         target=_stop_when_closed, args=(pipe, core_process.core), name="parent", daemon=True
