@@ -132,3 +132,27 @@ def test_measure_puts_achieved_beside_the_floor(model_dirs):
     # Nothing beats the roofline: prefill cannot run faster than the measured matmul rate
     # allows (a little slack for the timer).
     assert measured["prefill_of_floor"] <= 1.5
+
+
+def test_a_slow_machine_reads_with_its_digits(tmp_path):
+    """An AVX2-only CPU's bf16 matmuls run at about 1 GFLOP/s: the plan says so (not
+    "0.0 TFLOP/s"), and a decode step compute-bound from the first sequence says
+    batch 1, not batch 0."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    slow = run_plan(
+        "--model", str(tmp_path), "--hardware", "custom", "--bandwidth", "20",
+        "--flops", "0.0009", "--memory", "1000",
+    )  # fmt: skip
+    assert slow.returncode == 0, slow.stderr
+    assert "0.9 GFLOP/s (bf16)" in slow.stdout
+    assert "compute-bound at   batch 1 (compute-bound at every batch)" in slow.stdout
+
+
+def test_this_machine_is_planned_in_the_engines_dtype(model_dirs, tmp_path):
+    folder, _ = model_dirs("llama")
+    planned = json.loads(run_plan("--model", str(folder), "--hardware", "cpu", "--json").stdout)
+    assert planned["dtype"] == "fp32"  # what the CPU engine runs, not bf16
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    refused = run_plan("--model", str(tmp_path), "--measure")
+    assert refused.returncode == 2 and "too many to run here" in refused.stderr
+    assert "measured" not in refused.stdout  # refused before measuring anything

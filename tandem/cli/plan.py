@@ -18,9 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flops", type=float, metavar="TFLOP/S", help="(custom)")
     parser.add_argument("--memory", type=float, metavar="GB", help="per device (custom)")
     parser.add_argument(
-        "--dtype", default="bf16", metavar="DTYPE",
+        "--dtype", default=None, metavar="DTYPE",
         help="weights: fp32 bf16 fp16 fp8 int8, or llama.cpp's q8_0 q4_0 q4_1 q4_k q6_k "
-        "(their bytes per weight; computed at the bf16 rate)",
+        "(their bytes per weight; computed at the bf16 rate on a GPU, the fp32 rate on "
+        "this CPU) (default: bf16, or fp32 for this machine, as the engine runs it)",
     )  # fmt: skip
     parser.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="(default: --dtype)")
     parser.add_argument("--prompt-len", type=int, default=1024, metavar="TOKENS")
@@ -38,9 +39,14 @@ def run(args: argparse.Namespace) -> None:
 
     from tandem.plan.calculator import format_plan, plan
     from tandem.plan.hardware import PRESETS, custom_hardware
-    from tandem.plan.measure import measure_model, this_machine
+    from tandem.plan.measure import check_measurable, measure_model, this_machine
 
-    if args.measure or args.hardware == "cpu":
+    on_this_machine = args.measure or args.hardware == "cpu"
+    if args.dtype is None:  # what the engine runs: float32 on a CPU, bf16 on a GPU
+        args.dtype = "fp32" if on_this_machine else "bf16"
+    if args.measure:  # before spending seconds measuring the machine
+        check_measurable(args.model, args.dtype)
+    if on_this_machine:
         hardware = this_machine(args.dtype)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)

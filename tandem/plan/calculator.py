@@ -18,6 +18,7 @@ reach a fraction of them (``--measure`` shows which fraction tandem reaches here
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -171,18 +172,31 @@ def _count(value: float) -> str:
     return f"{value / 1e9:,.2f} B" if value >= 1e9 else f"{value / 1e6:,.2f} M"
 
 
+def _flops(tflops: float) -> str:
+    """A FLOP rate with its digits: 0.0 TFLOP/s told nobody anything (a CPU's bf16)."""
+    if tflops >= 10:
+        return f"{tflops:,.0f} TFLOP/s"
+    if tflops >= 1:
+        return f"{tflops:,.2f} TFLOP/s"
+    return f"{tflops * 1e3:,.3g} GFLOP/s"
+
+
+def _batch(crossover: float | None) -> str:
+    """A crossover as the smallest whole batch at or past it."""
+    if crossover is None:
+        return "never (KV reads grow as fast as compute)"
+    if crossover <= 1:
+        return "batch 1 (compute-bound at every batch)"
+    return f"batch {math.ceil(crossover):,}"
+
+
 def format_plan(result: dict[str, Any]) -> str:
     r = result
     fits = "yes" if r["weights_fit"] else "NO: the weights alone exceed the memory"
-    crossover = (
-        f"batch {r['crossover_batch']:,.0f}"
-        if r["crossover_batch"] is not None
-        else "never (KV reads grow as fast as compute)"
-    )
     lines = [
         f"model              {r['model']} ({r['architecture']})",
         f"hardware           {r['hardware']} x {r['tp']}  [{r['hardware_source']}]",
-        f"                   {r['bandwidth_gbs']:,.0f} GB/s, {r['tflops']:,.1f} TFLOP/s "
+        f"                   {r['bandwidth_gbs']:,.0f} GB/s, {_flops(r['tflops'])} "
         f"({r['dtype']}), {_bytes(r['memory_bytes_per_rank'])} per device",
         "",
         f"parameters         {_count(r['parameters'])}",
@@ -201,8 +215,8 @@ def format_plan(result: dict[str, Any]) -> str:
         "((weights + batch x context x KV per token) / bandwidth)",
         f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
         "(2 x params x batch / FLOP/s)",
-        f"compute-bound at   {crossover}; counting weight reads only: batch "
-        f"{r['crossover_batch_weights_only']:,.0f}",
+        f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "
+        f"{_batch(r['crossover_batch_weights_only'])}",
         "",
         f"TTFT estimate      {_seconds(r['ttft_estimate_s'])}",
         f"TPOT estimate      {_seconds(r['tpot_estimate_s'])}",

@@ -13,12 +13,9 @@ from pathlib import Path
 import torch
 
 from tandem.errors import InvalidParameterError
-from tandem.models.dtypes import DTYPES
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 from tandem.runner.static_batch import stream_with_cache
-
-TORCH_DTYPES = {e.short: e.torch for e in DTYPES.values() if e.torch is not None}
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
@@ -51,27 +48,55 @@ def matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> flo
 
 def this_machine(dtype: str = "fp32") -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
-    measured in ``dtype`` where torch has it on CPU, else in fp32 (what would run)."""
+    measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
+    and recorded under ``dtype``, so the plan's floors are the engine's."""
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    measured = dtype if dtype in TORCH_DTYPES else "fp32"
-    tflops = {measured: matmul_tflops(TORCH_DTYPES[measured])}
+    computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
+    tflops = {dtype: matmul_tflops(computed)}
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
     return Hardware(name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan")
 
 
-def measure_model(
-    config_path, result: dict, max_params: float = 2e9, decode_steps: int = 8
-) -> dict[str, float]:
-    """Run tandem on this machine with the model's architecture (random weights, CPU):
-    one prompt of ``prompt_len`` tokens, then ``batch`` sequences decoding; the achieved
-    times beside the floors in ``result`` (a plan made with this machine's hardware)."""
-    if result["parameters"] > max_params:
+MAX_MEASURED_PARAMS = 2e9  # a random-weight model this size takes minutes to build here
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # what the CPU engine runs in
+
+
+def engine_dtype(dtype: str) -> str:
+    """The torch dtype tandem runs a model stored as ``dtype`` in on the CPU: float32 or
+    bfloat16 as asked; fp16 (no CPU kernels) and the quantized types compute in
+    float32."""
+    return ENGINE_DTYPES.get(dtype, "float32")
+
+
+def check_measurable(config_path, dtype: str) -> None:
+    """Refuse, before anything is measured, a model this machine cannot run: too many
+    parameters, or weights (in the dtype it would run in) beyond 80% of the RAM."""
+    from tandem.plan.calculator import read_model
+
+    _, params = read_model(config_path)
+    if params > MAX_MEASURED_PARAMS:
         raise InvalidParameterError(
-            "measure", f"{result['parameters'] / 1e9:.1f}B parameters is too many to run here"
-        )
+            "--measure", f"{params / 1e9:.1f}B parameters is too many to run here (at most "
+            f"{MAX_MEASURED_PARAMS / 1e9:.0f}B)",
+        )  # fmt: skip
+    weight_bytes = params * (2 if engine_dtype(dtype) == "bfloat16" else 4)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if weight_bytes > 0.8 * memory:
+        raise InvalidParameterError(
+            "--measure", f"the weights take {weight_bytes / 1e9:.1f} GB in "
+            f"{engine_dtype(dtype)}, more than 80% of this machine's {memory / 1e9:.1f} GB",
+        )  # fmt: skip
+
+
+def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str, float]:
+    """Run tandem on this machine with the model's architecture (random weights, CPU,
+    in ``engine_dtype``): one prompt of ``prompt_len`` tokens, then ``batch`` sequences
+    decoding; the achieved times beside the floors in ``result`` (a plan made with this
+    machine's hardware, measured in the same dtype)."""
+    check_measurable(config_path, result["dtype"])
     path = Path(config_path)
     raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(result["dtype"], "float32")
+    dtype = engine_dtype(result["dtype"])
     loaded = random_model(raw, dtype=dtype)
     vocab = loaded.config.vocab_size
     prompt_len, batch = result["prompt_len"], result["batch"]
