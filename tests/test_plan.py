@@ -18,6 +18,7 @@ from tandem.plan.calculator import (
     prefill_seconds,
     read_model,
 )
+from tandem.plan.cost import StepCostModel
 from tandem.plan.hardware import PRESETS, custom_hardware
 
 LLAMA_70B = {
@@ -156,3 +157,17 @@ def test_this_machine_is_planned_in_the_engines_dtype(model_dirs, tmp_path):
     refused = run_plan("--model", str(tmp_path), "--measure")
     assert refused.returncode == 2 and "too many to run here" in refused.stderr
     assert "measured" not in refused.stdout  # refused before measuring anything
+
+
+def test_calibrate_fits_the_cost_model_to_real_steps(model_dirs, tmp_path):
+    folder, _ = model_dirs("llama")
+    saved = tmp_path / "cost.json"
+    result = run_plan("--model", str(folder), "--measure", "--calibrate", str(saved), "--json")
+    assert result.returncode == 0, result.stderr
+    calibrated = json.loads(result.stdout)["calibrated"]
+    model = StepCostModel.load(saved)
+    assert calibrated["steps"] >= 20 and model.source.startswith("fitted to")
+    assert model.step_overhead_s + model.request_overhead_s > 0  # a CPU step is never free
+    assert calibrated["median_error"] < 1.0  # (its size on this machine: docs/BENCHMARKS.md)
+    without = run_plan("--model", str(folder), "--calibrate", str(saved))
+    assert without.returncode == 2 and "needs --measure" in without.stderr

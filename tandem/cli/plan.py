@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure", action="store_true", help="measure this machine and run tandem on it"
     )
+    parser.add_argument(
+        "--calibrate", metavar="FILE",
+        help="with --measure: time a sweep of real engine steps, fit the step cost model "
+        "(tandem/plan/cost.py) and save it as JSON",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -58,4 +63,37 @@ def run(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if args.measure:
         result["measured"] = measure_model(args.model, result)
+    if args.calibrate:
+        result["calibrated"] = calibrate_cost_model(args, result)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
+
+
+def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
+    """Fit the step cost model on this machine; save it to ``args.calibrate``."""
+    import statistics
+
+    from tandem.errors import InvalidParameterError
+    from tandem.plan.calculator import read_model
+    from tandem.plan.calibrate import calibrate
+    from tandem.plan.cost import ModelShape
+    from tandem.plan.measure import engine_dtype
+
+    if not args.measure:
+        raise InvalidParameterError("--calibrate", "needs --measure (it runs on this machine)")
+    dtype = engine_dtype(result["dtype"])
+    config, params = read_model(args.model)
+    element = 2 if dtype == "bfloat16" else 4
+    shape = ModelShape.of(config, params, element, element)
+    model, samples = calibrate(args.model, shape, dtype, config.max_position_embeddings)
+    model.save(args.calibrate)
+    errors = [abs(model.step_seconds(shape, s) - t) / t for s, t in samples]
+    return {
+        "file": args.calibrate,
+        "bandwidth_gbs": model.bandwidth_gbs,
+        "tflops": model.tflops,
+        "step_overhead_s": model.step_overhead_s,
+        "request_overhead_s": model.request_overhead_s,
+        "steps": len(samples),
+        "median_error": statistics.median(errors),
+        "max_error": max(errors),
+    }

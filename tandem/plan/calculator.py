@@ -222,6 +222,16 @@ def format_plan(result: dict[str, Any]) -> str:
         f"TPOT estimate      {_seconds(r['tpot_estimate_s'])}",
         f"throughput         {r['tokens_per_s']:,.0f} output tokens/s at batch {r['batch']}",
     ]
+    if "calibrated" in r:
+        c = r["calibrated"]
+        lines += [
+            "",
+            f"step cost model fitted to {c['steps']} engine steps (saved to {c['file']}):",
+            f"  {_seconds(c['step_overhead_s'])} + {_seconds(c['request_overhead_s'])} per "
+            f"request + max(bytes / {c['bandwidth_gbs']:,.1f} GB/s, FLOPs / "
+            f"{_flops(c['tflops'])}); error median {c['median_error']:.1%}, "
+            f"max {c['max_error']:.1%}",
+        ]
     if "measured" in r:
         m = r["measured"]
         lines += [

@@ -1,0 +1,169 @@
+"""StepCostModel: how long one engine step takes, from what it runs.
+
+A step runs a flat batch: each scheduled request contributes its new tokens (a prefill
+chunk, one decode token, or one plus its speculative slots) on top of the context it
+already has in the cache. The model is the roofline with fixed costs:
+
+    bytes  = weights (read once per step) + KV per token x sum(context + new tokens)
+    flops  = 2 x params x new tokens  +  attention: 4 x layers x heads x head_dim x
+             sum over requests of new x (context + (new + 1) / 2)
+    step   = overhead + layers x layer_overhead + requests x request_overhead
+             + max(bytes / bandwidth, flops / peak)
+
+The per-request term is the host's bookkeeping for each request in the batch
+(scheduling, sampling, outputs): on a CPU with a small model it is most of a decode
+step, and without it no roofline fits the measured steps.
+
+The coefficients come from a datasheet (``from_hardware``: the `tandem plan` presets,
+no overheads) or are fitted to real steps measured on this machine (``fit``: a
+least-squares fit of the same form, `tandem plan --measure --calibrate FILE`), and
+are saved as JSON. A KV transfer (disaggregated serving) costs ``latency + bytes /
+link bandwidth`` (``transfer_seconds``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.models.config import ModelConfig
+
+# One request's share of a step: (new tokens, tokens already in its cache).
+Share = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of a step depends on, of a model in a dtype."""
+
+    params: int
+    weight_bytes: float
+    kv_bytes_per_token: float
+    num_layers: int
+    attention_width: int  # query heads x head dim
+
+    @classmethod
+    def of(cls, config: ModelConfig, params: int, bytes_per_weight: float, kv_bytes: float):
+        return cls(
+            params,
+            params * bytes_per_weight,
+            config.kv_bytes_per_token(kv_bytes),
+            config.num_layers,
+            config.num_heads * config.head_dim,
+        )
+
+    def step_bytes(self, shares: list[Share]) -> float:
+        return self.weight_bytes + self.kv_bytes_per_token * sum(n + c for n, c in shares)
+
+    def step_flops(self, shares: list[Share]) -> float:
+        tokens = sum(n for n, _ in shares)
+        attention = sum(n * (c + (n + 1) / 2) for n, c in shares)
+        return 2 * self.params * tokens + 4 * self.num_layers * self.attention_width * attention
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    bandwidth_gbs: float
+    tflops: float
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
+    source: str = ""  # "datasheet: <preset>", or "fitted to N steps on <machine>"
+
+    @classmethod
+    def from_hardware(cls, hardware, dtype: str, tp: int = 1) -> StepCostModel:
+        """A datasheet's roofline (no overheads: a floor, not a prediction)."""
+        return cls(
+            hardware.bandwidth_gbs * tp,
+            hardware.flops_for(dtype) * tp,
+            source=f"datasheet: {hardware.name}",
+        )
+
+    def step_seconds(self, shape: ModelShape, shares: list[Share]) -> float:
+        """One step running ``shares`` (each request's new tokens and context)."""
+        if not shares:
+            return 0.0
+        memory = shape.step_bytes(shares) / (self.bandwidth_gbs * 1e9)
+        compute = shape.step_flops(shares) / (self.tflops * 1e12)
+        fixed = self.step_overhead_s + shape.num_layers * self.layer_overhead_s
+        return fixed + len(shares) * self.request_overhead_s + max(memory, compute)
+
+    @classmethod
+    def fit(
+        cls, shape: ModelShape, samples: list[tuple[list[Share], float]], source: str = ""
+    ) -> StepCostModel:
+        """The coefficients that best explain measured steps (``samples``: the shares
+        of a step and its seconds), minimising the squared relative error.
+
+        A step is memory-bound exactly when its FLOPs per byte are below the machine's
+        ridge point (peak / bandwidth), so the steps sorted by that ratio split into a
+        memory-bound head and a compute-bound tail. For every split the problem is
+        linear, t = c0 + c1 x requests + c2 x bytes [head] + c3 x flops [tail], and
+        solved by least squares; the split with the smallest error wins. The fixed
+        cost is one number (a model's layer overhead cannot be told apart from its
+        step's): it is reported as step overhead."""
+        if len(samples) < 3:
+            raise ValueError("fitting needs at least three measured steps")
+        bytes_ = torch.tensor([shape.step_bytes(s) for s, _ in samples], dtype=torch.float64)
+        flops = torch.tensor([shape.step_flops(s) for s, _ in samples], dtype=torch.float64)
+        requests = torch.tensor([len(s) for s, _ in samples], dtype=torch.float64)
+        seconds = torch.tensor([t for _, t in samples], dtype=torch.float64)
+        weight = 1.0 / seconds
+        order = torch.argsort(flops / bytes_)
+        best_error, best = float("inf"), None
+        for split in range(len(samples) + 1):
+            memory_bound = torch.zeros(len(samples), dtype=torch.bool)
+            memory_bound[order[:split]] = True
+            columns = torch.stack(
+                [
+                    torch.ones_like(bytes_), requests,
+                    bytes_ * memory_bound, flops * ~memory_bound,
+                ], 1,
+            )  # fmt: skip
+            solution = _weighted_lstsq(columns, seconds, weight)
+            if (solution[1:] < 0).any():
+                continue  # a negative cost per byte or per FLOP explains nothing
+            error = float((((columns @ solution) - seconds) * weight).square().sum())
+            if error < best_error:
+                best_error, best = error, solution
+        if best is None:
+            raise ValueError("no roofline fits these steps (are their times plausible?)")
+        overhead, per_request, per_byte, per_flop = (float(v) for v in best)
+        # A bound that no measured step reached stays unknown: infinitely fast.
+        bandwidth = 1 / per_byte / 1e9 if per_byte > 0 else float("inf")
+        tflops = 1 / per_flop / 1e12 if per_flop > 0 else float("inf")
+        return cls(bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def transfer_seconds(num_bytes: float, link_gbs: float, latency_s: float = 0.0) -> float:
+    """A KV transfer between instances: latency plus bytes over the link's bandwidth."""
+    return latency_s + num_bytes / (link_gbs * 1e9)
+
+
+def shares_of(scheduled) -> list[Share]:
+    """A SchedulerOutput's ``scheduled`` items as shares (speculative slots included)."""
+    return [
+        (item.num_new_tokens + item.num_spec_tokens, item.num_computed_tokens) for item in scheduled
+    ]
+
+
+def _weighted_lstsq(columns: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
+    """Least squares with each row scaled by ``weight`` (relative error with 1/t);
+    columns that are all zero get a zero coefficient."""
+    used = columns.abs().sum(0) > 0
+    solution = torch.zeros(columns.shape[1], dtype=columns.dtype)
+    scaled = columns[:, used] * weight[:, None]
+    scale = scaled.abs().amax(0)  # conditioning: bytes and FLOPs are 1e6..1e12
+    fitted = torch.linalg.lstsq(scaled / scale, (target * weight)[:, None]).solution[:, 0]
+    solution[used] = fitted / scale
+    return solution
