@@ -43,6 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--tokenizer", default=None, help="local model folder (default: /tokenize)")
+    add_workload_arguments(parser)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--save-result", default=None, metavar="FILE.json")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is sent and when, and the SLOs it is judged by (`tandem simulate` too)."""
     parser.add_argument(
         "--dataset", choices=["random", "prefix-repetition", "jsonl"], default="random"
     )
@@ -57,16 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all now")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
     parser.add_argument(
         "--goodput", nargs="+", default=None, metavar="NAME:MS", help="e.g. ttft:500 tpot:50"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--save-result", default=None, metavar="FILE.json")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.tokenizer
         else ServerTokenizer(base_url, model, headers)
     )
-    requests = _requests(args, tokenizer)
+    requests = workload_requests(args, tokenizer)
     # Chat needs text; token-id prompts are decoded once, before the clock starts.
     texts = [
         r.prompt_text
@@ -151,7 +156,7 @@ def _first_model(base_url: str, headers: dict[str, str]) -> str:
     return response.json()["data"][0]["id"]
 
 
-def _requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+def workload_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     if args.dataset == "random":
         return random_requests(
             tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,

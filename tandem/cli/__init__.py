@@ -17,6 +17,7 @@ from tandem.cli import (
     quantize,
     router,
     serve,
+    simulate,
     trace,
 )
 from tandem.errors import TandemError
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(evals, "perplexity", eval_perplexity)
     add(evals, "kld", eval_kld)
     add(commands, "plan", plan)
+    add(commands, "simulate", simulate)
     add(commands, "quantize", quantize)
     traces = commands.add_parser("trace", help="step traces").add_subparsers(
         dest="trace_command", required=True, metavar="ACTION"

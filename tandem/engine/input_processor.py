@@ -12,10 +12,10 @@ behind.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine import clock
 from tandem.engine.kv_connector import KVTransferParams
 from tandem.errors import InvalidParameterError, require_unicode
 from tandem.sampling import SamplingParams
@@ -81,7 +81,7 @@ class InputProcessor:
             text,
             prompt_ids,
             params,
-            arrival_time or time.perf_counter(),
+            arrival_time or clock.now(),
             cache_salt,
             transfer,
             self._grammar(params),

@@ -8,10 +8,10 @@ are not states: a request just has ``num_tokens - num_computed_tokens`` tokens t
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine import clock
 from tandem.engine.kv_connector import KVTransferParams
 from tandem.sampling import SamplingParams
 
@@ -76,7 +76,7 @@ class Request:
         self.grammar: str | None = None  # structured outputs: the runner masks by it
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
-        self.timeline = RequestTimeline(arrival_time or time.perf_counter())
+        self.timeline = RequestTimeline(arrival_time or clock.now())
         # One of n samples of the request ``parent_id`` (Engine.add sets these for n > 1).
         self.parent_id = request_id
         self.sample_index, self.num_samples = 0, 1

@@ -30,13 +30,13 @@ only as token counts and new block ids (ScheduledRequest).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.config import SchedulerConfig, SpeculativeConfig
+from tandem.engine import clock
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
@@ -195,7 +195,7 @@ class Scheduler:
         # them) until poll_transfers frees them; the runner never saw it.
         receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         request.status = status
-        request.timeline.finished = time.perf_counter()
+        request.timeline.finished = clock.now()
         if not receiving:
             keep = False
             if self.connector is not None:
@@ -212,7 +212,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids, started_at=time.perf_counter())
+        out = SchedulerOutput(finished_ids=self._finished_ids, started_at=clock.now())
         self._finished_ids = []
         if self.config.scheduling_policy == "prefill-first":
             # Prompts run whole, alone. Only when none can start (no blocks or sequence
@@ -311,7 +311,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_blocks_sent = 0  # the runner forgets it; resuming sends it anew
-        request.timeline.preemption_times.append(time.perf_counter())
+        request.timeline.preemption_times.append(clock.now())
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
         # A victim already given tokens in this step loses them.
@@ -369,7 +369,7 @@ class Scheduler:
         the tokens it kept; then each request in ``failed`` (id -> why: the runner could
         not run or sample it) with no tokens, finished as FINISHED_ERROR. A failed
         request's K/V from this step is never cached."""
-        now = time.perf_counter()
+        now = clock.now()
         updated = []
         failed = failed or {}
         for item in out.scheduled:

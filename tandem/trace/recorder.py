@@ -22,12 +22,12 @@ metrics come from the same clock readings.
 from __future__ import annotations
 
 import json
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.engine import clock
 from tandem.engine.observer import EngineObserver, StepStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
@@ -51,7 +51,7 @@ class _Lane:
 
 class StepTracer(EngineObserver):
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS) -> None:
-        self.origin = time.perf_counter()
+        self.origin = clock.now()
         self.max_events = max_events
         self.steps: deque[dict[str, Any]] = deque()
         self.lanes: dict[str, _Lane] = {}
@@ -105,7 +105,7 @@ class StepTracer(EngineObserver):
     def step_done(self, out: SchedulerOutput | None, stats: StepStats) -> None:
         if out is None:
             return
-        start, end = out.started_at, time.perf_counter()
+        start, end = out.started_at, clock.now()
         prefill_tokens = decode_tokens = 0
         for victim_id in out.preempted_ids:
             lane = self.lanes.get(victim_id)
@@ -159,7 +159,7 @@ class StepTracer(EngineObserver):
         lane = self.lanes.get(request.request_id)
         if lane is not None and lane.state != "finished":
             if lane.state in ("waiting", "preempted"):
-                end = request.timeline.finished or time.perf_counter()
+                end = request.timeline.finished or clock.now()
                 self._slice(lane, lane.state, lane.state, lane.state_since, end)
             self._finish(lane)
 
@@ -167,7 +167,7 @@ class StepTracer(EngineObserver):
         request, lane.request = lane.request, None
         lane.state = "finished"
         self._instant(
-            lane, "finished", request.timeline.finished or time.perf_counter(),
+            lane, "finished", request.timeline.finished or clock.now(),
             reason=request.finish_reason, output_tokens=request.num_output_tokens,
         )  # fmt: skip
 
