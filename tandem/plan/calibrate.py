@@ -15,7 +15,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.observer import EngineObserver
 from tandem.plan.cost import ModelShape, Share, StepCostModel, shares_of
-from tandem.sampling import RequestOutputKind, SamplingParams
+from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (32, 256)
@@ -76,12 +76,16 @@ def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len
         start = next(ids)
         return [(start * 31 + 7 * i) % vocab for i in range(length)]
 
+    # Sampled as a server samples for this model (its generation config: penalties cost
+    # time per request), greedy.
+    defaults = model_sampling_defaults(engine.model_info.generation_config)
+
     def run(prompts: list[list[int]], max_tokens: int, keep: int | None = None) -> None:
         """Run the prompts to the end; record every step (or the last ``keep``)."""
-        params = SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )  # fmt: skip
+        params = SamplingParams(**{
+            **defaults, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+            "output_kind": RequestOutputKind.FINAL_ONLY,
+        })  # fmt: skip
         for p in prompts:
             engine.add_request(f"c{next(ids)}", p, params)
         timed = []
