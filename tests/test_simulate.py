@@ -4,6 +4,7 @@ a run repeat exactly; the CLI prints bench serve's table."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 from tandem.bench.datasets import BenchRequest
 from tandem.bench.serve import arrival_gaps
 from tandem.config import EngineConfig
+from tandem.engine.clock import now as clock_now
 from tandem.plan.cost import ModelShape, StepCostModel
 from tandem.plan.simulate import simulate
 
@@ -74,3 +76,87 @@ def test_the_command_prints_the_bench_table(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Serving Benchmark Result" in result.stdout and "Request goodput" in result.stdout
     assert "simulated: 50 requests at 10 req/s" in result.stdout
+
+
+class _Replay(StepCostModel):
+    """A cost model that returns recorded step durations, in order."""
+
+    def __init__(self, durations: list[float]) -> None:
+        object.__setattr__(self, "durations", iter(durations))
+
+    def step_seconds(self, shape, shares) -> float:
+        return next(self.durations)
+
+
+def test_the_simulation_decides_as_the_real_engine_did(model_dirs):
+    """A real engine run (the tiny Llama, a small token budget, a small cache so that
+    it preempts, prefix hits) records each step's composition and timing; the
+    simulation, given the same arrivals and the recorded step times, schedules every
+    step identically: it is the same scheduler code."""
+    from tandem import LLM
+    from tandem.engine.observer import EngineObserver
+    from tandem.sampling import RequestOutputKind, SamplingParams
+
+    folder = str(model_dirs("llama")[0])
+    engine_options = dict(max_num_batched_tokens=48, num_blocks=40, block_size=4)
+    llm = LLM(folder, **engine_options)
+    engine = llm.engine
+
+    class Record(EngineObserver):
+        def __init__(self) -> None:
+            self.steps: list = []
+
+        def step_done(self, out, stats):
+            if out is not None:
+                self.steps.append(
+                    ([(i.request_id, i.num_new_tokens, i.num_computed_tokens)
+                      for i in out.scheduled], sorted(out.preempted_ids))
+                )  # fmt: skip
+
+    record = Record()
+    engine.add_observer(record)
+    shared = [7 + i % 40 for i in range(24)]
+    requests = [request(30 + 7 * i, 6 + i % 4, start=i) for i in range(8)]
+    requests += [
+        BenchRequest([*shared, 3, 4], None, 26, 5),
+        BenchRequest([*shared, 5], None, 25, 5),
+    ]
+    add_before_step = [0, 0, 0, 2, 3, 3, 6, 9, 10, 12]
+    starts, index, step = [], 0, 0
+    while index < len(requests) or engine.has_unfinished_requests():
+        now = clock_now()
+        while index < len(requests) and add_before_step[index] <= step:
+            r = requests[index]
+            params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+            engine.add_request(str(index), {"prompt_token_ids": r.prompt_token_ids}, params,
+                               arrival_time=now)  # fmt: skip
+            index += 1
+        starts.append(now)
+        engine.step()
+        step += 1
+    starts.append(clock_now())
+    durations = [b - a for a, b in itertools.pairwise(starts)]
+    arrivals = [starts[s] - starts[0] for s in add_before_step]
+    # (each a nanosecond short: the simulated clock sums durations, with rounding)
+    gaps = [b - a - 1e-9 for a, b in itertools.pairwise(arrivals)] + [0.0]
+    assert any(preempted for _, preempted in record.steps)  # the case is a hard one
+    real_steps = list(record.steps)
+
+    record.steps.clear()
+    config = EngineConfig.from_kwargs(folder, **engine_options)
+    from tandem.plan import simulate as simulation
+
+    original = simulation.Engine
+
+    def engine_with_record(*args, **kwargs):
+        simulated_engine = original(*args, **kwargs)
+        simulated_engine.add_observer(record)
+        return simulated_engine
+
+    simulation.Engine = engine_with_record
+    try:
+        simulate(requests, gaps, SHAPE, _Replay(durations), config, 40, 512, 1000)
+    finally:
+        simulation.Engine = original
+    assert record.steps == real_steps
