@@ -75,9 +75,10 @@ def main() -> None:
     shape = ModelShape.of(config_model, params, 4, 4)  # float32, as the CPU engine runs
     cost, samples = calibrate(DEFAULT_MODEL, shape, "float32", config_model.max_position_embeddings)
     print(
-        f"cost model: {cost.step_overhead_s * 1e3:.2f} ms + {cost.request_overhead_s * 1e3:.2f} "
-        f"ms per request + max(bytes / {cost.bandwidth_gbs:.1f} GB/s, FLOPs / "
-        f"{cost.tflops * 1e3:.0f} GFLOP/s), fitted to {len(samples)} steps\n"
+        f"cost model: {cost.step_overhead_s * 1e3:.2f} ms + {cost.request_overhead_s * 1e3:.3f} "
+        f"ms per request + {cost.token_overhead_s * 1e3:.3f} ms per token + max(bytes / "
+        f"{cost.bandwidth_gbs:.1f} GB/s, FLOPs / {cost.tflops * 1e3:.0f} GFLOP/s), fitted to "
+        f"{len(samples)} steps\n"
     )
     print(f"{'case':<22}{'rate':>5}  " + "".join(f"{name:>24}" for name, _ in METRICS))
     print(f"{'':<29}" + "".join(f"{'sim / real (error)':>24}" for _ in METRICS))

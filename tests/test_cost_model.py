@@ -43,10 +43,12 @@ def test_the_datasheet_model_is_the_plan_roofline():
 
 def test_the_fit_recovers_known_coefficients(tmp_path):
     truth = StepCostModel(
-        bandwidth_gbs=20, tflops=0.3, step_overhead_s=2e-3, request_overhead_s=1e-4
-    )
+        bandwidth_gbs=20, tflops=0.3, step_overhead_s=2e-3, request_overhead_s=1e-4,
+        token_overhead_s=3e-5,
+    )  # fmt: skip
     steps = [
         *([(1, c)] * b for b in (1, 2, 4, 8, 16, 32) for c in (64, 512)),  # decodes
+        *([(4, c)] * b for b in (1, 4, 16) for c in (64, 512)),  # with 3 draft slots
         *([(n, 0)] for n in (64, 256, 1024, 2048)),  # prefills
         [(512, 0), (1, 300), (1, 300)],  # a chunk among decodes
     ]
@@ -56,6 +58,7 @@ def test_the_fit_recovers_known_coefficients(tmp_path):
     assert fitted.tflops == pytest.approx(0.3, rel=1e-6)
     assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-6)
     assert fitted.request_overhead_s == pytest.approx(1e-4, rel=1e-6)
+    assert fitted.token_overhead_s == pytest.approx(3e-5, rel=1e-6)
     fitted.save(tmp_path / "cost.json")
     assert StepCostModel.load(tmp_path / "cost.json") == fitted
     with pytest.raises(ValueError):

@@ -66,7 +66,7 @@ def test_a_seed_repeats_a_run_exactly():
 
 def test_the_command_prints_the_bench_table(tmp_path):
     cost = tmp_path / "cost.json"
-    StepCostModel(20, 0.1, 1e-3, 0.0, 2e-4, "test").save(cost)
+    StepCostModel(20, 0.1, step_overhead_s=1e-3, request_overhead_s=2e-4, source="test").save(cost)
     result = subprocess.run(
         [sys.executable, "-m", "tandem", "simulate", "--model", "models/stdlib-lm",
          "--cost", str(cost), "--num-prompts", "50", "--request-rate", "10",

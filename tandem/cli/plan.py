@@ -93,6 +93,7 @@ def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
         "tflops": model.tflops,
         "step_overhead_s": model.step_overhead_s,
         "request_overhead_s": model.request_overhead_s,
+        "token_overhead_s": model.token_overhead_s,
         "steps": len(samples),
         "median_error": statistics.median(errors),
         "max_error": max(errors),

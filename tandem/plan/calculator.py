@@ -228,7 +228,8 @@ def format_plan(result: dict[str, Any]) -> str:
             "",
             f"step cost model fitted to {c['steps']} engine steps (saved to {c['file']}):",
             f"  {_seconds(c['step_overhead_s'])} + {_seconds(c['request_overhead_s'])} per "
-            f"request + max(bytes / {c['bandwidth_gbs']:,.1f} GB/s, FLOPs / "
+            f"request + {_seconds(c['token_overhead_s'])} per token"
+            f" + max(bytes / {c['bandwidth_gbs']:,.1f} GB/s, FLOPs / "
             f"{_flops(c['tflops'])}); error median {c['median_error']:.1%}, "
             f"max {c['max_error']:.1%}",
         ]

@@ -8,11 +8,12 @@ already has in the cache. The model is the roofline with fixed costs:
     flops  = 2 x params x new tokens  +  attention: 4 x layers x heads x head_dim x
              sum over requests of new x (context + (new + 1) / 2)
     step   = overhead + layers x layer_overhead + requests x request_overhead
-             + max(bytes / bandwidth, flops / peak)
+             + tokens x token_overhead + max(bytes / bandwidth, flops / peak)
 
-The per-request term is the host's bookkeeping for each request in the batch
-(scheduling, sampling, outputs): on a CPU with a small model it is most of a decode
-step, and without it no roofline fits the measured steps.
+The per-request and per-token terms are the host's work for each request in the
+batch (scheduling, sampling, outputs) and for each token it runs (embedding, the
+small ops between matmuls): on a CPU with a small model they are most of a decode
+step, and without them no roofline fits the measured steps.
 
 The coefficients come from a datasheet (``from_hardware``: the `tandem plan` presets,
 no overheads) or are fitted to real steps measured on this machine (``fit``: a
@@ -71,6 +72,7 @@ class StepCostModel:
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
     source: str = ""  # "datasheet: <preset>", or "fitted to N steps on <machine>"
 
     @classmethod
@@ -89,7 +91,10 @@ class StepCostModel:
         memory = shape.step_bytes(shares) / (self.bandwidth_gbs * 1e9)
         compute = shape.step_flops(shares) / (self.tflops * 1e12)
         fixed = self.step_overhead_s + shape.num_layers * self.layer_overhead_s
-        return fixed + len(shares) * self.request_overhead_s + max(memory, compute)
+        host = len(shares) * self.request_overhead_s + sum(n for n, _ in shares) * (
+            self.token_overhead_s
+        )
+        return fixed + host + max(memory, compute)
 
     @classmethod
     def fit(
@@ -101,8 +106,8 @@ class StepCostModel:
         A step is memory-bound exactly when its FLOPs per byte are below the machine's
         ridge point (peak / bandwidth), so the steps sorted by that ratio split into a
         memory-bound head and a compute-bound tail. For every split the problem is
-        linear, t = c0 + c1 x requests + c2 x bytes [head] + c3 x flops [tail], and
-        solved by least squares; the split with the smallest error wins. The fixed
+        linear, t = c0 + c1 x requests + c2 x tokens + c3 x bytes [head] + c4 x flops
+        [tail], and solved by least squares; the split with the smallest error wins. The fixed
         cost is one number (a model's layer overhead cannot be told apart from its
         step's): it is reported as step overhead."""
         if len(samples) < 3:
@@ -110,6 +115,7 @@ class StepCostModel:
         bytes_ = torch.tensor([shape.step_bytes(s) for s, _ in samples], dtype=torch.float64)
         flops = torch.tensor([shape.step_flops(s) for s, _ in samples], dtype=torch.float64)
         requests = torch.tensor([len(s) for s, _ in samples], dtype=torch.float64)
+        tokens = torch.tensor([sum(n for n, _ in s) for s, _ in samples], dtype=torch.float64)
         seconds = torch.tensor([t for _, t in samples], dtype=torch.float64)
         weight = 1.0 / seconds
         order = torch.argsort(flops / bytes_)
@@ -119,7 +125,7 @@ class StepCostModel:
             memory_bound[order[:split]] = True
             columns = torch.stack(
                 [
-                    torch.ones_like(bytes_), requests,
+                    torch.ones_like(bytes_), requests, tokens,
                     bytes_ * memory_bound, flops * ~memory_bound,
                 ], 1,
             )  # fmt: skip
@@ -131,11 +137,11 @@ class StepCostModel:
                 best_error, best = error, solution
         if best is None:
             raise ValueError("no roofline fits these steps (are their times plausible?)")
-        overhead, per_request, per_byte, per_flop = (float(v) for v in best)
+        overhead, per_request, per_token, per_byte, per_flop = (float(v) for v in best)
         # A bound that no measured step reached stays unknown: infinitely fast.
         bandwidth = 1 / per_byte / 1e9 if per_byte > 0 else float("inf")
         tflops = 1 / per_flop / 1e12 if per_flop > 0 else float("inf")
-        return cls(bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, source)
+        return cls(bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, per_token, source)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
