@@ -166,7 +166,11 @@ class EngineCoreClient(EngineClient):
         while not self._stopping.is_set():
             if not self._from_core.poll(100):
                 continue
-            message = decoder.decode(self._from_core.recv(copy=False).buffer)
+            try:
+                message = decoder.decode(self._from_core.recv(copy=False).buffer)
+            except msgspec.DecodeError:  # a bug: say so, keep the other streams flowing
+                logger.exception("undecodable message from the engine core")
+                continue
             loop = self._loop
             if loop is None or loop.is_closed():
                 continue  # nobody asked anything yet
