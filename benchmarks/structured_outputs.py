@@ -18,6 +18,7 @@ from benchmarks.common import machine
 from tandem import LLM, SamplingParams
 from tandem.grammar import apply_masks, grammar_for, grammar_tokenizer, new_masks
 from tandem.models.catalog import is_installed
+from tandem.plan.measure import median_time
 from tandem.sampling import StructuredOutputsParams
 
 PERSON = {
@@ -75,16 +76,6 @@ SCHEMAS = {
 }
 
 
-def timed(function, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def llguidance_costs(tokenizer, vocab: int, eos: tuple[int, ...], repeats: int) -> dict:
     import llguidance
 
@@ -98,7 +89,7 @@ def llguidance_costs(tokenizer, vocab: int, eos: tuple[int, ...], repeats: int) 
         def compile_once(spec=spec):
             llguidance.LLMatcher(llg_tokenizer, grammar_for(spec))
 
-        compile_s = timed(compile_once, repeats)
+        compile_s = median_time(compile_once, repeats)
         tokens = tokenizer.encode(json.dumps(document, separators=(",", ":")), False)
         matcher = GrammarMatcher(grammar_for(spec), llg_tokenizer)
         masks = new_masks(1, vocab)
@@ -130,7 +121,7 @@ def xgrammar_costs(tokenizer, vocab: int, eos: tuple[int, ...], repeats: int) ->
                 text, any_whitespace=False
             )
 
-        compile_s = timed(compile_once, repeats)
+        compile_s = median_time(compile_once, repeats)
         compiled = xgrammar.GrammarCompiler(info).compile_json_schema(text, any_whitespace=False)
         matcher = xgrammar.GrammarMatcher(compiled)
         masks = xgrammar.allocate_token_bitmask(1, vocab)
@@ -152,7 +143,7 @@ def apply_cost(vocab: int, rows: int, repeats: int) -> float:
     logits = torch.randn(rows, vocab)
     with torch.inference_mode():
         apply_masks(logits, masks, list(range(rows)))  # builds the kernels if needed
-        return timed(lambda: apply_masks(logits, masks, list(range(rows))), repeats * 20)
+        return median_time(lambda: apply_masks(logits, masks, list(range(rows))), repeats * 20)
 
 
 def engine_costs(llm: LLM, repeats: int) -> dict[str, tuple[float, float]]:

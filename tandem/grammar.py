@@ -1,11 +1,11 @@
 """Structured outputs: a request's constraint as a grammar, and the token masks that
 hold its generation to it. The grammar engine is llguidance.
 
-Why llguidance rather than xgrammar (measured here, docs/BENCHMARKS.md): it compiles
-a JSON schema in under a millisecond where xgrammar took 5 to 40 ms (a compile per
-request sits between two steps), it needs nothing else installed (xgrammar pulls in
-triton), and its mask, 15 to 30 us per constrained token on SmolLM2's 49k vocabulary,
-is small beside a decode step.
+Why llguidance rather than xgrammar (``python -m benchmarks.structured_outputs``;
+the figures, machine and flags in docs/BENCHMARKS.md): it compiles a JSON schema in
+0.5-3.3 ms where xgrammar took 7-300 ms (a compile per request sits between two
+steps), and it needs nothing else installed (xgrammar pulls in triton); its masks are
+slower (10-114 us a token against 3-9 us) but small beside a CPU decode step.
 
     StructuredOutputsParams (sampling.py)
       -> grammar_for(params): llguidance's grammar text (checked at the door by
@@ -42,12 +42,10 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _llguidance():
-    try:
-        import llguidance
-    except ImportError:  # pragma: no cover - a core dependency
-        raise InvalidParameterError(
-            "structured_outputs", "needs the llguidance package (pip install llguidance)"
-        ) from None
+    """The grammar library, imported on first use: an engine that never sees a
+    constraint never loads it."""
+    import llguidance
+
     return llguidance
 
 
@@ -160,7 +158,7 @@ _BIT = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int3
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: list[int]) -> None:
     """In place: in each of ``rows`` of ``logits`` [S, vocab], the tokens the matching
     row of ``masks`` leaves out become -inf (the compiled kernel on CPU: a bit test per
-    token, 10-20x torch's unpack and masked_fill on a 49k vocabulary)."""
+    token; docs/BENCHMARKS.md has its cost beside torch's unpack and masked_fill)."""
     if not rows:
         return
     fits = logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32

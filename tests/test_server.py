@@ -23,6 +23,7 @@ from tandem.server.async_engine import AsyncEngine
 from tandem.server.launch import tandem_process
 from tandem.server.metrics import ServerMetrics
 from tests.servers import metric, thread_server, wait_for
+from tests.test_structured_outputs import COLORED  # the schema a random model can finish
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"  # the served name of the tiny_server fixture (conftest)
@@ -307,18 +308,6 @@ def test_logprobs_completions_and_chat(client):
     assert len(content) == 4
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
-
-
-COLORED = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 6},
-    },
-    "required": ["ok", "color", "name"],
-    "additionalProperties": False,
-}
 
 
 class Colored(pydantic.BaseModel):

@@ -18,17 +18,18 @@ from tandem.sampling import StructuredOutputsParams
 
 # Schemas whose every valid document is short, so that even a random-weight model,
 # held to them, finishes well within max_tokens.
-SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
-            "ok": {"type": "boolean"},
-            "color": {"enum": ["red", "green", "blue"]},
-            "name": {"type": "string", "maxLength": 6},
-        },
-        "required": ["ok", "color", "name"],
-        "additionalProperties": False,
+COLORED = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 6},
     },
+    "required": ["ok", "color", "name"],
+    "additionalProperties": False,
+}
+SCHEMAS = [
+    COLORED,
     {
         "type": "array",
         "items": {"type": "integer", "minimum": 0, "maximum": 99},
