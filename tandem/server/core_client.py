@@ -190,6 +190,7 @@ class EngineCoreClient(EngineClient):
 
     def _watch(self) -> None:
         wait([self.process.sentinel])
+        self.process.join(timeout=5)  # reaped: exitcode is set only once it is
         if self._closing:
             return
         reason = f"the engine core process exited with code {self.process.exitcode}"
