@@ -3,6 +3,10 @@
 simulated with the step cost model calibrated on this machine beforehand
 (`tandem plan --measure --calibrate`); predicted against measured, per metric.
 
+The disaggregated cases run a prefill and a decode instance behind `tandem router`
+(KV over loopback ZeroMQ); the link's rate given to the simulator is measured by a
+warm-up of four requests before the run (the decode instance's transfer counters).
+
     python -m benchmarks.simulator_accuracy [--num-prompts 64]
 """
 
@@ -11,6 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import secrets
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import machine
 from tandem.bench.datasets import LocalTokenizer
@@ -21,7 +29,7 @@ from tandem.models.bundled import DEFAULT_MODEL
 from tandem.plan.calculator import read_model
 from tandem.plan.calibrate import calibrate
 from tandem.plan.cost import ModelShape
-from tandem.plan.simulate import simulate
+from tandem.plan.simulate import Topology, simulate
 from tandem.server.launch import tandem_process
 
 RANDOM = ["--dataset", "random", "--random-input-len", "256", "--random-output-len", "64"]
@@ -30,7 +38,7 @@ PREFIX = [
     "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
     "--prefix-repetition-output-len", "64",
 ]  # fmt: skip
-# (name, server flags, workload flags, rate)
+# (name, server flags, workload flags, rate); "1P:1D" in a name: disaggregated
 CASES = [
     ("chunked", [], RANDOM, "2"),
     ("chunked", [], RANDOM, "8"),
@@ -38,6 +46,8 @@ CASES = [
     ("prefill-first", ["--scheduling-policy", "prefill-first"], RANDOM, "8"),
     ("chunked, budget 256", ["--max-num-batched-tokens", "256"], RANDOM, "4"),
     ("prefix caching", [], PREFIX, "4"),
+    ("1P:1D", [], RANDOM, "2"),
+    ("1P:1D", [], RANDOM, "4"),
 ]
 METRICS = [
     ("mean TTFT", "mean_ttft_ms"), ("mean TPOT", "mean_tpot_ms"),
@@ -66,6 +76,42 @@ def engine_config(server_flags: list[str]) -> EngineConfig:
     return EngineConfig.from_kwargs(str(DEFAULT_MODEL), **options)
 
 
+@contextlib.contextmanager
+def deployment(name: str, server_flags: list[str]):
+    """The server(s) of a case; yields (URL to benchmark, topology for the simulator)."""
+    serve = ["serve", "--model", str(DEFAULT_MODEL), *server_flags, "--log-level", "warning"]
+    if "1P:1D" not in name:
+        with tandem_process(*serve) as url:
+            yield url, Topology()
+        return
+    secret = ["--kv-secret", secrets.token_hex(16)]
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(tandem_process(*serve, "--role", "prefill", *secret))
+        decode = stack.enter_context(tandem_process(*serve, "--role", "decode", *secret))
+        router = stack.enter_context(
+            tandem_process("router", "--prefill", prefill, "--decode", decode)
+        )
+        model = httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"]
+        for _ in range(4):  # warm-up: the link's rate at this prompt size
+            body = {"model": model, "prompt": list(range(100, 356)), "max_tokens": 2}
+            httpx.post(f"{router}/v1/completions", json=body, timeout=120).raise_for_status()
+        moved = _metric(decode, "kv_transfer_bytes_total")
+        seconds = _metric(decode, "kv_transfer_seconds_sum")
+        print(f"  ({name}: link measured at {moved / seconds / 1e6:.0f} MB/s by a warm-up)")
+        yield router, Topology(prefill=1, decode=1, link_gbs=moved / seconds / 1e9,
+                               link_latency_s=0.0)  # fmt: skip
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"tandem:{name}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -84,9 +130,7 @@ def main() -> None:
     print(f"{'':<29}" + "".join(f"{'sim / real (error)':>24}" for _ in METRICS))
     tokenizer = LocalTokenizer(str(DEFAULT_MODEL))
     for name, server_flags, workload, rate in CASES:
-        with tandem_process(
-            "serve", "--model", str(DEFAULT_MODEL), *server_flags, "--log-level", "warning"
-        ) as url:
+        with deployment(name, server_flags) as (url, topology):
             args = bench_args(url, workload, rate, options.num_prompts)
             with contextlib.redirect_stdout(io.StringIO()):
                 real = run(args)
@@ -95,7 +139,7 @@ def main() -> None:
         config = engine_config(server_flags)
         simulated = simulate(
             requests, gaps, shape, cost, config, 10**6 // config.cache.block_size,
-            config_model.max_position_embeddings, config_model.vocab_size,
+            config_model.max_position_embeddings, config_model.vocab_size, None, topology,
         )  # fmt: skip
         predicted = summarize(simulated.results, simulated.duration, {})
         cells = []

@@ -139,7 +139,7 @@ def test_the_simulation_decides_as_the_real_engine_did(model_dirs):
     durations = [b - a for a, b in itertools.pairwise(starts)]
     arrivals = [starts[s] - starts[0] for s in add_before_step]
     # (each a nanosecond short: the simulated clock sums durations, with rounding)
-    gaps = [b - a - 1e-9 for a, b in itertools.pairwise(arrivals)] + [0.0]
+    gaps = [max(b - a - 1e-9, 0.0) for a, b in itertools.pairwise(arrivals)] + [0.0]
     assert any(preempted for _, preempted in record.steps)  # the case is a hard one
     real_steps = list(record.steps)
 
@@ -160,3 +160,97 @@ def test_the_simulation_decides_as_the_real_engine_did(model_dirs):
     finally:
         simulation.Engine = original
     assert record.steps == real_steps
+
+
+# -- clusters and the sizing search ----------------------------------------------------
+
+
+def run_layout(requests, gaps, cost, layout):
+    from tandem.bench.summary import summarize
+
+    config = EngineConfig.from_kwargs("unused")
+    result = simulate(requests, gaps, LIGHT_KV, cost, config, 4000, 4096, 1000, None, layout)
+    return summarize(result.results, result.duration, {})
+
+
+# Little KV (10 bytes per token): steps cost their weights and their FLOPs.
+LIGHT_KV = ModelShape(params=10**6, weight_bytes=4e6, kv_bytes_per_token=10, num_layers=2,
+                      attention_width=64)  # fmt: skip
+
+
+def test_a_disaggregated_request_is_prefilled_moved_and_decoded():
+    from tandem.plan.simulate import Topology
+
+    # 1 ms per step, nothing else; a 1 MB/s link with 5 ms latency.
+    layout = Topology(prefill=1, decode=1, link_gbs=1e-3, link_latency_s=0.005)
+    config = EngineConfig.from_kwargs("unused")
+    result = simulate([request(101, 4)], [0.0], LIGHT_KV, StepCostModel(
+        float("inf"), float("inf"), step_overhead_s=0.001), config, 100, 4096, 1000, None,
+        layout)  # fmt: skip
+    (one,) = result.results
+    # prefill step (1 ms), 100 tokens x 10 bytes over the link (1 ms + 5 ms latency),
+    # then the decode side runs the last prompt token and samples the first (1 ms).
+    assert one.ttft == pytest.approx(0.001 + 0.006 + 0.001)
+    assert one.itl == pytest.approx([0.001] * 3) and result.num_transfers == 1
+    assert result.num_instances == {"prefill": 1, "decode": 1}
+    assert result.busy_s == pytest.approx({"prefill": 0.001, "decode": 0.004})
+
+
+def test_colocated_instances_share_the_arrivals_as_the_router_does():
+    from tandem.plan.simulate import Topology
+
+    requests = [request(40, 3, start=i) for i in range(6)]
+    config = EngineConfig.from_kwargs("unused")
+    one = simulate(requests, [0.0] * 6, LIGHT_KV, TEN_MS, config, 1000, 4096, 1000)
+    three = simulate(requests, [0.0] * 6, LIGHT_KV, TEN_MS, config, 1000, 4096, 1000, None,
+                     Topology(instances=3))  # fmt: skip
+    # A constant step cost: one instance runs all six together; three run two each, in
+    # the same time, and their steps add up.
+    assert [r.e2el for r in three.results] == pytest.approx([r.e2el for r in one.results])
+    assert three.num_steps == 3 * one.num_steps
+    assert three.utilization("colocated") == pytest.approx(1.0)
+
+
+def test_the_search_finds_the_fewest_colocated_instances_for_the_prompt_load():
+    """Steps cost 0.25 ms per token. A request every 10 ms brings 100 prompt tokens
+    and one decode token (10.1 tokens/ms) against 4 tokens/ms per instance: two
+    instances fall behind, three keep up. Split layouts need three prefill instances
+    for the prompts alone (10 of 12 tokens/ms), so at three instances only the
+    colocated layout keeps TTFT short."""
+    from tandem.plan.sizing import search
+
+    cost = StepCostModel(float("inf"), float("inf"), token_overhead_s=0.25e-3)
+    requests = [request(100, 2, start=i) for i in range(200)]
+    gaps = [0.010] * 200
+    best, rows = search(lambda layout: run_layout(requests, gaps, cost, layout),
+                        {"p90_ttft_ms": 60.0}, max_instances=5)  # fmt: skip
+    assert best.topology.label == "3 colocated"
+    labels = [row.topology.label for row in rows]
+    assert labels == ["1 colocated", "2 colocated", "1P:1D", "3 colocated", "1P:2D", "2P:1D"]
+    assert not any(row.meets({"p90_ttft_ms": 60.0}) for row in rows[:3] + rows[4:])
+
+
+def test_the_search_splits_prefill_from_decode_when_prefills_stall_decodes():
+    """Decode batches are memory-bound (1 ms a step, whatever their size up to ten
+    requests), prompts compute-bound (120 tokens: 12 ms). A request every 10 ms
+    decoding 50 tokens: a colocated instance stalls its decodes behind others'
+    prefills (11 ms each), so p99 TPOT stays above 1.2 ms with three instances; two
+    prefill instances (60% busy) and one decode instance (steps of 1 ms) meet it, and
+    one prefill instance (120% busy) lets TTFT grow without bound."""
+    from tandem.plan.simulate import Topology
+    from tandem.plan.sizing import search
+
+    # 4 MB of weights at 4 GB/s: 1 ms; 2 MFLOP per token at 20 GFLOP/s: 0.1 ms.
+    cost = StepCostModel(bandwidth_gbs=4, tflops=0.02)
+    requests = [request(120, 51, start=i) for i in range(200)]
+    gaps = [0.010] * 200
+    slos = {"p99_tpot_ms": 1.2, "p90_ttft_ms": 50.0}
+    link = Topology(link_gbs=1e3, link_latency_s=0.0)
+    best, rows = search(lambda layout: run_layout(requests, gaps, cost, layout), slos,
+                        max_instances=6, link=link)  # fmt: skip
+    assert best.topology.label == "2P:1D"
+    by_label = {row.topology.label: row for row in rows}
+    assert by_label["3 colocated"].summary["p99_tpot_ms"] > 1.2
+    assert by_label["1P:2D"].summary["p90_ttft_ms"] > 50.0
+    assert by_label["2P:1D"].summary["p99_tpot_ms"] == pytest.approx(1.0, rel=0.1)
+    assert len(rows) == 6  # it stopped at three instances

@@ -49,14 +49,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
     )
+    cluster = parser.add_argument_group(
+        "instances (routed as `tandem router` routes: fewest requests in flight)"
+    )
+    cluster.add_argument(
+        "--instances", type=int, default=1, metavar="N", help="colocated instances (default: 1)"
+    )  # fmt: skip
+    cluster.add_argument(
+        "--prefill", type=int, default=0, metavar="P",
+        help="disaggregated: prefill instances (with --decode)",
+    )  # fmt: skip
+    cluster.add_argument("--decode", type=int, default=0, metavar="D", help="decode instances")
+    cluster.add_argument(
+        "--link-gbs", type=float, default=25.0, metavar="GB/S",
+        help="each decode instance's link for pulling K/V (default: 25, a 200 Gb/s NIC)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--link-latency-ms", type=float, default=0.1, metavar="MS", help="per transfer"
+    )  # fmt: skip
+    cluster.add_argument(
+        "--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+        help="shorter prompts skip the prefill instances (as the router's flag)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--search", action="store_true",
+        help="find the fewest instances, colocated or split P:D, that meet every --slo",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--slo", nargs="+", metavar="STAT_METRIC:MS",
+        help="limits for --search, e.g. p90_ttft:500 p99_tpot:50 (STAT: mean, median, p90, "
+        "p99; METRIC: ttft, tpot, itl, e2el)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--max-instances", type=int, default=8, metavar="N", help="for --search (default: 8)"
+    )  # fmt: skip
     add_workload_arguments(parser)
-    parser.add_argument("--trace", metavar="FILE", help="the simulated steps as a Chrome trace")
+    parser.add_argument(
+        "--trace", metavar="FILE",
+        help="the simulated steps as a Chrome trace (one FILE.<instance>.json per instance "
+        "when there are several)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run(args: argparse.Namespace) -> None:
     import json
-    import math
     import os
     import time
 
@@ -68,7 +105,8 @@ def run(args: argparse.Namespace) -> None:
     from tandem.plan.calculator import MEMORY_UTILIZATION, read_model
     from tandem.plan.cost import ModelShape, StepCostModel
     from tandem.plan.hardware import PRESETS
-    from tandem.plan.simulate import simulate
+    from tandem.plan.simulate import Topology, simulate
+    from tandem.plan.sizing import format_search, parse_slos, search
 
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise InvalidParameterError("--request-rate", "and --burstiness must be > 0")
@@ -103,29 +141,65 @@ def run(args: argparse.Namespace) -> None:
         if request.prompt_token_ids is None:
             request.prompt_token_ids = tokenizer.encode(request.prompt_text)
     gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
+    topology = Topology(
+        args.instances, args.prefill, args.decode, args.link_gbs, args.link_latency_ms / 1e3,
+        args.local_prefill_threshold,
+    )  # fmt: skip
+
+    def run_layout(layout: Topology, trace: str | None = None):
+        result = simulate(
+            requests, gaps, shape, cost, config, num_blocks, max_model_len,
+            config_model.vocab_size, trace, layout,
+        )  # fmt: skip
+        summary = summarize(result.results, result.duration, slos)
+        summary.update(
+            layout=layout.label, prefix_cache_hit_rate=result.prefix_cache_hit_rate,
+            simulated_steps=result.num_steps, preemptions=result.num_preemptions,
+            kv_transfers=result.num_transfers, num_blocks=num_blocks, cost_model=cost.source,
+        )  # fmt: skip
+        for role in result.busy_s:
+            summary[f"{role}_utilization"] = result.utilization(role)
+        return result, summary
+
     started = time.perf_counter()
-    result = simulate(
-        requests, gaps, shape, cost, config, num_blocks, max_model_len,
-        config_model.vocab_size, args.trace,
-    )  # fmt: skip
-    wall = time.perf_counter() - started
-    summary = summarize(result.results, result.duration, slos)
-    summary["prefix_cache_hit_rate"] = result.prefix_cache_hit_rate
-    summary.update(
-        simulated_steps=result.num_steps, busy_fraction=result.busy_s / result.duration,
-        preemptions=result.num_preemptions, num_blocks=num_blocks, cost_model=cost.source,
-        wall_seconds=wall,
-    )  # fmt: skip
+    if args.search:
+        search_slos = parse_slos(args.slo)
+        best, rows = search(
+            lambda layout: run_layout(layout)[1], search_slos, args.max_instances, topology
+        )
+        wall = time.perf_counter() - started
+        if args.json:
+            table = [
+                {"layout": r.topology.label, "meets": r.meets(search_slos), "why": r.why,
+                 **{key: (r.summary or {}).get(key) for key in search_slos}}
+                for r in rows
+            ]  # fmt: skip
+            print(json.dumps({"best": best.topology.label if best else None, "rows": table}))
+            return
+        print(
+            f"searched {len(rows)} layouts of {len(requests)} requests at "
+            f"{_rate(args.request_rate)} req/s on {cost.source}, in {wall:.2f} s of wall time"
+        )
+        print(format_search(best, rows, search_slos))
+        return
+    result, summary = run_layout(topology, args.trace)
+    summary["wall_seconds"] = time.perf_counter() - started
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
         return
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    busy = ", ".join(f"{role} {100 * result.utilization(role):.0f}% busy" for role in result.busy_s)
+    transfers = f", {result.num_transfers:,} KV transfers" if topology.disaggregated else ""
     print(
-        f"simulated: {len(requests)} requests at {rate} req/s on {cost.source}; "
-        f"{result.num_steps:,} steps, {num_blocks:,} KV blocks, "
-        f"{result.num_preemptions} preemptions, in {wall:.2f} s of wall time"
+        f"simulated: {len(requests)} requests at {_rate(args.request_rate)} req/s on "
+        f"{topology.label} ({cost.source}); {result.num_steps:,} steps, {num_blocks:,} KV "
+        f"blocks per instance, {result.num_preemptions} preemptions{transfers}, {busy}; "
+        f"in {summary['wall_seconds']:.2f} s of wall time"
     )
     print(format_table(summary, slos))
+
+
+def _rate(rate: float) -> str:
+    return "inf" if rate == float("inf") else f"{rate:g}"
 
 
 class _BytesTokenizer:

@@ -30,7 +30,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import pydantic
@@ -39,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
+from tandem.disagg.policy import Instance, least_busy
 from tandem.errors import InvalidParameterError
 from tandem.server.errors import APIError, as_api_error, error_response, invalid_body
 from tandem.server.limits import BodyGuard, ServerLimits
@@ -46,23 +46,6 @@ from tandem.server.metrics import LATENCY_BUCKETS
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("tandem.router")
-
-
-@dataclass
-class Instance:
-    url: str
-    in_flight: int = 0
-    picked: int = 0
-
-
-def _least_busy(instances: list[Instance], skip: set[str] = frozenset()) -> Instance | None:
-    """Fewest requests in flight; among equals, the one picked least (round robin)."""
-    candidates = [i for i in instances if i.url not in skip]
-    if not candidates:
-        return None
-    choice = min(candidates, key=lambda i: (i.in_flight, i.picked))
-    choice.picked += 1
-    return choice
 
 
 def build_router_app(
@@ -204,7 +187,7 @@ def build_router_app(
         if "max_completion_tokens" in request:
             request["max_completion_tokens"] = 1
         tried: set[str] = set()
-        while (instance := _least_busy(prefills, tried)) is not None:
+        while (instance := least_busy(prefills, tried)) is not None:
             tried.add(instance.url)
             started = time.perf_counter()
             response = await post(instance, "prefill", path, request, headers)
@@ -265,7 +248,7 @@ def build_router_app(
                 body = {**body, "kv_transfer_params": params}
         requests_total.labels("disaggregated" if remote else "decode only").inc()
         tried: set[str] = set()
-        while (instance := _least_busy(decodes, tried)) is not None:
+        while (instance := least_busy(decodes, tried)) is not None:
             tried.add(instance.url)
             if body.get("stream"):
                 response = await stream(instance, path, body, headers, started)

@@ -16,16 +16,20 @@ the recomputed tokens, and host effects the cost model does not fit.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
 from tandem.bench.client import RequestResult
 from tandem.bench.datasets import BenchRequest
 from tandem.config import EngineConfig
+from tandem.disagg.policy import Instance, least_busy
 from tandem.engine import clock
 from tandem.engine.engine import Engine
-from tandem.errors import TandemError
-from tandem.plan.cost import ModelShape, StepCostModel, shares_of
+from tandem.errors import InvalidParameterError, TandemError
+from tandem.outputs import RequestOutput
+from tandem.plan.cost import ModelShape, StepCostModel, shares_of, transfer_seconds
+from tandem.plan.kv_link import SimulatedConnector
 from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import RequestOutputKind, SamplingParams
@@ -75,14 +79,76 @@ class SimulatedRunner:
         )
 
 
+@dataclass(frozen=True)
+class Topology:
+    """The instances a workload is served by, each an engine with the same model,
+    hardware and settings: ``instances`` colocated ones, or ``prefill`` + ``decode``
+    disaggregated ones whose prompts' K/V cross a link (each decode instance pulls
+    over its own, one transfer at a time: ``link_latency_s`` + bytes / ``link_gbs``).
+    Requests are routed as `tandem router` routes them (tandem/disagg/policy.py);
+    the router's own time (HTTP hops) is not counted."""
+
+    instances: int = 1
+    prefill: int = 0
+    decode: int = 0
+    link_gbs: float = 25.0  # a 200 Gb/s NIC
+    link_latency_s: float = 1e-4
+    local_prefill_threshold: int = 0  # shorter prompts skip the prefill instances
+
+    def __post_init__(self) -> None:
+        if self.prefill or self.decode:
+            if self.prefill < 1 or self.decode < 1:
+                raise InvalidParameterError(
+                    "topology", "a disaggregated cluster needs at least one prefill and "
+                    "one decode instance"
+                )  # fmt: skip
+        elif self.instances < 1:
+            raise InvalidParameterError("topology", "needs at least one instance")
+        if self.link_gbs <= 0 or self.link_latency_s < 0:
+            raise InvalidParameterError("topology", "link bandwidth must be > 0, latency >= 0")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0
+
+    @property
+    def num_instances(self) -> int:
+        return self.prefill + self.decode if self.disaggregated else self.instances
+
+    @property
+    def label(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill}P:{self.decode}D"
+        return f"{self.instances} colocated"
+
+
 @dataclass
 class SimulationResult:
     results: list[RequestResult]  # one per request, as `tandem bench serve` records them
     duration: float  # simulated seconds from the first arrival to the last finish
-    num_steps: int
-    busy_s: float  # simulated seconds the engine was stepping
+    num_steps: int  # over all instances
+    busy_s: dict[str, float]  # simulated seconds stepping, per role (summed over instances)
+    num_instances: dict[str, int]  # per role
     num_preemptions: int
     prefix_cache_hit_rate: float | None
+    num_transfers: int = 0  # prompts whose K/V crossed the link
+    transfer_s: float = 0.0  # their summed time on it, queueing included
+
+    def utilization(self, role: str) -> float:
+        """The mean share of the run an instance of ``role`` spent stepping."""
+        return self.busy_s[role] / (self.duration * self.num_instances[role] or 1.0)
+
+
+@dataclass
+class _Node:
+    """One simulated instance."""
+
+    role: str  # "colocated", "prefill" or "decode"
+    engine: Engine
+    runner: SimulatedRunner
+    route: Instance  # the router's view of it
+    stepping: bool = False  # a step is running (its outputs arrive when it ends)
+    link_free_at: float = 0.0  # decode: when its link finishes the pulls queued on it
 
 
 def simulate(
@@ -95,56 +161,173 @@ def simulate(
     max_model_len: int,
     vocab_size: int,
     trace: str | None = None,
+    topology: Topology = Topology(),
 ) -> SimulationResult:
     """Run ``requests`` arriving after ``gaps`` (seconds after each send) through the
-    engine with ``config``'s scheduler settings, on simulated time."""
+    ``topology``'s instances, each an engine with ``config``'s scheduler settings and
+    ``num_blocks`` of KV cache, on simulated time. ``trace``: the step trace, one file
+    per instance when there are several (``<stem>.<instance>.json``).
+
+    A discrete-event loop: an arrival is routed and queued at its time; an idle
+    instance with work starts a step (after every event of the same instant), whose
+    outputs are delivered when the cost model says it ends; a prefill instance's
+    finished prompt goes to a decode instance, whose pull ends after the link's time.
+    """
     sim_clock = SimulatedClock()
-    runner = SimulatedRunner(
-        shape, cost, sim_clock, num_blocks, config.cache.block_size, max_model_len, vocab_size
-    )
     arrivals = list(itertools.accumulate([0.0, *gaps[:-1]]))
+    events: list = []  # (time, order, sequence, action): order 0 runs before 1 (steps)
+    sequence = itertools.count()
+
+    def at(time: float, action, order: int = 0) -> None:
+        heapq.heappush(events, (time, order, next(sequence), action))
+
+    finished: dict[int, RequestOutput] = {}
+    transfers = {"count": 0, "seconds": 0.0}
+
     with clock.simulated(sim_clock):
-        engine = Engine(config, runner=runner)
-        if trace is not None:
-            engine.start_trace()
-        finished = {}
-        added = 0
-        while added < len(requests) or engine.has_unfinished_requests():
-            if not engine.has_unfinished_requests():
-                sim_clock.time = max(sim_clock.time, arrivals[added])
-            while added < len(requests) and arrivals[added] <= sim_clock.time:
-                request = requests[added]
-                params = SamplingParams(
-                    temperature=0, max_tokens=request.output_len, ignore_eos=True,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
+        roles = (
+            [("prefill", topology.prefill), ("decode", topology.decode)]
+            if topology.disaggregated
+            else [("colocated", topology.instances)]
+        )
+        nodes: dict[str, list[_Node]] = {}
+        for role, count in roles:
+            nodes[role] = []
+            for index in range(count):
+                name = role if count == 1 and not topology.disaggregated else f"{role}{index}"
+                runner = SimulatedRunner(
+                    shape, cost, sim_clock, num_blocks, config.cache.block_size,
+                    max_model_len, vocab_size,
                 )  # fmt: skip
-                engine.add_request(
-                    str(added), {"prompt_token_ids": request.prompt_token_ids}, params,
-                    arrival_time=arrivals[added],
-                )  # fmt: skip
-                added += 1
-            for output in engine.step():
+                node = _Node(role, Engine(config, runner=runner), runner, Instance(name))
+                if topology.disaggregated:
+                    connector = SimulatedConnector(
+                        name, num_blocks, config.cache.block_size,
+                        on_pull=lambda request, tokens, node=node: pull(node, request, tokens),
+                    )  # fmt: skip
+                    node.engine.set_kv_connector(connector)
+                if trace is not None:
+                    node.engine.start_trace()
+                nodes[role].append(node)
+        by_name = {node.route.url: node for group in nodes.values() for node in group}
+        all_nodes = list(by_name.values())
+
+        def pick(role: str) -> _Node:
+            return by_name[least_busy([node.route for node in nodes[role]]).url]
+
+        def wake(node: _Node) -> None:
+            if not node.stepping and node.engine.has_unfinished_requests():
+                node.stepping = True
+                at(sim_clock.time, lambda: step(node), order=1)
+
+        def step(node: _Node) -> None:
+            outputs = node.engine.step()
+            if not node.runner.last_step_ran:  # blocked: an arrival or a release wakes it
+                node.stepping = False
+                return
+            at(sim_clock.time, lambda: step_ended(node, outputs))
+
+        def step_ended(node: _Node, outputs: list[RequestOutput]) -> None:
+            node.stepping = False
+            for output in outputs:
                 if output.finished:
-                    finished[int(output.request_id)] = output
-            if not runner.last_step_ran and engine.has_unfinished_requests():
-                if added == len(requests):  # nothing will change: it would loop forever
-                    raise TandemError(
-                        "the scheduler cannot run the remaining requests (too few KV "
-                        "blocks for one of them?)"
-                    )
-                sim_clock.time = max(sim_clock.time, arrivals[added])
+                    node.route.in_flight -= 1
+                    index = int(output.request_id)
+                    if node.role == "prefill":
+                        send_to_decode(index, output.kv_transfer_params)
+                    else:
+                        finished[index] = output
+            wake(node)
+
+        def add(node: _Node, index: int, max_tokens: int, transfer: dict | None) -> None:
+            node.route.in_flight += 1
+            params = SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )  # fmt: skip
+            node.engine.add_request(
+                str(index), {"prompt_token_ids": requests[index].prompt_token_ids}, params,
+                arrival_time=arrivals[index], kv_transfer_params=transfer,
+            )  # fmt: skip
+            wake(node)
+
+        def arrive(index: int) -> None:
+            request = requests[index]
+            if topology.disaggregated and (
+                len(request.prompt_token_ids) >= max(topology.local_prefill_threshold, 2)
+            ):
+                node = pick("prefill")
+                add(node, index, 1, {"do_remote_decode": True})
+            else:
+                role = "decode" if topology.disaggregated else "colocated"
+                add(pick(role), index, request.output_len, None)
+
+        def send_to_decode(index: int, transfer: dict | None) -> None:
+            node = pick("decode")
+            add(node, index, requests[index].output_len, transfer)
+            if transfer is not None and str(index) not in node.engine.scheduler.waiting_for_remote:
+                release(transfer)  # no room for the remote K/V: computed here instead
+
+        def pull(node: _Node, request, num_tokens: int) -> None:
+            start = max(sim_clock.time, node.link_free_at)
+            node.link_free_at = start + transfer_seconds(
+                num_tokens * shape.kv_bytes_per_token, topology.link_gbs,
+                topology.link_latency_s,
+            )  # fmt: skip
+            transfers["count"] += 1
+            transfers["seconds"] += node.link_free_at - sim_clock.time
+            transfer = request.kv_transfer
+
+            def pulled() -> None:
+                node.engine.scheduler.connector.pulled(request.request_id)
+                node.engine.poll_kv_transfers()
+                release({"remote_engine_id": transfer.remote_engine_id,
+                         "lease_id": transfer.lease_id})  # fmt: skip
+                wake(node)
+
+            at(node.link_free_at, pulled)
+
+        def release(transfer: dict) -> None:
+            source = by_name[transfer["remote_engine_id"]]
+            source.engine.scheduler.connector.release(
+                transfer["lease_id"], source.engine.kv_manager
+            )
+            wake(source)
+
+        for index, arrival in enumerate(arrivals[: len(requests)]):
+            at(arrival, lambda index=index: arrive(index))
+        while events:
+            time, _, _, action = heapq.heappop(events)
+            sim_clock.time = time
+            action()
+        if len(finished) < len(requests):
+            raise TandemError(
+                "the scheduler cannot run the remaining requests (too few KV blocks for "
+                "one of them?)"
+            )
         if trace is not None:
-            engine.stop_trace(trace)
+            for node in all_nodes:
+                path = trace if len(all_nodes) == 1 else _instance_path(trace, node.route.url)
+                node.engine.stop_trace(path)
     results = [_result(finished[i], arrivals[i]) for i in range(len(requests))]
-    kv = engine.kv_manager
+    queries = sum(node.engine.kv_manager.prefix_cache_queries for node in all_nodes)
+    hits = sum(node.engine.kv_manager.prefix_cache_hits for node in all_nodes)
     return SimulationResult(
         results,
         max(r.start_time + r.e2el for r in results) if results else 0.0,
-        runner.num_steps,
-        runner.busy_s,
+        sum(node.runner.num_steps for node in all_nodes),
+        {role: sum(n.runner.busy_s for n in group) for role, group in nodes.items()},
+        {role: len(group) for role, group in nodes.items()},
         sum(o.metrics.num_preemptions for o in finished.values()),
-        kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else None,
+        hits / queries if queries else None,
+        transfers["count"],
+        transfers["seconds"],
     )
+
+
+def _instance_path(path: str, instance: str) -> str:
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}.{instance}.{suffix}" if dot else f"{path}.{instance}"
 
 
 def _result(output, arrival: float) -> RequestResult:
