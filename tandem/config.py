@@ -87,7 +87,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class SpeculativeConfig:
     target model verifies them in the same forward as everything else."""
 
     method: str = setting(
-        "ngram", "ngram (prompt lookup) or draft (a smaller model)", "METHOD",
+        "ngram", "ngram (prompt lookup), suffix (suffix tries over the request and recent "
+        "outputs; k is the most it drafts) or draft (a smaller model)", "METHOD",
         "--speculative-method",
     )  # fmt: skip
     num_speculative_tokens: int = setting(4, "draft tokens per step (k)", "K")
@@ -109,6 +110,13 @@ class SpeculativeConfig:
         64, "no speculation while this many requests run: verifying k more tokens each "
         "then costs more than it saves (None: never)", "N",
         "--speculative-disable-by-batch-size",
+    )  # fmt: skip
+    adaptive: bool = setting(
+        True, "measure whether speculating pays (tokens per second with and without it, "
+        "per batch size; each request's acceptance against its share of the cost) and "
+        "switch it off where it does not (engine/spec_control.py); false: speculate "
+        "whenever there are slots (seeded sampled outputs then repeat exactly)", None,
+        "--speculative-adaptive",
     )  # fmt: skip
     prompt_lookup_max: int = setting(4, "n-gram: the longest suffix to match", "TOKENS")
     prompt_lookup_min: int = setting(1, "n-gram: the shortest suffix to match", "TOKENS")

@@ -65,7 +65,7 @@ def greedy_outputs(llm, prompts, **params):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-bad"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-self", "draft-bad"])
 def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
     folder, hf_model = target
     prompts = repetitive_prompts(1, [30, 11, 45, 8, 26, 17])
@@ -218,11 +218,13 @@ P_VALUE_FLOOR = 1e-3  # per position; fixed seeds make the outcome deterministic
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 6)])
-@pytest.mark.parametrize("proposer", ["bad-draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["bad-draft", "ngram", "suffix"])
 def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer, temperature, top_k):
     target_folder, target_hf, draft_folder = small_vocab
     if proposer == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    elif proposer == "suffix":
+        spec = {"method": "suffix", "num_speculative_tokens": 2}
     else:
         spec = {"method": "draft", "model": str(draft_folder), "num_speculative_tokens": 2}
     spec["disable_by_batch_size"] = None
@@ -246,7 +248,12 @@ def test_the_chi_square_check_catches_a_wrong_distribution(small_vocab):
 
 def test_drafts_are_seed_reproducible(small_vocab):
     target_folder, _, draft_folder = small_vocab
-    spec = {"method": "draft", "model": str(draft_folder), "disable_by_batch_size": None}
+    spec = {
+        "method": "draft",
+        "model": str(draft_folder),
+        "disable_by_batch_size": None,
+        "adaptive": False,
+    }  # (adaptive decisions follow timing: spec_control.py)
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
     runs = [
         [c.token_ids for c in LLM(str(target_folder), speculative_config=spec)
@@ -281,7 +288,7 @@ def test_the_server_speculates_and_reports_it(target):
         assert drafts and float(drafts[0].split()[-1]) > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_the_runner_copy_of_every_request_matches_the_scheduler(target, bad_draft, method):
     """The scheduler sends diffs (new requests once, then block-table changes); the
     runner keeps its own tokens and tables. Under preemption, prefix hits and drafts
@@ -313,3 +320,33 @@ def test_the_runner_copy_of_every_request_matches_the_scheduler(target, bad_draf
     engine.step()  # an empty step tells the runner of the last finished requests
     assert not batch.requests and not batch.generators
     engine.kv_manager.check_no_leaks()
+
+
+def test_the_engine_stops_drafting_with_a_draft_that_never_pays(target, bad_draft):
+    """Adaptive speculation (spec_control.py) on the real engine: a draft that costs a
+    forward pass per guess and is rarely right is measured as a loss and switched off
+    (probes aside). Its margin is wide: a speculative step there takes several plain
+    steps' time for about one token."""
+    from tandem.engine.observer import EngineObserver
+
+    folder, _ = target
+    llm = LLM(str(folder), speculative_config={
+        "method": "draft", "model": str(bad_draft), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None,
+    })  # fmt: skip
+
+    class Count(EngineObserver):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def step_done(self, out, stats):
+            if out is not None and out.scheduled:
+                self.steps.append(stats.num_speculating)
+
+    count = Count()
+    llm.engine.add_observer(count)
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    llm.generate({"prompt_token_ids": list(range(5, 25))}, params, use_tqdm=False)
+    late = count.steps[len(count.steps) // 2 :]
+    assert sum(1 for n in late if n) <= len(late) / 4, count.steps  # probes only
+    assert llm.engine.scheduler.spec_control.num_switches >= 1

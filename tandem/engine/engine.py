@@ -82,6 +82,7 @@ class Engine:
     def stats(self, out: SchedulerOutput | None = None, num_generated: int = 0) -> StepStats:
         """A snapshot of the engine's gauges and counters (``out``: the step just run)."""
         kv, connector = self.kv_manager, self.scheduler.connector
+        control = self.scheduler.spec_control
         return StepStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -95,6 +96,8 @@ class Engine:
             num_kv_leases=connector.num_leases if connector else 0,
             num_lease_expiries=connector.num_lease_expiries if connector else 0,
             spec=self.spec_stats.copy() if self.config.speculative else None,
+            num_speculating=sum(1 for i in out.scheduled if i.num_spec_tokens) if out else 0,
+            spec_switches=control.num_switches if control else 0,
         )
 
     def notify_changed(self) -> None:

@@ -38,6 +38,8 @@ class StepStats:
     num_kv_leases: int = 0  # finished prefills holding blocks for a decode instance
     num_lease_expiries: int = 0
     spec: SpecDecodeStats | None = None  # speculative decoding, when configured
+    num_speculating: int = 0  # this step: requests given draft slots
+    spec_switches: int = 0  # times measured speculation flipped on or off (spec_control.py)
 
 
 class EngineObserver:

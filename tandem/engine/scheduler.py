@@ -40,6 +40,7 @@ from tandem.engine import clock
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.spec_control import SpeculationControl
 from tandem.sampling import SamplingParams
 
 
@@ -59,6 +60,7 @@ class NewRequestData:
     # Banned while the output is shorter than min_tokens: EOS (unless ignored), stop ids.
     stop_token_ids: tuple[int, ...]
     grammar: str | None = None  # structured outputs (tandem/grammar.py)
+    cache_salt: str | None = None  # its tenant (suffix decoding keeps tenants apart)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,10 @@ class Scheduler:
         # Requests whose prompt's first K/V are arriving: id -> (request, tokens).
         self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
         self.speculative = speculative
+        # Measured: whether speculating pays (engine/spec_control.py).
+        self.spec_control = (
+            SpeculationControl() if speculative is not None and speculative.adaptive else None
+        )
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -207,6 +213,8 @@ class Scheduler:
                 self.kv.free(request)
             self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
+        if self.spec_control is not None:
+            self.spec_control.forget(request.request_id)
         self.on_finish(request)
 
     # -- one step ------------------------------------------------------------------
@@ -214,6 +222,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids, started_at=clock.now())
         self._finished_ids = []
+        if self.spec_control is not None:
+            self.spec_control.step_speculates(len(self.running))
         if self.config.scheduling_policy == "prefill-first":
             # Prompts run whole, alone. Only when none can start (no blocks or sequence
             # slots) do the decodes run, and they are what frees blocks for the prompts.
@@ -264,13 +274,18 @@ class Scheduler:
 
     def _num_spec_tokens(self, request: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decoding request: k, or fewer near max_tokens, the context
-        end or the budget; none while the batch is large enough that verifying them
-        costs more than it saves."""
+        end or the budget; none while the batch is at least ``disable_by_batch_size``,
+        or where speculating was measured not to pay (spec_control.py)."""
         spec = self.speculative
         if spec is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         if spec.disable_by_batch_size is not None and len(self.running) >= (
             spec.disable_by_batch_size
+        ):
+            return 0
+        control = self.spec_control
+        if control is not None and not control.request_speculates(
+            request.request_id, len(self.running)
         ):
             return 0
         # Accepting k drafts adds k + 1 tokens, all of which must fit.
@@ -355,6 +370,7 @@ class Scheduler:
             request.sampling_params,
             (*request.eos_token_ids, *request.stop_token_ids),
             request.grammar,
+            request.cache_salt,
         )
 
     def update(
@@ -408,4 +424,12 @@ class Scheduler:
                 request.error = why
                 self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
                 updated.append((request, []))
+        if self.spec_control is not None and out.scheduled:
+            self.spec_control.observe(
+                len(out.scheduled),
+                {i.request_id: i.num_spec_tokens for i in out.scheduled if i.num_spec_tokens},
+                sampled,
+                now - out.started_at,
+                all(i.num_new_tokens == 1 for i in out.scheduled),
+            )
         return updated

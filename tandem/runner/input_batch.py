@@ -39,6 +39,7 @@ class RequestState:
     generator: torch.Generator | None  # its own, when it has a seed and samples
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
     grammar: GrammarMatcher | None = None  # structured outputs: where it is in its grammar
+    cache_salt: str | None = None  # its tenant
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +104,7 @@ class InputBatch:
             [],
             generator,
             None,
+            cache_salt=new.cache_salt,
         )
         state = self.requests[new.request_id]
         if needs_penalties(params):

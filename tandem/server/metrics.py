@@ -142,8 +142,18 @@ class ServerMetrics(EngineObserver):
             [*labels, "position"],
             registry=self.registry,
         )
+        self.spec_speculating = gauge(
+            "spec_decode_requests_speculating",
+            "Requests given draft slots in the last step (speculation switches itself off "
+            "where it was measured not to pay).",
+        )
+        self.spec_switches = counter(
+            "spec_decode_switches",
+            "Times speculation was switched on or off for a batch size, as measured.",
+        )
         self._model_name = model_name
         self._seen_spec = SpecDecodeStats()
+        self._seen_switches = 0
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV bytes pulled from prefill.")
         self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks pulled from prefill.")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV pulls that failed.")
@@ -245,6 +255,10 @@ class ServerMetrics(EngineObserver):
                 labels = (self._model_name, str(position))
                 self.spec_accepted_per_position.labels(*labels).inc(count)
         self._seen_spec = stats.spec
+        if out is not None:
+            self.spec_speculating.set(stats.num_speculating)
+        self.spec_switches.inc(stats.spec_switches - self._seen_switches)
+        self._seen_switches = stats.spec_switches
 
     def transfer_done(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_transfer_blocks.inc(num_blocks)

@@ -21,7 +21,7 @@ MakeRow = Callable[["RequestState", Sequence[int]], "SamplingRow"]
 
 
 class Proposer(Protocol):
-    """Guesses draft tokens for speculating requests (ngram.py, draft.py)."""
+    """Guesses draft tokens for speculating requests (ngram.py, suffix.py, draft.py)."""
 
     def propose(
         self, items: list[SpecItem], make_row: MakeRow, shared_generator: torch.Generator
@@ -49,6 +49,10 @@ def make_proposer(
         from tandem.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    if spec.method == "suffix":
+        from tandem.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer()
     from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
 
     return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)

@@ -147,7 +147,12 @@ class StepTracer(EngineObserver):
             {"start": start, "end": end, "batch_size": len(out.scheduled),
              "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
              "kv_blocks_used": stats.kv_blocks_in_use,
-             "preempted": list(out.preempted_ids)}
+             "preempted": list(out.preempted_ids),
+             "speculating": stats.num_speculating,
+             # (new tokens with speculative slots, tokens already cached) per request:
+             # what the step cost model needs (tandem plan --calibrate --from-trace)
+             "shares": [[i.num_new_tokens + i.num_spec_tokens, i.num_computed_tokens]
+                        for i in out.scheduled]}
         )  # fmt: skip
         self._count(EVENTS_PER_STEP)
 
