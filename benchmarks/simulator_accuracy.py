@@ -1,7 +1,10 @@
 """How far to trust `tandem simulate`: the same workloads measured on a real
 `tandem serve` (engine process, bundled model) with `tandem bench serve`, and
 simulated with the step cost model calibrated on this machine beforehand
-(`tandem plan --measure --calibrate`); predicted against measured, per metric.
+two ways: the engine alone (`tandem plan --measure --calibrate`: a sweep of timed
+steps) and through the server (`tandem plan --calibrate --from-trace`: the steps of a
+served calibration load of its own, contention included, and the time a request spends
+outside the engine); predicted against measured, per metric, for each.
 
 The disaggregated cases run a prefill and a decode instance behind `tandem router`
 (KV over loopback ZeroMQ); the link's rate given to the simulator is measured by a
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import secrets
 
@@ -27,8 +31,8 @@ from tandem.bench.summary import summarize
 from tandem.config import EngineConfig
 from tandem.models.bundled import DEFAULT_MODEL
 from tandem.plan.calculator import read_model
-from tandem.plan.calibrate import calibrate
-from tandem.plan.cost import ModelShape
+from tandem.plan.calibrate import calibrate, frontend_seconds, trace_samples
+from tandem.plan.cost import ModelShape, StepCostModel
 from tandem.plan.simulate import Topology, simulate
 from tandem.server.launch import tandem_process
 
@@ -112,6 +116,37 @@ def _metric(url: str, name: str) -> float:
     )
 
 
+def served_calibration(shape: ModelShape, num_prompts: int) -> StepCostModel:
+    """Fit the cost model to a real server's steps under a calibration load of its own
+    (another seed than the cases', one paced and one saturating run), and the time a
+    request spends outside the engine from the paced run (the clients' mean TTFT
+    against the engine's)."""
+    serve = ["serve", "--model", str(DEFAULT_MODEL), "--log-level", "warning",
+             "--enable-trace-endpoints"]  # fmt: skip
+    samples, frontend = [], 0.0
+    with tandem_process(*serve) as url:
+        for rate in ("4", "inf"):
+            httpx.post(f"{url}/trace/start", timeout=30).raise_for_status()
+            args = bench_args(url, [*RANDOM, "--seed", "1234"], rate, num_prompts)
+            with contextlib.redirect_stdout(io.StringIO()):
+                summary = run(args)
+            trace = httpx.post(f"{url}/trace/stop", timeout=120).json()
+            samples += trace_samples(trace)
+            if rate != "inf":
+                frontend = frontend_seconds(trace, summary["mean_ttft_ms"] / 1e3)
+    cost = StepCostModel.fit(shape, samples, f"fitted to {len(samples)} served steps")
+    return dataclasses.replace(cost, frontend_s=frontend)
+
+
+def describe(cost: StepCostModel) -> str:
+    return (
+        f"{cost.step_overhead_s * 1e3:.2f} ms + {cost.request_overhead_s * 1e3:.3f} ms per "
+        f"request + {cost.token_overhead_s * 1e3:.3f} ms per token + max(bytes / "
+        f"{cost.bandwidth_gbs:.1f} GB/s, FLOPs / {cost.tflops * 1e3:.0f} GFLOP/s), "
+        f"{cost.frontend_s * 1e3:.1f} ms outside the engine; {cost.source}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -119,16 +154,16 @@ def main() -> None:
     print(f"machine: {machine()}")
     config_model, params = read_model(DEFAULT_MODEL)
     shape = ModelShape.of(config_model, params, 4, 4)  # float32, as the CPU engine runs
-    cost, samples = calibrate(DEFAULT_MODEL, shape, "float32", config_model.max_position_embeddings)
-    print(
-        f"cost model: {cost.step_overhead_s * 1e3:.2f} ms + {cost.request_overhead_s * 1e3:.3f} "
-        f"ms per request + {cost.token_overhead_s * 1e3:.3f} ms per token + max(bytes / "
-        f"{cost.bandwidth_gbs:.1f} GB/s, FLOPs / {cost.tflops * 1e3:.0f} GFLOP/s), fitted to "
-        f"{len(samples)} steps\n"
-    )
-    print(f"{'case':<22}{'rate':>5}  " + "".join(f"{name:>24}" for name, _ in METRICS))
-    print(f"{'':<29}" + "".join(f"{'sim / real (error)':>24}" for _ in METRICS))
+    costs = {
+        "engine sweep": calibrate(
+            DEFAULT_MODEL, shape, "float32", config_model.max_position_embeddings
+        )[0],
+        "served": served_calibration(shape, options.num_prompts),
+    }
+    for name, cost in costs.items():
+        print(f"cost model ({name}): {describe(cost)}")
     tokenizer = LocalTokenizer(str(DEFAULT_MODEL))
+    rows: dict[str, list[str]] = {name: [] for name in costs}
     for name, server_flags, workload, rate in CASES:
         with deployment(name, server_flags) as (url, topology):
             args = bench_args(url, workload, rate, options.num_prompts)
@@ -137,16 +172,23 @@ def main() -> None:
         requests = workload_requests(args, tokenizer)
         gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
         config = engine_config(server_flags)
-        simulated = simulate(
-            requests, gaps, shape, cost, config, 10**6 // config.cache.block_size,
-            config_model.max_position_embeddings, config_model.vocab_size, None, topology,
-        )  # fmt: skip
-        predicted = summarize(simulated.results, simulated.duration, {})
-        cells = []
-        for _, key in METRICS:
-            error = predicted[key] / real[key] - 1 if real[key] else float("nan")
-            cells.append(f"{predicted[key]:>9.1f} / {real[key]:>6.1f} ({error:+.0%})")
-        print(f"{name:<22}{rate:>5}  " + "".join(f"{c:>24}" for c in cells))
+        for cost_name, cost in costs.items():
+            simulated = simulate(
+                requests, gaps, shape, cost, config, 10**6 // config.cache.block_size,
+                config_model.max_position_embeddings, config_model.vocab_size, None, topology,
+            )  # fmt: skip
+            predicted = summarize(simulated.results, simulated.duration, {})
+            cells = []
+            for _, key in METRICS:
+                error = predicted[key] / real[key] - 1 if real[key] else float("nan")
+                cells.append(f"{predicted[key]:.1f} / {real[key]:.1f} ({error:+.0%})")
+            rows[cost_name].append(" | ".join([name, rate, *cells]))
+    for cost_name, lines in rows.items():
+        print(f"\nsimulated ({cost_name} calibration) / measured (error):\n")
+        print("| case | rate | " + " | ".join(f"{label}" for label, _ in METRICS) + " |")
+        print("|---" * (2 + len(METRICS)) + "|")
+        for line in lines:
+            print(f"| {line} |")
 
 
 if __name__ == "__main__":

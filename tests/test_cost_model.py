@@ -67,3 +67,40 @@ def test_the_fit_recovers_known_coefficients(tmp_path):
 
 def test_a_kv_transfer_costs_latency_plus_bytes_over_the_link():
     assert transfer_seconds(25e9, link_gbs=50, latency_s=1e-3) == pytest.approx(0.501)
+
+
+def test_a_serving_trace_gives_back_its_step_costs_and_the_frontend_time(tmp_path):
+    """A simulated serving run (known costs, 3 ms outside the engine per request)
+    writes the step trace a real server writes; fitting that trace recovers the
+    coefficients from the steps' cycles and the frontend time from the clients' TTFT."""
+    import json
+    import statistics
+
+    from tandem.bench.datasets import BenchRequest
+    from tandem.bench.serve import arrival_gaps
+    from tandem.config import EngineConfig
+    from tandem.plan.calibrate import fit_trace
+    from tandem.plan.simulate import simulate
+
+    shape = ModelShape(params=10**8, weight_bytes=1e8, kv_bytes_per_token=1e4, num_layers=4,
+                       attention_width=256)  # fmt: skip
+    truth = StepCostModel(bandwidth_gbs=20, tflops=0.5, step_overhead_s=1e-3,
+                          request_overhead_s=2e-4, token_overhead_s=5e-5,
+                          frontend_s=3e-3)  # fmt: skip
+    requests = [
+        BenchRequest([5 + (i * 7 + j) % 90 for j in range(20 + 37 * (i % 9))], None, 0,
+                     4 + i % 13)
+        for i in range(80)
+    ]  # fmt: skip
+    gaps = arrival_gaps(len(requests), 30.0, 1.0, seed=5)
+    config = EngineConfig.from_kwargs("unused", max_num_batched_tokens=256)
+    path = tmp_path / "trace.json"
+    result = simulate(requests, gaps, shape, truth, config, 5000, 4096, 100, str(path))
+    client_ttft = statistics.fmean(r.ttft for r in result.results)
+    fitted, samples = fit_trace(shape, json.loads(path.read_text()), client_ttft)
+    assert len(samples) > 60
+    assert fitted.request_overhead_s == pytest.approx(2e-4, rel=1e-3)
+    assert fitted.token_overhead_s == pytest.approx(5e-5, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(1e-3, rel=1e-3)
+    assert fitted.bandwidth_gbs == pytest.approx(20, rel=1e-3)
+    assert fitted.frontend_s == pytest.approx(3e-3, rel=1e-3)

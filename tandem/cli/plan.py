@@ -34,7 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibrate", metavar="FILE",
         help="with --measure: time a sweep of real engine steps, fit the step cost model "
-        "(tandem/plan/cost.py) and save it as JSON",
+        "(tandem/plan/cost.py) and save it as JSON; with --from-trace: fit it to a serving "
+        "run's steps instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from-trace", metavar="TRACE",
+        help="a step trace of `tandem serve` under load (POST /trace/start, /trace/stop): "
+        "fit on its steps, contention with the server and its clients included",
+    )  # fmt: skip
+    parser.add_argument(
+        "--client-ttft-ms", type=float, default=None, metavar="MS",
+        help="with --from-trace: the clients' mean TTFT in that run (bench serve's), to "
+        "fit a request's time outside the engine",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -70,21 +81,36 @@ def run(args: argparse.Namespace) -> None:
 
 def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
     """Fit the step cost model on this machine; save it to ``args.calibrate``."""
+    import json
     import statistics
+    from pathlib import Path
 
     from tandem.errors import InvalidParameterError
     from tandem.plan.calculator import read_model
-    from tandem.plan.calibrate import calibrate
+    from tandem.plan.calibrate import calibrate, fit_trace
     from tandem.plan.cost import ModelShape
     from tandem.plan.measure import engine_dtype
 
-    if not args.measure:
-        raise InvalidParameterError("--calibrate", "needs --measure (it runs on this machine)")
+    if not args.measure and not args.from_trace:
+        raise InvalidParameterError(
+            "--calibrate", "needs --measure (it runs on this machine) or --from-trace"
+        )
     dtype = engine_dtype(result["dtype"])
     config, params = read_model(args.model)
     element = 2 if dtype == "bfloat16" else 4
     shape = ModelShape.of(config, params, element, element)
-    model, samples = calibrate(args.model, shape, dtype, config.max_position_embeddings)
+    if args.from_trace:
+        try:
+            trace = json.loads(Path(args.from_trace).read_text())
+        except (OSError, ValueError) as error:
+            raise InvalidParameterError("--from-trace", f"cannot read it: {error}") from None
+        client_ttft = args.client_ttft_ms / 1e3 if args.client_ttft_ms is not None else None
+        try:
+            model, samples = fit_trace(shape, trace, client_ttft)
+        except ValueError as error:
+            raise InvalidParameterError("--from-trace", str(error)) from None
+    else:
+        model, samples = calibrate(args.model, shape, dtype, config.max_position_embeddings)
     model.save(args.calibrate)
     errors = [abs(model.step_seconds(shape, s) - t) / t for s, t in samples]
     return {
@@ -94,6 +120,7 @@ def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
         "step_overhead_s": model.step_overhead_s,
         "request_overhead_s": model.request_overhead_s,
         "token_overhead_s": model.token_overhead_s,
+        "frontend_s": model.frontend_s,
         "steps": len(samples),
         "median_error": statistics.median(errors),
         "max_error": max(errors),

@@ -1,21 +1,38 @@
-"""Calibrate the step cost model on this machine: a short sweep of real engine steps
-(decode batches of several sizes and contexts, prefills of several lengths, a prefill
-chunk among decodes), each timed around ``Engine.step`` with its batch composition
-read from the scheduler's output, then ``StepCostModel.fit``
-(``tandem plan --measure --calibrate FILE``)."""
+"""Calibrate the step cost model on this machine, two ways:
+
+- a short sweep of real engine steps (decode batches of several sizes and contexts,
+  prefills of several lengths), each timed around ``Engine.step`` with its batch
+  composition read from the scheduler's output, then ``StepCostModel.fit``
+  (``tandem plan --measure --calibrate FILE``): the engine alone;
+- the steps of a serving run's trace (``fit_trace``: `tandem serve`'s /trace, under
+  a load like the one to predict; ``tandem plan --calibrate FILE --from-trace T``):
+  each step costs its whole cycle, from its start to the next step's start while the
+  engine stays busy, so the core's work between steps and the contention with the
+  HTTP server and the clients are in it. Given the clients' mean TTFT of that run, the
+  time a request spends outside the engine is fitted too (``frontend_s``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.observer import EngineObserver
 from tandem.plan.cost import ModelShape, Share, StepCostModel, shares_of
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
+from tandem.trace.recorder import ENGINE_PID
+
+# A gap between two steps longer than this: the engine idled (no work), and the cycle
+# of the step before it is not a cost.
+BUSY_GAP_S = 2e-3
 
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (32, 256)
@@ -106,3 +123,50 @@ def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len
     engine.kv_manager.check_no_leaks()
     source = f"fitted to {len(samples)} steps on {platform.node() or 'this machine'}"
     return StepCostModel.fit(shape, samples, source), samples
+
+
+def fit_trace(
+    shape: ModelShape, trace: dict[str, Any], client_mean_ttft_s: float | None = None
+) -> tuple[StepCostModel, list[tuple[list[Share], float]]]:
+    """Fit the cost model to the busy step cycles of a serving run's Chrome trace
+    (tandem.trace). ``client_mean_ttft_s``: the mean TTFT its clients measured, for
+    ``frontend_s`` (``frontend_seconds``)."""
+    samples = trace_samples(trace)
+    source = f"fitted to {len(samples)} served steps on {platform.node() or 'this machine'}"
+    model = StepCostModel.fit(shape, samples, source)
+    if client_mean_ttft_s is not None:
+        model = dataclasses.replace(model, frontend_s=frontend_seconds(trace, client_mean_ttft_s))
+    return model, samples
+
+
+def trace_samples(trace: dict[str, Any]) -> list[tuple[list[Share], float]]:
+    """(shares, seconds) of each step of a trace that the engine followed with another
+    at once: its cycle, from its start to the next one's."""
+    steps = sorted(
+        (e for e in trace.get("traceEvents", [])
+         if e.get("cat") == "step" and e.get("pid") == ENGINE_PID),
+        key=lambda e: e["ts"],
+    )  # fmt: skip
+    samples = []
+    for step, after in itertools.pairwise(steps):
+        if "shares" not in step["args"]:
+            raise ValueError("the trace has no step compositions (recorded by an older tandem)")
+        cycle = (after["ts"] - step["ts"]) / 1e6
+        idle = (after["ts"] - step["ts"] - step["dur"]) / 1e6
+        if idle <= BUSY_GAP_S and step["args"]["shares"]:
+            samples.append(([tuple(share) for share in step["args"]["shares"]], cycle))
+    return samples
+
+
+def frontend_seconds(trace: dict[str, Any], client_mean_ttft_s: float) -> float:
+    """A request's time outside the engine: the clients' mean TTFT less the engine's
+    (arrival at the engine to first token) over the same requests. Take it from a run
+    below saturation: past it, requests also queue in front of the engine."""
+    engine_ttfts = [
+        e["args"]["ttft_ms"] / 1e3
+        for e in trace.get("traceEvents", [])
+        if e.get("name") == "first token"
+    ]
+    if not engine_ttfts:
+        raise ValueError("the trace has no first tokens")
+    return max(client_mean_ttft_s - statistics.fmean(engine_ttfts), 0.0)

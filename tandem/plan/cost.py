@@ -19,7 +19,9 @@ The coefficients come from a datasheet (``from_hardware``: the `tandem plan` pre
 no overheads) or are fitted to real steps measured on this machine (``fit``: a
 least-squares fit of the same form, `tandem plan --measure --calibrate FILE`), and
 are saved as JSON. A KV transfer (disaggregated serving) costs ``latency + bytes /
-link bandwidth`` (``transfer_seconds``).
+link bandwidth`` (``transfer_seconds``). A served request also spends ``frontend_s``
+outside the engine (fitted by `tandem plan --calibrate --from-trace` from a serving
+run; calibrate.py).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class StepCostModel:
     layer_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    # A served request's time outside the engine (HTTP, tokenization, the hop to the
+    # engine core and back), paid once per call to an instance: the simulator adds it
+    # to each request's TTFT and E2EL. 0 for an engine driven in process.
+    frontend_s: float = 0.0
     source: str = ""  # "datasheet: <preset>", or "fitted to N steps on <machine>"
 
     @classmethod
@@ -101,7 +107,9 @@ class StepCostModel:
         cls, shape: ModelShape, samples: list[tuple[list[Share], float]], source: str = ""
     ) -> StepCostModel:
         """The coefficients that best explain measured steps (``samples``: the shares
-        of a step and its seconds), minimising the squared relative error.
+        of a step and its seconds), minimising the squared relative error with every
+        cost but the fixed one non-negative (a term whose best value would be negative
+        is dropped: noisy served steps can ask for that).
 
         A step is memory-bound exactly when its FLOPs per byte are below the machine's
         ridge point (peak / bandwidth), so the steps sorted by that ratio split into a
@@ -119,8 +127,14 @@ class StepCostModel:
         seconds = torch.tensor([t for _, t in samples], dtype=torch.float64)
         weight = 1.0 / seconds
         order = torch.argsort(flops / bytes_)
-        best_error, best = float("inf"), None
-        for split in range(len(samples) + 1):
+        best_error, best = float("inf"), torch.zeros(5, dtype=torch.float64)
+        # Every split of a sweep; some 200 of a serving trace's thousands of steps.
+        splits = (
+            sorted({round(i * len(samples) / 200) for i in range(201)})
+            if len(samples) > 200
+            else range(len(samples) + 1)
+        )
+        for split in splits:
             memory_bound = torch.zeros(len(samples), dtype=torch.bool)
             memory_bound[order[:split]] = True
             columns = torch.stack(
@@ -129,19 +143,17 @@ class StepCostModel:
                     bytes_ * memory_bound, flops * ~memory_bound,
                 ], 1,
             )  # fmt: skip
-            solution = _weighted_lstsq(columns, seconds, weight)
-            if (solution[1:] < 0).any():
-                continue  # a negative cost per byte or per FLOP explains nothing
+            solution = _nonnegative_lstsq(columns, seconds, weight)
             error = float((((columns @ solution) - seconds) * weight).square().sum())
             if error < best_error:
                 best_error, best = error, solution
-        if best is None:
-            raise ValueError("no roofline fits these steps (are their times plausible?)")
         overhead, per_request, per_token, per_byte, per_flop = (float(v) for v in best)
         # A bound that no measured step reached stays unknown: infinitely fast.
         bandwidth = 1 / per_byte / 1e9 if per_byte > 0 else float("inf")
         tflops = 1 / per_flop / 1e12 if per_flop > 0 else float("inf")
-        return cls(bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, per_token, source)
+        return cls(
+            bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, per_token, source=source
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -161,6 +173,18 @@ def shares_of(scheduled) -> list[Share]:
     return [
         (item.num_new_tokens + item.num_spec_tokens, item.num_computed_tokens) for item in scheduled
     ]
+
+
+def _nonnegative_lstsq(columns: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
+    """``_weighted_lstsq`` with the coefficients of every column but the first kept >= 0:
+    the most negative one is dropped (its column zeroed) and the rest solved again."""
+    columns = columns.clone()
+    while True:
+        solution = _weighted_lstsq(columns, target, weight)
+        worst = int(torch.argmin(solution[1:])) + 1
+        if solution[worst] >= 0:
+            return solution
+        columns[:, worst] = 0
 
 
 def _weighted_lstsq(columns: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):

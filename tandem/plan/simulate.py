@@ -16,6 +16,7 @@ the recomputed tokens, and host effects the cost model does not fit.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -168,7 +169,8 @@ def simulate(
     ``num_blocks`` of KV cache, on simulated time. ``trace``: the step trace, one file
     per instance when there are several (``<stem>.<instance>.json``).
 
-    A discrete-event loop: an arrival is routed and queued at its time; an idle
+    A discrete-event loop: an arrival is routed and queued at its time (plus the cost
+    model's ``frontend_s``, as every call to an instance, and its output's way back); an idle
     instance with work starts a step (after every event of the same instant), whose
     outputs are delivered when the cost model says it ends; a prefill instance's
     finished prompt goes to a decode instance, whose pull ends after the link's time.
@@ -233,8 +235,11 @@ def simulate(
                 if output.finished:
                     node.route.in_flight -= 1
                     index = int(output.request_id)
-                    if node.role == "prefill":
-                        send_to_decode(index, output.kv_transfer_params)
+                    if node.role == "prefill":  # the router's second call
+                        hand_over = functools.partial(
+                            send_to_decode, index, output.kv_transfer_params
+                        )
+                        at(sim_clock.time + cost.frontend_s, hand_over)
                     else:
                         finished[index] = output
             wake(node)
@@ -247,7 +252,7 @@ def simulate(
             )  # fmt: skip
             node.engine.add_request(
                 str(index), {"prompt_token_ids": requests[index].prompt_token_ids}, params,
-                arrival_time=arrivals[index], kv_transfer_params=transfer,
+                arrival_time=sim_clock.time, kv_transfer_params=transfer,
             )  # fmt: skip
             wake(node)
 
@@ -295,7 +300,7 @@ def simulate(
             wake(source)
 
         for index, arrival in enumerate(arrivals[: len(requests)]):
-            at(arrival, lambda index=index: arrive(index))
+            at(arrival + cost.frontend_s, lambda index=index: arrive(index))
         while events:
             time, _, _, action = heapq.heappop(events)
             sim_clock.time = time
