@@ -51,6 +51,7 @@ FUNCTIONS = [
     "gelu_tanh_and_mul",
     "write_kv",
     "decode_attention",
+    "paged_attention_rows",
     "small_linear",
     "argmax_rows",
     "mask_rows",
@@ -211,4 +212,27 @@ def decode_attention(
     load().decode_attention(
         out, q, k_blocks, v_blocks, block_tables, context_lens, scale, sliding_window or 0
     )
+    return out
+
+
+def paged_attention_rows(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_lens: torch.Tensor,
+    row_starts: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """A few query rows per sequence straight from the blocks (speculative
+    verification, short chunks): q [R, H, D], the rows of sequence s being
+    ``row_starts[s]:row_starts[s + 1]`` and row r attending to the first
+    ``row_lens[r]`` tokens of its sequence. Each sequence's K/V is read once for all
+    of its rows. Requires ``load()``."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    load().paged_attention_rows(
+        out, q, k_blocks, v_blocks, block_tables, row_lens, row_starts, scale,
+        sliding_window or 0,
+    )  # fmt: skip
     return out

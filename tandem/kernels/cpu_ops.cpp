@@ -196,58 +196,83 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
                            int64_t num_seqs, int64_t num_heads, int64_t head_dim,
                            const KV* k_ptr, const KV* v_ptr, int64_t block_size,
                            int64_t num_kv_heads, const int64_t* tables, int64_t table_width,
-                           const int64_t* lens, double scale, int64_t window) {
+                           const int64_t* lens, double scale, int64_t window,
+                           const int64_t* row_starts = nullptr) {
+  // Rows of sequence s: [row_starts[s], row_starts[s + 1]) (nullptr: row s alone), each a
+  // query token attending to the first lens[row] tokens of its sequence's context (minus
+  // the window). The keys and values of a sequence are read once for all of its rows.
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
   const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> query, acc, scores;
+    std::vector<int64_t> starts, stops;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
+      const int64_t r0 = row_starts ? row_starts[seq] : seq;
+      const int64_t rows = (row_starts ? row_starts[seq + 1] : seq + 1) - r0;
+      if (rows <= 0) continue;
+      starts.resize(rows);
+      stops.resize(rows);
+      int64_t first = INT64_MAX, last = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        stops[r] = lens[r0 + r];
+        starts[r] = window > 0 ? std::max<int64_t>(0, stops[r] - window) : 0;
+        first = std::min(first, starts[r]);
+        last = std::max(last, stops[r]);
+      }
+      const int64_t n = last - first, queries = rows * group;
       const int64_t head_offset = kv_head * head_width;
       const int64_t* table = tables + seq * table_width;
-      scores.resize(group * n);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qh = q + seq * q_stride + (kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(qh[d]) * scale;
+      query.resize(queries * head_dim);
+      acc.assign(queries * head_dim, 0.f);
+      scores.resize(queries * n);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qh = q + (r0 + r) * q_stride + (kv_head * group + g) * head_dim;
+          float* dst = query.data() + (r * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(qh[d]) * scale;
+        }
       }
       const int64_t head_bytes = head_width * sizeof(KV);
-      for_each_token(table, first, len, block_size, row, k_ptr + head_offset, head_bytes,
+      for_each_token(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
                      [&](int64_t pos, int64_t base) {
         const KV* key = k_ptr + base + head_offset;
         const float key_scale = KVRows<KV>::scale(key, head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = query.data() + g * head_dim;
+        for (int64_t i = 0; i < queries; ++i) {
+          const float* qi = query.data() + i * head_dim;
           float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_f(key[d]);
-          scores[g * n + pos - first] = dot * key_scale;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qi[d] * to_f(key[d]);
+          scores[i * n + pos - first] = dot * key_scale;
         }
       });
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        const float top = *std::max_element(s, s + n);
+      for (int64_t i = 0; i < queries; ++i) {  // softmax over each row's own keys; 0 elsewhere
+        const int64_t r = i / group;
+        float* s = scores.data() + i * n;
+        const int64_t lo = starts[r] - first, hi = stops[r] - first;
+        const float top = *std::max_element(s + lo, s + hi);
         float total = 0.f;
-        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - top); total += s[t]; }
+        for (int64_t t = lo; t < hi; ++t) { s[t] = std::exp(s[t] - top); total += s[t]; }
         const float inv = 1.f / total;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) s[t] = (t >= lo && t < hi) ? s[t] * inv : 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(table, first, len, block_size, row, v_ptr + head_offset, head_bytes,
+      for_each_token(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
                      [&](int64_t pos, int64_t base) {
         const KV* value = v_ptr + base + head_offset;
         const float value_scale = KVRows<KV>::scale(value, head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + pos - first] * value_scale;
-          float* a = acc.data() + g * head_dim;
+        for (int64_t i = 0; i < queries; ++i) {
+          const float p = scores[i * n + pos - first] * value_scale;
+          if (p == 0.f) continue;
+          float* a = acc.data() + i * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
         }
       });
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out + seq * out_stride + (kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (r0 + r) * out_stride + (kv_head * group + g) * head_dim;
+          const float* a = acc.data() + (r * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d]);
+        }
       }
     }
   });
@@ -422,23 +447,37 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 // out [S, H, D] (strided rows allowed) = attention of q [S, H, D] (one token per
 // sequence) over the paged K/V of each sequence's first context_lens[s] tokens.
-void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                      torch::Tensor v_cache, torch::Tensor block_tables,
-                      torch::Tensor context_lens, double scale, int64_t window) {
+void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor block_tables,
+                          torch::Tensor context_lens, torch::Tensor row_starts, double scale,
+                          int64_t window) {
+  // q [R, H, D]: a few query rows per sequence (row_starts [S + 1]; empty: one row per
+  // sequence), each with its own context length (context_lens [R]).
   check_rows(out, "out"); check_rows(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
-  TANDEM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+  const bool runs = row_starts.numel() > 0;
+  TORCH_CHECK(!runs || (row_starts.is_contiguous() && row_starts.numel() == block_tables.size(0) + 1));
+  TORCH_CHECK(context_lens.numel() == q.size(0));
+  TANDEM_DISPATCH(q.scalar_type(), "paged_attention_rows", [&] {
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
       decode_attention_impl<scalar_t, KV>(
           out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
-          q.size(0), q.size(1), q.size(2), static_cast<const KV*>(k_cache.data_ptr()),
+          block_tables.size(0), q.size(1), q.size(2), static_cast<const KV*>(k_cache.data_ptr()),
           static_cast<const KV*>(v_cache.data_ptr()), k_cache.size(1), k_cache.size(2),
           block_tables.data_ptr<int64_t>(), block_tables.size(1),
-          context_lens.data_ptr<int64_t>(), scale, window);
+          context_lens.data_ptr<int64_t>(), scale, window,
+          runs ? row_starts.data_ptr<int64_t>() : nullptr);
     });
   });
+}
+
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor block_tables,
+                      torch::Tensor context_lens, double scale, int64_t window) {
+  paged_attention_rows(out, q, k_cache, v_cache, block_tables, context_lens,
+                       torch::empty({0}, block_tables.options()), scale, window);
 }
 
 // -- small-batch linear ----------------------------------------------------------------

@@ -1,4 +1,6 @@
-// One Llama-family (or Gemma 3) decoder layer for a batch of decode tokens, in a single call.
+// One Llama-family (or Gemma 3) decoder layer for a batch of decode tokens, in a single call
+// (or a few tokens per sequence: speculative verification; row_starts as
+// paged_attention_rows takes it, empty for one token each).
 //
 // It is the Python layer's sequence of compiled calls (cpu_ops.cpp, quant_ops.cpp),
 // made from C++: add + RMSNorm, the fused qkv projection, (q/k norms,) rotary in place,
@@ -46,7 +48,8 @@ std::vector<torch::Tensor> llama_decode_layer(
     PackedArgs gate_up, PackedArgs down, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale, int64_t window, torch::Tensor q_norm,
+    torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
+    torch::Tensor q_norm,
     torch::Tensor k_norm, torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm,
     bool gelu) {
   const int64_t T = h.size(0);
@@ -73,7 +76,8 @@ std::vector<torch::Tensor> llama_decode_layer(
   rotary(q, k, positions, cos_sin);
   write_kv(k, v, k_cache, v_cache, slots);
   torch::Tensor attn = torch::empty({T, num_heads, head_dim}, h.options());
-  decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+  paged_attention_rows(attn, q, k_cache, v_cache, block_tables, context_lens, row_starts,
+                       scale, window);
   torch::Tensor o = packed_linear(attn.view({T, q_size}), o_proj);
   if (post_attn_norm.numel() > 0) {
     torch::Tensor normed = torch::empty_like(o);

@@ -5,8 +5,9 @@ views, dispatch: ~100 us a layer on 2 cores) costs as much as its matmuls.
 ``llama_decode_layer`` (kernels/decode_layer.cpp) makes the same calls, in the same
 order, from C++: outputs equal the layer-by-layer path bit for bit.
 
-It applies when every token of the step is a decode and they are one contiguous run
-(the scheduler puts decodes first), and the layer is a shape the kernel knows on the
+It applies when every token of the step is a decode, or a decode with its draft
+tokens (speculative verification: a few query rows per sequence, up to ``ROWS_MAX``),
+and they are the step's tokens in order, and the layer is a shape the kernel knows on the
 CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
 biases, each linear layer one packed quantized matrix (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
@@ -83,19 +84,36 @@ class FusedDecode:
     """``attn.decode_layer`` of a decode-only step: ``(layer, h, residual, rope) ->
     (h, residual)``, or None when the layer must run its own way."""
 
-    def __init__(self, backend: TorchPagedAttention) -> None:
+    def __init__(self, backend: TorchPagedAttention, rows: tuple | None = None) -> None:
+        """``rows``: (row lengths, row starts) when sequences have several query rows."""
         self.backend = backend
         group = backend.metadata.groups[0]
         self.block_tables = group.block_tables
-        self.context_lens = group.context_lens
+        if rows is None:
+            self.context_lens, self.row_starts = (
+                group.context_lens,
+                torch.empty(0, dtype=torch.long),
+            )
+        else:
+            self.context_lens, self.row_starts = rows
 
     @staticmethod
-    def applies(backend: TorchPagedAttention) -> bool:
+    def applies(backend: TorchPagedAttention, rows_max: int = 1) -> bool:
+        """Every token of the step in one group, in flat-batch order, at most
+        ``rows_max`` per sequence."""
         metadata = backend.metadata
         if metadata.fresh_prompts or len(metadata.groups) != 1:
             return False
         group = metadata.groups[0]
-        return group.query_index.shape[1] == 1 and group.contiguous_from == 0
+        num_queries = group.query_index.shape[1]
+        if num_queries == 1:
+            return group.contiguous_from == 0
+        tokens = group.valid_tokens
+        return (
+            num_queries <= rows_max
+            and len(tokens) == metadata.num_tokens
+            and bool((tokens == torch.arange(len(tokens), device=tokens.device)).all())
+        )
 
     def __call__(self, layer, h, residual, rope):
         args = layer_arguments(layer)
@@ -111,7 +129,7 @@ class FusedDecode:
             h, empty if residual is None else residual, norm1, norm2, eps, qkv, o_proj,
             gate_up, down, heads, kv_heads, head_dim, rope.positions, rope.cos_sin,
             k_blocks, v_blocks, self.backend.metadata.slot_mapping, self.block_tables,
-            self.context_lens, layer.self_attn.scale, window, q_norm, k_norm,
+            self.context_lens, self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
             post_attn_norm, post_mlp_norm, gelu,
         )  # fmt: skip
         return out, residual

@@ -8,8 +8,12 @@ for the two things every decode step does in every layer.
   the flat batch (they are scheduled first, so usually) the kernel reads q and writes
   the output in place.
 
-Prompt chunks still go through the torch backend's gather + SDPA: they are compute-
-bound and SDPA's batched matmuls are the fast path for them.
+- A few queries per sequence (speculative verification: the last token and its
+  drafts; chunks of at most ``ROWS_MAX`` tokens) are rows of the same kernel, each
+  with its own causal length, the sequence's K/V read once for all of them.
+
+Longer prompt chunks still go through the torch backend's gather + SDPA: they are
+compute-bound and SDPA's batched matmuls are the fast path for them.
 
 A step of decodes only also offers ``decode_layer``: whole Llama layers in one call
 (runner/fused_decode.py; TANDEM_FUSED_DECODE=0 turns it off, for comparisons).
@@ -26,13 +30,23 @@ from tandem.runner.attention.metadata import AttentionGroup
 from tandem.runner.attention.torch_sdpa import TorchPagedAttention
 from tandem.runner.fused_decode import FusedDecode
 
+# Query runs up to this long read the blocks directly (beyond: gather + SDPA).
+ROWS_MAX = 16
+
 
 class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, metadata, kv_cache: torch.Tensor) -> None:
         super().__init__(metadata, kv_cache)
-        # A decode-only step: whole layers in one compiled call (runner/fused_decode.py).
-        if FusedDecode.applies(self) and os.environ.get("TANDEM_FUSED_DECODE", "1") != "0":
-            self.decode_layer = FusedDecode(self)
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A decode-only step (drafts verified included): whole layers in one compiled
+        # call (runner/fused_decode.py).
+        if (
+            FusedDecode.applies(self, ROWS_MAX)
+            and os.environ.get("TANDEM_FUSED_DECODE", "1") != "0"
+        ):
+            group = metadata.groups[0]
+            rows = None if group.query_index.shape[1] == 1 else self._query_rows(0, group)
+            self.decode_layer = FusedDecode(self, rows)
 
     def write_kv(self, k, v, k_blocks, v_blocks) -> None:
         cpu_kernels.load().write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)
@@ -41,8 +55,17 @@ class CpuPagedAttention(TorchPagedAttention):
         self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float,
         window: int | None,
     ) -> None:  # fmt: skip
-        if group.query_index.shape[1] != 1:
+        num_queries = group.query_index.shape[1]
+        if num_queries > ROWS_MAX:
             return super().attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
+        if num_queries > 1:
+            row_lens, row_starts = self._query_rows(index, group)
+            group_out = cpu_kernels.paged_attention_rows(
+                q.index_select(0, group.valid_tokens), k_blocks, v_blocks, group.block_tables,
+                row_lens, row_starts, scale, window,
+            )  # fmt: skip
+            out.index_copy_(0, group.valid_tokens, group_out)
+            return None
         first = group.contiguous_from
         if first is not None:
             rows = slice(first, first + len(group.context_lens))
@@ -57,6 +80,26 @@ class CpuPagedAttention(TorchPagedAttention):
         )  # fmt: skip
         out.index_copy_(0, group.valid_tokens, group_out)
         return None
+
+    def _query_rows(self, index: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self._rows:
+            self._rows[index] = _query_rows(group)
+        return self._rows[index]
+
+
+def _query_rows(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per real query row (in ``valid_tokens`` order, which runs sequence by sequence):
+    the context it attends to (its position + 1), and where each sequence's rows start."""
+    num_seqs, num_queries = group.query_index.shape
+    rows = group.valid_rows
+    if rows is None:
+        rows = torch.arange(num_seqs * num_queries, device=group.block_tables.device)
+    seq = torch.div(rows, num_queries, rounding_mode="floor")
+    row_lens = group.num_computed.index_select(0, seq) + rows % num_queries + 1
+    counts = torch.bincount(seq, minlength=num_seqs)
+    row_starts = torch.zeros(num_seqs + 1, dtype=torch.long, device=rows.device)
+    torch.cumsum(counts, 0, out=row_starts[1:])
+    return row_lens.contiguous(), row_starts
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
