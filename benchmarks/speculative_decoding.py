@@ -27,8 +27,9 @@ answered greedily:
 - agentic edit: rewrite a held-out function with one name changed (the answer copies
   most of the prompt, as editing and tool-using agents do);
 
-and the methods are n-gram and suffix decoding, each adaptive (the default: measured
-switch-off, engine/spec_control.py) and forced on.
+and the methods are n-gram, suffix decoding and layer skipping (``--skip-layers`` as
+``tandem tune-layer-skip`` printed), each adaptive (the default: measured switch-off,
+engine/spec_control.py) and forced on.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--skip-layers", default=None, help="layer_skip's (tune-layer-skip)")
     parser.add_argument("--workloads", nargs="+", default=None)
     args = parser.parse_args()
     bundled = args.model == "stdlib-lm"
@@ -174,8 +176,8 @@ def main() -> None:
     else:
         settings = {
             f"{method}{suffix}": {"method": method, "num_speculative_tokens": k,
-                                  "adaptive": not forced}
-            for method in ("ngram", "suffix")
+                                  "adaptive": not forced, "skip_layers": args.skip_layers}
+            for method in ("ngram", "suffix", "layer_skip")
             for suffix, forced in (("", False), (" (forced)", True))
         }  # fmt: skip
     methods = args.methods or list(settings)

@@ -87,7 +87,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "layer_skip")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ class SpeculativeConfig:
 
     method: str = setting(
         "ngram", "ngram (prompt lookup), suffix (suffix tries over the request and recent "
-        "outputs; k is the most it drafts) or draft (a smaller model)", "METHOD",
+        "outputs; k is the most it drafts), draft (a smaller model) or layer_skip (the "
+        "target without some of its layers)", "METHOD",
         "--speculative-method",
     )  # fmt: skip
     num_speculative_tokens: int = setting(4, "draft tokens per step (k)", "K")
@@ -117,6 +118,10 @@ class SpeculativeConfig:
         "switch it off where it does not (engine/spec_control.py); false: speculate "
         "whenever there are slots (seeded sampled outputs then repeat exactly)", None,
         "--speculative-adaptive",
+    )  # fmt: skip
+    skip_layers: str | None = setting(
+        None, "layer_skip: the layers the draft skips, e.g. 8-21 (default: the middle half; "
+        "tandem tune-layer-skip finds better ones)", "LAYERS", "--speculative-skip-layers",
     )  # fmt: skip
     prompt_lookup_max: int = setting(4, "n-gram: the longest suffix to match", "TOKENS")
     prompt_lookup_min: int = setting(1, "n-gram: the shortest suffix to match", "TOKENS")

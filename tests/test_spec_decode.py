@@ -65,7 +65,7 @@ def greedy_outputs(llm, prompts, **params):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-self", "draft-bad"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-self", "draft-bad", "layer_skip"])
 def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
     folder, hf_model = target
     prompts = repetitive_prompts(1, [30, 11, 45, 8, 26, 17])
@@ -218,13 +218,15 @@ P_VALUE_FLOOR = 1e-3  # per position; fixed seeds make the outcome deterministic
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 6)])
-@pytest.mark.parametrize("proposer", ["bad-draft", "ngram", "suffix"])
+@pytest.mark.parametrize("proposer", ["bad-draft", "ngram", "suffix", "layer-skip"])
 def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer, temperature, top_k):
     target_folder, target_hf, draft_folder = small_vocab
     if proposer == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
     elif proposer == "suffix":
         spec = {"method": "suffix", "num_speculative_tokens": 2}
+    elif proposer == "layer-skip":  # the target without its last layer
+        spec = {"method": "layer_skip", "num_speculative_tokens": 2}
     else:
         spec = {"method": "draft", "model": str(draft_folder), "num_speculative_tokens": 2}
     spec["disable_by_batch_size"] = None
@@ -350,3 +352,29 @@ def test_the_engine_stops_drafting_with_a_draft_that_never_pays(target, bad_draf
     late = count.steps[len(count.steps) // 2 :]
     assert sum(1 for n in late if n) <= len(late) / 4, count.steps  # probes only
     assert llm.engine.scheduler.spec_control.num_switches >= 1
+
+
+def test_tune_layer_skip_ranks_candidates_by_measured_agreement(target):
+    """The tuner's agreement is the draft's teacher-forced greedy match with the target,
+    counted here by hand for one candidate; nothing skipped would agree everywhere."""
+    from tandem.runner.model_runner import forward_no_cache
+    from tandem.spec_decode.layer_skip import skipping
+    from tandem.spec_decode.tune_layer_skip import calibration_text, tune
+
+    folder, _ = target
+    llm = LLM(str(folder))
+    candidates = tune(llm, num_prompts=2, num_tokens=16)
+    assert [c.speedup for c in candidates] == sorted((c.speedup for c in candidates),
+                                                      reverse=True)  # fmt: skip
+    loaded = llm.engine.runner.loaded
+    texts = calibration_text(llm, 2, 16)
+    one = candidates[0]
+    agree = total = 0
+    for ids, start in texts:
+        full = forward_no_cache(loaded, torch.tensor([ids]))[0, start - 1 : -1].argmax(-1)
+        with skipping(loaded.model, one.layers):
+            part = forward_no_cache(loaded, torch.tensor([ids]))[0, start - 1 : -1].argmax(-1)
+        agree += int((full == part).sum())
+        total += len(full)
+    assert one.agreement == pytest.approx(agree / total)
+    assert loaded.model.skipped_layers == frozenset()  # restored after tuning

@@ -187,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Layers the forward passes over (self-speculation drafts with the target minus
+    # these: spec_decode/layer_skip.py); empty but while such a draft runs.
+    skipped_layers: frozenset[int] = frozenset()
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -211,7 +214,9 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         ropes = [(rotary, rotary.prepare(positions, h.dtype)) for rotary in m.rotaries]
         residual = None
-        for layer in m.layers:
+        for index, layer in enumerate(m.layers):
+            if index in self.skipped_layers:
+                continue
             h, residual = layer(h, residual, *ropes[layer.rotary_index], attn)
         return m.norm(h, residual)[0]
 

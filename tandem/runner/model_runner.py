@@ -98,6 +98,8 @@ class ModelRunner:
         )
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer = proposer
+        if hasattr(proposer, "attach"):  # a draft made of this runner's model (layer_skip)
+            proposer.attach(self)
         self.spec_stats = SpecDecodeStats()
         self.info = RunnerInfo(
             num_blocks=num_blocks,

@@ -39,10 +39,10 @@ class DraftProposer:
         chunks = []
         for item in items:
             request = item.request
-            start = min(self.num_valid.get(request.request_id, 0), request.num_tokens - 1)
+            start = self._first_unseen(request)
             chunks.append(SequenceChunk(request.all_token_ids[start:], start, item.block_table))
         active = list(range(len(items)))
-        logits = self.runner.forward(chunks)
+        logits = self._forward(chunks)
         while True:
             rows = [make_row(items[i].request, drafts[i]) for i in active]
             processed = processed_logits(logits.float(), rows)
@@ -60,7 +60,7 @@ class DraftProposer:
             active = [i for i in active if len(drafts[i]) < items[i].num_spec_tokens]
             if not active:
                 break
-            logits = self.runner.forward(
+            logits = self._forward(
                 [
                     SequenceChunk(
                         [drafts[i][-1]],
@@ -76,6 +76,13 @@ class DraftProposer:
         return [
             (guess, torch.stack(p) if p else None) for guess, p in zip(drafts, probs, strict=True)
         ]
+
+    def _first_unseen(self, request) -> int:
+        """The first of the request's tokens the draft has no K/V for."""
+        return min(self.num_valid.get(request.request_id, 0), request.num_tokens - 1)
+
+    def _forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        return self.runner.forward(chunks)
 
     def rollback(self, request_id: str, num_valid_tokens: int) -> None:
         """The target kept ``num_valid_tokens`` tokens of K/V: draft K/V past them is stale."""

@@ -21,7 +21,8 @@ MakeRow = Callable[["RequestState", Sequence[int]], "SamplingRow"]
 
 
 class Proposer(Protocol):
-    """Guesses draft tokens for speculating requests (ngram.py, suffix.py, draft.py)."""
+    """Guesses draft tokens for speculating requests (ngram.py, suffix.py, draft.py,
+    layer_skip.py)."""
 
     def propose(
         self, items: list[SpecItem], make_row: MakeRow, shared_generator: torch.Generator
@@ -53,6 +54,10 @@ def make_proposer(
         from tandem.spec_decode.suffix import SuffixProposer
 
         return SuffixProposer()
+    if spec.method == "layer_skip":  # the target minus some layers, on its own runner
+        from tandem.spec_decode.layer_skip import LayerSkipProposer
+
+        return LayerSkipProposer(target, spec.skip_layers)
     from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
 
     return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)
