@@ -220,7 +220,9 @@ class Engine:
         result = self.runner.execute(scheduler_output)
         for request_id, (first, scored) in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(request_id, first, scored)
-        updated = self.scheduler.update(scheduler_output, result.sampled, result.failed)
+        updated = self.scheduler.update(
+            scheduler_output, result.sampled, result.failed, result.drafted
+        )
         outputs = self.output_processor.process(updated)
         if self.observers:
             stats = self.stats(scheduler_output, sum(len(tokens) for _, tokens in updated))

@@ -378,13 +378,15 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: Mapping[str, Sequence[SampledToken]],
         failed: Mapping[str, str] | None = None,
+        drafted: Mapping[str, int] | None = None,
     ) -> list[tuple[Request, list[SampledToken]]]:
         """Advance each scheduled request by the tokens whose K/V it now has, append its
         new tokens (several when drafts were accepted) up to the first stop condition,
-        and finish requests that stop. Returns each request that received tokens, with
-        the tokens it kept; then each request in ``failed`` (id -> why: the runner could
-        not run or sample it) with no tokens, finished as FINISHED_ERROR. A failed
-        request's K/V from this step is never cached."""
+        and finish requests that stop (``drafted``: the draft tokens each speculating
+        request had verified, for the speculation control). Returns each request that
+        received tokens, with the tokens it kept; then each request in ``failed`` (id ->
+        why: the runner could not run or sample it) with no tokens, finished as
+        FINISHED_ERROR. A failed request's K/V from this step is never cached."""
         now = clock.now()
         updated = []
         failed = failed or {}
@@ -427,7 +429,7 @@ class Scheduler:
         if self.spec_control is not None and out.scheduled:
             self.spec_control.observe(
                 len(out.scheduled),
-                {i.request_id: i.num_spec_tokens for i in out.scheduled if i.num_spec_tokens},
+                drafted or {},
                 sampled,
                 now - out.started_at,
                 all(i.num_new_tokens == 1 for i in out.scheduled),

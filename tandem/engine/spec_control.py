@@ -8,10 +8,13 @@ while its rate is at least the plain rate. One decode step in ``PROBE_EVERY`` ru
 other way, so both rates stay current (the cost of a draft model, of verifying k more
 tokens, and the acceptance of the workload all move them).
 
-Per request, the accepted drafts per verification (an exponential average) must pay
-for the request's share of the extra step time: at least the measured relative cost of
-a speculative step over a plain one in its class. A request that does not pay stops
-speculating, and tries again every ``PROBE_EVERY`` of its own decode steps.
+Per request, the share of its draft tokens the target accepts (an exponential
+average over the steps where its proposer drafted: a proposer that finds nothing
+costs nothing) must pay for what a draft token costs: the measured extra time of a
+speculative step over a plain one in its class, per draft token verified, times the
+batch (an accepted token is worth one request's share of a plain step). A request that
+does not pay stops speculating, and tries again every ``PROBE_EVERY`` of its own
+decode steps.
 
 Decisions depend on timing: with speculation adaptive, a seeded sampled request can
 draw differently from one run to the next (greedy output never changes; speculation
@@ -38,6 +41,7 @@ class _Rates:
 
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     tokens: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    drafted: float | None = None  # draft tokens verified per speculative step
     steps: int = 0
 
     def rate(self, speculating: bool) -> float | None:
@@ -49,18 +53,19 @@ class _Rates:
         with_spec, plain = self.rate(True), self.rate(False)
         return with_spec is None or plain is None or with_spec >= plain
 
-    def extra_cost(self) -> float:
-        """A speculative step's time over a plain one's, less one (0 while unknown)."""
+    def draft_token_cost(self) -> float:
+        """What verifying one draft token adds to a step, as a share of a plain step
+        (0 while unknown)."""
         with_spec, plain = self.seconds[True], self.seconds[False]
-        if with_spec is None or not plain:
+        if with_spec is None or not plain or not self.drafted:
             return 0.0
-        return max(with_spec / plain - 1, 0.0)
+        return max(with_spec / plain - 1, 0.0) / self.drafted
 
 
 @dataclass
 class SpeculationControl:
     classes: dict[int, _Rates] = field(default_factory=dict)
-    acceptance: dict[str, float] = field(default_factory=dict)  # request -> accepted/verify
+    acceptance: dict[str, float] = field(default_factory=dict)  # request -> accepted share
     request_steps: dict[str, int] = field(default_factory=dict)  # ... since it last drafted
     # What the last step decided (for /metrics and the trace).
     speculating: bool = True
@@ -98,7 +103,7 @@ class SpeculationControl:
             return False
         accepted = self.acceptance.get(request_id)
         rates = self.classes.get(self.batch_class(num_running))
-        cost = rates.extra_cost() if rates is not None else 0.0
+        cost = num_running * rates.draft_token_cost() if rates is not None else 0.0
         allowed = self._everyone or accepted is None or accepted >= cost or waited >= PROBE_EVERY
         if allowed:
             self.request_steps[request_id] = 0
@@ -113,21 +118,24 @@ class SpeculationControl:
         seconds: float,
         decode_only: bool,
     ) -> None:
-        """A step ended: ``drafted`` (request -> draft slots it had), every request's
-        sampled tokens, the step's seconds, and whether it ran decodes only."""
-        for request_id, slots in drafted.items():
+        """A step ended: ``drafted`` (request -> draft tokens it had verified), every
+        request's sampled tokens, the step's seconds, and whether it ran decodes only."""
+        for request_id, count in drafted.items():
             tokens = sampled.get(request_id)
-            if slots and tokens:
+            if count and tokens:
                 self.acceptance[request_id] = _average(
-                    self.acceptance.get(request_id), len(tokens) - 1
+                    self.acceptance.get(request_id), (len(tokens) - 1) / count
                 )
         if not decode_only or seconds <= 0:
             return
         rates = self.classes.setdefault(self.batch_class(num_running), _Rates())
-        speculated = any(drafted.values())
+        total_drafted = sum(drafted.values())
+        speculated = total_drafted > 0
         generated = sum(len(tokens) for tokens in sampled.values())
         rates.seconds[speculated] = _average(rates.seconds[speculated], seconds)
         rates.tokens[speculated] = _average(rates.tokens[speculated], generated)
+        if speculated:
+            rates.drafted = _average(rates.drafted, total_drafted)
         rates.steps += 1
 
     def forget(self, request_id: str) -> None:

@@ -30,6 +30,9 @@ class RunnerOutput:
 
     sampled: dict[str, list[Any]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculation: the draft tokens each request had verified (its proposer may have
+    # found fewer than its slots, or none).
+    drafted: dict[str, int] = field(default_factory=dict)
     # Requests that want prompt logprobs: (the prompt position of the first entry, one
     # SampledToken per prompt token from there: the token, its logprob, the top ones).
     prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)

@@ -284,6 +284,7 @@ class ModelRunner:
                     logits[first:row], rows, list(guess), guess_probs, self.shared_generator
                 )
                 result.sampled[item.request_id] = tokens
+                result.drafted[item.request_id] = len(guess)
                 self.spec_stats.record(len(guess), len(tokens) - 1)
                 self.proposer.rollback(item.request_id, item.num_computed_tokens + len(tokens))
         if not plain:
