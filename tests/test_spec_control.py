@@ -4,7 +4,7 @@ tests/test_spec_decode.py)."""
 
 from __future__ import annotations
 
-from tandem.engine.spec_control import PROBE_EVERY, SpeculationControl
+from tandem.engine.spec_control import PROBE_EVERY, PROBE_MAX, SpeculationControl
 
 
 def run_steps(control, steps, spec_seconds, plain_seconds, accepted, batch=4):
@@ -26,15 +26,18 @@ def run_steps(control, steps, spec_seconds, plain_seconds, accepted, batch=4):
 
 def test_it_switches_off_when_drafts_do_not_pay_and_back_on_when_they_do():
     control = SpeculationControl()
-    # Drafting costs 50% more time and nothing is accepted: off, but for the probes.
+    # Drafting costs 50% more time and nothing is accepted: off, but for the probes,
+    # which grow rarer while they confirm it.
     run_steps(control, 64, spec_seconds=0.015, plain_seconds=0.010, accepted=0)
-    later = run_steps(control, 64, spec_seconds=0.015, plain_seconds=0.010, accepted=0)
-    assert later <= 64 // PROBE_EVERY + 1
+    later = run_steps(control, 4 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010,
+                      accepted=0)  # fmt: skip
+    assert later <= 4 + 1
     assert control.num_switches == 1
-    # The workload turns repetitive: 3 of 3 drafts accepted. The probes see it; on.
-    run_steps(control, 3 * PROBE_EVERY, spec_seconds=0.015, plain_seconds=0.010, accepted=3)
-    again = run_steps(control, 64, spec_seconds=0.015, plain_seconds=0.010, accepted=3)
-    assert again >= 64 - 64 // PROBE_EVERY - 1
+    # The workload turns repetitive: 3 of 3 drafts accepted. A probe sees it; on.
+    run_steps(control, 3 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010, accepted=3)
+    again = run_steps(control, 4 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010,
+                      accepted=3)  # fmt: skip
+    assert again >= 4 * PROBE_MAX - 4 - 1
     assert control.num_switches == 2
 
 

@@ -4,17 +4,20 @@ where it costs more than it saves, and back on where it pays.
 Globally, per batch-size class (1, 2-3, 4-7, ...: the step's running requests), the
 engine's generated tokens per second are measured over decode-only steps with
 speculation and without: an exponential average of each. Speculation runs in a class
-while its rate is at least the plain rate. One decode step in ``PROBE_EVERY`` runs the
-other way, so both rates stay current (the cost of a draft model, of verifying k more
-tokens, and the acceptance of the workload all move them).
+while its rate is at least the plain rate. Now and then a decode step runs the other
+way (a probe), so both rates stay current (the cost of a draft model, of verifying k
+more tokens, and the acceptance of the workload all move them): after ``PROBE_EVERY``
+steps at first, twice as long after each probe that leaves the decision as it was (up
+to ``PROBE_MAX``: a probe of an expensive draft costs several plain steps), and again
+after ``PROBE_EVERY`` once the decision flips.
 
 Per request, the share of its draft tokens the target accepts (an exponential
 average over the steps where its proposer drafted: a proposer that finds nothing
 costs nothing) must pay for what a draft token costs: the measured extra time of a
 speculative step over a plain one in its class, per draft token verified, times the
 batch (an accepted token is worth one request's share of a plain step). A request that
-does not pay stops speculating, and tries again every ``PROBE_EVERY`` of its own
-decode steps.
+does not pay stops speculating, and tries again after ``PROBE_EVERY`` of its own decode
+steps, then after twice as many each time it still does not pay.
 
 Decisions depend on timing: with speculation adaptive, a seeded sampled request can
 draw differently from one run to the next (greedy output never changes; speculation
@@ -28,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16
+PROBE_MAX = 64
 SMOOTHING = 0.2  # weight of the newest measurement in the averages
 
 
@@ -43,6 +47,8 @@ class _Rates:
     tokens: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     drafted: float | None = None  # draft tokens verified per speculative step
     steps: int = 0
+    probe_in: int = 0  # decode steps until the next probe (0: this one; at first: plain)
+    probe_every: int = PROBE_EVERY
 
     def rate(self, speculating: bool) -> float | None:
         seconds, tokens = self.seconds[speculating], self.tokens[speculating]
@@ -67,6 +73,7 @@ class SpeculationControl:
     classes: dict[int, _Rates] = field(default_factory=dict)
     acceptance: dict[str, float] = field(default_factory=dict)  # request -> accepted share
     request_steps: dict[str, int] = field(default_factory=dict)  # ... since it last drafted
+    request_probe_every: dict[str, int] = field(default_factory=dict)
     # What the last step decided (for /metrics and the trace).
     speculating: bool = True
     num_speculating: int = 0
@@ -86,8 +93,9 @@ class SpeculationControl:
         decision = rates.pays()
         if self._decisions.get(key, decision) != decision:
             self.num_switches += 1
+            rates.probe_every = PROBE_EVERY
         self._decisions[key] = decision
-        probe = rates.steps % PROBE_EVERY == PROBE_EVERY - 1
+        probe = rates.probe_in <= 0
         self.speculating = decision != probe
         self._everyone = self.speculating and probe  # measuring speculation itself
         self.num_speculating = 0
@@ -95,8 +103,8 @@ class SpeculationControl:
 
     def request_speculates(self, request_id: str, num_running: int) -> bool:
         """Whether this decoding request drafts in this step: never in a plain step;
-        always in a step probing speculation; otherwise when its drafts pay for its
-        slots, or every ``PROBE_EVERY`` of its own decode steps."""
+        always in a step probing speculation; otherwise when its drafts pay for their
+        cost, or as its own probe."""
         waited = self.request_steps.get(request_id, 0) + 1  # decode steps since it drafted
         self.request_steps[request_id] = waited
         if not self.speculating:
@@ -104,11 +112,17 @@ class SpeculationControl:
         accepted = self.acceptance.get(request_id)
         rates = self.classes.get(self.batch_class(num_running))
         cost = num_running * rates.draft_token_cost() if rates is not None else 0.0
-        allowed = self._everyone or accepted is None or accepted >= cost or waited >= PROBE_EVERY
-        if allowed:
+        pays = self._everyone or accepted is None or accepted >= cost
+        interval = self.request_probe_every.get(request_id, PROBE_EVERY)
+        probe = not pays and waited >= interval
+        if probe:
+            self.request_probe_every[request_id] = min(2 * interval, PROBE_MAX)
+        elif pays:
+            self.request_probe_every.pop(request_id, None)
+        if pays or probe:
             self.request_steps[request_id] = 0
             self.num_speculating += 1
-        return allowed
+        return pays or probe
 
     def observe(
         self,
@@ -137,7 +151,13 @@ class SpeculationControl:
         if speculated:
             rates.drafted = _average(rates.drafted, total_drafted)
         rates.steps += 1
+        if rates.probe_in <= 0:  # this step was the probe: the next one waits longer
+            rates.probe_in = rates.probe_every
+            rates.probe_every = min(2 * rates.probe_every, PROBE_MAX)
+        else:
+            rates.probe_in -= 1
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.request_steps.pop(request_id, None)
+        self.request_probe_every.pop(request_id, None)

@@ -106,6 +106,8 @@ class FusedDecode:
             return False
         group = metadata.groups[0]
         num_queries = group.query_index.shape[1]
+        if not group.decodes:
+            return False
         if num_queries == 1:
             return group.contiguous_from == 0
         tokens = group.valid_tokens

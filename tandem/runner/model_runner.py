@@ -47,6 +47,7 @@ class SequenceChunk:
     token_ids: Sequence[int]  # tokens to run now
     num_computed_tokens: int  # tokens of this sequence already in the cache before them
     block_table: Sequence[int]  # blocks holding this sequence, covering all its tokens
+    verifies: bool = False  # a decode and its draft tokens (attended as decodes are)
 
 
 @dataclass
@@ -189,7 +190,7 @@ class ModelRunner:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
             tokens = state.all_token_ids[start : start + item.num_new_tokens]
-            chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids))
+            chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids, bool(guess)))
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
                 if count > 0:
@@ -341,6 +342,7 @@ class ModelRunner:
             self.block_size,
             self.config.layer_windows(),
             self.device,
+            [c.verifies for c in chunks],
         )
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device

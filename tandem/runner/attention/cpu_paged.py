@@ -8,12 +8,12 @@ for the two things every decode step does in every layer.
   the flat batch (they are scheduled first, so usually) the kernel reads q and writes
   the output in place.
 
-- A few queries per sequence (speculative verification: the last token and its
-  drafts; chunks of at most ``ROWS_MAX`` tokens) are rows of the same kernel, each
-  with its own causal length, the sequence's K/V read once for all of them.
+- Speculative verification (the last token and its drafts, in the decodes group) runs
+  as rows of the same kernel, each with its own causal length, the sequence's K/V read
+  once for all of them: a decode's row is computed exactly as without drafts.
 
-Longer prompt chunks still go through the torch backend's gather + SDPA: they are
-compute-bound and SDPA's batched matmuls are the fast path for them.
+Prompt chunks still go through the torch backend's gather + SDPA: they are compute-
+bound and SDPA's batched matmuls are the fast path for them.
 
 A step of decodes only also offers ``decode_layer``: whole Llama layers in one call
 (runner/fused_decode.py; TANDEM_FUSED_DECODE=0 turns it off, for comparisons).
@@ -30,7 +30,7 @@ from tandem.runner.attention.metadata import AttentionGroup
 from tandem.runner.attention.torch_sdpa import TorchPagedAttention
 from tandem.runner.fused_decode import FusedDecode
 
-# Query runs up to this long read the blocks directly (beyond: gather + SDPA).
+# Verifications of up to this many tokens read the blocks directly (beyond: SDPA).
 ROWS_MAX = 16
 
 
@@ -56,7 +56,7 @@ class CpuPagedAttention(TorchPagedAttention):
         window: int | None,
     ) -> None:  # fmt: skip
         num_queries = group.query_index.shape[1]
-        if num_queries > ROWS_MAX:
+        if not group.decodes or num_queries > ROWS_MAX:
             return super().attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
         if num_queries > 1:
             row_lens, row_starts = self._query_rows(index, group)

@@ -9,7 +9,8 @@ Token t of sequence s, at position p, has its K/V written to cache slot
 
 Sequences are grouped so that no group pays for another's shape:
 
-    decodes          one query each; padded to [S, 1] queries x [S, Lk] keys
+    decodes          one query each, or a decode and its draft tokens (speculative
+                     verification: ``verifying``); padded to [S, Lq] x [S, Lk]
     continuing       prompt chunks after cached tokens; padded to [S, Lq] x [S, Lk]
     fresh prompts    nothing cached: causal attention over this forward's own K/V,
                      batched by length (no gather, no padding, no mask unless a
@@ -47,6 +48,9 @@ class AttentionGroup:
     # When the group's queries are flat-batch tokens [first, first + S), one each, a
     # kernel reads and writes them in place (a slice, no gather or scatter).
     contiguous_from: int | None = None
+    # The decodes group (speculative verification included): a kernel that reads the
+    # blocks directly runs it, rows for decodes computed alike whatever the batch.
+    decodes: bool = False
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -116,9 +120,12 @@ def build_paged_metadata(
     block_size: int,
     layer_windows: Sequence[int | None] = (),
     device: torch.device | str = "cpu",
+    verifying: Sequence[bool] | None = None,
 ) -> PagedAttentionMetadata:
     """Metadata for S sequences contributing ``query_lens[s]`` tokens each, positioned
-    after ``num_computed[s]`` cached tokens, their blocks in ``block_tables[s]``."""
+    after ``num_computed[s]`` cached tokens, their blocks in ``block_tables[s]``;
+    ``verifying[s]``: sequence s runs a decode and its draft tokens (it joins the
+    decodes)."""
     device = torch.device(device)
     positions: list[int] = []
     slots: list[int] = []
@@ -132,15 +139,16 @@ def build_paged_metadata(
         for pos in range(computed, computed + q_len):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if q_len == 1:
+        if q_len == 1 or (verifying is not None and verifying[s]):
             decodes.append(s)
         elif computed == 0:
             fresh.setdefault(q_len, []).append(s)
         else:
             continuing.append(s)
     groups = [
-        _group(members, query_lens, num_computed, starts, block_tables, block_size, device)
-        for members in (decodes, continuing)
+        _group(members, query_lens, num_computed, starts, block_tables, block_size, device,
+               is_decodes)
+        for members, is_decodes in ((decodes, True), (continuing, False))
         if members
     ]  # fmt: skip
     fresh_prompts = [
@@ -165,6 +173,7 @@ def _group(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
+    decodes: bool,
 ) -> AttentionGroup:
     q_lens = [query_lens[s] for s in members]
     computed = [num_computed[s] for s in members]
@@ -193,4 +202,5 @@ def _group(
         num_computed=_long(computed, device),
         block_size=block_size,
         contiguous_from=first if contiguous else None,
+        decodes=decodes,
     )
