@@ -31,13 +31,13 @@ def test_it_switches_off_when_drafts_do_not_pay_and_back_on_when_they_do():
     run_steps(control, 64, spec_seconds=0.015, plain_seconds=0.010, accepted=0)
     later = run_steps(control, 4 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010,
                       accepted=0)  # fmt: skip
-    assert later <= 4 + 1
+    assert later <= 8  # probes, backing off to one in PROBE_MAX steps
     assert control.num_switches == 1
     # The workload turns repetitive: 3 of 3 drafts accepted. A probe sees it; on.
     run_steps(control, 3 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010, accepted=3)
     again = run_steps(control, 4 * PROBE_MAX, spec_seconds=0.015, plain_seconds=0.010,
                       accepted=3)  # fmt: skip
-    assert again >= 4 * PROBE_MAX - 4 - 1
+    assert again >= 4 * PROBE_MAX - 8  # plain probes, backing off
     assert control.num_switches == 2
 
 
@@ -51,7 +51,7 @@ def test_each_request_pays_for_its_share_or_stops_drafting():
         sampled = {"good": [0] * (1 + 3 * ("good" in drafted)), "bad": [0]}
         # a speculative step costs 20% more than a plain one
         control.observe(batch, drafted, sampled, 0.012 if drafted else 0.010, True)
-    assert control.acceptance["good"] == 1.0 and control.acceptance["bad"] == 0.0
+    assert control.acceptance("good") > 0.9 and control.acceptance("bad") < 0.1
     allowed = []
     for _ in range(PROBE_EVERY):
         control.step_speculates(batch)
@@ -59,17 +59,17 @@ def test_each_request_pays_for_its_share_or_stops_drafting():
         sampled = {"good": [0] * (1 + 3 * ("good" in drafted)), "bad": [0]}
         control.observe(batch, drafted, sampled, 0.012 if drafted else 0.010, True)
         allowed += list(drafted)
-    # "good" drafts in every speculating step; "bad" in its own probe and in the step
-    # that probes speculation as a whole (everyone drafts there), not in the plain one.
-    assert allowed.count("good") == PROBE_EVERY - 1
-    assert 1 <= allowed.count("bad") <= 2
+    # "good" drafts in every speculating step (all but a plain probe); "bad" only in
+    # its own probes (rarer each time) and in a step probing speculation as a whole.
+    assert allowed.count("good") >= PROBE_EVERY - 1
+    assert allowed.count("bad") <= 2
     control.forget("bad")
-    assert "bad" not in control.acceptance
+    assert control.acceptance("bad") is None
 
 
 def test_classes_of_batch_size_are_measured_apart():
     control = SpeculationControl()
     run_steps(control, 48, spec_seconds=0.030, plain_seconds=0.010, accepted=0, batch=16)
     run_steps(control, 48, spec_seconds=0.011, plain_seconds=0.010, accepted=3, batch=1)
-    assert not control.classes[control.batch_class(16)].pays()
-    assert control.classes[control.batch_class(1)].pays()
+    assert not control.classes[control.batch_class(16)].pays(16)
+    assert control.classes[control.batch_class(1)].pays(1)
