@@ -2,8 +2,11 @@
 simulated clock, with a cost model in place of the model.
 
     workload (bench serve's generators, gamma arrivals)
-      -> requests added when the simulated clock reaches their arrival
-      -> Engine.step(): the real scheduler decides the batch; SimulatedRunner "runs" it:
+      -> each request routed, at its arrival, to one of the Topology's instances (the
+         router's policy; disaggregated: a prefill instance, then a decode instance
+         once its K/V have crossed the link: kv_link.py)
+      -> Engine.step() of each instance: the real scheduler decides the batch;
+         SimulatedRunner "runs" it:
          the step's duration comes from the StepCostModel, the clock moves by it, every
          request that samples gets one token (never EOS: lengths come from the workload)
       -> each finished request's timeline -> the same summary as `tandem bench serve`
