@@ -52,7 +52,6 @@ class _Rates:
     recent: dict[bool, deque] = field(
         default_factory=lambda: {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
     )
-    steps: int = 0
     probe_in: int = 0  # decode steps until the next probe (0: this one; at first: plain)
     probe_every: int = PROBE_EVERY
 
@@ -184,7 +183,6 @@ class SpeculationControl:
         speculated = total_drafted > 0
         decision = rates.pays(num_running)
         rates.add(speculated, seconds, generated, total_drafted, len(sampled))
-        rates.steps += 1
         need_spec = len(rates.recent[True]) < MIN_SAMPLES
         need_plain = len(rates.recent[False]) < MIN_SAMPLES
         if need_spec or need_plain:
