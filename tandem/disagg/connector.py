@@ -38,8 +38,8 @@ from tandem.disagg.auth import KVAuth, prompt_digest
 from tandem.disagg.transfer import KVTransferError, make_kv_agent
 from tandem.engine.core import EngineCore
 from tandem.engine.input_processor import EngineRequest
-from tandem.engine.kv_connector import FinishedTransfer
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.kv_connector import FinishedTransfer, keeps_for_decode, remote_prefix
+from tandem.engine.request import Request
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.server.metrics import ServerMetrics
 
@@ -129,12 +129,7 @@ class DisaggConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Prefill side: keep a finished prompt's blocks under a lease for the decode
         instance, and say where they are."""
-        transfer = request.kv_transfer
-        if (
-            transfer is None
-            or not transfer.do_remote_decode
-            or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
-        ):
+        if not keeps_for_decode(request):
             return False, None
         leased = sum(len(blocks) for blocks, _ in self.leases.values())
         limit = self.config.max_leased_fraction * self.engine.kv_manager.num_blocks
@@ -148,13 +143,12 @@ class DisaggConnector:
             return False, None
         deadline = time.monotonic() + self.config.lease_seconds
         self.leases[request.request_id] = (block_ids, deadline)
-        # The decode side recomputes the last prompt token (for its logits), so it reads
-        # the blocks of every token before it.
-        num_tokens = len(request.prompt_token_ids) - 1
-        needed = self.engine.kv_manager.blocks_needed(num_tokens)
+        num_tokens, remote_blocks = remote_prefix(
+            request, block_ids, self.engine.kv_manager.block_size
+        )
         params = {
             "lease_id": request.request_id,
-            "remote_block_ids": block_ids[:needed],
+            "remote_block_ids": remote_blocks,
             "remote_num_tokens": num_tokens,
             "remote_host": self.agent.host,
             "remote_port": self.agent.port,

@@ -97,9 +97,7 @@ class SpeculationControl:
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)
     request_steps: dict[str, int] = field(default_factory=dict)  # ... since it last drafted
     request_probe_every: dict[str, int] = field(default_factory=dict)
-    # What the last step decided (for /metrics and the trace).
-    speculating: bool = True
-    num_speculating: int = 0
+    speculating: bool = True  # what this step decided (StepStats counts who drafted)
     num_switches: int = 0  # times the decision for a class flipped (probes excluded)
     _decisions: dict[int, bool] = field(default_factory=dict)
     _probe_budget: int = 0  # requests that may still draft in this probing step
@@ -125,7 +123,6 @@ class SpeculationControl:
         # they accepted before (a probe where every one of a large batch drafts would
         # cost several plain steps).
         self._probe_budget = PROBE_REQUESTS if self.speculating and (probe or exploring) else 0
-        self.num_speculating = 0
         return self.speculating
 
     def acceptance(self, request_id: str) -> float | None:
@@ -157,7 +154,6 @@ class SpeculationControl:
             self.request_probe_every.pop(request_id, None)
         if pays or probe:
             self.request_steps[request_id] = 0
-            self.num_speculating += 1
         return pays or probe
 
     def observe(

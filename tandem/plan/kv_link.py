@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.config import KVTransferConfig
-from tandem.engine.kv_connector import FinishedTransfer
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.kv_connector import FinishedTransfer, keeps_for_decode, remote_prefix
+from tandem.engine.request import Request
 
 
 class SimulatedConnector:
@@ -61,22 +61,16 @@ class SimulatedConnector:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        transfer = request.kv_transfer
-        if (
-            transfer is None
-            or not transfer.do_remote_decode
-            or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
-        ):
+        if not keeps_for_decode(request):
             return False, None
         leased = sum(len(blocks) for blocks in self.leases.values())
         if leased + len(block_ids) > self.max_leased_fraction * self.num_blocks:
             return False, None  # the decode side computes the prompt
         self.leases[request.request_id] = block_ids
-        num_tokens = len(request.prompt_token_ids) - 1  # the decode side runs the last one
-        needed = -(-num_tokens // self.block_size)
+        num_tokens, remote_blocks = remote_prefix(request, block_ids, self.block_size)
         return True, {
             "lease_id": request.request_id,
-            "remote_block_ids": block_ids[:needed],
+            "remote_block_ids": remote_blocks,
             "remote_num_tokens": num_tokens,
             "remote_engine_id": self.name,
         }

@@ -99,23 +99,14 @@ class FusedDecode:
 
     @staticmethod
     def applies(backend: TorchPagedAttention, rows_max: int = 1) -> bool:
-        """Every token of the step in one group, in flat-batch order, at most
-        ``rows_max`` per sequence."""
+        """Every token of the step is a decode (with at most ``rows_max`` - 1 drafts):
+        the decodes group is the only group, so its rows are the step's tokens in
+        flat-batch order (build_paged_metadata lays them out so)."""
         metadata = backend.metadata
         if metadata.fresh_prompts or len(metadata.groups) != 1:
             return False
         group = metadata.groups[0]
-        num_queries = group.query_index.shape[1]
-        if not group.decodes:
-            return False
-        if num_queries == 1:
-            return group.contiguous_from == 0
-        tokens = group.valid_tokens
-        return (
-            num_queries <= rows_max
-            and len(tokens) == metadata.num_tokens
-            and bool((tokens == torch.arange(len(tokens), device=tokens.device)).all())
-        )
+        return group.decodes and group.query_index.shape[1] <= rows_max
 
     def __call__(self, layer, h, residual, rope):
         args = layer_arguments(layer)
