@@ -254,3 +254,20 @@ def test_the_search_splits_prefill_from_decode_when_prefills_stall_decodes():
     assert by_label["1P:2D"].summary["p90_ttft_ms"] > 50.0
     assert by_label["2P:1D"].summary["p99_tpot_ms"] == pytest.approx(1.0, rel=0.1)
     assert len(rows) == 6  # it stopped at three instances
+
+
+def test_flags_that_would_be_ignored_are_refused(capsys):
+    """A flag that does nothing in this invocation is an error naming it, not a no-op."""
+    from tandem.cli import main
+
+    base = ["simulate", "--model", "models/stdlib-lm", "--hardware", "h100-sxm"]
+    for extra, flag in (
+        (["--slo", "p90_ttft:5"], "--slo"),
+        (["--search", "--slo", "p90_ttft:5", "--trace", "t.json"], "--trace"),
+        (["--search", "--slo", "p90_ttft:5", "--max-instances", "0"], "--max-instances"),
+        (["--prefill", "1"], "--prefill"),
+    ):
+        assert main([*base, *extra]) == 2
+        assert f"error: {flag}" in capsys.readouterr().err
+    assert main(["plan", "--model", "models/stdlib-lm", "--from-trace", "t.json"]) == 2
+    assert "error: --from-trace" in capsys.readouterr().err

@@ -53,10 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     import json
 
+    from tandem.errors import InvalidParameterError
     from tandem.plan.calculator import format_plan, plan
     from tandem.plan.hardware import PRESETS, custom_hardware
     from tandem.plan.measure import check_measurable, measure_model, this_machine
 
+    if (args.from_trace or args.client_ttft_ms is not None) and not args.calibrate:
+        raise InvalidParameterError("--from-trace", "and --client-ttft-ms need --calibrate FILE")
+    if args.client_ttft_ms is not None and not args.from_trace:
+        raise InvalidParameterError("--client-ttft-ms", "is the clients' TTFT of --from-trace")
     on_this_machine = args.measure or args.hardware == "cpu"
     if args.dtype is None:  # what the engine runs: float32 on a CPU, bf16 on a GPU
         args.dtype = "fp32" if on_this_machine else "bf16"

@@ -110,6 +110,12 @@ def run(args: argparse.Namespace) -> None:
 
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise InvalidParameterError("--request-rate", "and --burstiness must be > 0")
+    if not args.search and args.slo:
+        raise InvalidParameterError("--slo", "is for --search (one layout: --goodput)")
+    if args.search and args.trace:
+        raise InvalidParameterError("--trace", "draws one layout; leave it out of --search")
+    if args.max_instances < 1:
+        raise InvalidParameterError("--max-instances", "must be >= 1")
     slos = parse_goodput(args.goodput)
     config_model, params = read_model(args.model)
     dtype = args.dtype or ("fp32" if args.cost else "bf16")

@@ -103,13 +103,13 @@ class Topology:
         if self.prefill or self.decode:
             if self.prefill < 1 or self.decode < 1:
                 raise InvalidParameterError(
-                    "topology", "a disaggregated cluster needs at least one prefill and "
-                    "one decode instance"
+                    "--prefill", "and --decode: a disaggregated cluster needs at least one "
+                    "instance of each"
                 )  # fmt: skip
         elif self.instances < 1:
-            raise InvalidParameterError("topology", "needs at least one instance")
+            raise InvalidParameterError("--instances", "must be >= 1")
         if self.link_gbs <= 0 or self.link_latency_s < 0:
-            raise InvalidParameterError("topology", "link bandwidth must be > 0, latency >= 0")
+            raise InvalidParameterError("--link-gbs", "must be > 0 (and --link-latency-ms >= 0)")
 
     @property
     def disaggregated(self) -> bool:
