@@ -27,8 +27,9 @@ answered greedily:
 - agentic edit: rewrite a held-out function with one name changed (the answer copies
   most of the prompt, as editing and tool-using agents do);
 
-and the methods are n-gram, suffix decoding and layer skipping (``--skip-layers`` as
-``tandem tune-layer-skip`` printed), each adaptive (the default: measured switch-off,
+and the methods are n-gram, suffix decoding, layer skipping (``--skip-layers`` as
+``tandem tune-layer-skip`` printed) and, with ``--eagle DIR`` (a head from ``tandem
+train-draft``), the EAGLE head, each adaptive (the default: measured switch-off,
 engine/spec_control.py) and forced on.
 """
 
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=None)
     parser.add_argument("--skip-layers", default=None, help="layer_skip's (tune-layer-skip)")
+    parser.add_argument("--eagle", default=None, metavar="DIR", help="an EAGLE head's folder")
     parser.add_argument("--workloads", nargs="+", default=None)
     args = parser.parse_args()
     bundled = args.model == "stdlib-lm"
@@ -174,10 +176,12 @@ def main() -> None:
             "draft": {"method": "draft", "num_speculative_tokens": k, "adaptive": False},
         }
     else:
+        kinds = ["ngram", "suffix", "layer_skip", *(["eagle"] if args.eagle else [])]
         settings = {
             f"{method}{suffix}": {"method": method, "num_speculative_tokens": k,
-                                  "adaptive": not forced, "skip_layers": args.skip_layers}
-            for method in ("ngram", "suffix", "layer_skip")
+                                  "adaptive": not forced, "skip_layers": args.skip_layers,
+                                  "model": args.eagle if method == "eagle" else None}
+            for method in kinds
             for suffix, forced in (("", False), (" (forced)", True))
         }  # fmt: skip
     methods = args.methods or list(settings)

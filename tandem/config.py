@@ -87,7 +87,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "layer_skip")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "layer_skip", "eagle")
 
 
 @dataclass(frozen=True)
@@ -97,13 +97,17 @@ class SpeculativeConfig:
 
     method: str = setting(
         "ngram", "ngram (prompt lookup), suffix (suffix tries over the request and recent "
-        "outputs; k is the most it drafts), draft (a smaller model) or layer_skip (the "
-        "target without some of its layers)", "METHOD",
+        "outputs; k is the most it drafts), draft (a smaller model), layer_skip (the "
+        "target without some of its layers) or eagle (a draft head trained by tandem "
+        "train-draft)", "METHOD",
         "--speculative-method",
     )  # fmt: skip
     num_speculative_tokens: int = setting(4, "draft tokens per step (k)", "K")
     model: str | None = setting(
-        None, "the draft model's folder (default: the bundled draft)", "DIR", "--draft-model"
+        None,
+        "the draft model's folder (default: the bundled draft), or the EAGLE head's",
+        "DIR",
+        "--draft-model",
     )
     # On the bundled pair on a 2-core CPU, n-gram lookup on code still paid at 64
     # (1.14x throughput, down from 1.67x at 32); see docs/BENCHMARKS.md.
@@ -131,6 +135,10 @@ class SpeculativeConfig:
             raise InvalidParameterError(
                 "speculative_config.method",
                 f"{self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}",
+            )
+        if self.method == "eagle" and not self.model:
+            raise InvalidParameterError(
+                "speculative_config.model", "eagle needs the head's folder (tandem train-draft)"
             )
         if self.num_speculative_tokens < 1:
             raise InvalidParameterError("speculative_config.num_speculative_tokens", "must be >= 1")

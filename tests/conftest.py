@@ -49,6 +49,33 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eagle_heads(tmp_path_factory):
+    """Target folder -> the folder of an untrained (random) EAGLE head for it, whose
+    draft vocabulary leaves out every fourth token: verification must still produce
+    those (eagle_head.py)."""
+    import torch
+
+    from tandem.models.loader import read_config
+    from tandem.models.random_weights import initialize
+    from tandem.spec_decode.eagle_head import EagleHead, save_head
+
+    built = {}
+
+    def get(target) -> str:
+        if str(target) not in built:
+            _, config, _ = read_config(target)
+            vocab = torch.tensor([i for i in range(config.vocab_size) if i % 4 != 3])
+            head = EagleHead(config, vocab)
+            initialize(head, torch.Generator().manual_seed(0))
+            folder = tmp_path_factory.mktemp("eagle-head")
+            save_head(head, folder, str(target), training={})
+            built[str(target)] = str(folder)
+        return built[str(target)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def llama_folder(model_dirs) -> str:
     """The tiny random Llama's folder (model_dirs' "llama")."""
     return str(model_dirs("llama")[0])

@@ -443,8 +443,10 @@ def test_smollm2_greedy_tokens_equal_transformers():
         assert agree.float().mean() >= 0.9, question
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "layer_skip"])
-def test_verification_runs_whole_layers_and_stays_lossless(gguf_files, monkeypatch, method):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "layer_skip", "eagle"])
+def test_verification_runs_whole_layers_and_stays_lossless(
+    gguf_files, eagle_heads, monkeypatch, method
+):
     """Speculative verification (a decode and its drafts per request) also runs each
     layer in one compiled call, its attention reading the few query rows of a request
     straight from the blocks: tokens and logprobs equal the layer-by-layer path's, and
@@ -455,6 +457,8 @@ def test_verification_runs_whole_layers_and_stays_lossless(gguf_files, monkeypat
     prompts = [{"prompt_token_ids": p} for p in repeating]
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False,
             "disable_by_batch_size": None}  # fmt: skip
+    if method == "eagle":
+        spec["model"] = eagle_heads(path)
 
     from tandem.runner.fused_decode import FusedDecode
 

@@ -65,8 +65,10 @@ def greedy_outputs(llm, prompts, **params):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-self", "draft-bad", "layer_skip"])
-def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
+@pytest.mark.parametrize(
+    "method", ["ngram", "suffix", "draft-self", "draft-bad", "layer_skip", "eagle"]
+)
+def test_greedy_equals_plain_decoding(target, bad_draft, eagle_heads, setting, method):
     folder, hf_model = target
     prompts = repetitive_prompts(1, [30, 11, 45, 8, 26, 17])
     if setting == "prefix hits":  # later prompts share a start with earlier ones
@@ -77,6 +79,8 @@ def test_greedy_equals_plain_decoding(target, bad_draft, setting, method):
     spec = {"method": kind, "num_speculative_tokens": 3, "disable_by_batch_size": None}
     if kind == "draft":
         spec["model"] = str(folder if draft == "self" else bad_draft)
+    if kind == "eagle":
+        spec["model"] = eagle_heads(folder)
     llm = LLM(str(folder), speculative_config=spec, **options)
     if setting == "prefix hits":  # cache the first prompts; the later ones then hit
         assert greedy_outputs(llm, prompts[:3])[0] == greedy_outputs(plain, prompts[:3])[0]
@@ -218,8 +222,10 @@ P_VALUE_FLOOR = 1e-3  # per position; fixed seeds make the outcome deterministic
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 6)])
-@pytest.mark.parametrize("proposer", ["bad-draft", "ngram", "suffix", "layer-skip"])
-def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer, temperature, top_k):
+@pytest.mark.parametrize("proposer", ["bad-draft", "ngram", "suffix", "layer-skip", "eagle"])
+def test_sampled_tokens_follow_the_target_distribution(
+    small_vocab, eagle_heads, proposer, temperature, top_k
+):
     target_folder, target_hf, draft_folder = small_vocab
     if proposer == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
@@ -227,6 +233,8 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer, te
         spec = {"method": "suffix", "num_speculative_tokens": 2}
     elif proposer == "layer-skip":  # the target without its last layer
         spec = {"method": "layer_skip", "num_speculative_tokens": 2}
+    elif proposer == "eagle":  # guesses 12 of the 16 tokens
+        spec = {"method": "eagle", "model": eagle_heads(target_folder), "num_speculative_tokens": 2}
     else:
         spec = {"method": "draft", "model": str(draft_folder), "num_speculative_tokens": 2}
     spec["disable_by_batch_size"] = None

@@ -19,6 +19,7 @@ from tandem.cli import (
     serve,
     simulate,
     trace,
+    train_draft,
     tune_layer_skip,
 )
 from tandem.errors import TandemError
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(commands, "simulate", simulate)
     add(commands, "quantize", quantize)
     add(commands, "tune-layer-skip", tune_layer_skip)
+    add(commands, "train-draft", train_draft)
     traces = commands.add_parser("trace", help="step traces").add_subparsers(
         dest="trace_command", required=True, metavar="ACTION"
     )

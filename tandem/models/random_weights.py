@@ -26,19 +26,25 @@ def random_model(
     config = cls.parse_config(raw_config)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    generator = torch.Generator().manual_seed(seed)
     model = cls(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    initialize(model, torch.Generator().manual_seed(seed))
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.tie_weights()
     return LoadedModel(Path("<random>"), config, model, None, dtype, device)
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, generator: torch.Generator) -> None:
+    """The usual recipe on every trainable parameter (frozen ones are left alone)."""
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
 def model_parameters(model: nn.Module) -> int:

@@ -199,6 +199,10 @@ class ModelRunner:
             if item.samples:  # the last token's logits, and each draft's
                 logit_rows.extend(range(position - 1 - len(guess), position))
         hidden = self.hidden_states(chunks)
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:  # the EAGLE head reads the target's hidden states
+            pairs = zip(scheduled, chunks, strict=True)
+            observe([(item.request_id, chunk) for (item, _), chunk in pairs], hidden)
         if prompt_spans:
             self._prompt_logprobs(hidden, prompt_spans, result)
         if logit_rows:

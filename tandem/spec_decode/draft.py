@@ -34,16 +34,12 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, items, make_row, shared_generator):
+        """One forward for every item's first guess (``_first_logits``), then one per
+        further guess over the items still short of theirs (``_next_logits``)."""
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
-        chunks = []
-        for item in items:
-            request = item.request
-            start = self._first_unseen(request)
-            chunks.append(SequenceChunk(request.all_token_ids[start:], start, item.block_table))
-        active = list(range(len(items)))
-        logits = self._forward(chunks)
-        while True:
+        logits, active = self._first_logits(items)
+        while active:
             rows = [make_row(items[i].request, drafts[i]) for i in active]
             processed = processed_logits(logits.float(), rows)
             tokens = argmax_rows(processed)
@@ -58,24 +54,40 @@ class DraftProposer:
                 if q is not None and not rows[slot].params.greedy:
                     probs[i].append(q[slot])
             active = [i for i in active if len(drafts[i]) < items[i].num_spec_tokens]
-            if not active:
-                break
-            logits = self._forward(
-                [
-                    SequenceChunk(
-                        [drafts[i][-1]],
-                        items[i].request.num_tokens + len(drafts[i]) - 1,
-                        items[i].block_table,
-                    )
-                    for i in active
-                ]
-            )
-        for item, guess in zip(items, drafts, strict=True):
-            # Fed: everything up to the last token, then all guesses but the last.
-            self.num_valid[item.request.request_id] = item.request.num_tokens + len(guess) - 1
+            if active:
+                logits = self._next_logits(items, active, drafts)
+        self._fed(items, drafts)
         return [
             (guess, torch.stack(p) if p else None) for guess, p in zip(drafts, probs, strict=True)
         ]
+
+    def _first_logits(self, items) -> tuple[torch.Tensor, list[int]]:
+        """Logits for each item's first guess (the tokens the draft has not seen, up to
+        the last), and which items they are (here: all)."""
+        chunks = []
+        for item in items:
+            request = item.request
+            start = self._first_unseen(request)
+            chunks.append(SequenceChunk(request.all_token_ids[start:], start, item.block_table))
+        return self._forward(chunks), list(range(len(items)))
+
+    def _next_logits(self, items, active: list[int], drafts: list[list[int]]) -> torch.Tensor:
+        """Logits for the next guess of each active item, from its last guess."""
+        return self._forward(
+            [
+                SequenceChunk(
+                    [drafts[i][-1]],
+                    items[i].request.num_tokens + len(drafts[i]) - 1,
+                    items[i].block_table,
+                )
+                for i in active
+            ]
+        )
+
+    def _fed(self, items, drafts: list[list[int]]) -> None:
+        """Fed: every token up to the last, then all guesses but the last."""
+        for item, guess in zip(items, drafts, strict=True):
+            self.num_valid[item.request.request_id] = item.request.num_tokens + len(guess) - 1
 
     def _first_unseen(self, request) -> int:
         """The first of the request's tokens the draft has no K/V for."""

@@ -22,7 +22,9 @@ MakeRow = Callable[["RequestState", Sequence[int]], "SamplingRow"]
 
 class Proposer(Protocol):
     """Guesses draft tokens for speculating requests (ngram.py, suffix.py, draft.py,
-    layer_skip.py)."""
+    layer_skip.py, eagle.py). A proposer that reads the target's hidden states also
+    has ``observe(chunks, hidden)``: each step's (request id, chunk) pairs and the
+    final hidden states of their rows."""
 
     def propose(
         self, items: list[SpecItem], make_row: MakeRow, shared_generator: torch.Generator
@@ -58,6 +60,10 @@ def make_proposer(
         from tandem.spec_decode.layer_skip import LayerSkipProposer
 
         return LayerSkipProposer(target, spec.skip_layers)
+    if spec.method == "eagle":  # a trained head over the target's hidden states
+        from tandem.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(spec.model, target, num_blocks, block_size)
     from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
 
     return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)

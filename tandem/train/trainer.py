@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from tandem.models.loader import LoadedModel
@@ -63,10 +65,36 @@ def train(
 
     ``stop_at``: end after that step, checkpointed, as an interruption would (the
     schedule still spans ``config.steps``; call again to continue)."""
-    model = loaded.model
-    model.train().requires_grad_(True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+
+    def loss(generator: torch.Generator) -> torch.Tensor:
+        inputs, targets = random_windows(tokens, config, generator)
+        logits = forward_no_cache(loaded, inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    loaded.model.requires_grad_(True)
+    tokens_per_step = config.batch_size * config.seq_len
+    return fit(loaded.model, config, loss, tokens_per_step, checkpoint, progress, stop_at)
+
+
+LossFn = Callable[[torch.Generator], torch.Tensor]
+
+
+def fit(
+    model: nn.Module,
+    config: TrainConfig,
+    loss_fn: LossFn,
+    tokens_per_step: int,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    stop_at: int | None = None,
+) -> list[float]:
+    """The loop itself: ``loss_fn(generator)`` draws a batch from the generator and
+    returns its loss; the trainable parameters of ``model`` (those that require a
+    gradient once it is in training mode; frozen ones are left alone) follow it."""
+    model.train()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.dim() >= 2]
+    no_decay = [p for n, p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": config.weight_decay},
@@ -96,16 +124,14 @@ def train(
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
-        inputs, targets = random_windows(tokens, config, generator)
-        logits = forward_no_cache(loaded, inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = loss_fn(generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
         optimizer.step()
         losses.append(loss.item())
         done = step + 1 - start_step
-        rate = done * config.batch_size * config.seq_len / (time.perf_counter() - started)
+        rate = done * tokens_per_step / (time.perf_counter() - started)
         bar.set_postfix_str(f"loss {losses[-1]:.3f}, {rate:,.0f} tok/s")
         if checkpoint is not None and (
             step + 1 == end or (step + 1) % config.checkpoint_every == 0

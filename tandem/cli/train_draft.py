@@ -1,0 +1,53 @@
+"""``tandem train-draft``: train an EAGLE draft head for a target on the target's own
+answers (tandem/spec_decode/train_draft.py), then serve with ``--speculative-method
+eagle --draft-model OUT``. Interrupted, the same command goes on where it stopped."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.spec_decode.draft_settings import DraftTraining
+
+HELP = "train an EAGLE draft head on the target's own answers (speculative method eagle)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DraftTraining()
+    parser.add_argument("--target", required=True, help="folder, GGUF file or catalog name")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the head's folder")
+    parser.add_argument("--text", nargs="+", metavar="FILE", default=None,
+                        help="documents whose paragraphs prompts are made of "
+                             "(default: the Python standard library's docstrings)")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=defaults.prompts, metavar="N",
+                        help="prompts the target answers for training")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, metavar="N",
+                        help="per answer")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=defaults.steps, metavar="N")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="N")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab_size,
+                        metavar="N", help="tokens it can guess (the most common)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def run(args: argparse.Namespace) -> None:
+    import json
+
+    from tandem.errors import InvalidParameterError
+    from tandem.spec_decode.train_draft import train_draft
+
+    for name in ("prompts", "max_tokens", "steps", "batch_size", "draft_vocab"):
+        if getattr(args, name) < 1:
+            raise InvalidParameterError(f"--{name.replace('_', '-')}", "must be >= 1")
+    settings = DraftTraining(
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        draft_vocab_size=args.draft_vocab,
+        seed=args.seed,
+    )
+    summary = train_draft(args.target, args.out, args.text, settings)
+    print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=2))
+    print(f"use: --speculative-method eagle --draft-model {args.out} --num-speculative-tokens 3")

@@ -1,0 +1,21 @@
+"""The settings of ``tandem train-draft`` (spec_decode/train_draft.py), importable
+without torch (the command line reads its defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DraftTraining:
+    prompts: int = 800
+    heldout_prompts: int = 48
+    max_tokens: int = 160  # per answer
+    seq_len: int = 384  # prompt + answer, truncated
+    draft_vocab_size: int = 8192
+    steps: int = 1500
+    batch_size: int = 8
+    lr: float = 1e-3
+    feature_noise: float = 0.05  # std of the input noise, relative to a feature's RMS
+    regression_weight: float = 1.0
+    seed: int = 0
