@@ -8,14 +8,17 @@ from dataclasses import dataclass
 
 @dataclass
 class DraftTraining:
-    prompts: int = 800
+    prompts: int = 3200
     heldout_prompts: int = 48
     max_tokens: int = 160  # per answer
     seq_len: int = 384  # prompt + answer, truncated
     draft_vocab_size: int = 8192
-    steps: int = 1500
+    steps: int = 1200
     batch_size: int = 8
     lr: float = 1e-3
     feature_noise: float = 0.05  # std of the input noise, relative to a feature's RMS
     regression_weight: float = 1.0
+    # Matmuls in bfloat16 (autocast; weights and the optimizer stay float32): 1.5-2x
+    # faster on a CPU with AVX-512 bf16 units.
+    bf16: bool = True
     seed: int = 0

@@ -17,8 +17,9 @@ training data (EAGLE-3's reduced vocabulary): a draft step reads 8k LM-head rows
 
 A head folder holds ``config.json`` (architecture ``TandemEagleHead``, the target's
 shape it was trained for, the draft vocabulary size) and ``model.safetensors`` (the
-head's own weights and the draft vocabulary's token ids); ``tandem train-draft`` writes
-it (spec_decode/train_draft.py), the ``eagle`` proposer runs it (spec_decode/eagle.py).
+head's own weights in bfloat16, and the draft vocabulary's token ids); ``tandem
+train-draft`` writes it (spec_decode/train_draft.py), the ``eagle`` proposer runs it
+(spec_decode/eagle.py).
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, training: d
         "draft_vocab_size": len(head.draft_vocab),
         "training": training,
     }
-    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state().items()}
+    state = {  # weights in bfloat16 (half the bytes; the loader widens them to float32)
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().contiguous().cpu()
+        for k, v in head.trainable_state().items()
+    }
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -169,7 +169,8 @@ def draft_vocabulary(data: dict, size: int, eos_ids: tuple[int, ...], vocab: int
 
 
 class Batches:
-    """Padded batches of (token ids, features, length) drawn from one data split."""
+    """Padded batches of one data split: the tokens' embeddings (the target's, frozen),
+    the features, and which positions have a next feature to learn."""
 
     def __init__(self, part: dict, embed) -> None:
         self.sequences = part["sequences"]
@@ -297,13 +298,14 @@ def train_draft(
         count = len(batches.sequences)
         indices = torch.randint(0, count, (settings.batch_size,), generator=generator).tolist()
         embeds, features, mask = batches.batch(indices)
-        first, second, targets, mask = head_passes(
-            head, embeds, features, mask, settings.feature_noise, generator
-        )
-        weight = settings.regression_weight
-        return head_loss(head, first, targets, mask, weight) + head_loss(
-            head, second, targets, mask, weight
-        )
+        with torch.autocast("cpu", torch.bfloat16, enabled=settings.bf16):
+            first, second, targets, mask = head_passes(
+                head, embeds, features, mask, settings.feature_noise, generator
+            )
+            weight = settings.regression_weight
+            return head_loss(head, first, targets, mask, weight) + head_loss(
+                head, second, targets, mask, weight
+            )
 
     mean_len = sum(map(len, batches.sequences)) / max(1, len(batches.sequences))
     head.requires_grad_(True)
