@@ -146,7 +146,7 @@ def test_rejected_drafts_leave_no_kv(target, bad_draft):
 def test_bad_settings_are_named(target, model_dirs):
     folder, _ = target
     with pytest.raises(InvalidParameterError, match="method"):
-        LLM(str(folder), speculative_config={"method": "eagle"})
+        LLM(str(folder), speculative_config={"method": "medusa"})
     with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
         LLM(str(folder), speculative_config={"num_speculative_tokens": 0})
     other_vocab = model_dirs("llama", vocab_size=VOCAB_SIZE + 8)[0]
