@@ -15,7 +15,7 @@ from tandem.cli import main
 from tandem.errors import InvalidParameterError
 from tandem.spec_decode.draft_settings import DraftTraining
 from tandem.spec_decode.eagle_head import load_head
-from tandem.spec_decode.train_draft import documents, encode_prompt, prompts_from, train_draft
+from tandem.spec_decode.train_draft import documents, prompts_from, train_draft
 
 TARGET = "stdlib-lm"
 SMALL = DraftTraining(
@@ -48,7 +48,7 @@ def test_the_trained_head_beats_ngram_on_heldout_prompts(trained):
     out, _ = trained
     tokenizer = LLM(TARGET).engine.tokenizer
     heldout = prompts_from(documents(None, heldout=True), 24, seed=1)
-    prompts = [{"prompt_token_ids": encode_prompt(tokenizer, p)} for p in heldout]
+    prompts = [{"prompt_token_ids": tokenizer.encode_user_prompt(p)} for p in heldout]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}
     for method, extra in (("eagle", {"model": str(out)}), ("ngram", {})):
@@ -91,6 +91,16 @@ def test_the_command_line(tmp_path, capsys):
     assert "--speculative-method eagle" in printed and (out / "model.safetensors").is_file()
     assert main(["train-draft", "--target", TARGET, "--out", str(out), "--steps", "0"]) == 2
     assert "--steps: must be >= 1" in capsys.readouterr().err
+    assert main(["train-draft", "--target", TARGET, "--out", str(out), "--lr", "nan"]) == 2
+    assert "--lr: must be > 0" in capsys.readouterr().err
+    assert main(["train-draft", "--target", TARGET, "--out", str(out), "--prompts", "9"]) == 2
+    assert "holds a run with other draft_vocab_size, max_tokens, prompts" in (
+        capsys.readouterr().err
+    )
+    missing = str(tmp_path / "missing.txt")
+    assert main(["train-draft", "--target", TARGET, "--out", str(tmp_path / "b"), "--text",
+                 missing]) == 2  # fmt: skip
+    assert "--text: cannot read" in capsys.readouterr().err
 
 
 def test_a_head_for_another_target_is_refused(trained, model_dirs):

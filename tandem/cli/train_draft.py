@@ -9,6 +9,8 @@ import argparse
 from tandem.spec_decode.draft_settings import DraftTraining
 
 HELP = "train an EAGLE draft head on the target's own answers (speculative method eagle)"
+# The DraftTraining fields the command line sets (each flag's dest is the field's name).
+FIELDS = ("prompts", "max_tokens", "steps", "batch_size", "lr", "draft_vocab_size", "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="N")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab_size,
-                        metavar="N", help="tokens it can guess (the most common)")  # fmt: skip
+                        dest="draft_vocab_size", metavar="N",
+                        help="tokens it can guess (the most common)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed)
 
 
@@ -36,18 +39,14 @@ def run(args: argparse.Namespace) -> None:
     from tandem.errors import InvalidParameterError
     from tandem.spec_decode.train_draft import train_draft
 
-    for name in ("prompts", "max_tokens", "steps", "batch_size", "draft_vocab"):
+    for flag, name in (("--prompts", "prompts"), ("--max-tokens", "max_tokens"),
+                       ("--steps", "steps"), ("--batch-size", "batch_size"),
+                       ("--draft-vocab", "draft_vocab_size")):  # fmt: skip
         if getattr(args, name) < 1:
-            raise InvalidParameterError(f"--{name.replace('_', '-')}", "must be >= 1")
-    settings = DraftTraining(
-        prompts=args.prompts,
-        max_tokens=args.max_tokens,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        draft_vocab_size=args.draft_vocab,
-        seed=args.seed,
-    )
+            raise InvalidParameterError(flag, "must be >= 1")
+    if not args.lr > 0:  # (NaN too)
+        raise InvalidParameterError("--lr", "must be > 0")
+    settings = DraftTraining(**{name: getattr(args, name) for name in FIELDS})
     summary = train_draft(args.target, args.out, args.text, settings)
     print(json.dumps({k: v for k, v in summary.items() if k != "settings"}, indent=2))
     print(f"use: --speculative-method eagle --draft-model {args.out} --num-speculative-tokens 3")

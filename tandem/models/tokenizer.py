@@ -185,6 +185,13 @@ class Tokenizer:
         # The template writes the special tokens itself, so none are added here.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
+    def encode_user_prompt(self, text: str) -> list[int]:
+        """``text`` as a user's message in the chat template, or as it is when the
+        model has no template (a base model)."""
+        if self.chat_template_source is None:
+            return self.encode(text)
+        return self.encode_chat([{"role": "user", "content": text}])
+
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     """The rendered conversation up to the end of its last message's content, found as

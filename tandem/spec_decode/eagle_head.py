@@ -145,23 +145,25 @@ def save_head(head: EagleHead, folder: str | Path, target_name: str, training: d
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def is_head_folder(folder: str | Path) -> bool:
-    path = Path(folder) / "config.json"
+def head_config(folder: str | Path) -> dict | None:
+    """A head folder's config.json, or None when ``folder`` is not a head's."""
     try:
-        return ARCHITECTURE in json.loads(path.read_text()).get("architectures", [])
+        config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    is_head = isinstance(config, dict) and ARCHITECTURE in config.get("architectures", [])
+    return config if is_head else None
 
 
 def load_head(folder: str | Path, target_model: nn.Module) -> EagleHead:
     """A head folder -> the head, attached to ``target_model`` (float32, on its
     device). Errors name ``speculative_config.model``."""
     folder = Path(folder)
-    if not is_head_folder(folder):
+    config = head_config(folder)
+    if config is None:
         raise InvalidParameterError(
             FIELD, f"{folder} is not an EAGLE head folder (tandem train-draft makes one)"
         )
-    config = json.loads((folder / "config.json").read_text())
     expected = {k: v for k, v in config["target"].items() if k != "model"}
     actual = target_signature(target_model.config)
     if expected != actual:

@@ -1,6 +1,7 @@
 """``tandem train-draft``: an EAGLE head (eagle_head.py) trained on the target's own text.
 
-Self-distillation, in three resumable stages under the output folder:
+Self-distillation, in three resumable stages under the output folder (``run.json``
+records the settings they were made with; a folder of other settings is refused):
 
 1. ``data.pt``: chat prompts built from documents (the docstrings of the Python
    standard library's training split, train/corpus.py, or the paragraphs of the files
@@ -22,6 +23,7 @@ Self-distillation, in three resumable stages under the output folder:
 from __future__ import annotations
 
 import ast
+import json
 import random
 import warnings
 from collections import Counter
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tandem.errors import InvalidParameterError
 from tandem.models.random_weights import initialize
 from tandem.runner.attention import CausalAttention
 from tandem.spec_decode.draft_settings import DraftTraining
@@ -56,9 +59,14 @@ def documents(paths: list[str] | None, heldout: bool) -> list[tuple[str, str]]:
     if paths:
         found = []
         for path in paths:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            try:
+                text = Path(path).read_text(encoding="utf-8", errors="replace")
+            except OSError as exc:
+                raise InvalidParameterError("--text", f"cannot read {path}: {exc}") from None
             paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 40]
             found += [(Path(path).stem, p[:DEFAULT_DOCUMENT_CHARS]) for p in paragraphs]
+        if not found:
+            raise InvalidParameterError("--text", "no paragraph of 40 characters or more")
         # Held out: every 20th paragraph.
         return [d for i, d in enumerate(found) if (i % 20 == 19) == heldout]
     train, held = split(stdlib_sources())
@@ -93,14 +101,6 @@ def prompts_from(docs: list[tuple[str, str]], count: int, seed: int) -> list[str
     return prompts
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """In the model's chat template, or the text itself when it has none."""
-    try:
-        return tokenizer.encode_chat([{"role": "user", "content": text}])
-    except Exception:  # no chat template
-        return tokenizer.encode(text)
-
-
 def answered(
     llm, prompts: list[str], max_tokens: int, progress: bool = True
 ) -> list[tuple[list[int], int]]:
@@ -108,7 +108,7 @@ def answered(
     from tandem.sampling import SamplingParams
 
     tokenizer = llm.engine.tokenizer
-    inputs = [{"prompt_token_ids": encode_prompt(tokenizer, p)} for p in prompts]
+    inputs = [{"prompt_token_ids": tokenizer.encode_user_prompt(p)} for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs = llm.generate(inputs, params, use_tqdm=progress)
     return [
@@ -253,6 +253,22 @@ def agreement(head: EagleHead, part: dict, embed) -> tuple[float, float]:
     return hits[0] / max(1, total), hits[1] / max(1, total)
 
 
+def _same_run(out: Path, settings: dict) -> None:
+    """``out`` holds this run or nothing: its stages are reused only under the same
+    settings (``steps`` may grow: the schedule is extended)."""
+    record = out / "run.json"
+    settings = {k: v for k, v in settings.items() if k != "steps"}
+    if not record.is_file():
+        record.write_text(json.dumps(settings, indent=2) + "\n")
+        return
+    before = json.loads(record.read_text())
+    changed = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
+    if changed:
+        raise InvalidParameterError(
+            "--out", f"{out} holds a run with other {', '.join(changed)}: use a new folder"
+        )
+
+
 def train_draft(
     target: str,
     out: str | Path,
@@ -268,6 +284,7 @@ def train_draft(
     settings = settings or DraftTraining()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    _same_run(out, {**asdict(settings), "target": str(target), "text": text})
     llm = LLM(target)
     loaded = llm.engine.runner.loaded
     data_path = out / "data.pt"

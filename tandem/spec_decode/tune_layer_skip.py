@@ -89,13 +89,7 @@ def calibration_text(llm, num_prompts: int, num_tokens: int) -> list[tuple[list[
     from tandem.sampling import SamplingParams
 
     tokenizer = llm.engine.tokenizer
-    prompts = []
-    for text in PROMPTS[:num_prompts]:
-        try:
-            ids = tokenizer.encode_chat([{"role": "user", "content": text}])
-        except Exception:  # no chat template: the text itself
-            ids = tokenizer.encode(text)
-        prompts.append({"prompt_token_ids": ids})
+    prompts = [{"prompt_token_ids": tokenizer.encode_user_prompt(t)} for t in PROMPTS[:num_prompts]]
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
