@@ -17,7 +17,7 @@ UNIT = {
     "test_attention", "test_kernels", "test_layering", "test_sampler", "test_scheduler",
     "test_kv_transfer", "test_detokenizer", "test_tokenizer", "test_kv_transfer_params",
     "test_quant", "test_kernel_build", "test_cost_model", "test_simulate", "test_suffix_decoding",
-    "test_spec_control", "test_layer_skip", "test_eagle",
+    "test_spec_control", "test_layer_skip", "test_eagle", "test_readme_commands",
 }  # fmt: skip
 SYSTEM = {
     "test_server", "test_disagg", "test_bench_serve", "test_cli", "test_readme", "test_trace",
