@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
-from tandem.runner.attention import BACKENDS, build_paged_metadata
+from tandem.runner.attention import BACKENDS, build_paged_metadata, torch_sdpa
 from tandem.runner.kv_cache import (
     STORED_DTYPES,
     cache_rows,
@@ -34,15 +34,18 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
 @pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("batch", ["mixed", "decodes", "verify"])
+@pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "verify"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
-def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
+def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, monkeypatch):
     """With an int8 cache, every token read from the cache is its int8 row times its
     scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
     reads the same rows); prompts the backend attends without the cache see their K/V
-    as computed."""
+    as computed. "mixed-split": every prompt chunk after a cache takes the long-chunk
+    path (prefix and chunk attended apart, merged by log-sum-exp)."""
     if backend == "cpu-paged" and cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
+    if batch == "mixed-split":
+        monkeypatch.setattr(torch_sdpa, "SPLIT_MASK_ELEMENTS", 1)
     torch.manual_seed(0)
     # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
     # and chunks continuing after the cache.
@@ -104,3 +107,86 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype):
         expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new
+
+
+LONG_HEAD_DIM, LONG_BLOCK = 64, 16
+
+
+def _long_cache(kv_dtype: str, num_blocks: int) -> torch.Tensor:
+    width = LONG_HEAD_DIM + (4 if kv_dtype == "int8" else 0)
+    dtype = torch.uint8 if kv_dtype == "int8" else STORED_DTYPES.get(kv_dtype, torch.float32)
+    return torch.zeros(2, num_blocks, LONG_BLOCK, KV_HEADS, width, dtype=dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
+@pytest.mark.parametrize("window", [None, 700])
+def test_long_contexts_match_brute_force(kv_dtype, window):
+    """The decode kernel splits each context into spans merged by their softmax
+    statistics (flash-decoding): one sequence of 32k tokens, others ending on, just
+    before and just after a span's edge, a verification run crossing one, and a window
+    that starts inside a span. Against brute force over the rows read back from the
+    cache; and a decode row equals itself bit for bit alone and with draft rows."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no compiler for the CPU kernels here")
+    torch.manual_seed(0)
+    store = quantize_kv_rows if kv_dtype == "int8" else None
+    # (context length, query rows): a row r of a sequence sees length - rows + r + 1 tokens
+    shapes = [(32768, 1), (256, 1), (255, 1), (257, 1), (3000, 4), (514, 3), (1, 1)]
+    num_blocks = sum(-(-length // LONG_BLOCK) for length, _ in shapes)
+    cache = _long_cache(kv_dtype, num_blocks)
+    pool = torch.randperm(num_blocks).tolist()
+    width = max(-(-length // LONG_BLOCK) for length, _ in shapes)
+    tables = torch.zeros(len(shapes), width, dtype=torch.long)
+    contexts, row_lens = [], []
+    for s, (length, rows) in enumerate(shapes):
+        count = -(-length // LONG_BLOCK)
+        tables[s, :count] = torch.tensor([pool.pop() for _ in range(count)])
+        kv = torch.randn(2, length, KV_HEADS, LONG_HEAD_DIM)
+        stored = store(kv) if store else cache_rows(kv, cache.dtype)
+        positions = torch.arange(length)
+        slots = tables[s, positions // LONG_BLOCK] * LONG_BLOCK + positions % LONG_BLOCK
+        cache.view(2, -1, KV_HEADS, cache.shape[-1])[:, slots] = stored
+        read_back = dequantize_kv_rows(stored, torch.float32) if store else stored.float()
+        contexts.append(read_back)
+        row_lens += [length - rows + r + 1 for r in range(rows)]
+    row_starts = torch.tensor([0, *torch.tensor([r for _, r in shapes]).cumsum(0).tolist()])
+    q = torch.randn(len(row_lens), HEADS, LONG_HEAD_DIM)
+    scale = LONG_HEAD_DIM**-0.5
+    out = cpu_kernels.paged_attention_rows(
+        q, cache[0], cache[1], tables, torch.tensor(row_lens), row_starts, scale, window
+    )
+    group = HEADS // KV_HEADS
+    for row, length in enumerate(row_lens):
+        seq = int(torch.searchsorted(row_starts, row, right=True)) - 1
+        first = 0 if window is None else max(0, length - window)
+        k_ctx, v_ctx = (x[first:length].repeat_interleave(group, 1) for x in contexts[seq])
+        probs = (torch.einsum("hd,thd->ht", q[row].double(), k_ctx.double()) * scale).softmax(-1)
+        expected = torch.einsum("ht,thd->hd", probs, v_ctx.double()).float()
+        torch.testing.assert_close(out[row], expected, atol=2e-5, rtol=1e-4)
+    # A decode alone is the first row of its verification run, to the bit.
+    runs = [s for s, (_, rows) in enumerate(shapes) if rows > 1]
+    first_rows = row_starts[runs]
+    alone = cpu_kernels.decode_attention(
+        q[first_rows], cache[0], cache[1], tables[runs], torch.tensor(row_lens)[first_rows],
+        scale, window,
+    )  # fmt: skip
+    assert torch.equal(alone, out[first_rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype):
+    """A 512-token chunk after 2,600 cached tokens (over SPLIT_MASK_ELEMENTS: no mask
+    is built) equals attention written out over the whole context."""
+    torch.manual_seed(0)
+    cached, new, heads, kv_heads, head_dim = 2600, 512, 12, 4, 32
+    assert heads // kv_heads * new * (cached + new) >= torch_sdpa.SPLIT_MASK_ELEMENTS
+    q = torch.randn(new, heads, head_dim, dtype=dtype)
+    k, v = torch.randn(2, cached + new, kv_heads, head_dim, dtype=dtype)
+    out = torch_sdpa.split_chunk_attention(q, k, v, cached, head_dim**-0.5)
+    keys, values = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
+    causal = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    expected = torch.einsum("hqk,khd->qhd", probs, values)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)

@@ -186,11 +186,23 @@ struct KVRows {
   }
 };
 
-// One query token per sequence, K/V read once, straight from the blocks:
-//   for each (sequence, KV head), in parallel:
-//     scores of the G query heads sharing the KV head against every context key,
-//     a float32 softmax, then the weighted sum of the values.
+// Flash-decoding: a few query rows per sequence against its paged K/V, K/V read once.
+//
+// Each sequence's context is cut into spans of kSpanTokens positions (absolute
+// positions: span j holds [j * kSpanTokens, (j + 1) * kSpanTokens)), and the work items
+// are (sequence, KV head, span), so that one long sequence, or a model with fewer KV
+// heads than there are cores, still keeps every thread reading K/V. An item computes,
+// for each of its query rows (the G query heads sharing the KV head, for each row of
+// the sequence), the scores against its span's keys, their maximum m, the sum l of
+// exp(score - m) and acc = sum exp(score - m) * value. A sequence of one span writes
+// acc / l; otherwise a second pass merges the spans: with M the largest m,
+//     out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j
+// (spans a row does not reach are skipped). The spans depend on positions only, so a
+// row's result depends on its own context alone: not on the batch, the thread count,
+// or other rows of its sequence (a decode computes the same with or without drafts).
 // With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
+constexpr int64_t kSpanTokens = 256;
+
 template <typename T, typename KV>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
                            int64_t num_seqs, int64_t num_heads, int64_t head_dim,
@@ -200,33 +212,65 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
                            const int64_t* row_starts = nullptr) {
   // Rows of sequence s: [row_starts[s], row_starts[s + 1]) (nullptr: row s alone), each a
   // query token attending to the first lens[row] tokens of its sequence's context (minus
-  // the window). The keys and values of a sequence are read once for all of its rows.
+  // the window).
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
   const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query, acc, scores;
-    std::vector<int64_t> starts, stops;
+  const int64_t head_bytes = head_width * sizeof(KV);
+  auto first_row = [&](int64_t seq) { return row_starts ? row_starts[seq] : seq; };
+  auto row_count = [&](int64_t seq) {
+    return (row_starts ? row_starts[seq + 1] : seq + 1) - first_row(seq);
+  };
+  auto row_start = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, lens[r] - window) : int64_t{0};
+  };
+  // Per sequence: its first span, its span count, its first work item and, when it has
+  // several spans, where its partial results start (m, l, acc per span and query).
+  const int64_t partial_width = head_dim + 2;
+  std::vector<int64_t> span0(num_seqs), spans(num_seqs), item0(num_seqs + 1, 0);
+  std::vector<int64_t> partial0(num_seqs, 0);
+  int64_t partial_total = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t r = first_row(seq); r < first_row(seq) + row_count(seq); ++r) {
+      first = std::min(first, row_start(r));
+      last = std::max(last, lens[r]);
+    }
+    spans[seq] = last > first ? (last - 1) / kSpanTokens - first / kSpanTokens + 1 : 0;
+    span0[seq] = last > first ? first / kSpanTokens : 0;
+    item0[seq + 1] = item0[seq] + spans[seq] * num_kv_heads;
+    if (spans[seq] > 1) {
+      partial0[seq] = partial_total;
+      partial_total += num_kv_heads * spans[seq] * row_count(seq) * group * partial_width;
+    }
+  }
+  std::vector<float> partials(partial_total);
+  at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query, acc, scores, top, total;
+    std::vector<int64_t> lo, hi;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t r0 = row_starts ? row_starts[seq] : seq;
-      const int64_t rows = (row_starts ? row_starts[seq + 1] : seq + 1) - r0;
-      if (rows <= 0) continue;
-      starts.resize(rows);
-      stops.resize(rows);
-      int64_t first = INT64_MAX, last = 0;
+      const int64_t seq = std::upper_bound(item0.begin(), item0.end(), item) - item0.begin() - 1;
+      const int64_t local = item - item0[seq];
+      const int64_t kv_head = local / spans[seq], span = local % spans[seq];
+      const int64_t r0 = first_row(seq), rows = row_count(seq), queries = rows * group;
+      const int64_t span_lo = (span0[seq] + span) * kSpanTokens;
+      const int64_t span_hi = span_lo + kSpanTokens;
+      lo.resize(rows);
+      hi.resize(rows);
+      int64_t first = INT64_MAX, last = 0;  // the positions some row reads in this span
       for (int64_t r = 0; r < rows; ++r) {
-        stops[r] = lens[r0 + r];
-        starts[r] = window > 0 ? std::max<int64_t>(0, stops[r] - window) : 0;
-        first = std::min(first, starts[r]);
-        last = std::max(last, stops[r]);
+        lo[r] = std::max(span_lo, row_start(r0 + r));
+        hi[r] = std::min(span_hi, lens[r0 + r]);
+        if (hi[r] > lo[r]) { first = std::min(first, lo[r]); last = std::max(last, hi[r]); }
       }
-      const int64_t n = last - first, queries = rows * group;
+      const int64_t n = std::max<int64_t>(0, last - first);
       const int64_t head_offset = kv_head * head_width;
       const int64_t* table = tables + seq * table_width;
       query.resize(queries * head_dim);
       acc.assign(queries * head_dim, 0.f);
       scores.resize(queries * n);
+      top.assign(queries, 0.f);
+      total.assign(queries, 0.f);
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const T* qh = q + (r0 + r) * q_stride + (kv_head * group + g) * head_dim;
@@ -234,45 +278,91 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(qh[d]) * scale;
         }
       }
-      const int64_t head_bytes = head_width * sizeof(KV);
-      for_each_token(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
-                     [&](int64_t pos, int64_t base) {
-        const KV* key = k_ptr + base + head_offset;
-        const float key_scale = KVRows<KV>::scale(key, head_dim);
-        for (int64_t i = 0; i < queries; ++i) {
-          const float* qi = query.data() + i * head_dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qi[d] * to_f(key[d]);
-          scores[i * n + pos - first] = dot * key_scale;
+      if (n > 0) {
+        for_each_token(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
+                       [&](int64_t pos, int64_t base) {
+          const KV* key = k_ptr + base + head_offset;
+          const float key_scale = KVRows<KV>::scale(key, head_dim);
+          for (int64_t i = 0; i < queries; ++i) {
+            const float* qi = query.data() + i * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qi[d] * to_f(key[d]);
+            scores[i * n + pos - first] = dot * key_scale;
+          }
+        });
+        for (int64_t i = 0; i < queries; ++i) {  // exp(s - m) over each row's own keys; 0 elsewhere
+          const int64_t r = i / group;
+          float* s = scores.data() + i * n;
+          const int64_t a = lo[r] - first, b = hi[r] - first;
+          if (b <= a) { std::fill(s, s + n, 0.f); continue; }
+          top[i] = *std::max_element(s + a, s + b);
+          float sum = 0.f;
+          for (int64_t t = a; t < b; ++t) { s[t] = std::exp(s[t] - top[i]); sum += s[t]; }
+          total[i] = sum;
+          std::fill(s, s + a, 0.f);
+          std::fill(s + b, s + n, 0.f);
         }
-      });
-      for (int64_t i = 0; i < queries; ++i) {  // softmax over each row's own keys; 0 elsewhere
-        const int64_t r = i / group;
-        float* s = scores.data() + i * n;
-        const int64_t lo = starts[r] - first, hi = stops[r] - first;
-        const float top = *std::max_element(s + lo, s + hi);
-        float total = 0.f;
-        for (int64_t t = lo; t < hi; ++t) { s[t] = std::exp(s[t] - top); total += s[t]; }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < n; ++t) s[t] = (t >= lo && t < hi) ? s[t] * inv : 0.f;
+        for_each_token(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
+                       [&](int64_t pos, int64_t base) {
+          const KV* value = v_ptr + base + head_offset;
+          const float value_scale = KVRows<KV>::scale(value, head_dim);
+          for (int64_t i = 0; i < queries; ++i) {
+            const float p = scores[i * n + pos - first] * value_scale;
+            if (p == 0.f) continue;
+            float* a = acc.data() + i * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
+          }
+        });
       }
-      for_each_token(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
-                     [&](int64_t pos, int64_t base) {
-        const KV* value = v_ptr + base + head_offset;
-        const float value_scale = KVRows<KV>::scale(value, head_dim);
+      if (spans[seq] == 1) {  // the whole context: normalise in place
         for (int64_t i = 0; i < queries; ++i) {
-          const float p = scores[i * n + pos - first] * value_scale;
-          if (p == 0.f) continue;
-          float* a = acc.data() + i * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
-        }
-      });
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i / group, g = i % group;
           T* o = out + (r0 + r) * out_stride + (kv_head * group + g) * head_dim;
-          const float* a = acc.data() + (r * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d]);
+          const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
+          const float* a = acc.data() + i * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv);
         }
+        continue;
+      }
+      float* part = partials.data() + partial0[seq] +
+                    (kv_head * spans[seq] + span) * queries * partial_width;
+      for (int64_t i = 0; i < queries; ++i) {
+        float* dst = part + i * partial_width;
+        dst[0] = top[i];
+        dst[1] = total[i];
+        std::copy(acc.data() + i * head_dim, acc.data() + (i + 1) * head_dim, dst + 2);
+      }
+    }
+  });
+  // Merge the spans of sequences that have several.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      if (spans[seq] <= 1) continue;
+      const int64_t r0 = first_row(seq), queries = row_count(seq) * group;
+      const float* base = partials.data() + partial0[seq] +
+                          kv_head * spans[seq] * queries * partial_width;
+      for (int64_t i = 0; i < queries; ++i) {
+        float top = 0.f;
+        bool any = false;
+        for (int64_t j = 0; j < spans[seq]; ++j) {
+          const float* p = base + (j * queries + i) * partial_width;
+          if (p[1] > 0.f) { top = any ? std::max(top, p[0]) : p[0]; any = true; }
+        }
+        float denominator = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t j = 0; j < spans[seq]; ++j) {
+          const float* p = base + (j * queries + i) * partial_width;
+          if (!(p[1] > 0.f)) continue;
+          const float weight = std::exp(p[0] - top);
+          denominator += weight * p[1];
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * p[2 + d];
+        }
+        const int64_t r = i / group, g = i % group;
+        T* o = out + (r0 + r) * out_stride + (kv_head * group + g) * head_dim;
+        const float inv = denominator > 0.f ? 1.f / denominator : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
       }
     }
   });

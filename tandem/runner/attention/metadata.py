@@ -51,6 +51,10 @@ class AttentionGroup:
     # The decodes group (speculative verification included): a kernel that reads the
     # blocks directly runs it, rows for decodes computed alike whatever the batch.
     decodes: bool = False
+    # The same counts as plain integers (host side: reading them never syncs a device):
+    # per sequence, its new tokens and the tokens cached before this forward.
+    host_query_lens: tuple[int, ...] = ()
+    host_num_computed: tuple[int, ...] = ()
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -203,4 +207,6 @@ def _group(
         block_size=block_size,
         contiguous_from=first if contiguous else None,
         decodes=decodes,
+        host_query_lens=tuple(q_lens),
+        host_num_computed=tuple(computed),
     )

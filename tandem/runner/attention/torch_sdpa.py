@@ -8,6 +8,14 @@ prompts attend causally over this forward's own K/V. Grouped-query heads are fol
 into the query axis instead of repeating K/V::
 
     q [S, Lq, Hkv*G, D] -> [S, Hkv, G*Lq, D]     k/v [S, Lk, Hkv, D] -> [S, Hkv, Lk, D]
+
+A long prompt chunk after a long cached prefix would need a mask of G*Lq x Lk per
+sequence (SDPA turns a boolean mask into a float one: 1 GB for a 2k chunk at 32k
+tokens of context with 4 query heads per KV head), so on the CPU such chunks go
+another way (``split_chunk_attention``): the prefix with no mask at all, the chunk
+over itself causally, both through torch's tiled flash-attention kernel, which
+returns each row's log-sum-exp, and the two merged by it. Memory stays linear in the
+context and no mask is read.
 """
 
 from __future__ import annotations
@@ -45,6 +53,39 @@ def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=Non
         enable_gqa=h != hkv,
     )
     return out.transpose(1, 2).reshape(num_seqs * length, h, -1)
+
+
+# Chunks whose mask would hold at least this many elements take split_chunk_attention.
+SPLIT_MASK_ELEMENTS = 1 << 22
+
+
+def split_chunk_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
+    """One sequence's prompt chunk after ``num_computed`` cached tokens: q [Lq, H, D],
+    k/v [num_computed + Lq, Hkv, D] (its context, the chunk's own rows last) ->
+    [Lq, H, D]. Every row sees the whole prefix and the chunk up to itself: the two
+    parts are attended separately by the flash kernel (no mask: the prefix is not
+    masked, the chunk is square and causal) and merged by their log-sum-exps."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    # The prefix: the G query heads of a KV head folded into the query axis.
+    folded = q.view(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * lq, d)
+    prefix_k = k[:num_computed].transpose(0, 1).unsqueeze(0)
+    prefix_v = v[:num_computed].transpose(0, 1).unsqueeze(0)
+    out_prefix, lse_prefix = flash(folded, prefix_k, prefix_v, 0.0, False, scale=scale)
+    out_prefix = out_prefix.reshape(h, lq, d)
+    lse_prefix = lse_prefix.reshape(h, lq)
+    # The chunk over itself: its own K/V, each KV head repeated for its query heads.
+    own_k = k[num_computed:].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    own_v = v[num_computed:].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    out_own, lse_own = flash(q.transpose(0, 1).unsqueeze(0), own_k, own_v, 0.0, True, scale=scale)
+    out_own, lse_own = out_own[0], lse_own[0]
+    top = torch.maximum(lse_prefix, lse_own)
+    w_prefix, w_own = (lse_prefix - top).exp_(), (lse_own - top).exp_()
+    merged = out_prefix.float() * w_prefix[..., None] + out_own.float() * w_own[..., None]
+    merged /= (w_prefix + w_own)[..., None]
+    return merged.to(q.dtype).transpose(0, 1)
 
 
 def _copyable(t: torch.Tensor) -> torch.Tensor:
@@ -122,10 +163,26 @@ class TorchPagedAttention:
         elif stored != q.dtype:
             keys, values = keys.view(stored).to(q.dtype), values.view(stored).to(q.dtype)
         queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
+        heads_per_kv = q.shape[1] // num_kv_heads
+        if (
+            window is None
+            and not group.decodes
+            and q.device.type == "cpu"
+            and heads_per_kv * num_q * keys.shape[1] >= SPLIT_MASK_ELEMENTS
+        ):
+            rows = []
+            for s, (q_len, computed) in enumerate(
+                zip(group.host_query_lens, group.host_num_computed, strict=True)
+            ):
+                rows.append(split_chunk_attention(
+                    queries[s, :q_len], keys[s, : computed + q_len], values[s, : computed + q_len],
+                    computed, scale,
+                ))  # fmt: skip
+            out.index_copy_(0, group.valid_tokens, torch.cat(rows))
+            return
         if (index, window) not in self._masks:
             # The query heads sharing a KV head are stacked on the query axis, so the
             # mask repeats once per head of the group (built once per forward).
-            heads_per_kv = q.shape[1] // num_kv_heads
             self._masks[index, window] = group.mask(window).repeat(1, 1, heads_per_kv, 1)
         mask = self._masks[index, window]
         group_out = _grouped_attention(queries, keys, values, mask, scale)
