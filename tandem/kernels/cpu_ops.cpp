@@ -201,11 +201,57 @@ struct KVRows {
 // row's result depends on its own context alone: not on the batch, the thread count,
 // or other rows of its sequence (a decode computes the same with or without drafts).
 // With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
+// One cache element as float32; bfloat16 from its bits (a shift the compiler vectorises,
+// where c10::BFloat16's conversion stays scalar).
+template <typename KV> inline float kv_f(const KV* row, int64_t d) { return to_f(row[d]); }
+template <> inline float kv_f<c10::BFloat16>(const c10::BFloat16* row, int64_t d) {
+  const uint32_t word = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[d]) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+// q . k over one head's row (restrict: no alias checks in the loop).
+template <int64_t HD, typename KV>
+inline float dot_row(const float* __restrict q, const KV* __restrict k, int64_t head_dim) {
+  const int64_t n = HD > 0 ? HD : head_dim;
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * kv_f(k, d);
+  return sum;
+}
+constexpr int64_t kPrefetchRows = 8;  // rows ahead of the one being read
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
+}
+
+// out (zeros) = sum over t in [a, b) of p[t] * scale(row t) * row t: with HD fixed the
+// sums stay in registers for the whole run of rows.
+template <int64_t HD, typename KV>
+inline void accumulate_rows(float* __restrict out, const float* __restrict p,
+                            const KV* const* rows, int64_t a, int64_t b, int64_t head_dim,
+                            int64_t row_bytes, bool prefetch) {
+  const int64_t n = HD > 0 ? HD : head_dim;
+  float local[HD > 0 ? HD : 1] = {};
+  float* __restrict sums = HD > 0 ? local : out;
+  for (int64_t t = a; t < b; ++t) {
+    if (prefetch && t + kPrefetchRows < b) prefetch_row(rows[t + kPrefetchRows], row_bytes);
+    const KV* __restrict v = rows[t];
+    const float w = p[t] * KVRows<KV>::scale(v, n);
+    for (int64_t d = 0; d < n; ++d) sums[d] += w * kv_f(v, d);
+  }
+  if constexpr (HD > 0) {
+    for (int64_t d = 0; d < n; ++d) out[d] += local[d];
+  }
+}
+
+// HD: the head size when known at compile time (64, 128: the common ones), 0 for any:
+// with it fixed, the per-key dot products and value updates unroll into registers
+// (the kernel is bound by those instructions, not by memory, without it).
 constexpr int64_t kSpanTokens = 256;
 
-template <typename T, typename KV>
+template <typename T, typename KV, int64_t HD = 0>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
-                           int64_t num_seqs, int64_t num_heads, int64_t head_dim,
+                           int64_t num_seqs, int64_t num_heads, int64_t head_dim_arg,
                            const KV* k_ptr, const KV* v_ptr, int64_t block_size,
                            int64_t num_kv_heads, const int64_t* tables, int64_t table_width,
                            const int64_t* lens, double scale, int64_t window,
@@ -213,6 +259,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // Rows of sequence s: [row_starts[s], row_starts[s + 1]) (nullptr: row s alone), each a
   // query token attending to the first lens[row] tokens of its sequence's context (minus
   // the window).
+  const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
   const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
@@ -248,6 +295,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, acc, scores, top, total;
     std::vector<int64_t> lo, hi;
+    std::vector<const KV*> key_rows, value_rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = std::upper_bound(item0.begin(), item0.end(), item) - item0.begin() - 1;
       const int64_t local = item - item0[seq];
@@ -279,40 +327,38 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         }
       }
       if (n > 0) {
+        // The span's rows, found once through the block table; then each query row
+        // runs over them with its accumulators in registers (K/V come from memory for
+        // the first, from cache for the others sharing the KV head).
+        key_rows.resize(n);
+        value_rows.resize(n);
         for_each_token(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
                        [&](int64_t pos, int64_t base) {
-          const KV* key = k_ptr + base + head_offset;
-          const float key_scale = KVRows<KV>::scale(key, head_dim);
-          for (int64_t i = 0; i < queries; ++i) {
-            const float* qi = query.data() + i * head_dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qi[d] * to_f(key[d]);
-            scores[i * n + pos - first] = dot * key_scale;
-          }
+          key_rows[pos - first] = k_ptr + base + head_offset;
+          value_rows[pos - first] = v_ptr + base + head_offset;
         });
-        for (int64_t i = 0; i < queries; ++i) {  // exp(s - m) over each row's own keys; 0 elsewhere
-          const int64_t r = i / group;
+        bool fetched = false;
+        for (int64_t i = 0; i < queries; ++i) {
+          const int64_t r = i / group, a = lo[r] - first, b = hi[r] - first;
+          if (b <= a) continue;
           float* s = scores.data() + i * n;
-          const int64_t a = lo[r] - first, b = hi[r] - first;
-          if (b <= a) { std::fill(s, s + n, 0.f); continue; }
-          top[i] = *std::max_element(s + a, s + b);
-          float sum = 0.f;
-          for (int64_t t = a; t < b; ++t) { s[t] = std::exp(s[t] - top[i]); sum += s[t]; }
-          total[i] = sum;
-          std::fill(s, s + a, 0.f);
-          std::fill(s + b, s + n, 0.f);
-        }
-        for_each_token(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
-                       [&](int64_t pos, int64_t base) {
-          const KV* value = v_ptr + base + head_offset;
-          const float value_scale = KVRows<KV>::scale(value, head_dim);
-          for (int64_t i = 0; i < queries; ++i) {
-            const float p = scores[i * n + pos - first] * value_scale;
-            if (p == 0.f) continue;
-            float* a = acc.data() + i * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_f(value[d]);
+          const float* qi = query.data() + i * head_dim;
+          for (int64_t t = a; t < b; ++t) {
+            if (!fetched && t + kPrefetchRows < b) prefetch_row(key_rows[t + kPrefetchRows], head_bytes);
+            s[t] = dot_row<HD>(qi, key_rows[t], head_dim) * KVRows<KV>::scale(key_rows[t], head_dim);
           }
-        });
+          // exp(s - m) over the row's own keys (plain loops on locals: they vectorise,
+          // where std::max_element and a vector's element would not)
+          float m = s[a];
+          for (int64_t t = a + 1; t < b; ++t) m = std::max(m, s[t]);
+          float sum = 0.f;
+          for (int64_t t = a; t < b; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+          top[i] = m;
+          total[i] = sum;
+          accumulate_rows<HD>(acc.data() + i * head_dim, s, value_rows.data(), a, b, head_dim,
+                              head_bytes, !fetched);
+          fetched = true;
+        }
       }
       if (spans[seq] == 1) {  // the whole context: normalise in place
         for (int64_t i = 0; i < queries; ++i) {
@@ -552,13 +598,18 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   TANDEM_DISPATCH(q.scalar_type(), "paged_attention_rows", [&] {
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
-      decode_attention_impl<scalar_t, KV>(
-          out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
-          block_tables.size(0), q.size(1), q.size(2), static_cast<const KV*>(k_cache.data_ptr()),
-          static_cast<const KV*>(v_cache.data_ptr()), k_cache.size(1), k_cache.size(2),
-          block_tables.data_ptr<int64_t>(), block_tables.size(1),
-          context_lens.data_ptr<int64_t>(), scale, window,
-          runs ? row_starts.data_ptr<int64_t>() : nullptr);
+      auto run = [&](auto head_dim_tag) {
+        decode_attention_impl<scalar_t, KV, decltype(head_dim_tag)::value>(
+            out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
+            block_tables.size(0), q.size(1), q.size(2),
+            static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
+            k_cache.size(1), k_cache.size(2), block_tables.data_ptr<int64_t>(),
+            block_tables.size(1), context_lens.data_ptr<int64_t>(), scale, window,
+            runs ? row_starts.data_ptr<int64_t>() : nullptr);
+      };
+      if (q.size(2) == 64) run(std::integral_constant<int64_t, 64>{});
+      else if (q.size(2) == 128) run(std::integral_constant<int64_t, 128>{});
+      else run(std::integral_constant<int64_t, 0>{});
     });
   });
 }
