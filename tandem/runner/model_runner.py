@@ -27,7 +27,12 @@ from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
-from tandem.runner.kv_cache import allocate_kv_cache, num_blocks_for
+from tandem.runner.kv_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    num_blocks_for,
+    stored_dtype_name,
+)
 from tandem.runner.linear import linear_method_for
 from tandem.runner.sampler import sample, scored_tokens
 from tandem.spec_decode.proposer import Proposer, make_proposer
@@ -148,6 +153,21 @@ class ModelRunner:
             config.scheduler.max_num_seqs * max_model_len,
             cache.kv_cache_dtype,
         )
+        per_block = kv_bytes_per_block(
+            loaded.config, cache.block_size, loaded.dtype, cache.kv_cache_dtype
+        )
+        capacity = num_blocks * cache.block_size
+        logger.info(
+            "KV cache: %d tokens (%d blocks of %d, %.2f GiB, %s); context %d tokens",
+            capacity, num_blocks, cache.block_size, num_blocks * per_block / (1 << 30),
+            stored_dtype_name(cache.kv_cache_dtype, loaded.dtype), max_model_len,
+        )  # fmt: skip
+        if capacity < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the context of %d: longer requests "
+                "are refused (raise kv_cache_memory or num_blocks, or lower max_model_len)",
+                capacity, max_model_len,
+            )  # fmt: skip
         proposer = make_proposer(config.speculative, loaded, num_blocks, cache.block_size)
         runner = cls(
             loaded, num_blocks, cache.block_size, config.seed, proposer, cache.kv_cache_dtype

@@ -1,0 +1,89 @@
+"""The CPU decode-attention kernel against the memory-bandwidth floor: one sequence at
+several depths, the K/V of every layer read once per step, for a model's head shape.
+Bytes read over time is the kernel's achieved bandwidth; beside it, the machine's read
+bandwidth (tandem.plan.measure, a 1 GiB sum). Blocks are scattered in a pool twice as
+large as the context (as in a serving cache), so nothing stays in cache between
+layers.
+
+    python -m benchmarks.decode_attention [--depths 2048 8192 32768] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import machine
+from tandem.kernels import cpu as cpu_kernels
+from tandem.plan.measure import median_time, memory_bandwidth_gbs
+from tandem.runner.kv_cache import SCALE_BYTES, STORED_DTYPES
+
+SHAPES = {  # heads, KV heads, head size, layers
+    "smollm2-135m": (9, 3, 64, 30),
+    "llama-3.2-1b": (32, 8, 64, 16),
+}
+BLOCK_SIZE = 16
+
+
+def layer_caches(kv_dtype: str, depth: int, kv_heads: int, head_dim: int, layers: int):
+    blocks = 2 * (-(-depth // BLOCK_SIZE))
+    width = head_dim + (SCALE_BYTES if kv_dtype == "int8" else 0)
+    caches = []
+    for _ in range(layers):
+        if kv_dtype == "int8":
+            shape = (2, blocks, BLOCK_SIZE, kv_heads, width)
+            cache = torch.randint(0, 255, shape, dtype=torch.uint8)
+            cache[..., head_dim:] = 0
+            cache[..., head_dim:].view(torch.float32).fill_(0.01)
+        else:
+            cache = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, width)
+            cache = cache.to(STORED_DTYPES.get(kv_dtype, torch.float32))
+        caches.append(cache)
+    table = torch.randperm(blocks)[: -(-depth // BLOCK_SIZE)][None].contiguous()
+    return caches, table, caches[0].element_size() * width * kv_heads * 2 * depth
+
+
+def step_seconds(caches, q, table, lens, scale: float) -> float:
+    """Median seconds of one decode step's attention: every layer's call."""
+
+    def step() -> None:
+        for cache in caches:
+            cpu_kernels.decode_attention(q, cache[0], cache[1], table, lens, scale, None)
+
+    return median_time(step, repeats=7, warmup=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
+    args = parser.parse_args()
+    if cpu_kernels.load() is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    floor = memory_bandwidth_gbs()
+    print(f"# {machine()}\n# read bandwidth {floor:.1f} GB/s (1 GiB sum)")
+    print("| shape | KV | depth | threads | ms / step (all layers) | GB/s | of the floor |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (heads, kv_heads, head_dim, layers) in SHAPES.items():
+        q = torch.randn(1, heads, head_dim)
+        for kv_dtype in args.kv_dtypes:
+            for depth in args.depths:
+                caches, table, layer_bytes = layer_caches(
+                    kv_dtype, depth, kv_heads, head_dim, layers
+                )
+                lens = torch.tensor([depth])
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    seconds = step_seconds(caches, q, table, lens, head_dim**-0.5)
+                    rate = layer_bytes * layers / seconds / 1e9
+                    print(
+                        f"| {name} | {kv_dtype} | {depth} | {threads} | {seconds * 1e3:.2f} "
+                        f"| {rate:.1f} | {rate / floor:.0%} |",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()
