@@ -37,7 +37,7 @@ THREADS = 2
 NEW_TOKENS = 33  # 32 gaps between them: llama-bench's tg32
 
 
-def tandem_point(model: str, depth: int, kv_cache_dtype: str) -> dict[str, float]:
+def tandem_point(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str, float]:
     """Runs in its own process (``--point``): one request at ``depth``."""
     import torch
 
@@ -65,9 +65,10 @@ def tandem_point(model: str, depth: int, kv_cache_dtype: str) -> dict[str, float
     }
 
 
-def run_tandem(model: str, depth: int, kv_cache_dtype: str) -> dict[str, float]:
+def run_tandem(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--point", model, str(depth), kv_cache_dtype],
+        [sys.executable, "-m", "benchmarks.scale", "--point", model, str(depth),
+         kv_cache_dtype or "default"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return json.loads(out.strip().splitlines()[-1])
@@ -98,12 +99,12 @@ def llama_cpp_point(llama_bin: Path, model: str, depth: int) -> dict[str, float]
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--point":
         model, depth, kv = sys.argv[2], int(sys.argv[3]), sys.argv[4]
-        print(json.dumps(tandem_point(model, depth, kv)))
+        print(json.dumps(tandem_point(model, depth, None if kv == "default" else kv)))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
     parser.add_argument("--depths", type=int, nargs="+", default=[2048, 8000])
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default=None, help="default: the engine's")
     parser.add_argument(
         "--llama-bin", type=Path, default=None, help="folder with llama-bench (see above)"
     )
@@ -111,7 +112,8 @@ def main() -> None:
     from tandem.models.catalog import resolve_model
 
     model = str(args.model or resolve_model("smollm2-135m-instruct"))
-    print(f"# {machine()}\n# model {model}, KV cache {args.kv_cache_dtype}, {THREADS} threads")
+    kv = args.kv_cache_dtype or "the engine's default"
+    print(f"# {machine()}\n# model {model}, KV cache {kv}, {THREADS} threads")
     header = "| depth | tandem prefill s | tandem decode tok/s | tandem peak RSS GB |"
     if args.llama_bin:
         header += (

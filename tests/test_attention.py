@@ -39,9 +39,9 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
 def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, monkeypatch):
     """With an int8 cache, every token read from the cache is its int8 row times its
     scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
-    reads the same rows); prompts the backend attends without the cache see their K/V
-    as computed. "mixed-split": every prompt chunk after a cache takes the long-chunk
-    path (prefix and chunk attended apart, merged by log-sum-exp)."""
+    reads the same rows), prompts attended without the cache too. "mixed-split": every
+    prompt chunk after a cache takes the long-chunk path (prefix and chunk attended
+    apart, merged by log-sum-exp)."""
     if backend == "cpu-paged" and cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     if batch == "mixed-split":
@@ -94,15 +94,14 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     attention = BACKENDS[backend][0](metadata, kv_cache)
     with torch.inference_mode():
         out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
-    # Prompts the backend attends without the cache (the torch path's equal-length
-    # fresh prompts), by their first token.
-    fresh = {int(i) for g in metadata.fresh_prompts for i in g.token_index[:, 0]}
+    # Every token sees its context as the cache holds it, fresh prompts attended over
+    # this forward's own K/V included.
     start = 0
     for (cached, new), (k_ctx, v_ctx) in zip(shapes, contexts, strict=True):
-        if kv_dtype == "int8" and start not in fresh:  # read back from the int8 cache
+        if kv_dtype == "int8":  # read back from the int8 cache
             k_ctx = dequantize_kv_rows(quantize_kv_rows(k_ctx), torch.float32)
             v_ctx = dequantize_kv_rows(quantize_kv_rows(v_ctx), torch.float32)
-        elif kv_dtype in STORED_DTYPES and start not in fresh:  # rounded to the cache type
+        elif kv_dtype in STORED_DTYPES:  # rounded to the cache type
             k_ctx, v_ctx = (cache_rows(x, kv_cache.dtype).float() for x in (k_ctx, v_ctx))
         expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)

@@ -108,18 +108,21 @@ def test_the_command_saves_and_reuses_the_reference(setup, tmp_path):
 
 def test_chunked_windows_score_as_whole_ones_and_show_the_kv_cache_dtype(setup, model_dirs):
     """Run in chunks, a window's scores are the whole window's (chunked prefill is
-    exact); with an int8 KV cache, chunks read quantized K/V and diverge a little."""
+    exact); with an int8 KV cache they diverge a little, chunked or whole alike: every
+    token attends to its context as the cache holds it."""
     folder, _, text, llm = setup
     tokens = text_tokens(llm, text)
     reference = reference_log_probs(llm, tokens, CTX, progress=False)
     chunked = evaluate(llm, tokens, CTX, reference, progress=False, batch=5)
     assert chunked["kld_mean"] == pytest.approx(0, abs=1e-6)
     int8 = LLM(str(folder), enable_prefix_caching=False, kv_cache_dtype="int8")
-    whole = evaluate(int8, tokens, CTX, reference, progress=False)
-    assert whole["kld_mean"] == pytest.approx(0, abs=1e-6)  # nothing read from the cache
+    whole = evaluate(int8, tokens, CTX, reference, progress=False)["kld_mean"]
     read_back = evaluate(int8, tokens, CTX, reference, progress=False, batch=4)["kld_mean"]
     # (a tiny random model's distributions are nearly flat: small, but far from float's)
     assert read_back > 0 and read_back > 100 * chunked["kld_mean"]
+    # alike, not equal: ulp-level differences between the two paths can round an int8
+    # value the other way
+    assert whole == pytest.approx(read_back, rel=0.25)
 
 
 def test_scoring_borrows_blocks_and_leaves_the_prefix_cache_honest(setup):

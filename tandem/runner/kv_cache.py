@@ -103,6 +103,18 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q * scale).to(dtype)
 
 
+def as_cached(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
+    """K or V rows as a read from a cache of element type ``stored`` returns them (uint8:
+    the int8 rows with their scales), in x's dtype. Prompts attended over their own K/V
+    see these values, as their later chunks and decodes will: a token's result does not
+    depend on whether its context came from this forward or from the cache."""
+    if stored == x.dtype:
+        return x
+    if stored == torch.uint8:
+        return dequantize_kv_rows(quantize_kv_rows(x), x.dtype)
+    return cache_rows(x, stored).to(x.dtype)
+
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 

@@ -4,8 +4,9 @@
 Per layer it writes the new K/V rows at their slots, then per group gathers each
 sequence's context whole blocks at a time (as rows of a 2-D view, so index_select
 copies contiguous runs at memcpy speed) and runs one masked, batched attention; fresh
-prompts attend causally over this forward's own K/V. Grouped-query heads are folded
-into the query axis instead of repeating K/V::
+prompts attend causally over this forward's own K/V (as the cache holds them: rounded
+to its type, so a prompt's result does not depend on how it was chunked).
+Grouped-query heads are folded into the query axis instead of repeating K/V::
 
     q [S, Lq, Hkv*G, D] -> [S, Hkv, G*Lq, D]     k/v [S, Lk, Hkv, D] -> [S, Hkv, Lk, D]
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.runner.attention.metadata import AttentionGroup, PagedAttentionMetadata
-from tandem.runner.kv_cache import cache_rows, dequantize_kv_rows, quantize_kv_rows
+from tandem.runner.kv_cache import as_cached, cache_rows, dequantize_kv_rows, quantize_kv_rows
 
 
 def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -120,8 +121,8 @@ class TorchPagedAttention:
             tokens = group.token_index.flatten()
             group_out = causal_attention(
                 q.index_select(0, tokens),
-                k.index_select(0, tokens),
-                v.index_select(0, tokens),
+                as_cached(k.index_select(0, tokens), k_blocks.dtype),
+                as_cached(v.index_select(0, tokens), v_blocks.dtype),
                 num_seqs,
                 length,
                 scale,
