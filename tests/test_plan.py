@@ -13,6 +13,7 @@ import transformers
 from tandem.errors import InvalidParameterError
 from tandem.plan.calculator import (
     decode_step_seconds,
+    engine_kv_dtype,
     kv_bytes_per_token,
     plan,
     prefill_seconds,
@@ -85,6 +86,15 @@ def test_quantized_weights_take_their_block_formats_bytes(tmp_path):
         result = plan(path, PRESETS["h100-sxm"], dtype, "bf16", 2048, 512)
         assert result["weight_bytes"] == pytest.approx(bf16["weight_bytes"] * bits / 16)
         assert result["kv_bytes_per_token"] == bf16["kv_bytes_per_token"]
+        # unless told, the cache is what the engine keeps: never the weights' format
+        assert plan(path, PRESETS["h100-sxm"], dtype)["kv_dtype"] == "bf16"
+
+
+def test_the_kv_dtype_is_the_engines_cache_not_the_weights_format():
+    assert engine_kv_dtype("q4_0", on_cpu=True) == "fp32"  # computed in float32 there
+    assert engine_kv_dtype("q4_k", on_cpu=False) == "bf16"
+    assert engine_kv_dtype("bfloat16", on_cpu=True) == "bf16"  # float weights: their type
+    assert engine_kv_dtype("fp32", on_cpu=False) == "fp32"
 
 
 def test_bad_values_are_named(tmp_path):
@@ -153,6 +163,8 @@ def test_this_machine_is_planned_in_the_engines_dtype(model_dirs, tmp_path):
     folder, _ = model_dirs("llama")
     planned = json.loads(run_plan("--model", str(folder), "--hardware", "cpu", "--json").stdout)
     assert planned["dtype"] == "fp32"  # what the CPU engine runs, not bf16
+    quantized = run_plan("--model", str(folder), "--hardware", "cpu", "--dtype", "q4_0", "--json")
+    assert json.loads(quantized.stdout)["kv_dtype"] == "fp32"  # the engine's cache, not q4_0
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     refused = run_plan("--model", str(tmp_path), "--measure")
     assert refused.returncode == 2 and "too many to run here" in refused.stderr

@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(their bytes per weight; computed at the bf16 rate on a GPU, the fp32 rate on "
         "this CPU) (default: bf16, or fp32 for this machine, as the engine runs it)",
     )  # fmt: skip
-    parser.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="(default: --dtype)")
+    parser.add_argument(
+        "--kv-dtype", default=None, metavar="DTYPE",
+        help="(default: what the engine's cache holds: --dtype for float weights; for "
+        "block formats, fp8 and int8 the dtype it computes in: fp32 on this CPU, bf16 on a GPU)",
+    )  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=1024, metavar="TOKENS")
     parser.add_argument("--output-len", type=int, default=256, metavar="TOKENS")
     parser.add_argument("--batch", type=int, default=1, metavar="N")
@@ -54,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from tandem.errors import InvalidParameterError
-    from tandem.plan.calculator import format_plan, plan
+    from tandem.plan.calculator import engine_kv_dtype, format_plan, plan
     from tandem.plan.hardware import PRESETS, custom_hardware
     from tandem.plan.measure import check_measurable, measure_model, this_machine
 
@@ -65,6 +69,8 @@ def run(args: argparse.Namespace) -> None:
     on_this_machine = args.measure or args.hardware == "cpu"
     if args.dtype is None:  # what the engine runs: float32 on a CPU, bf16 on a GPU
         args.dtype = "fp32" if on_this_machine else "bf16"
+    if args.kv_dtype is None:
+        args.kv_dtype = engine_kv_dtype(args.dtype, on_cpu=on_this_machine)
     if args.measure:  # before spending seconds measuring the machine
         check_measurable(args.model, args.dtype)
     if on_this_machine:

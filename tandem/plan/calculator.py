@@ -79,6 +79,17 @@ def crossover_batch(
     return weight_bytes / (bandwidth_gbs * 1e9) / (compute_per_sequence - kv_time_per_sequence)
 
 
+def engine_kv_dtype(dtype: str, on_cpu: bool) -> str:
+    """The element type the engine's KV cache holds by default for weights in ``dtype``:
+    the weights' own type when the engine computes in it (fp32, bf16, fp16), otherwise
+    (block formats, fp8 and int8 weights) the type it computes in: fp32 on a CPU, bf16
+    on a GPU. Never the weights' storage format: no cache is stored in q4_0."""
+    entry = DTYPES.get(dtype)
+    if entry is not None and entry.torch is not None:
+        return entry.short
+    return "fp32" if on_cpu else "bf16"
+
+
 def plan(
     model: str | Path,
     hardware: Hardware,
@@ -89,10 +100,11 @@ def plan(
     batch: int = 1,
     tp: int = 1,
 ) -> dict[str, Any]:
-    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
+    kv_dtype = kv_dtype or engine_kv_dtype(dtype, on_cpu=False)
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
         if value not in DTYPES:
             raise InvalidParameterError(name, f"{value!r} is not one of {list(DTYPES)}")
-    dtype, kv_dtype = DTYPES[dtype].short, DTYPES[kv_dtype or dtype].short
+    dtype, kv_dtype = DTYPES[dtype].short, DTYPES[kv_dtype].short
     for name, value in (("prompt_len", prompt_len), ("output_len", output_len),
                         ("batch", batch), ("tp", tp)):  # fmt: skip
         if value < 1:
