@@ -28,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.common import machine
@@ -48,20 +47,15 @@ def tandem_point(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str
         model, max_model_len=context, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=8 << 30,
     )  # fmt: skip
-    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     vocab = llm.engine.runner.model.config.vocab_size
     prompt = torch.randint(0, vocab, (depth,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
     output = llm.generate({"prompt_token_ids": prompt.tolist()}, params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - start
     metrics = output.outputs[0].metrics or output.metrics
     return {
         "prefill_s": metrics.ttft,
         "decode_tok_s": 1 / statistics.median(metrics.inter_token_latencies),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-        "loaded_rss_gb": loaded_rss / 1e9,
-        "total_s": elapsed,
     }
 
 

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <cmath>
 #include <immintrin.h>
 #include <type_traits>
@@ -148,27 +149,6 @@ void write_kv_impl(const T* k, const T* v, int64_t tokens, int64_t row, int64_t 
   }
 }
 
-// Visit context positions [first, len) block by block: fn(pos, row offset of the token).
-// Blocks sit anywhere in a pool far larger than the caches, so the next block's first
-// rows are prefetched (``bytes`` of each from ``data + head_offset``) while this one
-// is read: without it, every block starts with a wait on memory.
-template <typename T, typename Fn>
-inline void for_each_token(const int64_t* table, int64_t first, int64_t len,
-                           int64_t block_size, int64_t row, const T* data, int64_t bytes,
-                           Fn fn) {
-  for (int64_t pos = first; pos < len;) {
-    const int64_t block = pos / block_size, offset = pos % block_size;
-    const int64_t stop = std::min(len, pos + block_size - offset);
-    if (stop < len) {
-      const char* next = reinterpret_cast<const char*>(data + table[block + 1] * block_size * row);
-      for (int64_t r = 0; r < block_size; ++r)
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + r * row * sizeof(T) + b);
-    }
-    int64_t base = (table[block] * block_size + offset) * row;
-    for (; pos < stop; ++pos, base += row) fn(pos, base);
-  }
-}
-
 // How a cache row of one (token, KV head) is stored: as a float type (KV = T, bfloat16
 // or fp8 e4m3), or int8 (KV = int8_t) followed by its float32 scale: head_dim + 4 bytes, the value
 // being scale * q. tandem/runner/kv_cache.py writes the same layout from torch.
@@ -186,21 +166,6 @@ struct KVRows {
   }
 };
 
-// Flash-decoding: a few query rows per sequence against its paged K/V, K/V read once.
-//
-// Each sequence's context is cut into spans of kSpanTokens positions (absolute
-// positions: span j holds [j * kSpanTokens, (j + 1) * kSpanTokens)), and the work items
-// are (sequence, KV head, span), so that one long sequence, or a model with fewer KV
-// heads than there are cores, still keeps every thread reading K/V. An item computes,
-// for each of its query rows (the G query heads sharing the KV head, for each row of
-// the sequence), the scores against its span's keys, their maximum m, the sum l of
-// exp(score - m) and acc = sum exp(score - m) * value. A sequence of one span writes
-// acc / l; otherwise a second pass merges the spans: with M the largest m,
-//     out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j
-// (spans a row does not reach are skipped). The spans depend on positions only, so a
-// row's result depends on its own context alone: not on the batch, the thread count,
-// or other rows of its sequence (a decode computes the same with or without drafts).
-// With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
 // One cache element as float32; bfloat16 from its bits (a shift the compiler vectorises,
 // where c10::BFloat16's conversion stays scalar).
 template <typename KV> inline float kv_f(const KV* row, int64_t d) { return to_f(row[d]); }
@@ -211,6 +176,25 @@ template <> inline float kv_f<c10::BFloat16>(const c10::BFloat16* row, int64_t d
   return value;
 }
 
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
+}
+constexpr int64_t kPrefetchRows = 8;  // rows ahead of the one being read
+
+// The rows of context positions [first, last) of one KV head, through the block table:
+// rows[pos - first] = data + the offset of that token's row (``row`` elements a token).
+// Blocks sit anywhere in a pool far larger than the caches, so each row (``bytes``) is
+// prefetched as its pointer is taken, and the loops that read them prefetch
+// kPrefetchRows ahead as well (both measured: without the second, twice the time).
+template <typename KV>
+inline void span_rows(const int64_t* table, int64_t first, int64_t last, int64_t block_size,
+                      int64_t row, const KV* data, int64_t bytes, const KV** rows) {
+  for (int64_t pos = first; pos < last; ++pos) {
+    rows[pos - first] = data + (table[pos / block_size] * block_size + pos % block_size) * row;
+    prefetch_row(rows[pos - first], bytes);
+  }
+}
+
 // q . k over one head's row (restrict: no alias checks in the loop).
 template <int64_t HD, typename KV>
 inline float dot_row(const float* __restrict q, const KV* __restrict k, int64_t head_dim) {
@@ -218,10 +202,6 @@ inline float dot_row(const float* __restrict q, const KV* __restrict k, int64_t 
   float sum = 0.f;
   for (int64_t d = 0; d < n; ++d) sum += q[d] * kv_f(k, d);
   return sum;
-}
-constexpr int64_t kPrefetchRows = 8;  // rows ahead of the one being read
-inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
 }
 
 // out (zeros) = sum over t in [a, b) of p[t] * scale(row t) * row t: with HD fixed the
@@ -244,6 +224,22 @@ inline void accumulate_rows(float* __restrict out, const float* __restrict p,
   }
 }
 
+// Flash-decoding: a few query rows per sequence against its paged K/V, K/V read once.
+//
+// Each sequence's context is cut into spans of kSpanTokens positions (absolute
+// positions: span j holds [j * kSpanTokens, (j + 1) * kSpanTokens)), and the work items
+// are (sequence, KV head, span), so that one long sequence, or a model with fewer KV
+// heads than there are cores, still keeps every thread reading K/V. An item computes,
+// for each of its query rows (the G query heads sharing the KV head, for each row of
+// the sequence), the scores against its span's keys, their maximum m, the sum l of
+// exp(score - m) and acc = sum exp(score - m) * value. A sequence of one span writes
+// acc / l; otherwise a second pass merges the spans: with M the largest m,
+//     out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j
+// (spans a row does not reach are skipped). The spans depend on positions only, so a
+// row's result depends on its own context alone: not on the batch, the thread count,
+// or other rows of its sequence (a decode computes the same with or without drafts).
+// With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
+//
 // HD: the head size when known at compile time (64, 128: the common ones), 0 for any:
 // with it fixed, the per-key dot products and value updates unroll into registers
 // (the kernel is bound by those instructions, not by memory, without it).
@@ -291,7 +287,8 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       partial_total += num_kv_heads * spans[seq] * row_count(seq) * group * partial_width;
     }
   }
-  std::vector<float> partials(partial_total);
+  // Every slot is written by its item before the merge reads it: no zero-filling.
+  std::unique_ptr<float[]> partials(new float[std::max<int64_t>(partial_total, 1)]);
   at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, acc, scores, top, total;
     std::vector<int64_t> lo, hi;
@@ -332,11 +329,10 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         // the first, from cache for the others sharing the KV head).
         key_rows.resize(n);
         value_rows.resize(n);
-        for_each_token(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
-                       [&](int64_t pos, int64_t base) {
-          key_rows[pos - first] = k_ptr + base + head_offset;
-          value_rows[pos - first] = v_ptr + base + head_offset;
-        });
+        span_rows(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
+                  key_rows.data());
+        span_rows(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
+                  value_rows.data());
         bool fetched = false;
         for (int64_t i = 0; i < queries; ++i) {
           const int64_t r = i / group, a = lo[r] - first, b = hi[r] - first;
@@ -370,7 +366,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         }
         continue;
       }
-      float* part = partials.data() + partial0[seq] +
+      float* part = partials.get() + partial0[seq] +
                     (kv_head * spans[seq] + span) * queries * partial_width;
       for (int64_t i = 0; i < queries; ++i) {
         float* dst = part + i * partial_width;
@@ -387,7 +383,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       if (spans[seq] <= 1) continue;
       const int64_t r0 = first_row(seq), queries = row_count(seq) * group;
-      const float* base = partials.data() + partial0[seq] +
+      const float* base = partials.get() + partial0[seq] +
                           kv_head * spans[seq] * queries * partial_width;
       for (int64_t i = 0; i < queries; ++i) {
         float top = 0.f;

@@ -42,13 +42,6 @@ def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def stored_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
-    """What the cache stores, in words: "auto" is the model's dtype."""
-    if kv_cache_dtype != "auto":
-        return kv_cache_dtype
-    return str(model_dtype).removeprefix("torch.")
-
-
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:

@@ -21,18 +21,14 @@ import torch
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
 from tandem.grammar import apply_masks, fill_masks, grammar_tokenizer, new_masks
+from tandem.models.dtypes import torch_dtype_name
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
 from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
-from tandem.runner.kv_cache import (
-    allocate_kv_cache,
-    kv_bytes_per_block,
-    num_blocks_for,
-    stored_dtype_name,
-)
+from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
 from tandem.runner.linear import linear_method_for
 from tandem.runner.sampler import sample, scored_tokens
 from tandem.spec_decode.proposer import Proposer, make_proposer
@@ -160,7 +156,9 @@ class ModelRunner:
         logger.info(
             "KV cache: %d tokens (%d blocks of %d, %.2f GiB, %s); context %d tokens",
             capacity, num_blocks, cache.block_size, num_blocks * per_block / (1 << 30),
-            stored_dtype_name(cache.kv_cache_dtype, loaded.dtype), max_model_len,
+            torch_dtype_name(loaded.dtype) if cache.kv_cache_dtype == "auto"
+            else cache.kv_cache_dtype,
+            max_model_len,
         )  # fmt: skip
         if capacity < max_model_len:
             logger.warning(
