@@ -14,7 +14,7 @@ from gguf import quants
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.linear import Linear
 from tandem.models.quantized import drop_float_weight, set_packed_part
-from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.quant.blocks import BLOCK, GGMLType, decode, dequantize
 from tandem.quant.packed import PackedWeight, quantize_activations, reference
 from tandem.quant.quantize import FORMATS, quantize
 from tandem.runner.linear.quantized import QuantizedLinearMethod
@@ -91,6 +91,35 @@ needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(torch.device("cpu"), torch.float32),
     reason="the CPU kernels could not be built here",
 )
+
+
+@needs_kernels
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_the_compiled_packer_writes_the_python_packers_bytes(code):
+    """pack_ops.cpp against PackedWeight.from_decoded (torch ops on the decoded
+    values): every byte of values, scales and constants, their dtypes, padding rows;
+    rows read strided from a wider buffer; and a matrix packed from two tensors at a
+    tile boundary (q and k into one fused layer) equals it packed at once."""
+    raw = random_blocks(code, 37, 512, seed=int(code))
+    expected = PackedWeight.from_decoded(decode(code, raw, 512), code.name)
+    wide = torch.cat([raw, torch.zeros(37, 8, dtype=torch.uint8)], dim=1)[:, : raw.shape[1]]
+    for source in (raw, wide):
+        packed = PackedWeight.from_ggml(code, source, 512)
+        for name in ("values", "scales", "corr"):
+            ours, theirs = getattr(packed, name), getattr(expected, name)
+            assert (ours is None) == (theirs is None), name
+            if ours is not None:
+                assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+        assert (packed.rows, packed.group, packed.offset, packed.source) == (
+            expected.rows, expected.group, expected.offset, expected.source
+        )  # fmt: skip
+    joint = PackedWeight.allocate(code, 37, 512)
+    joint.fill_rows(0, code, raw[:16])
+    joint.fill_rows(16, code, raw[16:])
+    joint.settle_scales()
+    assert torch.equal(joint.values, expected.values) and torch.equal(joint.scales, expected.scales)
+    with pytest.raises(ValueError):
+        joint.fill_rows(8, code, raw[:8])  # not on a tile boundary
 
 
 @needs_kernels

@@ -10,6 +10,9 @@ the small-batch float linear layer and greedy argmax.
 quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
 integer dot products (tandem/quant/).
 
+pack_ops.cpp: a GGUF tensor's block bytes repacked into quant_ops.cpp's tiled layout
+at load, in one pass across threads.
+
 decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tokens, the calls
 above made from C++ (runner/fused_decode.py decides when).
 
@@ -41,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: decode_layer.cpp calls the other two.
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "quant_ops.cpp", "decode_layer.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_ops.cpp", "quant_ops.cpp", "pack_ops.cpp", "decode_layer.cpp")
 ]
 FUNCTIONS = [
     "rms_norm",
@@ -57,6 +61,7 @@ FUNCTIONS = [
     "mask_rows",
     "quant_linear",
     "quant_rows",
+    "pack_ggml",
     "llama_decode_layer",
 ]
 

@@ -5,7 +5,8 @@ the architecture's shape as metadata keys (``llama.block_count``...), the tokeni
 (gguf_tokenizer.py), and tensors named ``blk.N.attn_q.weight``, each stored as float
 or as one of the block formats of tandem/quant/blocks.py. ``GGUFCheckpoint`` turns the
 metadata into a config.json-shaped dict, so the model classes parse it as they parse
-any checkpoint, and yields each tensor under its Hugging Face name with its raw rows.
+any checkpoint, and yields each tensor under its Hugging Face name, lazily
+(weight_source.CheckpointTensor), its rows read from the mapped file on demand.
 
 llama.cpp's converter reorders the rows of q and k for the llama architecture (its
 rotary pairs dimension i with i + 1, Hugging Face's with i + d/2); ``tensors`` puts
@@ -20,18 +21,18 @@ The file is read by gguf_file.py (the ``gguf`` package's reader is too slow for 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tandem.errors import ModelLoadError
-from tandem.models.gguf_file import GGUFFile
-from tandem.quant.blocks import BLOCK, FLOAT_TYPES, GGMLType, check_supported
+from tandem.models.gguf_file import GGUFFile, TensorInfo
+from tandem.models.weight_source import CheckpointTensor
+from tandem.quant.blocks import FLOAT_TYPES, GGMLType, check_supported
 
 # GGUF architecture name -> the model class name of config.json's "architectures".
 ARCHITECTURES = {
@@ -87,19 +88,6 @@ def hf_name(name: str, architecture: str = "llama") -> str | None:
         return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     return f"{GLOBAL_NAMES[base]}.{kind}" if base in GLOBAL_NAMES else None
-
-
-@dataclass
-class GGUFTensor:
-    name: str  # the Hugging Face name
-    gguf_name: str
-    type: GGMLType
-    shape: tuple[int, ...]  # torch order: [rows, columns] for a matrix
-    data: torch.Tensor  # uint8 [rows, row bytes] for block formats, else float [shape]
-
-    @property
-    def quantized(self) -> bool:
-        return self.type in BLOCK
 
 
 def _unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -199,30 +187,44 @@ class GGUFCheckpoint:
             }
         return config
 
-    def tensors(self) -> Iterator[GGUFTensor]:
+    def tensors(self) -> Iterator[CheckpointTensor]:
+        """Every tensor tandem uses, lazily (CheckpointTensor: read on demand, pages
+        released after)."""
+        heads = {}
         if self.architecture in PERMUTED_QK:
             config = self.hf_config()
             heads = {
                 "attn_q": config["num_attention_heads"],
                 "attn_k": config["num_key_value_heads"],
             }
-        for tensor in self._file.tensors:
-            name = hf_name(tensor.name, self.architecture)
+        for info in self._file.tensors:
+            name = hf_name(info.name, self.architecture)
             if name is None:
                 continue
-            code = check_supported(tensor.type, tensor.name)
-            shape = tuple(reversed(tensor.shape))
-            data = torch.from_numpy(np.array(self._file.data(tensor)))  # a copy: read-only map
-            if code in FLOAT_TYPES:
-                data = data.view(FLOAT_TYPES[code]).reshape(shape)
-            else:
-                data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
-            part = tensor.name.split(".")[-2]
-            if self.architecture in PERMUTED_QK and part in ("attn_q", "attn_k"):
-                data = _unpermute_rows(data, heads[part])
-            if self.architecture in NORM_PLUS_ONE and name.endswith("norm.weight"):
-                data = data - 1
-            yield GGUFTensor(name, tensor.name, code, shape, data)
+            code = check_supported(info.type, info.name)
+            shape = tuple(reversed(info.shape))
+            yield CheckpointTensor(
+                name, shape, self.path.name, code,
+                functools.partial(self._read, info, code, shape, name, heads),
+                functools.partial(self._file.release, info),
+            )  # fmt: skip
+
+    def _read(
+        self, info: TensorInfo, code: GGMLType, shape: tuple[int, ...], name: str, heads: dict
+    ) -> torch.Tensor:
+        """A view of the mapped bytes; a copy only where rows move (q / k) or values
+        change (Gemma's norms)."""
+        data = torch.from_numpy(self._file.data(info))
+        if code in FLOAT_TYPES:
+            data = data.view(FLOAT_TYPES[code]).reshape(shape)
+        else:
+            data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+        part = info.name.split(".")[-2]
+        if part in heads:
+            data = _unpermute_rows(data, heads[part])
+        if self.architecture in NORM_PLUS_ONE and name.endswith("norm.weight"):
+            data = data - 1
+        return data
 
 
 def find_gguf(path: str | Path) -> Path | None:

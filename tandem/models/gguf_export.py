@@ -25,7 +25,8 @@ from tandem.models.gguf_checkpoint import (
     NORM_PLUS_ONE,
     PERMUTED_QK,
 )
-from tandem.models.loader import iterate_checkpoint, read_config
+from tandem.models.loader import read_config
+from tandem.models.weight_source import SafetensorsCheckpoint
 from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.quantize import FORMATS, quantize
 
@@ -201,37 +202,44 @@ def export_gguf(
         _add_gemma3_keys(writer, config)
     _add_tokenizer(writer, folder, raw)
 
-    for name, tensor, _ in iterate_checkpoint(folder):
-        target = gguf_name(name, arch)
-        if target is None:
-            continue
-        t = tensor.float()
-        if arch in NORM_PLUS_ONE and target.endswith("norm.weight"):
-            t = t + 1
-        if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
-            heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
-            t = _permute_rows(t, heads)
-        kind = code
-        if t.dim() == 1:
-            kind = GGMLType.F32
-        elif code in BLOCK and t.shape[1] % BLOCK[code][0]:
-            kind = GGMLType.F16
-        chosen = encoder(target, t) if encoder is not None and t.dim() == 2 else None
-        if chosen is not None:
-            kind, data = chosen
-            writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
-        elif kind in BLOCK:
-            writer.add_tensor(
-                target, quantize(t, kind).numpy(), raw_dtype=gguf.GGMLQuantizationType(int(kind))
-            )
-        elif kind == GGMLType.BF16:
-            data = t.to(torch.bfloat16).view(torch.uint16).numpy()
-            writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            dtype = np.float16 if kind == GGMLType.F16 else np.float32
-            writer.add_tensor(target, t.numpy().astype(dtype))
+    with SafetensorsCheckpoint(folder) as checkpoint:
+        for tensor in checkpoint.tensors():
+            target = gguf_name(tensor.name, arch)
+            if target is not None:
+                _add_tensor(writer, target, tensor.read().float(), arch, config, code, encoder)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_tensor(writer, target: str, t: torch.Tensor, arch: str, config, code: GGMLType,
+                encoder: Encoder | None) -> None:  # fmt: skip
+    """One matrix or vector, in llama.cpp's layout and the chosen format."""
+    import gguf
+
+    if arch in NORM_PLUS_ONE and target.endswith("norm.weight"):
+        t = t + 1
+    if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
+        heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
+        t = _permute_rows(t, heads)
+    kind = code
+    if t.dim() == 1:
+        kind = GGMLType.F32
+    elif code in BLOCK and t.shape[1] % BLOCK[code][0]:
+        kind = GGMLType.F16
+    chosen = encoder(target, t) if encoder is not None and t.dim() == 2 else None
+    if chosen is not None:
+        kind, data = chosen
+        writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+    elif kind in BLOCK:
+        writer.add_tensor(
+            target, quantize(t, kind).numpy(), raw_dtype=gguf.GGMLQuantizationType(int(kind))
+        )
+    elif kind == GGMLType.BF16:
+        data = t.to(torch.bfloat16).view(torch.uint16).numpy()
+        writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        dtype = np.float16 if kind == GGMLType.F16 else np.float32
+        writer.add_tensor(target, t.numpy().astype(dtype))

@@ -146,15 +146,21 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
-    """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales."""
-    rows = raw.shape[0]
+def check_row_bytes(code: GGMLType, raw: torch.Tensor, columns: int) -> None:
+    """raw: uint8 [rows, row bytes] must be whole ``code`` blocks of ``columns`` weights."""
     per_block, nbytes = BLOCK[code]
-    if columns % per_block or raw.shape[-1] != columns // per_block * nbytes:
+    if columns % per_block or raw.dim() != 2 or raw.shape[-1] != columns // per_block * nbytes:
         raise ModelLoadError(
             f"{code.name} rows of {columns} weights: not whole blocks of {per_block}, or "
             f"not {columns // per_block * nbytes} bytes"
         )
+
+
+def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
+    """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales."""
+    rows = raw.shape[0]
+    per_block, nbytes = BLOCK[code]
+    check_row_bytes(code, raw, columns)
     blocks = raw.reshape(rows, columns // per_block, nbytes)
 
     def flat(t: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.quant.blocks import Decoded, GGMLType, decode, dequantize_decoded
+from tandem.quant.blocks import Decoded, GGMLType, check_row_bytes, decode, dequantize_decoded
 
 BLOCK = 32
 ROWS = 16  # rows per tile (the kernel's layout)
+
+# What each format packs to (as from_decoded makes it): 4-bit values or not, group
+# size, the offset left to the kernel, stored constants or not, and whether the
+# scales (and constants) are the file's own float16s (else float32 products).
+_LAYOUT = {
+    GGMLType.Q4_0: (True, 32, 8.0, False, True),
+    GGMLType.Q4_1: (True, 32, 0.0, True, True),
+    GGMLType.Q5_0: (False, 32, 16.0, False, True),
+    GGMLType.Q5_1: (False, 32, 0.0, True, True),
+    GGMLType.Q8_0: (False, 32, 0.0, False, True),
+    GGMLType.Q4_K: (True, 32, 0.0, True, False),
+    GGMLType.Q5_K: (False, 32, 0.0, True, False),
+    GGMLType.Q6_K: (False, 16, 0.0, False, False),
+}
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -101,7 +115,57 @@ class PackedWeight:
 
     @classmethod
     def from_ggml(cls, code: GGMLType, raw: torch.Tensor, columns: int) -> PackedWeight:
+        """raw: uint8 [rows, row bytes] (the file's blocks; rows may be strided) ->
+        packed, by the compiled packer when it is built (the same bytes, one pass
+        across threads, nothing as large as the matrix allocated but the result),
+        else through ``decode``."""
+        if compiled_packer(raw):
+            weight = cls.allocate(code, raw.shape[0], columns)
+            weight.fill_rows(0, code, raw)
+            return weight.settle_scales()
         return cls.from_decoded(decode(code, raw, columns), code.name)
+
+    @classmethod
+    def allocate(cls, code: GGMLType, rows: int, columns: int) -> PackedWeight:
+        """An unfilled [rows, columns] matrix in ``code``'s packed layout, for
+        ``fill_rows`` (several checkpoint tensors, such as q, k and v, packed
+        straight into one matrix) and then ``settle_scales``."""
+        nibbles, group, offset, has_corr, file_scales = _LAYOUT[code]
+        tiles = -(-rows // ROWS)
+        values = torch.empty(
+            tiles, columns * (8 if nibbles else 16), dtype=torch.uint8 if nibbles else torch.int8
+        )
+        dtype = torch.float16 if file_scales else torch.float32
+        scales = torch.empty(tiles, columns // group, ROWS, dtype=dtype)
+        corr = torch.empty_like(scales) if has_corr else None
+        return cls(values, scales, corr, rows, group, code.name, offset)
+
+    def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
+        """Pack ``raw`` (``code`` blocks, uint8 [rows, row bytes]) into rows
+        [row_start, row_start + rows), on the compiled packer; ``row_start`` is a whole
+        tile, and a part that ends inside a tile must be the last."""
+        from tandem.kernels import cpu as cpu_kernels
+
+        columns = self.shape[1]
+        check_row_bytes(code, raw, columns)
+        if row_start % ROWS or row_start + raw.shape[0] > self.rows or code.name != self.source:
+            raise ValueError(f"cannot pack {code.name} rows at {row_start} into {self.source}")
+        first, last = row_start // ROWS, -(-(row_start + raw.shape[0]) // ROWS)
+        corr = None if self.corr is None else self.corr[first:last]
+        cpu_kernels.load().pack_ggml(
+            raw, int(code), columns, self.values[first:last], self.scales[first:last], corr
+        )
+
+    def settle_scales(self) -> PackedWeight:
+        """As from_decoded: float32 scales (and constants) become float16 when every
+        one of them is one exactly (checked in slices: the first inexact one ends it)."""
+        if self.scales.dtype != torch.float32:
+            return self
+        stored = [self.scales] + ([self.corr] if self.corr is not None else [])
+        if all(_exact_half(t) for t in stored):
+            self.scales = self.scales.half()
+            self.corr = None if self.corr is None else self.corr.half()
+        return self
 
     def decoded(self, tiles: torch.Tensor | None = None) -> Decoded:
         """The rows of all tiles (or of ``tiles``), padding included."""
@@ -156,6 +220,27 @@ class PackedWeight:
         cpu_kernels.load().quant_linear(
             out, x, self.values, self.scales, self.corr, bias, self.rows, self.group, self.offset
         )
+
+
+def packed_nbytes(code: GGMLType, rows: int, columns: int) -> int:
+    """Bytes a [rows, columns] matrix of ``code`` takes packed (as ``allocate`` makes
+    it; K formats counted with float32 scales, as real files have them)."""
+    nibbles, group, _, has_corr, file_scales = _LAYOUT[code]
+    padded = -(-rows // ROWS) * ROWS
+    values = padded * columns // (2 if nibbles else 1)
+    scales = padded * columns // group * (2 if file_scales else 4)
+    return values + scales * (2 if has_corr else 1)
+
+
+def compiled_packer(raw: torch.Tensor) -> bool:
+    """Whether the compiled packer takes ``raw`` (a CPU tensor, rows contiguous)."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.available(raw.device, torch.float32) and raw.stride(-1) == 1
+
+
+def _exact_half(t: torch.Tensor) -> bool:
+    return all(torch.equal(c.half().float(), c) for c in t.reshape(-1).split(1 << 20))
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,202 @@
+// GGML block bytes (a GGUF tensor's rows) -> the tiled layout of quant_ops.cpp, in one
+// pass, threads taking disjoint tiles: how a quantized file is repacked at load.
+//
+// The same result as tandem/quant/packed.py's PackedWeight.from_decoded(decode(...)),
+// byte for byte (the tests compare both), without the Python path's intermediates
+// (every weight as a byte, then tiled and permuted by torch): loading a 4.7 GB 8B
+// Q4_0 file took 66 s that way on 2 cores. Block layouts are in tandem/quant/blocks.py.
+//
+// Outputs, allocated by the caller (packed.py):
+//   values  uint8 [tiles, K*8] for 4-bit formats (Q4_0, Q4_1, Q4_K), int8 [tiles, K*16]
+//           otherwise (Q5_0, Q5_1, Q5_K: 0..31; Q8_0; Q6_K: q - 32)
+//   scales  [tiles, K/group, 16]: float16 holding the file's own scale bits (Q4_0, Q4_1,
+//           Q5_0, Q5_1, Q8_0), float32 d * sub-scale for the K formats (in float32, as
+//           blocks.py multiplies them)
+//   corr    like scales, or absent: Q4_1 / Q5_1's m (float16), the K formats'
+//           -(dmin * sub-min) (float32)
+// Rows past the matrix's last (padding of the last tile) are zeros everywhere.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+
+namespace pack {
+
+constexpr int64_t kRows = 16;
+
+enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline float f16(const uint8_t* p) { return static_cast<float>(c10::Half(u16(p), c10::Half::from_bits())); }
+
+struct Out {
+  uint8_t* values;
+  int64_t values_per_tile;
+  void* scales;
+  void* corr;  // nullptr when the format has no constants
+  int64_t groups;  // per row
+  bool half;       // scales and corr are float16 bits (else float32)
+};
+
+// Weight q[0..32) of row r, 32-block b, into its tile.
+inline void put_nibbles(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
+  for (int p = 0; p < 4; ++p)
+    for (int i = 0; i < 4; ++i)
+      tile[((b * 4 + p) * kRows + r) * 4 + i] = q[4 * p + i] | (q[16 + 4 * p + i] << 4);
+}
+inline void put_bytes(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
+  for (int s = 0; s < 8; ++s) std::memcpy(tile + ((b * 8 + s) * kRows + r) * 4, q + 4 * s, 4);
+}
+inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, float value, uint16_t bits, void* dst) {
+  const int64_t at = (tile * o.groups + g) * kRows + r;
+  if (o.half) static_cast<uint16_t*>(dst)[at] = bits;
+  else static_cast<float*>(dst)[at] = value;
+}
+
+// 6-bit scale and min j of a Q4_K / Q5_K block's 12 bytes (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One row's blocks -> tile row r.
+void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
+  uint8_t* dst = o.values + tile * o.values_per_tile;
+  uint8_t q[32];
+  switch (code) {
+    case Q4_0:
+    case Q4_1: {
+      const int64_t size = code == Q4_0 ? 18 : 20, start = code == Q4_0 ? 2 : 4;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * size;
+        // Byte 4p+i of the file holds weights 4p+i and 16+4p+i: the packed byte as is.
+        for (int p = 0; p < 4; ++p) std::memcpy(dst + ((b * 4 + p) * kRows + r) * 4, blk + start + 4 * p, 4);
+        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
+        if (code == Q4_1) put_scale(o, tile, b, r, 0, u16(blk + 2), o.corr);
+      }
+      return;
+    }
+    case Q8_0:
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * 34;
+        put_bytes(dst, b, r, blk + 2);
+        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
+      }
+      return;
+    case Q5_0:
+    case Q5_1: {
+      const int64_t size = code == Q5_0 ? 22 : 24, start = code == Q5_0 ? 2 : 4;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * size;
+        uint32_t qh;
+        std::memcpy(&qh, blk + start, 4);
+        const uint8_t* qs = blk + start + 4;
+        for (int j = 0; j < 16; ++j) {
+          q[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+          q[16 + j] = (qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4);
+        }
+        put_bytes(dst, b, r, q);
+        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
+        if (code == Q5_1) put_scale(o, tile, b, r, 0, u16(blk + 2), o.corr);
+      }
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const int64_t size = code == Q4_K ? 144 : 176;
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * size;
+        const float d = f16(blk), dmin = f16(blk + 2);
+        const uint8_t* qh = blk + 16;
+        const uint8_t* qs = blk + (code == Q4_K ? 16 : 48);
+        for (int g = 0; g < 8; ++g) {
+          // Group g: nibble g % 2 of the 32 bytes of chunk g / 2.
+          const uint8_t* chunk = qs + (g / 2) * 32;
+          const int shift = (g % 2) * 4;
+          for (int j = 0; j < 32; ++j) q[j] = (chunk[j] >> shift) & 0x0F;
+          const int64_t b = sb * 8 + g;
+          if (code == Q4_K) {
+            put_nibbles(dst, b, r, q);
+          } else {
+            for (int j = 0; j < 32; ++j) q[j] |= ((qh[j] >> g) & 1) << 4;
+            put_bytes(dst, b, r, q);
+          }
+          uint8_t sc, mn;
+          scale_min_k4(g, blk + 4, sc, mn);
+          put_scale(o, tile, b, r, d * static_cast<float>(sc), 0, o.scales);
+          put_scale(o, tile, b, r, -(dmin * static_cast<float>(mn)), 0, o.corr);
+        }
+      }
+      return;
+    }
+    case Q6_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+          for (int part = 0; part < 4; ++part) {
+            // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
+            const uint8_t* low = ql + h * 64 + (part % 2) * 32;
+            const int low_shift = (part / 2) * 4, high_shift = part * 2;
+            for (int j = 0; j < 32; ++j) {
+              const int value = ((low[j] >> low_shift) & 0x0F) | (((qh[h * 32 + j] >> high_shift) & 3) << 4);
+              q[j] = static_cast<uint8_t>(static_cast<int8_t>(value - 32));
+            }
+            put_bytes(dst, sb * 8 + h * 4 + part, r, q);
+          }
+        }
+        for (int g = 0; g < 16; ++g) put_scale(o, tile, sb * 16 + g, r, d * static_cast<float>(sc[g]), 0, o.scales);
+      }
+      return;
+  }
+  TORCH_CHECK(false, "no packer for GGML type ", code);
+}
+
+// Zeros for tile row r (a padding row).
+// Both layouts are runs of 4 bytes per row: [steps, 16 rows, 4].
+void zero_row(const Out& o, int64_t tile, int64_t r) {
+  uint8_t* dst = o.values + tile * o.values_per_tile;
+  const int64_t steps = o.values_per_tile / (kRows * 4);
+  for (int64_t s = 0; s < steps; ++s) std::memset(dst + (s * kRows + r) * 4, 0, 4);
+  for (int64_t g = 0; g < o.groups; ++g) {
+    put_scale(o, tile, g, r, 0.0f, 0, o.scales);
+    if (o.corr) put_scale(o, tile, g, r, 0.0f, 0, o.corr);
+  }
+}
+
+}  // namespace pack
+
+// raw: uint8 [rows, row bytes] (a GGUF tensor, rows may be strided) of GGML type
+// ``code`` with ``columns`` weights a row -> values, scales (and corr) as laid out above.
+void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor values,
+               torch::Tensor scales, c10::optional<torch::Tensor> corr) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1,
+              "raw: uint8 [rows, row bytes], rows contiguous");
+  TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
+  const int64_t rows = raw.size(0), tiles = values.size(0);
+  TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
+  const bool half = scales.scalar_type() == torch::kHalf;
+  pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
+              corr.has_value() ? corr->data_ptr() : nullptr, scales.size(1), half};
+  TORCH_CHECK(o.values_per_tile * 2 == columns * pack::kRows ||
+                  o.values_per_tile == columns * pack::kRows, "values: [tiles, K*8] or [tiles, K*16]");
+  const uint8_t* base = raw.data_ptr<uint8_t>();
+  const int64_t stride = raw.stride(0);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < pack::kRows; ++r) {
+        const int64_t row = t * pack::kRows + r;
+        if (row < rows) pack::pack_row(code, base + row * stride, columns, o, t, r);
+        else pack::zero_row(o, t, r);
+      }
+  });
+}

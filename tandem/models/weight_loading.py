@@ -1,0 +1,259 @@
+"""Checkpoint tensors -> a model's parameters, one tensor at a time.
+
+    plan      from the tensors' names, shapes and types alone (nothing read yet), each
+              parameter gets a weight loader:
+                packed  every part block-quantized and kept so (a CPU with the compiled
+                        kernels): PackedWeight parts (models/quantized.py), the float
+                        weight never allocated; the embedding as QuantizedEmbedding, a
+                        tied LM head sharing its PackedWeight
+                half    float16 / bfloat16 matrices of a float32 model, kept at 2 bytes
+                float   everything else: dequantized or converted to the model's dtype
+    allocate  the model moves from meta to the device: only float parameters take memory
+    stream    each tensor, in file order, is read (a view of the mapped file), packed
+              or copied by its parameter's loader, and its pages released
+    check     every parameter (every part of a fused one) got its tensor
+
+So the process holds the model as it will run plus one tensor of the file, never the
+file beside it. The loaders are the seam for sharding (tensor parallelism takes one
+rank's slice of each tensor here).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.linear import Linear, MergedLinear
+from tandem.models.quantized import (
+    QuantizedEmbedding,
+    drop_float_weight,
+    replace_module,
+    set_half_weight_part,
+    set_packed_part,
+)
+from tandem.models.weight_source import CheckpointTensor
+from tandem.quant.blocks import GGMLType, dequantize
+from tandem.quant.packed import ROWS, PackedWeight
+
+PACKED, HALF, FLOAT = "packed", "half", "float"
+Part = tuple[int | None, CheckpointTensor]
+
+
+def _layout(
+    module: nn.Module | None, kind: str, parts: list[Part], keep: bool, dtype: torch.dtype
+) -> str:
+    if not keep or kind != "weight":
+        return FLOAT
+    types = {t.type for _, t in parts}
+    one_half_type = len(types) == 1 and types <= {GGMLType.F16, GGMLType.BF16}
+    if isinstance(module, Linear) and dtype == torch.float32 and one_half_type:
+        return HALF
+    if isinstance(module, (Linear, nn.Embedding)) and all(t.quantized for _, t in parts):
+        return PACKED
+    return FLOAT
+
+
+def _expected_parts(model: nn.Module) -> set[tuple[str, int | None]]:
+    expected = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if isinstance(module, MergedLinear):
+                expected.update((full, i) for i in range(len(module.output_sizes)))
+            else:
+                expected.add((full, None))
+    # Tied weights show up under both names; keep the one named_parameters keeps.
+    kept = {name for name, _ in model.named_parameters()}
+    return {(name, part) for name, part in expected if name in kept}
+
+
+def load_weights(
+    model: nn.Module,
+    tensors: Iterable[CheckpointTensor],
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_quantized: bool,
+) -> nn.Module:
+    """Fill ``model`` (built on meta, in ``dtype``) from ``tensors`` and return it on
+    ``device``. ``keep_quantized``: block-quantized matrices stay in their formats
+    (the caller checked that the compiled kernels run here)."""
+    tensors = list(tensors)
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    by_param: dict[str, list[Part]] = defaultdict(list)
+    for tensor in tensors:
+        target = model.checkpoint_target(tensor.name)
+        if target is None:
+            continue
+        if target[0] not in params:
+            raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {tensor.file}")
+        by_param[target[0]].append((target[1], tensor))
+
+    layouts: dict[str, str] = {}
+    joints: dict[str, _Joint] = {}
+    loaded: set[tuple[str, int | None]] = set()
+    tied_head = None
+    for param_name, parts in by_param.items():
+        module_name, _, kind = param_name.rpartition(".")
+        module = modules.get(module_name)
+        layout = layouts[param_name] = _layout(module, kind, parts, keep_quantized, dtype)
+        if layout == FLOAT:
+            continue
+        if layout == PACKED and _joinable(module, parts):
+            joints[param_name] = _Joint(module, parts)
+        drop_float_weight(module)  # on meta: the float weight is never allocated
+        if isinstance(module, nn.Embedding) and tied and "lm_head" in modules:
+            tied_head = modules["lm_head"]
+            drop_float_weight(tied_head)
+            loaded.add(("lm_head.weight", None))
+
+    materialize(model, device)
+    if tied_head is None:
+        model.tie_weights()  # materialising replaced the shared parameter
+    params = dict(model.named_parameters())
+    for tensor in tensors:
+        target = model.checkpoint_target(tensor.name)
+        if target is None:
+            continue
+        param_name, part = target
+        module_name = param_name.rpartition(".")[0]
+        layout = layouts[param_name]
+        if param_name in joints:
+            joints[param_name].fill(part, tensor)
+        elif layout == PACKED:
+            _load_packed(model, modules[module_name], module_name, part, tensor, dtype, tied_head)
+        elif layout == HALF:
+            module = modules[module_name]
+            set_half_weight_part(module, _row_start(module, part), tensor.read())
+        else:
+            _load_float(model, params[param_name], modules, param_name, part, tensor, dtype)
+        tensor.release()
+        loaded.add((param_name, part))
+
+    missing = sorted(_expected_parts(model) - loaded, key=str)
+    if missing:
+        shown = ", ".join(n if p is None else f"{n} (part {p})" for n, p in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"checkpoint in {source} is missing tensor(s): {shown}{more}")
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)`` without its cost: to_empty makes each tensor with
+    ``empty_like`` of a meta tensor, whose Python meta kernel imports torch's
+    symbolic-shape machinery (sympy: most of a second and 75 MB on first use). Shared
+    tensors stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+            is_param = isinstance(t, nn.Parameter)
+            made[id(t)] = nn.Parameter(empty, t.requires_grad) if is_param else empty
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = fresh(t)
+
+
+def _joinable(module: nn.Module | None, parts: list[Part]) -> bool:
+    """The parts of a fused layer (q/k/v, gate/up) in one format, each starting on a
+    whole tile: packed straight into one matrix (no copy to join them later)."""
+    return (
+        isinstance(module, MergedLinear)
+        and len(parts) == len(module.output_sizes) > 1
+        and len({t.type for _, t in parts}) == 1
+        and all(module.shard_rows(part).start % ROWS == 0 for part, _ in parts)
+    )
+
+
+class _Joint:
+    """One PackedWeight for all parts of a fused layer, handed to the layer once the
+    last part is in."""
+
+    def __init__(self, module: MergedLinear, parts: list[Part]) -> None:
+        self.module = module
+        self.waiting = len(parts)
+        self.weight = PackedWeight.allocate(
+            parts[0][1].type, module.out_features, module.in_features
+        )
+
+    def fill(self, part: int | None, tensor: CheckpointTensor) -> None:
+        _pack_rows(self.weight, self.module.shard_rows(part).start, tensor)
+        self.waiting -= 1
+        if self.waiting == 0:
+            set_packed_part(self.module, 0, self.weight.settle_scales())
+
+
+# Rows packed before their file pages are released (whole tiles): the file is let go
+# of a few MB at a time, so the process never holds one whole tensor of it beside the
+# packed model (a 128k-token output matrix is 0.4 GB).
+SLICE_ROWS = 1024
+
+
+def _pack_rows(weight: PackedWeight, row_start: int, tensor: CheckpointTensor) -> None:
+    raw = tensor.read()
+    for first in range(0, raw.shape[0], SLICE_ROWS):
+        rows = slice(first, min(first + SLICE_ROWS, raw.shape[0]))
+        weight.fill_rows(row_start + first, tensor.type, raw[rows])
+        tensor.release(rows)
+
+
+def _row_start(module: nn.Module, part: int | None) -> int:
+    return module.shard_rows(part).start if isinstance(module, MergedLinear) else 0
+
+
+def _load_packed(
+    model: nn.Module,
+    module: nn.Module,
+    module_name: str,
+    part: int | None,
+    tensor: CheckpointTensor,
+    dtype: torch.dtype,
+    tied_head: nn.Module | None,
+) -> None:
+    packed = PackedWeight.allocate(tensor.type, tensor.shape[0], tensor.shape[1])
+    _pack_rows(packed, 0, tensor)
+    packed.settle_scales()
+    if isinstance(module, nn.Embedding):
+        replace_module(model, module_name, QuantizedEmbedding(packed, dtype))
+        if tied_head is not None:
+            set_packed_part(tied_head, 0, packed)
+    else:
+        set_packed_part(module, _row_start(module, part), packed)
+
+
+def _load_float(
+    model: nn.Module,
+    param: torch.Tensor,
+    modules: dict[str, nn.Module],
+    param_name: str,
+    part: int | None,
+    tensor: CheckpointTensor,
+    dtype: torch.dtype,
+) -> None:
+    data = tensor.read()
+    if tensor.type is not None:  # GGUF: as transformers' GGUF loader, via float32
+        data = dequantize(tensor.type, data, tensor.shape[-1]).reshape(tensor.shape).to(dtype)
+    target = param.data
+    if part is not None:
+        target = target[modules[param_name.rsplit(".", 1)[0]].shard_rows(part)]
+    data = model.convert_checkpoint_tensor(tensor.name, data)
+    if data.shape != target.shape:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} in {tensor.file} has shape {list(data.shape)}, "
+            f"expected {list(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(data)
