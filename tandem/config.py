@@ -33,7 +33,10 @@ class CacheConfig:
         None, "KV cache blocks (default: what the memory budget holds)", "N"
     )
     kv_cache_memory: int | None = setting(
-        None, "KV cache budget in bytes (default: 2 GiB on CPU)", "BYTES"
+        None,
+        "KV cache budget in bytes (default on CPU: 2 GiB, or 80%% of the memory available "
+        "after the weights when that is less; a pool that does not fit is refused at start)",
+        "BYTES",
     )
     gpu_memory_utilization: float = setting(
         0.9, "CUDA: the fraction of GPU memory for weights + KV cache", "FRACTION"

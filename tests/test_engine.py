@@ -264,3 +264,21 @@ def test_the_kv_capacity_is_stated_at_start(llama_folder, caplog):
         LLM(llama_folder, num_blocks=3, block_size=4, max_model_len=64)
     assert "KV cache: 12 tokens (3 blocks of 4, " in caplog.text
     assert "holds 12 tokens, fewer than the context of 64" in caplog.text
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_at_start(llama_folder, monkeypatch):
+    """A pool larger than the memory available after the weights is refused before it
+    is allocated, naming the setting; without one, the default budget shrinks to 80%
+    of what is available instead."""
+    from tandem.runner import kv_cache
+
+    monkeypatch.setattr(kv_cache, "host_available_bytes", lambda: 1 << 20)
+    with pytest.raises(InvalidParameterError, match=r"kv_cache_memory.*does not fit: 0\.00 GiB"):
+        LLM(llama_folder, kv_cache_memory=64 << 20, max_model_len=64)
+    with pytest.raises(InvalidParameterError, match="num_blocks"):
+        LLM(llama_folder, num_blocks=100_000, max_model_len=64)
+    llm = LLM(llama_folder, max_model_len=64, max_num_seqs=64)
+    per_block = kv_cache.kv_bytes_per_block(
+        llm.engine.runner.model.config, 16, torch.float32, "auto"
+    )
+    assert llm.engine.runner.info.num_blocks == int((1 << 20) * 0.8 // per_block)

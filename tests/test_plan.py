@@ -183,3 +183,37 @@ def test_calibrate_fits_the_cost_model_to_real_steps(model_dirs, tmp_path):
     assert calibrated["median_error"] < 1.0  # (its size on this machine: docs/BENCHMARKS.md)
     without = run_plan("--model", str(folder), "--calibrate", str(saved))
     assert without.returncode == 2 and "needs --measure" in without.stderr
+
+
+def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
+    """A GGUF file planned for this machine: its weights at the bytes the engine holds
+    them in (each tensor's packed layout: Q4_K and Q6_K take more than in the file),
+    a decode step reading all but the embedding, and the KV capacity the engine
+    allocates by default, block for block."""
+    from tandem import LLM
+    from tandem.models.quantized import packed_parts
+    from tandem.models.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(256, 2, 4, 2, 512, tied=False, vocab=1024, context=4096)
+    path = write_random_gguf(tmp_path / "mix.gguf", shape, "q4_k_m")
+    hardware = custom_hardware(16, 20, 1.0)
+    planned = plan(path, hardware, "gguf", engine_cpu=True)
+    assert planned["dtype"] == "gguf" and planned["weight_formats"] == "Q4_K"
+    assert planned["kv_dtype"] == "fp32"
+    llm = LLM(str(path), max_num_seqs=4)  # the engine's capacity does not depend on it...
+    model = llm.engine.runner.model
+    packed = {id(w): w.nbytes for m in model.modules() for _, w in packed_parts(m)}
+    packed[id(model.model.embed_tokens.packed)] = model.model.embed_tokens.packed.nbytes
+    held = sum(packed.values()) + sum(p.nbytes for p in model.parameters())
+    assert planned["weight_bytes"] == held
+    embedding = model.model.embed_tokens.packed.nbytes
+    assert planned["weight_bytes_read_per_step"] == held - embedding
+    # ...when the default budget, not max_num_seqs x context, bounds it; this file's
+    # 4,096-token context times the default 128 sequences needs all of the budget.
+    default = LLM(str(path))
+    info = default.engine.runner.info
+    assert planned["max_kv_tokens"] == info.num_blocks * info.block_size
+    config = tmp_path / "llama70b.json"
+    config.write_text(json.dumps(LLAMA_70B))
+    with pytest.raises(InvalidParameterError, match="needs a GGUF"):
+        plan(config, hardware, "gguf")

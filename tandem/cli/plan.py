@@ -8,7 +8,10 @@ HELP = "KV cache and roofline calculator: will it fit, how fast at best?"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="PATH", help="a folder or a config.json")
+    parser.add_argument(
+        "--model", required=True, metavar="PATH",
+        help="a folder, a config.json or a GGUF file (priced in its own formats)",
+    )  # fmt: skip
     parser.add_argument(
         "--hardware", default="h100-sxm",
         choices=["a100-80g", "h100-sxm", "h200", "l4", "t4", "cpu", "custom"],
@@ -21,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, metavar="DTYPE",
         help="weights: fp32 bf16 fp16 fp8 int8, or llama.cpp's q8_0 q4_0 q4_1 q4_k q6_k "
         "(their bytes per weight; computed at the bf16 rate on a GPU, the fp32 rate on "
-        "this CPU) (default: bf16, or fp32 for this machine, as the engine runs it)",
+        "this CPU), or gguf: a GGUF file's own formats, tensor by tensor, at the rate of "
+        "tandem's integer-dot kernel (default: gguf for a GGUF file; else bf16, or fp32 "
+        "for this machine, as the engine runs it)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-dtype", default=None, metavar="DTYPE",
@@ -58,7 +63,15 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from tandem.errors import InvalidParameterError
-    from tandem.plan.calculator import engine_kv_dtype, format_plan, plan
+    from tandem.models.catalog import resolve_model
+    from tandem.models.gguf_checkpoint import find_gguf
+    from tandem.plan.calculator import (
+        FILE_DTYPE,
+        engine_kv_dtype,
+        file_weights,
+        format_plan,
+        plan,
+    )
     from tandem.plan.hardware import PRESETS, custom_hardware
     from tandem.plan.measure import check_measurable, measure_model, this_machine
 
@@ -67,21 +80,24 @@ def run(args: argparse.Namespace) -> None:
     if args.client_ttft_ms is not None and not args.from_trace:
         raise InvalidParameterError("--client-ttft-ms", "is the clients' TTFT of --from-trace")
     on_this_machine = args.measure or args.hardware == "cpu"
-    if args.dtype is None:  # what the engine runs: float32 on a CPU, bf16 on a GPU
-        args.dtype = "fp32" if on_this_machine else "bf16"
+    gguf = find_gguf(resolve_model(args.model))
+    if args.dtype is None:  # what the engine runs: a GGUF's formats; else float32 on a
+        # CPU, bf16 on a GPU
+        args.dtype = FILE_DTYPE if gguf is not None else "fp32" if on_this_machine else "bf16"
     if args.kv_dtype is None:
         args.kv_dtype = engine_kv_dtype(args.dtype, on_cpu=on_this_machine)
     if args.measure:  # before spending seconds measuring the machine
         check_measurable(args.model, args.dtype)
     if on_this_machine:
-        hardware = this_machine(args.dtype)
+        main_format = file_weights(gguf).main_format if args.dtype == FILE_DTYPE else None
+        hardware = this_machine(args.dtype, main_format)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:
         hardware = PRESETS[args.hardware]
     result = plan(
         args.model, hardware, args.dtype, args.kv_dtype, args.prompt_len, args.output_len,
-        args.batch, args.tp,
+        args.batch, args.tp, engine_cpu=on_this_machine,
     )  # fmt: skip
     if args.measure:
         result["measured"] = measure_model(args.model, result)

@@ -14,11 +14,18 @@ be at best? Back-of-the-envelope numbers from the model's config.json alone.
 
 Floors ignore attention's own FLOPs, activations and kernel overheads; real systems
 reach a fraction of them (``--measure`` shows which fraction tandem reaches here).
+
+A GGUF file is priced as the engine runs it (``dtype="gguf"``): its weights at the bytes
+each tensor takes in the kernels' packed layout (file_weights), a decode step reading
+every matrix but the embedding's unread rows, prefill at the rate of the integer-dot
+kernel that multiplies them (measured on this machine), and on this machine the KV
+capacity the engine allocates by default (runner/kv_cache.py's budget, same blocks).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,7 @@ from tandem.models.config import ModelConfig
 from tandem.models.dtypes import DTYPES
 from tandem.models.loader import read_config
 from tandem.plan.hardware import Hardware
+from tandem.quant.blocks import BLOCK, GGMLType
 
 MEMORY_UTILIZATION = 0.9  # the share of device memory given to weights + KV cache
 
@@ -79,6 +87,64 @@ def crossover_batch(
     return weight_bytes / (bandwidth_gbs * 1e9) / (compute_per_sequence - kv_time_per_sequence)
 
 
+FILE_DTYPE = "gguf"  # a GGUF file's own formats, tensor by tensor
+
+
+@dataclass(frozen=True)
+class FileWeights:
+    """A GGUF file's weights as the CPU engine holds and reads them."""
+
+    held_bytes: int  # every tensor in its packed (or float) layout
+    read_per_token: int  # what a batch-1 decode step reads: all but the embedding's rows
+    main_format: GGMLType | None  # the block format with the most weights
+
+
+def file_weights(path: Path) -> FileWeights:
+    from tandem.models.gguf_file import GGUFFile
+    from tandem.quant.packed import packed_nbytes
+
+    tensors = GGUFFile(path).tensors
+    names = {t.name for t in tensors}
+    held = read = 0
+    weights_by_format: dict[GGMLType, int] = {}
+    for t in tensors:
+        columns, rows = t.shape[0], math.prod(t.shape[1:])
+        if t.type in BLOCK:
+            code = GGMLType(t.type)
+            size = packed_nbytes(code, rows, columns)
+            weights_by_format[code] = weights_by_format.get(code, 0) + rows * columns
+        elif t.type in (GGMLType.F16, GGMLType.BF16) and len(t.shape) > 1:
+            size = rows * columns * 2  # kept at 2 bytes (half weights)
+        else:
+            size = rows * columns * 4  # float32: the CPU engine's dtype
+        held += size
+        # The embedding is read a row a token, unless it is also the LM head.
+        if t.name != "token_embd.weight" or "output.weight" not in names:
+            read += size
+    main = max(weights_by_format, key=weights_by_format.get) if weights_by_format else None
+    return FileWeights(held, read, main)
+
+
+def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
+    """The KV tokens the CPU engine allocates by default for this model (block size,
+    max_num_seqs and max_model_len at their defaults): the same function, with the
+    memory available now less the weights it is about to load."""
+    from tandem.config import CacheConfig, SchedulerConfig
+    from tandem.runner.kv_cache import default_cpu_budget, host_available_bytes, num_blocks_for
+
+    block_size = CacheConfig().block_size
+    available = host_available_bytes()
+    budget = default_cpu_budget(None if available is None else max(0, available - weight_bytes))
+    # fp32 is the "auto" cache of a float32 engine; the others name their own type.
+    cache_dtype = {"fp32": "auto", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}[kv_dtype]
+    needed = SchedulerConfig().max_num_seqs * config.max_position_embeddings
+    blocks = num_blocks_for(
+        config, block_size, torch.float32, torch.device("cpu"), None, max(budget, 1), 0.9, needed,
+        cache_dtype,
+    )  # fmt: skip
+    return blocks * block_size
+
+
 def engine_kv_dtype(dtype: str, on_cpu: bool) -> str:
     """The element type the engine's KV cache holds by default for weights in ``dtype``:
     the weights' own type when the engine computes in it (fp32, bf16, fp16), otherwise
@@ -90,6 +156,13 @@ def engine_kv_dtype(dtype: str, on_cpu: bool) -> str:
     return "fp32" if on_cpu else "bf16"
 
 
+def _gguf_path(model: str | Path) -> Path | None:
+    from tandem.models.catalog import resolve_model
+    from tandem.models.gguf_checkpoint import find_gguf
+
+    return find_gguf(resolve_model(model))
+
+
 def plan(
     model: str | Path,
     hardware: Hardware,
@@ -99,18 +172,33 @@ def plan(
     output_len: int = 256,
     batch: int = 1,
     tp: int = 1,
+    engine_cpu: bool = False,
 ) -> dict[str, Any]:
-    kv_dtype = kv_dtype or engine_kv_dtype(dtype, on_cpu=False)
+    """``engine_cpu``: the hardware is this machine, run by tandem's CPU engine: the KV
+    capacity is the one it allocates by default (engine_cpu_kv_tokens)."""
+    kv_dtype = kv_dtype or engine_kv_dtype(dtype, on_cpu=engine_cpu)
+    gguf = _gguf_path(model) if dtype == FILE_DTYPE else None
+    if dtype == FILE_DTYPE and gguf is None:
+        raise InvalidParameterError(
+            "dtype", f"{FILE_DTYPE!r} (the file's formats) needs a GGUF file"
+        )
     for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
-        if value not in DTYPES:
+        if value not in DTYPES and not (name == "dtype" and gguf is not None):
             raise InvalidParameterError(name, f"{value!r} is not one of {list(DTYPES)}")
-    dtype, kv_dtype = DTYPES[dtype].short, DTYPES[kv_dtype].short
+    dtype = FILE_DTYPE if gguf is not None else DTYPES[dtype].short
+    kv_dtype = DTYPES[kv_dtype].short
     for name, value in (("prompt_len", prompt_len), ("output_len", output_len),
                         ("batch", batch), ("tp", tp)):  # fmt: skip
         if value < 1:
             raise InvalidParameterError(name, "must be >= 1")
     config, params = read_model(model)
-    weight_bytes = params * DTYPES[dtype].bytes
+    if gguf is not None:
+        weights = file_weights(gguf)
+        weight_bytes, read_bytes = weights.held_bytes, weights.read_per_token
+        formats = weights.main_format.name if weights.main_format is not None else "float"
+    else:
+        weight_bytes = read_bytes = params * DTYPES[dtype].bytes
+        formats = dtype
     kv_total = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes)
     kv_rank = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes, tp)
     tflops = hardware.flops_for(dtype) * tp
@@ -118,18 +206,20 @@ def plan(
     weights_per_rank = weight_bytes / tp
     budget = hardware.memory_gb * 1e9 * MEMORY_UTILIZATION - weights_per_rank
     max_tokens = max(0, int(budget // kv_rank))
+    if engine_cpu and tp == 1:
+        max_tokens = engine_cpu_kv_tokens(config, weight_bytes, kv_dtype)
     sequence = prompt_len + output_len
     # During decode a sequence's context grows from P to P + O: the mean is read per step.
     context = prompt_len + output_len / 2
     # Every rank reads its share of weights and KV; in aggregate that is all of them.
     kv_all_ranks = kv_rank * tp
-    decode_memory = decode_step_seconds(weight_bytes, batch, context, kv_all_ranks, bandwidth)
+    decode_memory = decode_step_seconds(read_bytes, batch, context, kv_all_ranks, bandwidth)
     decode_compute = 2 * params * batch / (tflops * 1e12)
     prefill = prefill_seconds(params, prompt_len, tflops)
-    ttft = max(prefill, weight_bytes / (bandwidth * 1e9))
+    ttft = max(prefill, read_bytes / (bandwidth * 1e9))
     tpot = max(decode_memory, decode_compute)
-    crossover = crossover_batch(params, weight_bytes, context, kv_all_ranks, tflops, bandwidth)
-    weights_only = crossover_batch(params, weight_bytes, 0, 0, tflops, bandwidth)
+    crossover = crossover_batch(params, read_bytes, context, kv_all_ranks, tflops, bandwidth)
+    weights_only = crossover_batch(params, read_bytes, 0, 0, tflops, bandwidth)
     return {
         "model": str(model),
         "architecture": config.architecture,
@@ -139,11 +229,16 @@ def plan(
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "parameters": params,
+        "weight_formats": formats,
         "weight_bytes": weight_bytes,
+        "weight_bytes_read_per_step": read_bytes,
         "weight_bytes_per_rank": weights_per_rank,
         "kv_bytes_per_token": kv_total,
         "kv_bytes_per_token_per_rank": kv_rank,
         "memory_bytes_per_rank": hardware.memory_gb * 1e9,
+        "kv_capacity_source": "the engine's default KV budget here"
+        if engine_cpu and tp == 1
+        else f"{MEMORY_UTILIZATION:.0%} of memory",
         "weights_fit": budget > 0,
         "max_kv_tokens": max_tokens,
         "max_sequences": max_tokens // sequence,
@@ -212,19 +307,20 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({r['dtype']}), {_bytes(r['memory_bytes_per_rank'])} per device",
         "",
         f"parameters         {_count(r['parameters'])}",
-        f"weights ({r['dtype']})     {_bytes(r['weight_bytes'])} "
+        f"weights ({r['weight_formats']})     {_bytes(r['weight_bytes'])} "
         f"({_bytes(r['weight_bytes_per_rank'])} per rank); fit: {fits}",
         f"KV per token       {r['kv_bytes_per_token']:,.0f} bytes in {r['kv_dtype']} "
         f"({r['kv_bytes_per_token_per_rank']:,.0f} per rank)",
         f"KV capacity        {r['max_kv_tokens']:,} tokens beside the weights (at "
-        f"{MEMORY_UTILIZATION:.0%} of memory) = {r['max_sequences']:,} sequences of "
+        f"{r['kv_capacity_source']}) = {r['max_sequences']:,} sequences of "
         f"{r['prompt_len']} + {r['output_len']}; batch {r['batch']} "
         + ("fits" if r["batch_fits"] else "does NOT fit"),
         "",
         f"prefill floor      {_seconds(r['prefill_floor_s'])} for {r['prompt_len']} tokens "
         "(2 x params x P / FLOP/s)",
         f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
-        "((weights + batch x context x KV per token) / bandwidth)",
+        f"(({_bytes(r['weight_bytes_read_per_step'])} of weights + batch x context x KV per "
+        "token) / bandwidth)",
         f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
         "(2 x params x batch / FLOP/s)",
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "

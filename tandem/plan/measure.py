@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tandem.errors import InvalidParameterError
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
+from tandem.quant.blocks import GGMLType
 from tandem.runner.static_batch import stream_with_cache
 
 
@@ -46,13 +48,46 @@ def matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> flo
     return 2 * size**3 / seconds / 1e12
 
 
-def this_machine(dtype: str = "fp32") -> Hardware:
+# The kernel that multiplies each block format, by its layout (4-bit values or 8-bit,
+# group of 32 or 16): formats with no random-block writer time a twin.
+_KERNEL_TWIN = {
+    GGMLType.Q4_1: GGMLType.Q4_0,
+    GGMLType.Q5_0: GGMLType.Q8_0,
+    GGMLType.Q5_1: GGMLType.Q8_0,
+    GGMLType.Q5_K: GGMLType.Q8_0,
+}
+
+
+def quant_kernel_tflops(code: GGMLType, tokens: int = 512, size: int = 4096) -> float:
+    """Throughput of the integer-dot kernel (kernels/quant_ops.cpp) on a ``code``
+    matrix at prefill's shape: ``tokens`` activation rows times a [size, size] weight."""
+    from tandem.kernels import cpu as cpu_kernels
+    from tandem.models.random_gguf import random_blocks
+    from tandem.quant.packed import PackedWeight
+
+    if cpu_kernels.load() is None:
+        return matmul_tflops(torch.float32)  # without the kernels, weights run as float32
+    code = _KERNEL_TWIN.get(code, code)
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(random_blocks(code, size, size, rng))
+    weight = PackedWeight.from_ggml(code, raw, size)
+    x = torch.randn(tokens, size)
+    out = torch.empty(tokens, size)
+    seconds = median_time(lambda: weight.matmul(x, out), 5, warmup=1)
+    return 2 * tokens * size * size / seconds / 1e12
+
+
+def this_machine(dtype: str = "fp32", quant_format: GGMLType | None = None) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
-    and recorded under ``dtype``, so the plan's floors are the engine's."""
+    and recorded under ``dtype``, so the plan's floors are the engine's; a GGUF file's
+    (``dtype`` gguf) at the rate of the integer-dot kernel on ``quant_format``."""
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
-    tflops = {dtype: matmul_tflops(computed)}
+    if quant_format is not None:
+        tflops = {dtype: quant_kernel_tflops(quant_format)}
+    else:
+        computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
+        tflops = {dtype: matmul_tflops(computed)}
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
     return Hardware(name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan")
 
@@ -70,16 +105,20 @@ def engine_dtype(dtype: str) -> str:
 
 def check_measurable(config_path, dtype: str) -> None:
     """Refuse, before anything is measured, a model this machine cannot run: too many
-    parameters, or weights (in the dtype it would run in) beyond 80% of the RAM."""
-    from tandem.plan.calculator import read_model
+    parameters to build with random weights, or weights (in the dtype it would run in;
+    a GGUF file's as packed) beyond 80% of the RAM."""
+    from tandem.plan.calculator import FILE_DTYPE, _gguf_path, file_weights, read_model
 
-    _, params = read_model(config_path)
-    if params > MAX_MEASURED_PARAMS:
-        raise InvalidParameterError(
-            "--measure", f"{params / 1e9:.1f}B parameters is too many to run here (at most "
-            f"{MAX_MEASURED_PARAMS / 1e9:.0f}B)",
-        )  # fmt: skip
-    weight_bytes = params * (2 if engine_dtype(dtype) == "bfloat16" else 4)
+    if dtype == FILE_DTYPE:  # the file itself is loaded: no random weights to build
+        weight_bytes = file_weights(_gguf_path(config_path)).held_bytes
+    else:
+        _, params = read_model(config_path)
+        if params > MAX_MEASURED_PARAMS:
+            raise InvalidParameterError(
+                "--measure", f"{params / 1e9:.1f}B parameters is too many to run here (at "
+                f"most {MAX_MEASURED_PARAMS / 1e9:.0f}B)",
+            )  # fmt: skip
+        weight_bytes = params * (2 if engine_dtype(dtype) == "bfloat16" else 4)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if weight_bytes > 0.8 * memory:
         raise InvalidParameterError(
@@ -90,14 +129,20 @@ def check_measurable(config_path, dtype: str) -> None:
 
 def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str, float]:
     """Run tandem on this machine with the model's architecture (random weights, CPU,
-    in ``engine_dtype``): one prompt of ``prompt_len`` tokens, then ``batch`` sequences
-    decoding; the achieved times beside the floors in ``result`` (a plan made with this
+    in ``engine_dtype``; a GGUF file's own weights): one prompt of ``prompt_len``
+    tokens, then ``batch`` sequences decoding; the achieved times beside the floors in
+    ``result`` (a plan made with this
     machine's hardware, measured in the same dtype)."""
+    from tandem.models.loader import load_model
+    from tandem.plan.calculator import FILE_DTYPE
+
     check_measurable(config_path, result["dtype"])
     path = Path(config_path)
-    raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    dtype = engine_dtype(result["dtype"])
-    loaded = random_model(raw, dtype=dtype)
+    if result["dtype"] == FILE_DTYPE:  # the file itself, its weights packed as it runs
+        loaded = load_model(path, load_tokenizer=False)
+    else:
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        loaded = random_model(raw, dtype=engine_dtype(result["dtype"]))
     vocab = loaded.config.vocab_size
     prompt_len, batch = result["prompt_len"], result["batch"]
     prompt = [(7 * i) % vocab for i in range(prompt_len)]
@@ -120,7 +165,8 @@ def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str,
         run_once()  # the first run pays for page faults and kernel caches
         prefill, step = run_once()
     # The decode floor at the measured context (prompt + a few tokens), not the mean.
-    floor = (result["weight_bytes"] + batch * prompt_len * result["kv_bytes_per_token"]) / (
+    weights = result["weight_bytes_read_per_step"]
+    floor = (weights + batch * prompt_len * result["kv_bytes_per_token"]) / (
         result["bandwidth_gbs"] * 1e9
     )
     floor = max(floor, result["decode_step_compute_s"])

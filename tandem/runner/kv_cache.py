@@ -25,6 +25,7 @@ import mmap
 
 import torch
 
+from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 
 # The element types a cache may store instead of the model's (int8 is its own layout).
@@ -109,6 +110,7 @@ def as_cached(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_CPU_AVAILABLE_FRACTION = 0.8
 
 
 def num_blocks_for(
@@ -124,17 +126,50 @@ def num_blocks_for(
 ) -> int:
     """Blocks in the pool: ``num_blocks`` if given, else what the memory budget holds:
     ``kv_cache_memory`` bytes; on CUDA the part of ``gpu_memory_utilization`` x total
-    memory still free after the weights; on CPU 2 GiB. A budget is never spent on more
-    blocks than ``max_tokens_needed`` (max_num_seqs x max_model_len) can use."""
-    if num_blocks is not None:
-        return num_blocks
+    memory still free after the weights; on CPU 2 GiB, or 80% of the memory still
+    available after the weights when that is less. A budget is never spent on more
+    blocks than ``max_tokens_needed`` (max_num_seqs x max_model_len) can use. On a CPU,
+    a pool that the host's available memory cannot hold is refused here, at start
+    (InvalidParameterError naming the setting), not met later by the OOM killer."""
     per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
-    if kv_cache_memory is not None:
-        budget = kv_cache_memory
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - gpu_memory_utilization) * total
-    else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
-    useful = -(-max_tokens_needed // block_size)
-    return max(1, min(int(budget // per_block), useful))
+    available = host_available_bytes() if device.type == "cpu" else None
+    if num_blocks is None:
+        if kv_cache_memory is not None:
+            budget = kv_cache_memory
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - (1 - gpu_memory_utilization) * total
+        else:
+            budget = default_cpu_budget(available)
+        useful = -(-max_tokens_needed // block_size)
+        num_blocks = max(1, min(int(budget // per_block), useful))
+    if available is not None and num_blocks * per_block > available:
+        setting = "num_blocks" if kv_cache_memory is None else "kv_cache_memory"
+        raise InvalidParameterError(
+            setting,
+            f"a KV cache of {num_blocks * per_block / (1 << 30):.2f} GiB ({num_blocks} blocks) "
+            f"does not fit: {available / (1 << 30):.2f} GiB of memory is available after "
+            "loading the model",
+        )
+    return num_blocks
+
+
+def default_cpu_budget(available: int | None) -> int:
+    """The CPU KV cache's budget when none is given: 2 GiB, or 80% of the memory
+    available (after the weights) when that is less."""
+    if available is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, int(available * DEFAULT_CPU_AVAILABLE_FRACTION))
+
+
+def host_available_bytes() -> int | None:
+    """The kernel's estimate of memory available to a new allocation without swapping
+    (MemAvailable), None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
