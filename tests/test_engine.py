@@ -282,3 +282,18 @@ def test_a_kv_cache_that_cannot_fit_is_refused_at_start(llama_folder, monkeypatc
         llm.engine.runner.model.config, 16, torch.float32, "auto"
     )
     assert llm.engine.runner.info.num_blocks == int((1 << 20) * 0.8 // per_block)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_prompt_of_thousands_of_tokens_decodes_as_transformers(model_dirs, arch):
+    """5,000 prompt tokens in chunks of 2,048 (the later ones attend to a long prefix
+    through the split path, Mistral's sliding window through the masked one), then
+    greedy decoding over that context: the tokens transformers' generate gives."""
+    folder, hf_model = model_dirs(arch, max_position_embeddings=8192)
+    ids = torch.randint(2, VOCAB_SIZE, (5000,), generator=torch.Generator().manual_seed(5))
+    prompt = ids.tolist()
+    expected = reference_greedy(hf_model, [prompt], 6)[0]
+    llm = LLM(folder, max_model_len=5016, max_num_batched_tokens=2048, max_num_seqs=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == expected

@@ -117,7 +117,7 @@ def load_weights(
 
     materialize(model, device)
     if tied_head is None:
-        model.tie_weights()  # materialising replaced the shared parameter
+        model.tie_weights()  # the model's own statement of its tie (materialize kept it)
     params = dict(model.named_parameters())
     for tensor in tensors:
         target = model.checkpoint_target(tensor.name)

@@ -10,7 +10,10 @@ tensor at a time. A Hugging Face folder's safetensors files come from here
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,34 +88,83 @@ def checkpoint_files(folder: Path) -> list[Path]:
     )
 
 
+# safetensors' dtype names -> torch's.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes lie in a safetensors file: a little-endian u64 header
+    size, the JSON header (name -> dtype, shape, data_offsets), then the data."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    base = 8 + size
+    return {
+        name: (base + entry["data_offsets"][0], base + entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
 class SafetensorsCheckpoint:
     """A Hugging Face folder's safetensors files (one, or the shards of an index),
-    open until ``close()`` (a context manager); ``tensors()`` lists them lazily."""
+    open until ``close()`` (a context manager); ``tensors()`` lists them lazily.
+
+    The safetensors library opens and validates each file and gives names, shapes and
+    dtypes; the bytes are then read with ``pread`` into a fresh tensor rather than
+    through the library's memory map, whose pages would stay in the process (the
+    whole file beside the model) until the file is closed."""
 
     def __init__(self, folder: Path) -> None:
-        self.handles = []
+        self.files = []
         for path in checkpoint_files(folder):
             try:
-                self.handles.append((path, safe_open(str(path), framework="pt", device="cpu")))
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                offsets = _data_offsets(path)
+                fd = os.open(path, os.O_RDONLY)
             except Exception as exc:
                 self.close()
                 raise ModelLoadError(f"cannot read weights file {path}: {exc}") from None
+            self.files.append((path, handle, offsets, fd))
 
     def tensors(self) -> Iterator[CheckpointTensor]:
-        for path, handle in self.handles:
+        for path, handle, offsets, fd in self.files:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shape = tuple(handle.get_slice(name).get_shape())
-                yield CheckpointTensor(
-                    name, shape, path.name, None, lambda h=handle, n=name: h.get_tensor(n)
+                info = handle.get_slice(name)
+                shape = tuple(info.get_shape())
+                read = functools.partial(
+                    _pread, fd, offsets[name], shape, _SAFETENSORS_DTYPES[info.get_dtype()]
                 )
+                yield CheckpointTensor(name, shape, path.name, None, read)
 
     def close(self) -> None:
-        for _, handle in self.handles:
+        for _, handle, _, fd in self.files:
             handle.__exit__(None, None, None)
-        self.handles = []
+            os.close(fd)
+        self.files = []
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pread(fd: int, span: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype):
+    out = torch.empty(shape, dtype=dtype)
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    start, end = span
+    if len(buffer) != end - start:
+        raise ModelLoadError(f"tensor of {end - start} bytes where {len(buffer)} were expected")
+    done = 0
+    while done < len(buffer):  # a read may return less than asked (over 2 GB at once)
+        count = os.preadv(fd, [buffer[done:]], start + done)
+        if count == 0:
+            raise ModelLoadError("the weights file ends before its tensors (truncated?)")
+        done += count
+    return out
