@@ -89,8 +89,10 @@ def run(args: argparse.Namespace) -> None:
     if args.measure:  # before spending seconds measuring the machine
         check_measurable(args.model, args.dtype)
     if on_this_machine:
-        main_format = file_weights(gguf).main_format if args.dtype == FILE_DTYPE else None
-        hardware = this_machine(args.dtype, main_format)
+        weights = file_weights(gguf) if args.dtype == FILE_DTYPE else None
+        hardware = this_machine(
+            args.dtype, weights and weights.mix, weights and weights.layer_shapes
+        )
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

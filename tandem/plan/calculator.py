@@ -97,6 +97,14 @@ class FileWeights:
     held_bytes: int  # every tensor in its packed (or float) layout
     read_per_token: int  # what a batch-1 decode step reads: all but the embedding's rows
     main_format: GGMLType | None  # the block format with the most weights
+    # Per block format among what a step reads: (packed bytes, weights), for pricing
+    # each at its own kernel's rates (this_machine).
+    mix: dict[GGMLType, tuple[int, int]]
+    # The [rows, columns] of each format's matrices in the first layer: the shapes its
+    # kernel's prefill rate is measured on.
+    layer_shapes: dict[GGMLType, list[tuple[int, int]]]
+    layer_weights: int  # in the blocks' matrices: what each prompt token multiplies
+    head_weights: int  # the LM head's: run for the last prompt token only
 
 
 def file_weights(path: Path) -> FileWeights:
@@ -107,6 +115,10 @@ def file_weights(path: Path) -> FileWeights:
     names = {t.name for t in tensors}
     held = read = 0
     weights_by_format: dict[GGMLType, int] = {}
+    mix: dict[GGMLType, tuple[int, int]] = {}
+    layer_shapes: dict[GGMLType, list[tuple[int, int]]] = {}
+    layer_weights = head_weights = 0
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
     for t in tensors:
         columns, rows = t.shape[0], math.prod(t.shape[1:])
         if t.type in BLOCK:
@@ -118,11 +130,20 @@ def file_weights(path: Path) -> FileWeights:
         else:
             size = rows * columns * 4  # float32: the CPU engine's dtype
         held += size
+        if t.name.startswith("blk.") and len(t.shape) > 1:
+            layer_weights += rows * columns
+        if t.name == head:
+            head_weights = rows * columns
         # The embedding is read a row a token, unless it is also the LM head.
         if t.name != "token_embd.weight" or "output.weight" not in names:
             read += size
+            if t.type in BLOCK:
+                nbytes, weights = mix.get(code, (0, 0))
+                mix[code] = (nbytes + size, weights + rows * columns)
+                if t.name.startswith("blk.0."):
+                    layer_shapes.setdefault(code, []).append((rows, columns))
     main = max(weights_by_format, key=weights_by_format.get) if weights_by_format else None
-    return FileWeights(held, read, main)
+    return FileWeights(held, read, main, mix, layer_shapes, layer_weights, head_weights)
 
 
 def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
@@ -216,6 +237,11 @@ def plan(
     decode_memory = decode_step_seconds(read_bytes, batch, context, kv_all_ranks, bandwidth)
     decode_compute = 2 * params * batch / (tflops * 1e12)
     prefill = prefill_seconds(params, prompt_len, tflops)
+    if gguf is not None:  # the file's own matrices: the head runs for one token
+        flops = 2 * (weights.layer_weights * prompt_len + weights.head_weights)
+        prefill = flops / (tflops * 1e12)
+        decode_compute = 2 * (weights.layer_weights + weights.head_weights) * batch
+        decode_compute /= tflops * 1e12
     ttft = max(prefill, read_bytes / (bandwidth * 1e9))
     tpot = max(decode_memory, decode_compute)
     crossover = crossover_batch(params, read_bytes, context, kv_all_ranks, tflops, bandwidth)
@@ -317,7 +343,11 @@ def format_plan(result: dict[str, Any]) -> str:
         + ("fits" if r["batch_fits"] else "does NOT fit"),
         "",
         f"prefill floor      {_seconds(r['prefill_floor_s'])} for {r['prompt_len']} tokens "
-        "(2 x params x P / FLOP/s)",
+        + (
+            "(2 x (the layers' matrices x P + the LM head) / FLOP/s)"
+            if r["dtype"] == FILE_DTYPE
+            else "(2 x params x P / FLOP/s)"
+        ),
         f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
         f"(({_bytes(r['weight_bytes_read_per_step'])} of weights + batch x context x KV per "
         "token) / bandwidth)",

@@ -17,6 +17,7 @@ from tandem.errors import InvalidParameterError
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 from tandem.quant.blocks import GGMLType
+from tandem.quant.packed import packed_nbytes
 from tandem.runner.static_batch import stream_with_cache
 
 
@@ -58,37 +59,75 @@ _KERNEL_TWIN = {
 }
 
 
-def quant_kernel_tflops(code: GGMLType, tokens: int = 512, size: int = 4096) -> float:
-    """Throughput of the integer-dot kernel (kernels/quant_ops.cpp) on a ``code``
-    matrix at prefill's shape: ``tokens`` activation rows times a [size, size] weight."""
-    from tandem.kernels import cpu as cpu_kernels
+def _random_packed(code: GGMLType, rows: int, columns: int):
     from tandem.models.random_gguf import random_blocks
     from tandem.quant.packed import PackedWeight
 
-    if cpu_kernels.load() is None:
-        return matmul_tflops(torch.float32)  # without the kernels, weights run as float32
     code = _KERNEL_TWIN.get(code, code)
-    rng = np.random.default_rng(0)
-    raw = torch.from_numpy(random_blocks(code, size, size, rng))
-    weight = PackedWeight.from_ggml(code, raw, size)
-    x = torch.randn(tokens, size)
-    out = torch.empty(tokens, size)
+    raw = torch.from_numpy(random_blocks(code, rows, columns, np.random.default_rng(0)))
+    return PackedWeight.from_ggml(code, raw, columns)
+
+
+def quant_kernel_tflops(
+    code: GGMLType, shapes: list[tuple[int, int]] | None = None, tokens: int = 512
+) -> float:
+    """Throughput of the integer-dot kernel (kernels/quant_ops.cpp) on ``code``
+    matrices of ``shapes`` ([rows, columns]: a model's own; one [4096, 4096] if not
+    given) at prefill's shape, ``tokens`` activation rows: their FLOPs over their time."""
+    flops = seconds = 0.0
+    for rows, columns in shapes or [(4096, 4096)]:
+        weight = _random_packed(code, rows, columns)
+        x = torch.randn(tokens, columns)
+        out = torch.empty(tokens, rows)
+        seconds += median_time(lambda w=weight, x=x, o=out: w.matmul(x, o), 3, warmup=1)
+        flops += 2 * tokens * rows * columns
+    return flops / seconds / 1e12
+
+
+def quant_kernel_read_gbs(code: GGMLType, megabytes: int = 256, columns: int = 4096) -> float:
+    """The rate at which the integer-dot kernel streams a ``code`` matrix for one
+    activation row (a batch-1 decode step's matmuls): its bytes over its time, on a
+    matrix far larger than the caches."""
+    tile = packed_nbytes(code, 16, columns)  # 16 rows: the packed layout's unit
+    rows = megabytes * (1 << 20) // tile * 16
+    weight = _random_packed(code, rows, columns)
+    x = torch.randn(1, columns)
+    out = torch.empty(1, rows)
     seconds = median_time(lambda: weight.matmul(x, out), 5, warmup=1)
-    return 2 * tokens * size * size / seconds / 1e12
+    return weight.nbytes / seconds / 1e9
 
 
-def this_machine(dtype: str = "fp32", quant_format: GGMLType | None = None) -> Hardware:
+def this_machine(
+    dtype: str = "fp32",
+    mix: dict[GGMLType, tuple[int, int]] | None = None,
+    shapes: dict[GGMLType, list[tuple[int, int]]] | None = None,
+) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
-    and recorded under ``dtype``, so the plan's floors are the engine's; a GGUF file's
-    (``dtype`` gguf) at the rate of the integer-dot kernel on ``quant_format``."""
+    and recorded under ``dtype``, so the plan's floors are the engine's. A GGUF file's
+    (``dtype`` gguf) weights are priced at the rates of the integer-dot kernel that
+    runs each of its formats (``mix``: format -> (bytes, weights) a step reads): its
+    throughput at prefill's shape on the model's own matrices of that format
+    (``shapes``), and for bandwidth the rate at which it streams weights for one row,
+    which is what a decode step's matmuls get; the file's rates are the mix's (bytes
+    over the sum of each format's time)."""
+    from tandem.kernels import cpu as cpu_kernels
+
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    if quant_format is not None:
-        tflops = {dtype: quant_kernel_tflops(quant_format)}
-    else:
-        computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
-        tflops = {dtype: matmul_tflops(computed)}
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
+    if mix and cpu_kernels.load() is not None:
+        seconds_per_byte = sum(b / quant_kernel_read_gbs(code) for code, (b, _) in mix.items())
+        shapes = shapes or {}
+        seconds_per_flop = sum(
+            w / quant_kernel_tflops(code, shapes.get(code)) for code, (_, w) in mix.items()
+        )
+        bandwidth = sum(b for b, _ in mix.values()) / seconds_per_byte
+        tflops = {dtype: sum(w for _, w in mix.values()) / seconds_per_flop}
+        names = "+".join(code.name for code in mix)
+        source = f"measured by tandem plan: the integer-dot kernel on {names}"
+        return Hardware(name, memory_gb, bandwidth, tflops, source)
+    computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
+    tflops = {dtype: matmul_tflops(computed)}
     return Hardware(name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan")
 
 
