@@ -263,8 +263,7 @@ def plan_point(path: Path) -> dict[str, float]:
     from tandem.plan.calculator import FILE_DTYPE, file_weights, plan
     from tandem.plan.measure import this_machine
 
-    weights = file_weights(path)
-    hardware = this_machine(FILE_DTYPE, weights.mix, weights.layer_shapes)
+    hardware = this_machine(FILE_DTYPE, file_weights(path))
     decode = plan(path, hardware, FILE_DTYPE, None, 128, 32, 1, engine_cpu=True)
     prefill = plan(path, hardware, FILE_DTYPE, None, 512, 1, 1, engine_cpu=True)
     return {

@@ -90,9 +90,7 @@ def run(args: argparse.Namespace) -> None:
         check_measurable(args.model, args.dtype)
     if on_this_machine:
         weights = file_weights(gguf) if args.dtype == FILE_DTYPE else None
-        hardware = this_machine(
-            args.dtype, weights and weights.mix, weights and weights.layer_shapes
-        )
+        hardware = this_machine(args.dtype, weights)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

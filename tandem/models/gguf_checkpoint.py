@@ -113,6 +113,15 @@ class GGUFCheckpoint:
             )
         self.tensor_names = {t.name for t in self._file.tensors}
 
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def value(self, key: str, default: Any = None) -> Any:
         return self._file.fields.get(key, default)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tandem.errors import ModelLoadError
+from tandem.models.config import ModelConfig
 from tandem.models.gguf_checkpoint import (
     ARCHITECTURE_LAYER_NAMES,
     GLOBAL_NAMES,
@@ -133,6 +134,25 @@ def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
         writer.add_chat_template(template)
 
 
+def add_shape_keys(writer, config: ModelConfig) -> None:
+    """The architecture's shape as llama.cpp's metadata keys."""
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if config.rope is not None:
+        writer.add_rope_freq_base(config.rope.theta)
+        writer.add_rope_dimension_count(config.rope.rotary_dim)
+        if config.rope.scaling_type != "default":
+            raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
+
+
 def _add_gemma3_keys(writer, config) -> None:
     """llama.cpp's gemma3 reads the sliding window from the file and fixes the rest:
     5 local layers to 1 global, local rotary base 10,000, scores scaled by
@@ -183,21 +203,7 @@ def export_gguf(
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(folder.name)
     writer.add_file_type(_file_type(code))
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    if config.rope is not None:
-        writer.add_rope_freq_base(config.rope.theta)
-        writer.add_rope_dimension_count(config.rope.rotary_dim)
-        if config.rope.scaling_type != "default":
-            raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
+    add_shape_keys(writer, config)
     if arch == "gemma3":
         _add_gemma3_keys(writer, config)
     _add_tokenizer(writer, folder, raw)

@@ -146,6 +146,10 @@ class GGUFFile:
             raise ValueError(f"{info.name}: data past the end of the file (truncated?)")
         return self._map[start : start + info.nbytes]
 
+    def close(self) -> None:
+        """Let go of the map (unmapped once no tensor view of it is left)."""
+        self._map = self._mmap = None
+
     def release(self, info: TensorInfo, start: int = 0, end: int | None = None) -> None:
         """Drop the tensor's pages (bytes [start, end) of it; all by default) from this
         process; they stay in the page cache. A page shared with a neighbour is

@@ -166,14 +166,10 @@ def load_model(
     # Built without allocating (meta); load_weights materialises what stays float.
     with torch.device("meta"), _initializers_skipped():
         model = cls(config).to(dtype)
-    try:
-        with torch.no_grad():
-            model = load_weights(model, source.tensors(), str(folder), device, dtype, keep)
-            if quantization not in ("auto", "none"):
-                quantize_linear_layers(model, quantization, device)
-    finally:
-        if isinstance(source, SafetensorsCheckpoint):
-            source.close()
+    with source, torch.no_grad():
+        model = load_weights(model, source.tensors(), str(folder), device, dtype, keep)
+        if quantization not in ("auto", "none"):
+            quantize_linear_layers(model, quantization, device)
     model.eval().requires_grad_(False)
     tokenizer, generation_config = None, {}
     if gguf_file is not None:

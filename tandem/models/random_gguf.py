@@ -27,7 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.models.config import ModelConfig
+from tandem.models.gguf_export import add_shape_keys
 from tandem.models.gguf_file import GGUFFile
+from tandem.models.registry import model_class_for
 from tandem.quant.blocks import BLOCK, GGMLType
 
 
@@ -46,6 +49,17 @@ class Shape:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def config(self) -> ModelConfig:
+        """The shape as the model class parses it (a config.json's keys)."""
+        raw = {
+            "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab, "rope_theta": self.rope_theta, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": self.context, "tie_word_embeddings": self.tied,
+        }  # fmt: skip
+        return model_class_for(raw).parse_config(raw)
 
     def matrices(self) -> list[tuple[str, int, int]]:
         """(GGUF name, rows, columns) of every matrix, in llama.cpp's file order."""
@@ -188,16 +202,7 @@ def write_random_gguf(
     writer.add_name(f"random {path.stem}")
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_vocab_size(shape.vocab)
+    add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
 
     norms = ["output_norm.weight"] + [

@@ -88,6 +88,8 @@ def load_weights(
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
+    # (tensor, parameter, part) in file order, for the tensors the model uses.
+    targeted: list[tuple[CheckpointTensor, str, int | None]] = []
     by_param: dict[str, list[Part]] = defaultdict(list)
     for tensor in tensors:
         target = model.checkpoint_target(tensor.name)
@@ -95,6 +97,7 @@ def load_weights(
             continue
         if target[0] not in params:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {tensor.file}")
+        targeted.append((tensor, *target))
         by_param[target[0]].append((target[1], tensor))
 
     layouts: dict[str, str] = {}
@@ -119,11 +122,7 @@ def load_weights(
     if tied_head is None:
         model.tie_weights()  # the model's own statement of its tie (materialize kept it)
     params = dict(model.named_parameters())
-    for tensor in tensors:
-        target = model.checkpoint_target(tensor.name)
-        if target is None:
-            continue
-        param_name, part = target
+    for tensor, param_name, part in targeted:
         module_name = param_name.rpartition(".")[0]
         layout = layouts[param_name]
         if param_name in joints:
@@ -243,17 +242,28 @@ def _load_float(
     tensor: CheckpointTensor,
     dtype: torch.dtype,
 ) -> None:
-    data = tensor.read()
-    if tensor.type is not None:  # GGUF: as transformers' GGUF loader, via float32
-        data = dequantize(tensor.type, data, tensor.shape[-1]).reshape(tensor.shape).to(dtype)
     target = param.data
     if part is not None:
         target = target[modules[param_name.rsplit(".", 1)[0]].shard_rows(part)]
-    data = model.convert_checkpoint_tensor(tensor.name, data)
-    if data.shape != target.shape:
+    data = tensor.read()
+    if tensor.type is None:  # safetensors: in the class's layout (GPT-2's Conv1D...)
+        data = model.convert_checkpoint_tensor(tensor.name, data)
+    shape = tuple(tensor.shape) if tensor.type is not None else tuple(data.shape)
+    if shape != tuple(target.shape):
         raise ModelLoadError(
-            f"tensor {tensor.name!r} in {tensor.file} has shape {list(data.shape)}, "
+            f"tensor {tensor.name!r} in {tensor.file} has shape {list(shape)}, "
             f"expected {list(target.shape)}"
         )
     with torch.no_grad():
-        target.copy_(data)
+        if tensor.type is None:
+            target.copy_(data)
+            return
+        # GGUF tensors come in Hugging Face's layout (gguf_checkpoint.py): dequantized
+        # to float32 (as transformers' GGUF loader) a slice of rows at a time, so a
+        # 128k-token embedding never exists whole in float32 beside the model.
+        columns = tensor.shape[-1]
+        rows = data.reshape(-1, data.shape[-1])
+        flat = target.view(-1, columns)
+        for first in range(0, flat.shape[0], SLICE_ROWS):
+            last = min(first + SLICE_ROWS, flat.shape[0])
+            flat[first:last].copy_(dequantize(tensor.type, rows[first:last], columns))

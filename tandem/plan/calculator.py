@@ -96,7 +96,6 @@ class FileWeights:
 
     held_bytes: int  # every tensor in its packed (or float) layout
     read_per_token: int  # what a batch-1 decode step reads: all but the embedding's rows
-    main_format: GGMLType | None  # the block format with the most weights
     # Per block format among what a step reads: (packed bytes, weights), for pricing
     # each at its own kernel's rates (this_machine).
     mix: dict[GGMLType, tuple[int, int]]
@@ -106,6 +105,11 @@ class FileWeights:
     layer_weights: int  # in the blocks' matrices: what each prompt token multiplies
     head_weights: int  # the LM head's: run for the last prompt token only
 
+    @property
+    def main_format(self) -> GGMLType | None:
+        """The block format with the most weights a step reads."""
+        return max(self.mix, key=lambda code: self.mix[code][1]) if self.mix else None
+
 
 def file_weights(path: Path) -> FileWeights:
     from tandem.models.gguf_file import GGUFFile
@@ -114,7 +118,6 @@ def file_weights(path: Path) -> FileWeights:
     tensors = GGUFFile(path).tensors
     names = {t.name for t in tensors}
     held = read = 0
-    weights_by_format: dict[GGMLType, int] = {}
     mix: dict[GGMLType, tuple[int, int]] = {}
     layer_shapes: dict[GGMLType, list[tuple[int, int]]] = {}
     layer_weights = head_weights = 0
@@ -124,7 +127,6 @@ def file_weights(path: Path) -> FileWeights:
         if t.type in BLOCK:
             code = GGMLType(t.type)
             size = packed_nbytes(code, rows, columns)
-            weights_by_format[code] = weights_by_format.get(code, 0) + rows * columns
         elif t.type in (GGMLType.F16, GGMLType.BF16) and len(t.shape) > 1:
             size = rows * columns * 2  # kept at 2 bytes (half weights)
         else:
@@ -142,8 +144,7 @@ def file_weights(path: Path) -> FileWeights:
                 mix[code] = (nbytes + size, weights + rows * columns)
                 if t.name.startswith("blk.0."):
                     layer_shapes.setdefault(code, []).append((rows, columns))
-    main = max(weights_by_format, key=weights_by_format.get) if weights_by_format else None
-    return FileWeights(held, read, main, mix, layer_shapes, layer_weights, head_weights)
+    return FileWeights(held, read, mix, layer_shapes, layer_weights, head_weights)
 
 
 def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
@@ -177,7 +178,7 @@ def engine_kv_dtype(dtype: str, on_cpu: bool) -> str:
     return "fp32" if on_cpu else "bf16"
 
 
-def _gguf_path(model: str | Path) -> Path | None:
+def gguf_path(model: str | Path) -> Path | None:
     from tandem.models.catalog import resolve_model
     from tandem.models.gguf_checkpoint import find_gguf
 
@@ -198,7 +199,7 @@ def plan(
     """``engine_cpu``: the hardware is this machine, run by tandem's CPU engine: the KV
     capacity is the one it allocates by default (engine_cpu_kv_tokens)."""
     kv_dtype = kv_dtype or engine_kv_dtype(dtype, on_cpu=engine_cpu)
-    gguf = _gguf_path(model) if dtype == FILE_DTYPE else None
+    gguf = gguf_path(model) if dtype == FILE_DTYPE else None
     if dtype == FILE_DTYPE and gguf is None:
         raise InvalidParameterError(
             "dtype", f"{FILE_DTYPE!r} (the file's formats) needs a GGUF file"

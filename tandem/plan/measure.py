@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
+
+if TYPE_CHECKING:
+    from tandem.plan.calculator import FileWeights
 from tandem.quant.blocks import GGMLType
 from tandem.quant.packed import packed_nbytes
 from tandem.runner.static_batch import stream_with_cache
@@ -97,27 +101,24 @@ def quant_kernel_read_gbs(code: GGMLType, megabytes: int = 256, columns: int = 4
     return weight.nbytes / seconds / 1e9
 
 
-def this_machine(
-    dtype: str = "fp32",
-    mix: dict[GGMLType, tuple[int, int]] | None = None,
-    shapes: dict[GGMLType, list[tuple[int, int]]] | None = None,
-) -> Hardware:
+def this_machine(dtype: str = "fp32", weights: FileWeights | None = None) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
     and recorded under ``dtype``, so the plan's floors are the engine's. A GGUF file's
     (``dtype`` gguf) weights are priced at the rates of the integer-dot kernel that
-    runs each of its formats (``mix``: format -> (bytes, weights) a step reads): its
-    throughput at prefill's shape on the model's own matrices of that format
-    (``shapes``), and for bandwidth the rate at which it streams weights for one row,
+    runs each of its formats (``weights.mix``: format -> (bytes, weights) a step reads):
+    its throughput at prefill's shape on the model's own matrices of that format
+    (``weights.layer_shapes``), and for bandwidth the rate at which it streams weights for one row,
     which is what a decode step's matmuls get; the file's rates are the mix's (bytes
     over the sum of each format's time)."""
     from tandem.kernels import cpu as cpu_kernels
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
+    mix = weights.mix if weights is not None else {}
     if mix and cpu_kernels.load() is not None:
         seconds_per_byte = sum(b / quant_kernel_read_gbs(code) for code, (b, _) in mix.items())
-        shapes = shapes or {}
+        shapes = weights.layer_shapes
         seconds_per_flop = sum(
             w / quant_kernel_tflops(code, shapes.get(code)) for code, (_, w) in mix.items()
         )
@@ -146,10 +147,10 @@ def check_measurable(config_path, dtype: str) -> None:
     """Refuse, before anything is measured, a model this machine cannot run: too many
     parameters to build with random weights, or weights (in the dtype it would run in;
     a GGUF file's as packed) beyond 80% of the RAM."""
-    from tandem.plan.calculator import FILE_DTYPE, _gguf_path, file_weights, read_model
+    from tandem.plan.calculator import FILE_DTYPE, file_weights, gguf_path, read_model
 
     if dtype == FILE_DTYPE:  # the file itself is loaded: no random weights to build
-        weight_bytes = file_weights(_gguf_path(config_path)).held_bytes
+        weight_bytes = file_weights(gguf_path(config_path)).held_bytes
     else:
         _, params = read_model(config_path)
         if params > MAX_MEASURED_PARAMS:
@@ -170,8 +171,7 @@ def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str,
     """Run tandem on this machine with the model's architecture (random weights, CPU,
     in ``engine_dtype``; a GGUF file's own weights): one prompt of ``prompt_len``
     tokens, then ``batch`` sequences decoding; the achieved times beside the floors in
-    ``result`` (a plan made with this
-    machine's hardware, measured in the same dtype)."""
+    ``result`` (a plan made with this machine's hardware, measured in the same dtype)."""
     from tandem.models.loader import load_model
     from tandem.plan.calculator import FILE_DTYPE
 

@@ -17,6 +17,7 @@ to int8 per block of 32 as the kernel does, times the dequantized weights, in fl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,14 +131,13 @@ class PackedWeight:
         """An unfilled [rows, columns] matrix in ``code``'s packed layout, for
         ``fill_rows`` (several checkpoint tensors, such as q, k and v, packed
         straight into one matrix) and then ``settle_scales``."""
-        nibbles, group, offset, has_corr, file_scales = _LAYOUT[code]
-        tiles = -(-rows // ROWS)
-        values = torch.empty(
-            tiles, columns * (8 if nibbles else 16), dtype=torch.uint8 if nibbles else torch.int8
+        (values, values_dtype), (scales, scales_dtype), has_corr = _packed_shapes(
+            code, rows, columns
         )
-        dtype = torch.float16 if file_scales else torch.float32
-        scales = torch.empty(tiles, columns // group, ROWS, dtype=dtype)
+        values = torch.empty(values, dtype=values_dtype)
+        scales = torch.empty(scales, dtype=scales_dtype)
         corr = torch.empty_like(scales) if has_corr else None
+        _, group, offset, _, _ = _LAYOUT[code]
         return cls(values, scales, corr, rows, group, code.name, offset)
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
@@ -222,14 +222,23 @@ class PackedWeight:
         )
 
 
+def _packed_shapes(code: GGMLType, rows: int, columns: int):
+    """((values shape, dtype), (scales shape, dtype), whether corr is stored) of a
+    [rows, columns] matrix of ``code`` packed (K formats with float32 scales, as
+    ``allocate`` makes them before ``settle_scales``)."""
+    nibbles, group, _, has_corr, file_scales = _LAYOUT[code]
+    tiles = -(-rows // ROWS)
+    values = ((tiles, columns * (8 if nibbles else 16)), torch.uint8 if nibbles else torch.int8)
+    scales = ((tiles, columns // group, ROWS), torch.float16 if file_scales else torch.float32)
+    return values, scales, has_corr
+
+
 def packed_nbytes(code: GGMLType, rows: int, columns: int) -> int:
     """Bytes a [rows, columns] matrix of ``code`` takes packed (as ``allocate`` makes
     it; K formats counted with float32 scales, as real files have them)."""
-    nibbles, group, _, has_corr, file_scales = _LAYOUT[code]
-    padded = -(-rows // ROWS) * ROWS
-    values = padded * columns // (2 if nibbles else 1)
-    scales = padded * columns // group * (2 if file_scales else 4)
-    return values + scales * (2 if has_corr else 1)
+    (values, _), (scales, scales_dtype), has_corr = _packed_shapes(code, rows, columns)
+    scale_bytes = math.prod(scales) * scales_dtype.itemsize
+    return math.prod(values) + scale_bytes * (2 if has_corr else 1)
 
 
 def compiled_packer(raw: torch.Tensor) -> bool:

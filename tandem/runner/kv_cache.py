@@ -133,6 +133,7 @@ def num_blocks_for(
     (InvalidParameterError naming the setting), not met later by the OOM killer."""
     per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     available = host_available_bytes() if device.type == "cpu" else None
+    setting = "num_blocks" if num_blocks is not None else "kv_cache_memory"
     if num_blocks is None:
         if kv_cache_memory is not None:
             budget = kv_cache_memory
@@ -144,7 +145,6 @@ def num_blocks_for(
         useful = -(-max_tokens_needed // block_size)
         num_blocks = max(1, min(int(budget // per_block), useful))
     if available is not None and num_blocks * per_block > available:
-        setting = "num_blocks" if kv_cache_memory is None else "kv_cache_memory"
         raise InvalidParameterError(
             setting,
             f"a KV cache of {num_blocks * per_block / (1 << 30):.2f} GiB ({num_blocks} blocks) "
