@@ -7,7 +7,8 @@
                         weight never allocated; the embedding as QuantizedEmbedding, a
                         tied LM head sharing its PackedWeight
                 half    float16 / bfloat16 matrices of a float32 model, kept at 2 bytes
-                float   everything else: dequantized or converted to the model's dtype
+                float   everything else: converted to the model's dtype, a GGUF tensor
+                        dequantized through float32 1,024 rows at a time
     allocate  the model moves from meta to the device: only float parameters take memory
     stream    each tensor, in file order, is read (a view of the mapped file), packed
               or copied by its parameter's loader, and its pages released
