@@ -176,23 +176,11 @@ template <> inline float kv_f<c10::BFloat16>(const c10::BFloat16* row, int64_t d
   return value;
 }
 
+// Asks for a row's cache lines ahead of their use, into L2 (locality hint 2: on the
+// EPYC measured, hint 3 (L1) stalled on its few line-fill buffers and ran at half the
+// speed when a kernel streams thousands of rows).
 inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
-}
-constexpr int64_t kPrefetchRows = 8;  // rows ahead of the one being read
-
-// The rows of context positions [first, last) of one KV head, through the block table:
-// rows[pos - first] = data + the offset of that token's row (``row`` elements a token).
-// Blocks sit anywhere in a pool far larger than the caches, so each row (``bytes``) is
-// prefetched as its pointer is taken, and the loops that read them prefetch
-// kPrefetchRows ahead as well (both measured: without the second, twice the time).
-template <typename KV>
-inline void span_rows(const int64_t* table, int64_t first, int64_t last, int64_t block_size,
-                      int64_t row, const KV* data, int64_t bytes, const KV** rows) {
-  for (int64_t pos = first; pos < last; ++pos) {
-    rows[pos - first] = data + (table[pos / block_size] * block_size + pos % block_size) * row;
-    prefetch_row(rows[pos - first], bytes);
-  }
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, 2);
 }
 
 // q . k over one head's row (restrict: no alias checks in the loop).
@@ -204,46 +192,56 @@ inline float dot_row(const float* __restrict q, const KV* __restrict k, int64_t 
   return sum;
 }
 
-// out (zeros) = sum over t in [a, b) of p[t] * scale(row t) * row t: with HD fixed the
-// sums stay in registers for the whole run of rows.
+// One cache row as float32: float rows in place, others widened into ``buffer``.
 template <int64_t HD, typename KV>
-inline void accumulate_rows(float* __restrict out, const float* __restrict p,
-                            const KV* const* rows, int64_t a, int64_t b, int64_t head_dim,
-                            int64_t row_bytes, bool prefetch) {
+inline const float* row_as_float(const KV* row, float* __restrict buffer, int64_t head_dim) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return row;
+  } else {
+    const int64_t n = HD > 0 ? HD : head_dim;
+    for (int64_t d = 0; d < n; ++d) buffer[d] = kv_f(row, d);
+    return buffer;
+  }
+}
+
+// out += w * v over one head's row.
+template <int64_t HD>
+inline void add_scaled(float* __restrict out, const float* __restrict v, float w,
+                       int64_t head_dim) {
   const int64_t n = HD > 0 ? HD : head_dim;
-  float local[HD > 0 ? HD : 1] = {};
-  float* __restrict sums = HD > 0 ? local : out;
-  for (int64_t t = a; t < b; ++t) {
-    if (prefetch && t + kPrefetchRows < b) prefetch_row(rows[t + kPrefetchRows], row_bytes);
-    const KV* __restrict v = rows[t];
-    const float w = p[t] * KVRows<KV>::scale(v, n);
-    for (int64_t d = 0; d < n; ++d) sums[d] += w * kv_f(v, d);
-  }
-  if constexpr (HD > 0) {
-    for (int64_t d = 0; d < n; ++d) out[d] += local[d];
-  }
+  for (int64_t d = 0; d < n; ++d) out[d] += w * v[d];
 }
 
 // Flash-decoding: a few query rows per sequence against its paged K/V, K/V read once.
 //
 // Each sequence's context is cut into spans of kSpanTokens positions (absolute
 // positions: span j holds [j * kSpanTokens, (j + 1) * kSpanTokens)), and the work items
-// are (sequence, KV head, span), so that one long sequence, or a model with fewer KV
-// heads than there are cores, still keeps every thread reading K/V. An item computes,
-// for each of its query rows (the G query heads sharing the KV head, for each row of
-// the sequence), the scores against its span's keys, their maximum m, the sum l of
-// exp(score - m) and acc = sum exp(score - m) * value. A sequence of one span writes
-// acc / l; otherwise a second pass merges the spans: with M the largest m,
+// are (sequence, span, run of KV heads), so that one long sequence, or a model with
+// fewer KV heads than there are cores, still keeps every thread reading K/V. An item
+// computes, for each of its query rows (the G query heads sharing each of its KV heads,
+// for each row of the sequence), the scores against its span's keys, their maximum m,
+// the sum l of exp(score - m) and acc = sum exp(score - m) * value. A sequence of one
+// span writes acc / l; otherwise a second pass merges the spans: with M the largest m,
 //     out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j
 // (spans a row does not reach are skipped). The spans depend on positions only, so a
 // row's result depends on its own context alone: not on the batch, the thread count,
 // or other rows of its sequence (a decode computes the same with or without drafts).
 // With an int8 cache each row's scale multiplies its dot product (K) or its weight (V).
 //
+// Memory order: a cache token row holds all KV heads side by side, so an item reads
+// its span token by token, every KV head of its run from each row (K, then V, each
+// row prefetched kAheadTokens ahead), and all query rows use a row while it is in L1.
+// Reading one head at a time instead (a few hundred bytes of every 2 KB token row,
+// each row fetched into L1) ran at a third to two thirds of this speed on the EPYC
+// measured (benchmarks/decode_attention.py). Items take all KV heads unless there are
+// too few spans to keep the threads busy; how the heads are split never changes a
+// result.
+//
 // HD: the head size when known at compile time (64, 128: the common ones), 0 for any:
 // with it fixed, the per-key dot products and value updates unroll into registers
 // (the kernel is bound by those instructions, not by memory, without it).
 constexpr int64_t kSpanTokens = 256;
+constexpr int64_t kAheadTokens = 8;  // token rows prefetched ahead of the one being read
 
 template <typename T, typename KV, int64_t HD = 0>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
@@ -259,7 +257,6 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
   const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
-  const int64_t head_bytes = head_width * sizeof(KV);
   auto first_row = [&](int64_t seq) { return row_starts ? row_starts[seq] : seq; };
   auto row_count = [&](int64_t seq) {
     return (row_starts ? row_starts[seq + 1] : seq + 1) - first_row(seq);
@@ -267,12 +264,11 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   auto row_start = [&](int64_t r) {
     return window > 0 ? std::max<int64_t>(0, lens[r] - window) : int64_t{0};
   };
-  // Per sequence: its first span, its span count, its first work item and, when it has
-  // several spans, where its partial results start (m, l, acc per span and query).
+  // Per sequence: its first span, its span count, and, when it has several spans, where
+  // its partial results start (m, l, acc per span and query).
   const int64_t partial_width = head_dim + 2;
-  std::vector<int64_t> span0(num_seqs), spans(num_seqs), item0(num_seqs + 1, 0);
-  std::vector<int64_t> partial0(num_seqs, 0);
-  int64_t partial_total = 0;
+  std::vector<int64_t> span0(num_seqs), spans(num_seqs), partial0(num_seqs, 0);
+  int64_t partial_total = 0, all_spans = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     int64_t first = INT64_MAX, last = 0;
     for (int64_t r = first_row(seq); r < first_row(seq) + row_count(seq); ++r) {
@@ -281,23 +277,33 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
     }
     spans[seq] = last > first ? (last - 1) / kSpanTokens - first / kSpanTokens + 1 : 0;
     span0[seq] = last > first ? first / kSpanTokens : 0;
-    item0[seq + 1] = item0[seq] + spans[seq] * num_kv_heads;
+    all_spans += spans[seq];
     if (spans[seq] > 1) {
       partial0[seq] = partial_total;
       partial_total += num_kv_heads * spans[seq] * row_count(seq) * group * partial_width;
     }
   }
+  // Runs of KV heads per span: one (whole token rows) unless that leaves fewer than
+  // four items a thread.
+  int64_t runs = 1;
+  while (runs < num_kv_heads && all_spans * runs < 4 * at::get_num_threads()) runs *= 2;
+  runs = std::min(runs, num_kv_heads);
+  std::vector<int64_t> item0(num_seqs + 1, 0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) item0[seq + 1] = item0[seq] + spans[seq] * runs;
   // Every slot is written by its item before the merge reads it: no zero-filling.
   std::unique_ptr<float[]> partials(new float[std::max<int64_t>(partial_total, 1)]);
   at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query, acc, scores, top, total;
+    std::vector<float> query, acc, scores, top, total, widened(head_dim);
     std::vector<int64_t> lo, hi;
     std::vector<const KV*> key_rows, value_rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = std::upper_bound(item0.begin(), item0.end(), item) - item0.begin() - 1;
       const int64_t local = item - item0[seq];
-      const int64_t kv_head = local / spans[seq], span = local % spans[seq];
-      const int64_t r0 = first_row(seq), rows = row_count(seq), queries = rows * group;
+      const int64_t span = local / runs, run = local % runs;
+      const int64_t h0 = run * num_kv_heads / runs, h1 = (run + 1) * num_kv_heads / runs;
+      const int64_t r0 = first_row(seq), rows = row_count(seq);
+      // Query i of this item: KV head h0 + i / per_head, row (i % per_head) / group.
+      const int64_t per_head = rows * group, queries = (h1 - h0) * per_head;
       const int64_t span_lo = (span0[seq] + span) * kSpanTokens;
       const int64_t span_hi = span_lo + kSpanTokens;
       lo.resize(rows);
@@ -309,67 +315,82 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         if (hi[r] > lo[r]) { first = std::min(first, lo[r]); last = std::max(last, hi[r]); }
       }
       const int64_t n = std::max<int64_t>(0, last - first);
-      const int64_t head_offset = kv_head * head_width;
       const int64_t* table = tables + seq * table_width;
       query.resize(queries * head_dim);
       acc.assign(queries * head_dim, 0.f);
-      scores.resize(queries * n);
+      scores.assign(queries * n, 0.f);
       top.assign(queries, 0.f);
       total.assign(queries, 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
-          const T* qh = q + (r0 + r) * q_stride + (kv_head * group + g) * head_dim;
-          float* dst = query.data() + (r * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(qh[d]) * scale;
-        }
+      for (int64_t i = 0; i < queries; ++i) {
+        const int64_t h = h0 + i / per_head, r = (i % per_head) / group, g = i % group;
+        const T* qh = q + (r0 + r) * q_stride + (h * group + g) * head_dim;
+        float* dst = query.data() + i * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_f(qh[d]) * scale;
       }
       if (n > 0) {
-        // The span's rows, found once through the block table; then each query row
-        // runs over them with its accumulators in registers (K/V come from memory for
-        // the first, from cache for the others sharing the KV head).
+        // The span's token rows (this item's heads of each), found once through the
+        // block table; K read token by token for every query, then V.
+        const int64_t run_bytes = (h1 - h0) * head_width * sizeof(KV);
         key_rows.resize(n);
         value_rows.resize(n);
-        span_rows(table, first, last, block_size, row, k_ptr + head_offset, head_bytes,
-                  key_rows.data());
-        span_rows(table, first, last, block_size, row, v_ptr + head_offset, head_bytes,
-                  value_rows.data());
-        bool fetched = false;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = first + t;
+          const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * row +
+                                 h0 * head_width;
+          key_rows[t] = k_ptr + offset;
+          value_rows[t] = v_ptr + offset;
+        }
+        auto pass = [&](const std::vector<const KV*>& token_rows, auto&& use) {
+          for (int64_t t = 0; t < std::min(n, kAheadTokens); ++t) prefetch_row(token_rows[t], run_bytes);
+          for (int64_t t = 0; t < n; ++t) {
+            if (t + kAheadTokens < n) prefetch_row(token_rows[t + kAheadTokens], run_bytes);
+            for (int64_t h = 0; h < h1 - h0; ++h) {
+              const KV* head_row = token_rows[t] + h * head_width;
+              use(t, h, row_as_float<HD>(head_row, widened.data(), head_dim),
+                  KVRows<KV>::scale(head_row, head_dim));
+            }
+          }
+        };
+        pass(key_rows, [&](int64_t t, int64_t h, const float* k, float k_scale) {
+          for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
+            scores[i * n + t] = dot_row<HD>(query.data() + i * head_dim, k, head_dim) * k_scale;
+          }
+        });
+        // exp(s - m) over each query's own keys (plain loops on locals: they vectorise,
+        // where std::max_element and a vector's element would not); other keys weigh 0.
         for (int64_t i = 0; i < queries; ++i) {
-          const int64_t r = i / group, a = lo[r] - first, b = hi[r] - first;
+          const int64_t r = (i % per_head) / group, a = lo[r] - first, b = hi[r] - first;
           if (b <= a) continue;
           float* s = scores.data() + i * n;
-          const float* qi = query.data() + i * head_dim;
-          for (int64_t t = a; t < b; ++t) {
-            if (!fetched && t + kPrefetchRows < b) prefetch_row(key_rows[t + kPrefetchRows], head_bytes);
-            s[t] = dot_row<HD>(qi, key_rows[t], head_dim) * KVRows<KV>::scale(key_rows[t], head_dim);
-          }
-          // exp(s - m) over the row's own keys (plain loops on locals: they vectorise,
-          // where std::max_element and a vector's element would not)
           float m = s[a];
           for (int64_t t = a + 1; t < b; ++t) m = std::max(m, s[t]);
           float sum = 0.f;
           for (int64_t t = a; t < b; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+          for (int64_t t = 0; t < a; ++t) s[t] = 0.f;
+          for (int64_t t = b; t < n; ++t) s[t] = 0.f;
           top[i] = m;
           total[i] = sum;
-          accumulate_rows<HD>(acc.data() + i * head_dim, s, value_rows.data(), a, b, head_dim,
-                              head_bytes, !fetched);
-          fetched = true;
         }
+        pass(value_rows, [&](int64_t t, int64_t h, const float* v, float v_scale) {
+          for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
+            const int64_t r = (i % per_head) / group;
+            if (rows > 1 && (t < lo[r] - first || t >= hi[r] - first)) continue;
+            add_scaled<HD>(acc.data() + i * head_dim, v, scores[i * n + t] * v_scale, head_dim);
+          }
+        });
       }
-      if (spans[seq] == 1) {  // the whole context: normalise in place
-        for (int64_t i = 0; i < queries; ++i) {
-          const int64_t r = i / group, g = i % group;
-          T* o = out + (r0 + r) * out_stride + (kv_head * group + g) * head_dim;
+      for (int64_t i = 0; i < queries; ++i) {
+        const int64_t h = h0 + i / per_head, qi = i % per_head;  // qi: query within its head
+        if (spans[seq] == 1) {  // the whole context: normalise in place
+          const int64_t r = qi / group, g = qi % group;
+          T* o = out + (r0 + r) * out_stride + (h * group + g) * head_dim;
           const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
           const float* a = acc.data() + i * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv);
+          continue;
         }
-        continue;
-      }
-      float* part = partials.get() + partial0[seq] +
-                    (kv_head * spans[seq] + span) * queries * partial_width;
-      for (int64_t i = 0; i < queries; ++i) {
-        float* dst = part + i * partial_width;
+        float* dst = partials.get() + partial0[seq] +
+                     ((h * spans[seq] + span) * per_head + qi) * partial_width;
         dst[0] = top[i];
         dst[1] = total[i];
         std::copy(acc.data() + i * head_dim, acc.data() + (i + 1) * head_dim, dst + 2);
