@@ -61,11 +61,19 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/completions", {"prompt": "a", "logprobs": 10**6}, "logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 10**6},
          "n"),
+        # integers past 64 bits reached the engine's wire encoder (a 500 in plain text)
+        ("/v1/completions", {"prompt": "a", "top_k": 2**70}, "top_k"),
+        ("/v1/completions", {"prompt": "a", "min_tokens": 2**70}, "min_tokens"),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": [2**70]}, "stop_token_ids[0]"),
+        ("/v1/completions", {"prompt": [2**70]}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                  "max_completion_tokens": 2**64}, "max_completion_tokens"),
     ],
 )  # fmt: skip
 def test_what_a_client_controls_is_bounded(server, path, body, param):
     start = time.monotonic()
-    assert_openai_error(post(server, path, max_tokens=2, **body), 400, param)
+    assert_openai_error(post(server, path, **{"max_tokens": 2, **body}), 400, param)
     assert time.monotonic() - start < 5
 
 
@@ -182,7 +190,7 @@ def test_a_metrics_flood_does_not_stop_a_stream(server):
 def test_unsupported_or_bad_fields_are_refused_not_ignored(server, path, body, param):
     if path.endswith("chat/completions"):
         body = {"messages": [{"role": "user", "content": "hi"}], **body}
-    assert_openai_error(post(server, path, max_tokens=2, **body), 400, param)
+    assert_openai_error(post(server, path, **{"max_tokens": 2, **body}), 400, param)
 
 
 def test_their_off_values_are_accepted(server):

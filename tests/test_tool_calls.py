@@ -122,6 +122,46 @@ def test_required_and_named_constraints():
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 5, "b": 6}'}
 
 
+OPEN_WEATHER = {  # as clients write tools: no additionalProperties
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"},
+                           "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+            "required": ["city"],
+        },
+    },
+}  # fmt: skip
+
+
+def test_arguments_are_held_to_the_declared_properties():
+    """A model held to an open object added undeclared properties until max_tokens."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        schema = ToolCalling.of([OPEN_WEATHER], choice, "hermes").constraint().json
+        if choice == "required":
+            schema = schema["items"]["anyOf"][0]["properties"]["arguments"]
+        jsonschema.validate({"city": "Oslo", "where": {"lat": 59.9}}, schema)
+        for extra in ({"city": "Oslo", "season": "winter"}, {"city": "O", "where": {"x": 1}}):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(extra, schema)
+    # what the client said stays: an explicit additionalProperties is kept
+    open_tool = json.loads(json.dumps(OPEN_WEATHER))
+    open_tool["function"]["parameters"]["additionalProperties"] = True
+    schema = ToolCalling.of([open_tool], "required", "hermes").constraint().json
+    arguments = schema["items"]["anyOf"][0]["properties"]["arguments"]
+    jsonschema.validate({"city": "Oslo", "season": "winter"}, arguments)
+
+
+def test_a_required_answer_cut_short_keeps_its_completed_calls():
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    content, calls = calling("required").parse(f'[{call}, {call}, {{"name": "get_w')
+    assert content is None and len(calls) == 2
+    assert json.loads(calls[1]["function"]["arguments"])["city"] == "Oslo"
+    assert calling("required").parse('[{"name": "get_w') == ('[{"name": "get_w', [])
+
+
 @pytest.mark.parametrize(
     ("tools", "choice", "param"),
     [
@@ -171,14 +211,21 @@ def check_calls(calls, names=tuple(PARAMETERS)) -> None:
 
 
 def streamed_calls(chunks):
-    """The tool calls of a stream, put together as the SDK's users do."""
-    calls, finish = {}, None
+    """The tool calls of a stream, put together as OpenAI's streams are: a call's first
+    delta has its id, type and name, the next ones pieces of its arguments."""
+    calls, pieces, finish = {}, {}, None
     for chunk in chunks:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
             for delta in choice.delta.tool_calls or []:
-                calls[delta.index] = delta
-    return [calls[i] for i in sorted(calls)], finish
+                if delta.index not in calls:
+                    assert delta.id and delta.function.name
+                    calls[delta.index], pieces[delta.index] = delta, 0
+                else:
+                    assert delta.id is None and delta.function.name is None
+                    calls[delta.index].function.arguments += delta.function.arguments
+                pieces[delta.index] += 1
+    return [calls[i] for i in sorted(calls)], finish, pieces
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -190,21 +237,39 @@ def test_required_always_gives_valid_calls(client, stream):
             parallel_tool_calls=False,  # (a random model would list calls forever)
         )  # fmt: skip
         if stream:
-            calls, finish = streamed_calls(reply)
+            calls, finish, pieces = streamed_calls(reply)
+            assert max(pieces.values()) > 2  # the arguments arrive as the model writes them
         else:
             calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
         assert finish == "tool_calls"
         check_calls(calls)
 
 
+def test_parallel_required_calls_cut_short_still_give_their_calls(client):
+    """A random model lists calls until max_tokens: the calls it completed come back."""
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+            max_tokens=120, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        check_calls(reply.choices[0].message.tool_calls)
+        assert reply.choices[0].message.content is None
+
+
 def test_a_named_function_is_called(client):
-    reply = client.chat.completions.create(
+    options = dict(
         model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=80, temperature=1.0, seed=3,
         tool_choice={"type": "function", "function": {"name": "add"}},
     )  # fmt: skip
+    reply = client.chat.completions.create(**options)
     (call,) = reply.choices[0].message.tool_calls
     check_calls([call], names=("add",))
     assert reply.choices[0].message.content is None
+    (streamed,), finish, pieces = streamed_calls(
+        client.chat.completions.create(**options, stream=True)
+    )
+    assert finish == "tool_calls" and pieces[0] > 2
+    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
 
 
 def test_tools_reach_the_template_and_none_leaves_them_out(client):

@@ -4,12 +4,15 @@ core in its own process, or on a thread of this one).
     GET  /v1/models            POST /v1/completions     POST /v1/chat/completions
     GET  /v1/models/{id}       POST /tokenize           POST /detokenize
     GET  /health               GET  /metrics            GET  /version
+    POST /v1/messages          POST /v1/messages/count_tokens   (Anthropic's API)
 
     POST /trace/start  POST /trace/stop   (with --api-key or --enable-trace-endpoints)
 
-Responses and stream chunks have OpenAI's shapes (see responses.py); every error,
-the framework's own included (bad JSON, unknown route, wrong method, body too
-large), is ``{"error": {"message", "type", "param", "code"}}`` with its status, and
+Responses and stream chunks have OpenAI's shapes (see responses.py); the Messages
+API's routes translate to and from the chat path (anthropic.py) and answer in
+Anthropic's shapes, errors included. Every other error, the framework's own included
+(bad JSON, unknown route, wrong method, body too large), is
+``{"error": {"message", "type", "param", "code"}}`` with its status, and
 the OpenAPI document says so (protocol.ErrorResponse; no 422s). A request's
 ``X-Request-Id`` comes back on its response (request_id.py). What one client may
 ask is bounded (limits.py). A client that disconnects, streaming or not, aborts its
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -31,10 +35,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
+from tandem.server import anthropic
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, as_api_error, invalid_body
 from tandem.server.handlers import CompletionHandler, engine_prompt
@@ -48,6 +54,7 @@ from tandem.server.protocol import (
     render_conversation,
 )
 from tandem.server.request_id import EchoRequestId
+from tandem.server.tool_calls import ToolCalling
 
 _HTTP_ERROR_TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -102,27 +109,37 @@ def build_app(
     defaults = model_sampling_defaults(engine.info.generation_config)
     created = int(time.time())
 
+    def error_response(request: Request, error: APIError, headers=None) -> JSONResponse:
+        """An error in the shape of the API the route belongs to (the Messages API's
+        routes answer in Anthropic's, the others in OpenAI's)."""
+        anthropic_route = request.url.path.startswith(anthropic.PATH_PREFIX)
+        body = anthropic.error_body(error) if anthropic_route else error.body()
+        return JSONResponse(body, status_code=error.status, headers=headers or error.headers())
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+    async def api_error(request: Request, exc: APIError):
+        return error_response(request, exc)
 
     @app.exception_handler(TandemError)
-    async def tandem_error(_: Request, exc: TandemError):
-        error = as_api_error(exc)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+    async def tandem_error(request: Request, exc: TandemError):
+        return error_response(request, as_api_error(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
-        error = invalid_body(exc.errors())
-        return JSONResponse(error.body(), status_code=error.status)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error_response(request, invalid_body(exc.errors()))
+
+    @app.exception_handler(ValidationError)
+    async def translated_request_error(request: Request, exc: ValidationError):
+        """A translated request (Messages API -> chat) that the chat model refuses."""
+        return error_response(request, invalid_body(exc.errors()))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException):
+    async def http_error(request: Request, exc: HTTPException):
         """The framework's own errors (unknown route, wrong method, unreadable or too
         large body) in OpenAI's shape."""
         type_ = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         error = APIError(exc.status_code, str(exc.detail), type_)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(request, error, exc.headers)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -142,9 +159,9 @@ def build_app(
             return
         # The scheme is case-insensitive (RFC 7235): "bearer", "Bearer", "BEARER".
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        valid = scheme.lower() == "bearer" and secrets.compare_digest(
-            given.strip().encode(), api_key.encode()
-        )
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")  # Anthropic's header
+        valid = secrets.compare_digest(given.strip().encode(), api_key.encode())
         if not valid:
             raise APIError(
                 401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
@@ -280,28 +297,47 @@ def build_app(
             drop_generated=body.echo and body.max_tokens == 0,
         )
 
-    @app.post("/v1/chat/completions", dependencies=guarded, responses=STREAMING)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        limits.check(body)
-        tools = body.tool_calling(tool_call_parser)
-        params = body.sampling_params(defaults, tools)
+    async def chat_prompt(body: ChatCompletionRequest, tools: ToolCalling | None) -> list[int]:
         encoder = need_tokenizer("messages")
         template_variables = dict(body.chat_template_kwargs or {})
         if tools is not None:
             template_variables["tools"] = tools.tools
-        prompt_ids = await asyncio.to_thread(  # long conversations: off the event loop
+        return await asyncio.to_thread(  # long conversations: off the event loop
             encoder.encode_chat,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             **template_variables,
         )
-        prompt = engine_prompt(prompt_ids, body.cache_salt)
+
+    async def chat(body: ChatCompletionRequest, request: Request, events=None):
+        check_model(body.model)
+        limits.check(body)
+        tools = body.tool_calling(tool_call_parser)
+        params = body.sampling_params(defaults, tools)
+        prompt = engine_prompt(await chat_prompt(body, tools), body.cache_salt)
         return await handler.serve(
             request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
             chat=True, kv_transfer_params=body.kv_transfer_params,
-            continuous_usage=body.continuous_usage_in_stream, tools=tools,
+            continuous_usage=body.continuous_usage_in_stream, tools=tools, events=events,
         )  # fmt: skip
+
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=STREAMING)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await chat(body, request)
+
+    @app.post("/v1/messages", dependencies=guarded, responses=anthropic.STREAMING)
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        """Anthropic's Messages API, answered by the chat path (server/anthropic.py)."""
+        events = functools.partial(anthropic.message_events, model=model_name)
+        answer = await chat(anthropic.to_chat(body), request, events)
+        return anthropic.to_message(answer) if isinstance(answer, dict) else answer
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded, responses=anthropic.ERRORS)
+    async def count_message_tokens(body: anthropic.CountTokensRequest):
+        translated = anthropic.to_chat(body)
+        check_model(translated.model)
+        tools = translated.tool_calling(tool_call_parser)
+        return {"input_tokens": len(await chat_prompt(translated, tools))}
 
     return app

@@ -20,7 +20,7 @@ from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.server.engine_client import EngineClient
-from tandem.server.errors import as_api_error
+from tandem.server.errors import APIError, as_api_error
 from tandem.server.responses import ChoiceStream, Echo
 from tandem.server.tool_calls import ToolCalling
 
@@ -44,9 +44,13 @@ class CompletionHandler:
         echo: bool = False,
         drop_generated: bool = False,
         tools: ToolCalling | None = None,
+        events: Callable[[AsyncIterator[dict[str, Any] | APIError]], AsyncIterator[str]]
+        | None = None,
     ):
         """``include_usage``: a last stream chunk with the usage; ``continuous_usage``:
-        also the usage so far in every chunk (vLLM's continuous_usage_stats)."""
+        also the usage so far in every chunk (vLLM's continuous_usage_stats);
+        ``events``: how a stream's chunks go out (default: OpenAI's server-sent
+        events; the Messages API passes its own)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # A stream sends what is new each step; a response needs only the end.
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -78,10 +82,8 @@ class CompletionHandler:
             tools=tools,
         )
         if stream:
-            return StreamingResponse(
-                self._sse(state, outputs, engine_ids, include_usage, continuous_usage),
-                media_type="text/event-stream",
-            )
+            chunks = self._chunks(state, outputs, engine_ids, include_usage, continuous_usage)
+            return StreamingResponse((events or _sse)(chunks), media_type="text/event-stream")
         return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -117,16 +119,18 @@ class CompletionHandler:
             response["kv_transfer_params"] = transfer
         return response
 
-    async def _sse(
+    async def _chunks(
         self,
         state: ChoiceStream,
         outputs: asyncio.Queue,
         engine_ids: list[str],
         include_usage: bool,
         continuous_usage: bool,
-    ) -> AsyncIterator[str]:
-        def event(chunk: dict[str, Any]) -> str:
-            return _event({**chunk, "usage": state.usage()} if continuous_usage else chunk)
+    ) -> AsyncIterator[dict[str, Any] | APIError]:
+        """A stream's chunks; if the request fails midway, its error last."""
+
+        def with_usage(chunk: dict[str, Any]) -> dict[str, Any]:
+            return {**chunk, "usage": state.usage()} if continuous_usage else chunk
 
         try:
             roles_sent = not state.chat
@@ -134,17 +138,23 @@ class CompletionHandler:
                 if not roles_sent:  # with the first output, as vLLM: the prompt is counted
                     state.note_prompt(output)
                     for index in range(state.num_choices):
-                        yield event(state.role_chunk(index))
+                        yield with_usage(state.role_chunk(index))
                     roles_sent = True
                 for index, delta in state.update(output):
                     chunk = state.chunk(index, delta)
                     if chunk is not None:
-                        yield event(chunk)
+                        yield with_usage(chunk)
             if include_usage:
-                yield _event(state.usage_chunk())
-        except Exception as exc:  # an error mid-stream: an error frame, then [DONE]
-            yield _event(as_api_error(exc).body())
-        yield "data: [DONE]\n\n"
+                yield state.usage_chunk()
+        except Exception as exc:
+            yield as_api_error(exc)
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any] | APIError]) -> AsyncIterator[str]:
+    """OpenAI's server-sent events: each chunk, an error frame if one comes, [DONE]."""
+    async for chunk in chunks:
+        yield _event(chunk.body() if isinstance(chunk, APIError) else chunk)
+    yield "data: [DONE]\n\n"
 
 
 def engine_prompt(prompt: str | list[int], cache_salt: str | None) -> dict[str, Any]:

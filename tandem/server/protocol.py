@@ -28,6 +28,12 @@ from tandem.sampling import (
 )
 from tandem.server.tool_calls import ToolCalling
 
+# Every integer a client sends is at most this: above any count, token id or top_k a
+# model can use, and far inside the 64-bit integers of the engine's wire format (a
+# top_k of 2^70 reached the encoder and came back as a 500).
+INT_LIMIT = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT_LIMIT)]
+
 
 class _Body(BaseModel):
     # Strict: "1" is not an integer nor "true" a boolean; the schema is the contract.
@@ -140,19 +146,19 @@ class _Sampling(_Body):
     model's recommended value (generation_config.json) or vLLM's default applies."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT_LIMIT)
+    n: int = Field(1, ge=1, le=INT_LIMIT)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT_LIMIT)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT_LIMIT)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -262,9 +268,9 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's default for completions; 0 only with echo (score the prompt alone).
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=INT_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # The prompt before the completion, its tokens' logprobs first with logprobs (how
     # lm-eval-harness scores log-likelihoods: echo, logprobs 1, max_tokens 0).
@@ -303,7 +309,7 @@ RESERVED_TEMPLATE_VARIABLES = {
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -372,4 +378,4 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]

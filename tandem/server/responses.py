@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.outputs import Logprob, RequestOutput
-from tandem.server.tool_calls import ToolCalling
+from tandem.server.tool_calls import ToolCalling, call_id
 
 # JSON has no -Infinity; a token the model rules out entirely gets this instead.
 MIN_LOGPROB = -9999.0
@@ -42,6 +42,8 @@ class _Choice:
     sent_tokens: int = 0  # tokens whose logprobs were streamed
     sent_offset: int = 0  # characters those tokens decode to (completions' text_offset)
     sent_content: int = 0  # with tools: characters of text streamed as content
+    sent_arguments: list[int] = field(default_factory=list)  # per streamed call: its
+    # characters of arguments sent (grammar-held tool answers)
 
 
 class ChoiceStream:
@@ -187,8 +189,9 @@ class ChoiceStream:
             if self.tools is None:
                 message = {"content": delta["text"]} if delta["text"] else {}
             else:
-                message = self._tool_delta(self.choices[index], finish is not None)
-                if message.get("tool_calls") and finish == "stop":
+                state = self.choices[index]
+                message = self._tool_delta(state, finish is not None)
+                if (message.get("tool_calls") or state.sent_arguments) and finish == "stop":
                     finish = "tool_calls"
                 if not message and finish is None and delta["logprobs"] is None:
                     return None
@@ -197,6 +200,7 @@ class ChoiceStream:
                 "delta": message,
                 "logprobs": delta["logprobs"],
                 "finish_reason": finish,
+                "stop_reason": delta["stop_reason"],  # vLLM's: the stop string or token hit
             }
         else:
             choice = {"index": index, **delta}
@@ -204,7 +208,12 @@ class ChoiceStream:
 
     def _tool_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
         """The content that may go out now; when the choice ends, the rest of the
-        content and its tool calls."""
+        content and its tool calls. Grammar-held answers stream their calls instead."""
+        if self.tools.choice != "auto":
+            message = self._call_deltas(choice)
+            if finishing and not choice.sent_arguments and choice.text:
+                message["content"] = choice.text  # cut short before a call's name
+            return message
         if not finishing:
             end, calls = self.tools.streamable(choice.text), []
         else:
@@ -216,6 +225,23 @@ class ChoiceStream:
         if calls:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return message
+
+    def _call_deltas(self, choice: _Choice) -> dict[str, Any]:
+        """The calls' news since the last chunk: a new call's id and name, then each
+        call's arguments as far as the model wrote them."""
+        deltas = []
+        for index, (name, arguments) in enumerate(self.tools.partial_calls(choice.text)):
+            if index == len(choice.sent_arguments):
+                choice.sent_arguments.append(len(arguments))
+                deltas.append({
+                    "index": index, "id": call_id(), "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                })  # fmt: skip
+            elif len(arguments) > choice.sent_arguments[index]:
+                piece = arguments[choice.sent_arguments[index] :]
+                choice.sent_arguments[index] = len(arguments)
+                deltas.append({"index": index, "function": {"arguments": piece}})
+        return {"tool_calls": deltas} if deltas else {}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header("chunk"), "choices": [], "usage": self.usage()}
@@ -239,6 +265,7 @@ class ChoiceStream:
                         "message": message,
                         "logprobs": logprobs,
                         "finish_reason": finish,
+                        "stop_reason": choice.stop_reason,  # as vLLM's chat choices
                     }
                 )
             else:

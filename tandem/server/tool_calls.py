@@ -6,7 +6,9 @@ answer out as ``tool_calls``.
       templates render them); tool_choice "none" leaves them out
       "required"       -> a structured-output constraint: a JSON array of one or more
                           {"name", "arguments"} calls, each tool's arguments held to its
-                          ``parameters`` schema (one call if parallel_tool_calls is off)
+                          ``parameters`` schema with no undeclared properties (one call
+                          if parallel_tool_calls is off); an array cut short by
+                          max_tokens still gives the calls it completed
       {"function": f}  -> the constraint is f's parameters: the answer is the arguments
       "auto"           -> free text, parsed by the server's --tool-call-parser:
                           hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>
@@ -14,9 +16,12 @@ answer out as ``tool_calls``.
                           json:   an answer that is a JSON call object or list of them
                           (Llama 3 style; "parameters" is read as "arguments")
 
-Streaming with tools: content is sent as it comes until it may be the start of a call
-(a "<tool_call>" prefix, or an answer starting with "{" or "["); the rest is held and
-parsed when the choice ends, then sent as one ``tool_calls`` delta.
+Streaming with tools: a grammar-held answer (required, a named function) streams its
+calls as OpenAI does: a call's first delta has its id and name, the next ones pieces of
+its arguments as the model writes them. An "auto" answer's content is sent as it comes
+until it may be the start of a call (a "<tool_call>" prefix, or an answer starting with
+"{" or "["); the rest is held and parsed when the choice ends (the model may not have
+written a call after all), then sent as one ``tool_calls`` delta.
 """
 
 from __future__ import annotations
@@ -92,9 +97,10 @@ class ToolCalling:
         )
 
     def _parameters(self, name: str) -> dict[str, Any]:
+        """The schema a call's arguments are held to (see _closed)."""
         for tool in self.tools:
             if tool["function"]["name"] == name:
-                return tool["function"].get("parameters") or {"type": "object"}
+                return _closed(tool["function"].get("parameters") or {"type": "object"})
         raise KeyError(name)
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -134,7 +140,12 @@ class ToolCalling:
         """(where the content ends, the calls after it): (len(text), []) without calls."""
         if self.choice == "named":
             return 0, [_call(self.named, text)]
-        if self.choice == "required" or self.parser == "json":
+        if self.choice == "required":
+            # The grammar makes the answer an array of calls; one cut short by max_tokens
+            # still gives the calls it completed.
+            calls = _json_calls(text) or _completed_calls(text)
+            return (0, calls) if calls else (len(text), [])
+        if self.parser == "json":
             calls = _json_calls(text)
             return (0, calls) if calls else (len(text), [])
         calls = []
@@ -144,6 +155,14 @@ class ToolCalling:
                 return len(text), []  # a malformed block: the text as the model wrote it
             calls += found
         return (text.index(HERMES_OPEN), calls) if calls else (len(text), [])
+
+    def partial_calls(self, text: str) -> list[tuple[str, str]]:
+        """A grammar-held answer (required, a named function) as it streams: its calls
+        so far, each once its name is whole, as (name, the raw text of its arguments so
+        far). The text only grows, so each call's arguments only grow."""
+        if self.choice == "named":
+            return [(self.named, text)] if text else []
+        return _partial_calls(text)
 
     def streamable(self, text: str) -> int:
         """How much of a partial answer can go out as content now (the rest may
@@ -178,10 +197,114 @@ def _json_calls(text: str) -> list[dict[str, Any]]:
     return calls
 
 
+def _partial_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a JSON array of {"name": ..., "arguments": ...} objects that may be
+    unfinished (see ToolCalling.partial_calls), read by one pass over its characters:
+    depth 1 is the array, 2 a call object, deeper the inside of its arguments."""
+    calls: list[list[Any]] = []  # [name, arguments start, arguments end]
+    depth, in_string, escaped, string_start = 0, False, False, 0
+    key, expect_key = None, False
+
+    def arguments_begin(at: int) -> None:
+        if depth == 2 and not expect_key and key == "arguments" and calls and calls[-1][1] is None:
+            calls[-1][1] = at
+
+    def arguments_end(at: int) -> None:
+        if calls and calls[-1][1] is not None and calls[-1][2] is None:
+            calls[-1][2] = at
+
+    for at, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2 and expect_key:
+                    key = json.loads(text[string_start : at + 1])
+                elif depth == 2 and key == "name" and calls:
+                    calls[-1][0] = json.loads(text[string_start : at + 1])
+                elif depth == 2 and key == "arguments":
+                    arguments_end(at + 1)
+            continue
+        if ch.isspace():
+            continue
+        if ch == '"':
+            arguments_begin(at)
+            in_string, string_start = True, at
+        elif ch in "{[":
+            if depth == 1 and ch == "{":
+                calls.append([None, None, None])
+                expect_key, key = True, None
+            arguments_begin(at)
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 2 and key == "arguments":
+                arguments_end(at + 1)  # an object or array value closed
+            elif depth == 1:
+                arguments_end(at)  # the call closed after a scalar value
+        elif depth == 2 and ch == ":":
+            expect_key = False
+        elif depth == 2 and ch == ",":
+            if key == "arguments":
+                arguments_end(at)
+            expect_key, key = True, None
+        else:
+            arguments_begin(at)  # a number, true, false or null
+    return [
+        (
+            name,
+            text[start : len(text) if end is None else end].rstrip() if start is not None else "",
+        )
+        for name, start, end in calls
+        if name is not None
+    ]
+
+
+def _completed_calls(text: str) -> list[dict[str, Any]]:
+    """The whole call objects at the start of a JSON array that may be cut short."""
+    decoder = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    items, at = [], at + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return _json_calls(json.dumps(items)) if items else []
+
+
+def _closed(schema: Any) -> Any:
+    """A tool's parameters with no properties beyond those declared (where the schema
+    does not say otherwise), in nested objects too: a call's arguments are the
+    function's parameters, and a model held to an open object added properties the
+    tool never declared until max_tokens cut it short."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    if isinstance(schema.get("properties"), dict):
+        closed["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+        closed.setdefault("additionalProperties", False)
+    if isinstance(schema.get("items"), dict):
+        closed["items"] = _closed(schema["items"])
+    return closed
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": call_id(),
         "type": "function",
         "function": {"name": name, "arguments": text},
     }
