@@ -373,8 +373,10 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         }
         pass(value_rows, [&](int64_t t, int64_t h, const float* v, float v_scale) {
           for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
-            const int64_t r = (i % per_head) / group;
-            if (rows > 1 && (t < lo[r] - first || t >= hi[r] - first)) continue;
+            if (rows > 1) {  // verification rows: each its own length (no division per key
+              const int64_t r = (i % per_head) / group;  // for a decode: it cost a quarter)
+              if (t < lo[r] - first || t >= hi[r] - first) continue;
+            }
             add_scaled<HD>(acc.data() + i * head_dim, v, scores[i * n + t] * v_scale, head_dim);
           }
         });
