@@ -116,6 +116,10 @@ def test_required_and_named_constraints():
         jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 2, schema)
     with pytest.raises(jsonschema.ValidationError):  # arguments held to the parameters
         jsonschema.validate([{"name": "add", "arguments": {"a": "x", "b": 2}}], schema)
+    parallel = calling("required", max_calls=3).constraint().json
+    jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 3, parallel)
+    with pytest.raises(jsonschema.ValidationError):  # at most max_calls: the array ends
+        jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 4, parallel)
     named = calling({"type": "function", "function": {"name": "add"}})
     assert named.constraint().json == PARAMETERS["add"]
     _, calls = named.parse('{"a": 5, "b": 6}')
@@ -159,7 +163,8 @@ def test_a_required_answer_cut_short_keeps_its_completed_calls():
     content, calls = calling("required").parse(f'[{call}, {call}, {{"name": "get_w')
     assert content is None and len(calls) == 2
     assert json.loads(calls[1]["function"]["arguments"])["city"] == "Oslo"
-    assert calling("required").parse('[{"name": "get_w') == ('[{"name": "get_w', [])
+    # cut before any call was whole: no calls, and never the raw JSON as content
+    assert calling("required").parse('[{"name": "get_w') == (None, [])
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ LIMIT_HELP = {
     "max_stop_string_chars": "longest stop string",
     "max_stop_token_ids": "most stop token ids per request",
     "max_logit_bias": "most logit_bias entries per request",
+    "max_tool_calls": "most calls in an answer held to tool_choice required, parallel on",
     "header_timeout": "seconds a client has to send its request headers",
     "body_timeout": "seconds a client has to send its request body (then 408)",
 }
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     http.add_argument("--port", type=int, default=8000, metavar="PORT", help="(default: 8000)")
     http.add_argument(
-        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'"
+        "--api-key", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')",
     )
     http.add_argument(
         "--served-model-name", default=None, metavar="NAME",

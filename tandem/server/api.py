@@ -313,7 +313,7 @@ def build_app(
     async def chat(body: ChatCompletionRequest, request: Request, events=None):
         check_model(body.model)
         limits.check(body)
-        tools = body.tool_calling(tool_call_parser)
+        tools = body.tool_calling(tool_call_parser, limits.max_tool_calls)
         params = body.sampling_params(defaults, tools)
         prompt = engine_prompt(await chat_prompt(body, tools), body.cache_salt)
         return await handler.serve(
@@ -337,7 +337,7 @@ def build_app(
     async def count_message_tokens(body: anthropic.CountTokensRequest):
         translated = anthropic.to_chat(body)
         check_model(translated.model)
-        tools = translated.tool_calling(tool_call_parser)
+        tools = translated.tool_calling(tool_call_parser, limits.max_tool_calls)
         return {"input_tokens": len(await chat_prompt(translated, tools))}
 
     return app

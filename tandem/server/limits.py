@@ -7,7 +7,7 @@ that no single client can stall or exhaust the server for the others.
                        ``body_timeout`` (408); half-open connections are closed
     fan-out            n, the prompts of one completions request, stop strings and
                        stop token ids (400 naming the field; logprobs are bounded by
-                       SamplingParams)
+                       SamplingParams); the calls of a required tool answer
 
 Each has a flag on ``tandem serve``; the defaults suit a server shared by many
 clients. The waiting queue's bound (503 with Retry-After) is ``max_waiting_requests``.
@@ -41,6 +41,7 @@ class ServerLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # entries of logit_bias
+    max_tool_calls: int = 8  # calls in one answer held to tool_choice required
     header_timeout: float = 15.0  # seconds
     body_timeout: float = 60.0
 

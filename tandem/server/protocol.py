@@ -324,9 +324,11 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    def tool_calling(self, parser: str) -> ToolCalling | None:
+    def tool_calling(self, parser: str, max_calls: int = 8) -> ToolCalling | None:
         """The tools this answer may call (None: none may be called)."""
-        return ToolCalling.of(self.tools, self.tool_choice, parser, self.parallel_tool_calls)
+        return ToolCalling.of(
+            self.tools, self.tool_choice, parser, self.parallel_tool_calls, max_calls
+        )
 
     def sampling_params(
         self, defaults: dict[str, Any], tools: ToolCalling | None = None

@@ -210,10 +210,7 @@ class ChoiceStream:
         """The content that may go out now; when the choice ends, the rest of the
         content and its tool calls. Grammar-held answers stream their calls instead."""
         if self.tools.choice != "auto":
-            message = self._call_deltas(choice)
-            if finishing and not choice.sent_arguments and choice.text:
-                message["content"] = choice.text  # cut short before a call's name
-            return message
+            return self._call_deltas(choice)  # (a required answer is calls only: no content)
         if not finishing:
             end, calls = self.tools.streamable(choice.text), []
         else:

@@ -47,6 +47,7 @@ class ToolCalling:
     parser: str  # how "auto" answers are read (PARSERS)
     parallel: bool = True
     named: str | None = None  # the function tool_choice names
+    max_calls: int = 8  # calls a required answer may hold with parallel on (then it ends)
 
     @classmethod
     def of(
@@ -55,6 +56,7 @@ class ToolCalling:
         tool_choice: str | dict[str, Any] | None,
         parser: str,
         parallel: bool = True,
+        max_calls: int = 8,
     ) -> ToolCalling | None:
         """None when no tool may be called (no tools, or tool_choice "none")."""
         if tool_choice is not None and not tools and tool_choice != "none":
@@ -82,16 +84,16 @@ class ToolCalling:
         if len(set(names)) != len(names):
             raise InvalidParameterError("tools", "function names must be unique")
         if tool_choice in (None, "auto"):
-            return cls(tools, "auto", parser, parallel)
+            return cls(tools, "auto", parser, parallel, max_calls=max_calls)
         if tool_choice == "required":
-            return cls(tools, "required", parser, parallel)
+            return cls(tools, "required", parser, parallel, max_calls=max_calls)
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name")
             if tool_choice.get("type") != "function" or name not in names:
                 raise InvalidParameterError(
                     "tool_choice", f"must name one of the tools ({', '.join(names)})"
                 )
-            return cls(tools, "named", parser, parallel, name)
+            return cls(tools, "named", parser, parallel, name, max_calls)
         raise InvalidParameterError(
             "tool_choice", 'must be "none", "auto", "required" or {"type": "function", ...}'
         )
@@ -121,9 +123,9 @@ class ToolCalling:
             }
             for tool in self.tools
         ]
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if not self.parallel:
-            schema["maxItems"] = 1
+        # Bounded: a model that repeats a call (small ones do) still ends the array.
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                  "maxItems": self.max_calls if self.parallel else 1}  # fmt: skip
         return StructuredOutputsParams(json=schema, source="tool_choice")
 
     # -- reading the answer -------------------------------------------------------------
@@ -133,7 +135,8 @@ class ToolCalling:
         Text that does not parse as a call stays content."""
         end, calls = self.split(text)
         if not calls:
-            return text, []
+            # a required answer is calls only: cut short before one was whole, nothing
+            return (None if self.choice == "required" else text), []
         return text[:end].strip() or None, calls
 
     def split(self, text: str) -> tuple[int, list[dict[str, Any]]]:
