@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--api-key", default=None, metavar="KEY",
         help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')",
-    )
+    )  # fmt: skip
     http.add_argument(
         "--served-model-name", default=None, metavar="NAME",
         help="the model's name in the API (default: its folder's name)",

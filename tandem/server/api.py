@@ -4,19 +4,20 @@ core in its own process, or on a thread of this one).
     GET  /v1/models            POST /v1/completions     POST /v1/chat/completions
     GET  /v1/models/{id}       POST /tokenize           POST /detokenize
     GET  /health               GET  /metrics            GET  /version
+    POST /v1/responses         (OpenAI's Responses API, stateless)
     POST /v1/messages          POST /v1/messages/count_tokens   (Anthropic's API)
 
     POST /trace/start  POST /trace/stop   (with --api-key or --enable-trace-endpoints)
 
-Responses and stream chunks have OpenAI's shapes (see responses.py); the Messages
-API's routes translate to and from the chat path (anthropic.py) and answer in
-Anthropic's shapes, errors included. Every other error, the framework's own included
-(bad JSON, unknown route, wrong method, body too large), is
-``{"error": {"message", "type", "param", "code"}}`` with its status, and
-the OpenAPI document says so (protocol.ErrorResponse; no 422s). A request's
-``X-Request-Id`` comes back on its response (request_id.py). What one client may
-ask is bounded (limits.py). A client that disconnects, streaming or not, aborts its
-requests at once.
+Responses and stream chunks have OpenAI's shapes (see responses.py); the Responses
+and Messages APIs translate to and from the chat path (responses_api.py,
+anthropic.py), the latter answering in Anthropic's shapes, errors included. Every
+other error, the framework's own included (bad JSON, unknown route, wrong method,
+body too large), is ``{"error": {"message", "type", "param", "code"}}`` with its
+status, and the OpenAPI document says so (protocol.ErrorResponse; no 422s). A
+request's ``X-Request-Id`` comes back on its response (request_id.py). What one
+client may ask is bounded (limits.py). A client that disconnects, streaming or not,
+aborts its requests at once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
-from tandem.server import anthropic
+from tandem.server import anthropic, responses_api
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, as_api_error, invalid_body
 from tandem.server.handlers import CompletionHandler, engine_prompt
@@ -332,6 +333,15 @@ def build_app(
         events = functools.partial(anthropic.message_events, model=model_name)
         answer = await chat(anthropic.to_chat(body), request, events)
         return anthropic.to_message(answer) if isinstance(answer, dict) else answer
+
+    @app.post("/v1/responses", dependencies=guarded, responses=STREAMING)
+    async def responses(body: responses_api.ResponsesRequest, request: Request):
+        """OpenAI's Responses API, stateless, answered by the chat path
+        (server/responses_api.py)."""
+        shape = responses_api.ResponseShape(body, model_name)
+        events = functools.partial(responses_api.response_events, shape=shape)
+        answer = await chat(responses_api.to_chat(body), request, events)
+        return responses_api.to_response(answer, shape) if isinstance(answer, dict) else answer
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded, responses=anthropic.ERRORS)
     async def count_message_tokens(body: anthropic.CountTokensRequest):
