@@ -12,6 +12,7 @@ interface schemathesis documents for use inside any test."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -87,3 +88,57 @@ def test_generated_requests_get_documented_answers(api_operations, fuzzed_server
         fuzzed.append(operation.label)
     assert not failures, "\n\n".join(failures)
     assert {"POST /v1/chat/completions", "POST /v1/completions"} <= set(fuzzed), fuzzed
+
+
+# A request each route accepts, to which one field at a time is set past 64 bits.
+USER = [{"role": "user", "content": "a"}]
+VALID_BODIES = {
+    "/v1/completions": {"model": "tiny", "prompt": "a", "max_tokens": 1},
+    "/v1/chat/completions": {"model": "tiny", "messages": USER},
+    "/v1/responses": {"model": "tiny", "input": "a"},
+    "/v1/messages": {"model": "tiny", "max_tokens": 1, "messages": USER},
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": USER},
+    "/tokenize": {"model": "tiny", "prompt": "a"},
+    "/detokenize": {"model": "tiny", "tokens": [1]},
+}  # fmt: skip
+
+
+def integer_fields(schema: dict, document: dict) -> dict[str, object]:
+    """Each property of a request body that may hold an integer (or a list of them) ->
+    a value past 64 bits for it."""
+
+    def resolve(node: dict) -> dict:
+        while "$ref" in node:
+            node = document["components"]["schemas"][node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    def options(node: dict) -> list[dict]:
+        node = resolve(node)
+        return [resolve(n) for n in node.get("anyOf", [node])]
+
+    huge = {}
+    for name, node in resolve(schema).get("properties", {}).items():
+        for option in options(node):
+            if option.get("type") == "integer":
+                huge[name] = 2**70
+            elif option.get("type") == "array" and any(
+                o.get("type") == "integer" for o in options(option.get("items", {}))
+            ):
+                huge.setdefault(name, [2**70])
+    return huge
+
+
+def test_no_integer_past_64_bits_reaches_the_engine(fuzzed_server):
+    """Every integer field of every route's body, set to 2^70, is a 4xx, never a 5xx
+    (top_k 2^70 once reached the engine's wire encoder and came back a 500)."""
+    document = httpx.get(f"{fuzzed_server}/openapi.json").json()
+    checked = []
+    for path, valid in VALID_BODIES.items():
+        operation = document["paths"][path]["post"]
+        schema = operation["requestBody"]["content"]["application/json"]["schema"]
+        for name, value in integer_fields(schema, document).items():
+            response = httpx.post(f"{fuzzed_server}{path}", json={**valid, name: value}, timeout=30)
+            assert 400 <= response.status_code < 500, (path, name, response.text)
+            checked.append((path, name))
+    assert ("/v1/completions", "top_k") in checked and ("/v1/messages", "max_tokens") in checked
+    assert len(checked) > 15

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tandem.server.launch import tandem_process
 from tests.servers import MODEL, serve
 from tests.test_tool_calls import TOOL_TEMPLATE, TOOLS
 
@@ -148,3 +149,48 @@ def test_what_is_not_served_is_refused_naming_the_field(client, overrides, param
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **overrides})
     assert refused.value.body["param"] == param
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    with tandem_process("serve") as url:  # the bundled model's real weights: it ends answers
+        yield url
+
+
+def test_an_openai_agents_sdk_agent_runs_a_tool_turn(real_server):
+    """The OpenAI Agents SDK, unchanged, on its default Responses model: it calls the
+    tool (required on the first turn), gets the tool's output back as an input item,
+    and answers (a random model would never end its answer: the SDK treats a response
+    cut by max_output_tokens as a failure)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # (tracing would export to OpenAI's servers)
+    client = openai.AsyncOpenAI(base_url=f"{real_server}/v1", api_key="unused")
+    model = openai.OpenAI(base_url=f"{real_server}/v1", api_key="unused").models.list().data[0].id
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny"
+
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=model, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=256, temperature=0.2),
+    )
+    result = Runner.run_sync(agent, "What is the weather in Oslo?", max_turns=4)
+    assert len(asked) == 1  # one call; the SDK then resets tool_choice to auto
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert isinstance(result.final_output, str)

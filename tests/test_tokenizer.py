@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from tandem.errors import InvalidParameterError, TandemError
+from tandem.errors import InvalidParameterError
 from tandem.models.tokenizer import Tokenizer
 
 TEXTS = ["The quick brown fox", "naïve café 東京 ✓", "", "def f(x):\n    return x"]
@@ -93,5 +93,26 @@ def test_template_raise_exception_is_a_clear_error(tmp_path, folders):
     (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     config = {"chat_template": "{{ raise_exception('roles must alternate') }}"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(TandemError, match="roles must alternate"):
+    with pytest.raises(InvalidParameterError, match="roles must alternate") as refused:
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert refused.value.param == "messages"  # the request's fault: a 400, not a 500
+
+
+def test_a_tool_call_turn_renders_in_a_template_without_tools(tmp_path, folders):
+    """An assistant turn of tool calls has content None; a template that concatenates
+    content as text (SmolLM2's) once made that a 500."""
+    folder, _ = folders
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ '' + m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    turns = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+    ]
+    text = Tokenizer(tmp_path).apply_chat_template(turns, add_generation_prompt=False)
+    assert text == "<user>Weather?<assistant><tool>sunny"
+    broken = "{{ messages[0]['content'] + 1 }}"  # fails whatever the content
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": broken}))
+    with pytest.raises(InvalidParameterError, match="cannot render"):
+        Tokenizer(tmp_path).apply_chat_template(turns)

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tandem.errors import InvalidParameterError
+from tandem.server.launch import tandem_process
 from tandem.server.tool_calls import ToolCalling
 from tests.servers import MODEL, serve
 
@@ -311,3 +312,47 @@ def test_tool_choice_with_response_format_is_refused(client):
             response_format={"type": "json_object"},
         )  # fmt: skip
     assert refused.value.body["param"] == "response_format"
+
+
+# -- real weights: the tracker's reproducer ---------------------------------------------------
+
+CITY = {  # as the reproducer wrote it: no additionalProperties
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_client():
+    with tandem_process("serve") as url:  # the bundled model's real weights
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_on_real_weights_are_complete_and_valid(real_client, parallel, stream):
+    """SmolLM2 under tool_choice required once repeated calls (parallel on) or added
+    undeclared properties (parallel off) until max_tokens and answered with no call."""
+    model = real_client.models.list().data[0].id
+    closed = {**CITY["function"]["parameters"], "additionalProperties": False}
+    for seed, max_tokens in ((0, 64), (1, 48)):
+        reply = real_client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+            tools=[CITY], tool_choice="required", parallel_tool_calls=parallel,
+            max_tokens=max_tokens, temperature=1.0, seed=seed, stream=stream,
+        )  # fmt: skip
+        if stream:
+            calls, finish, _ = streamed_calls(reply)
+        else:
+            calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+            assert reply.choices[0].message.content is None
+        assert calls and (finish == "tool_calls" or (parallel and finish == "length"))
+        if not parallel:
+            assert len(calls) == 1
+        for call in calls if not stream or finish == "tool_calls" else calls[:-1]:
+            jsonschema.validate(json.loads(call.function.arguments), closed)

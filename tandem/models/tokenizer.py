@@ -38,7 +38,9 @@ class GenerationBlock(Extension):
 
 
 def _raise_exception(message: str):
-    raise TandemError(f"chat template error: {message}")
+    # A template refuses a conversation it cannot render (roles out of order...): the
+    # request's fault, named as its messages.
+    raise InvalidParameterError("messages", f"the chat template refuses them: {message}")
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -176,9 +178,28 @@ class Tokenizer:
         if self._chat_template is None:
             self._chat_template = _compile_template(self.chat_template_source)
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
-        text = self._chat_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables, **kwargs
-        )
+
+        def render(conversation: list[dict[str, Any]]) -> str:
+            return self._chat_template.render(
+                messages=conversation, add_generation_prompt=add_generation_prompt,
+                **variables, **kwargs,
+            )  # fmt: skip
+
+        # An assistant turn of tool calls has no content (None, as transformers passes
+        # it); a template written without tools concatenates it as text: then "" again.
+        attempts = [messages]
+        if any(m.get("content") is None for m in messages):
+            attempts.append([{**m, "content": m.get("content") or ""} for m in messages])
+        for attempt, conversation in enumerate(attempts, 1):
+            try:
+                text = render(conversation)
+                break
+            except (TypeError, jinja2.TemplateError) as exc:
+                if attempt == len(attempts):
+                    raise InvalidParameterError(
+                        "messages", f"the model's chat template cannot render them ({exc})"
+                    ) from exc
+        messages = conversation
         return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
