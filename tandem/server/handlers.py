@@ -50,7 +50,7 @@ class CompletionHandler:
         """``include_usage``: a last stream chunk with the usage; ``continuous_usage``:
         also the usage so far in every chunk (vLLM's continuous_usage_stats);
         ``events``: how a stream's chunks go out (default: OpenAI's server-sent
-        events; the Messages API passes its own)."""
+        events; the Responses and Messages APIs pass their own)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # A stream sends what is new each step; a response needs only the end.
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
