@@ -198,3 +198,16 @@ def test_the_key_goes_in_x_api_key_and_a_wrong_one_is_refused(server):
         lambda: wrong.messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
     )
     assert status == 401 and error["error"]["type"] == "authentication_error"
+
+
+def test_a_body_over_the_limit_is_refused_in_anthropics_shape(server):
+    """The body guard answers before the app: it too speaks the route's API."""
+    big = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x" * 9_000_000}],
+    }
+    response = httpx.post(f"{server}/v1/messages", json=big, headers={"x-api-key": KEY}, timeout=60)
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert response.json()["type"] == "error"

@@ -72,6 +72,12 @@ STREAMING = {
 }
 
 
+def error_body(path: str, error: APIError) -> dict:
+    """An error in the shape of the API its route belongs to: Anthropic's on the
+    Messages API's routes, OpenAI's on the others."""
+    return anthropic.error_body(error) if path.startswith(anthropic.PATH_PREFIX) else error.body()
+
+
 def package_version() -> str:
     try:
         return distribution_version("tandem")
@@ -102,7 +108,10 @@ def build_app(
             on_shutdown()
 
     app = FastAPI(title="tandem", version=package_version(), lifespan=lifespan)
-    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
+    app.add_middleware(
+        BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout,
+        body_of=error_body,
+    )  # fmt: skip
     app.add_middleware(EchoRequestId)  # outermost: its errors carry the id too
     handler = CompletionHandler(engine, model_name)
     tokenizer = engine.info.tokenizer
@@ -111,10 +120,7 @@ def build_app(
     created = int(time.time())
 
     def error_response(request: Request, error: APIError, headers=None) -> JSONResponse:
-        """An error in the shape of the API the route belongs to (the Messages API's
-        routes answer in Anthropic's, the others in OpenAI's)."""
-        anthropic_route = request.url.path.startswith(anthropic.PATH_PREFIX)
-        body = anthropic.error_body(error) if anthropic_route else error.body()
+        body = error_body(request.url.path, error)
         return JSONResponse(body, status_code=error.status, headers=headers or error.headers())
 
     @app.exception_handler(APIError)

@@ -25,7 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem.errors import InvalidParameterError
 from tandem.runner import host_memory
-from tandem.server.errors import status_code_name
+from tandem.server.errors import APIError
 
 logger = logging.getLogger("tandem.server")
 # After a request body this large, free heap memory goes back to the system.
@@ -76,18 +76,28 @@ class BodyGuard:
     """ASGI middleware: a request body may hold at most ``max_bytes`` (413) and must
     arrive whole within ``timeout`` seconds (408: a client sending a byte every few
     seconds would otherwise hold its connection and its task forever). Either answer
-    is OpenAI's error shape with ``Connection: close``; the app then sees the client
+    is an error body in the shape of the route's API (``body_of(path, error)``;
+    OpenAI's by default) with ``Connection: close``; the app then sees the client
     gone. (Starlette's own limit answers in plain text, hence this.)"""
 
-    def __init__(self, app, max_bytes: int, timeout: float) -> None:
+    def __init__(self, app, max_bytes: int, timeout: float, body_of=None) -> None:
         self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+        self.body_of = body_of or (lambda path, error: error.body())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
+
+        async def send_error(status: int, message: str) -> None:
+            error = APIError(status, message, "invalid_request_error")
+            body = json.dumps(self.body_of(scope["path"], error)).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
         if declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(send, 413, self._too_large())
+            return await send_error(413, self._too_large())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         received, body_done, responded = 0, False, False
@@ -112,7 +122,7 @@ class BodyGuard:
                     return message
                 message, status = self._too_large(), 413
             body_done = responded = True
-            await _send_error(send, status, message)
+            await send_error(status, message)
             return {"type": "http.disconnect"}
 
         async def guarded_send(message) -> None:
@@ -127,14 +137,6 @@ class BodyGuard:
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_bytes} bytes"
-
-
-async def _send_error(send, status: int, message: str) -> None:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": status_code_name(status)}}  # fmt: skip
-    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 def h11_protocol(header_timeout: float) -> type[H11Protocol]:
