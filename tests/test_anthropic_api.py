@@ -6,8 +6,6 @@ errors come in Anthropic's shape with its status codes and error types."""
 
 from __future__ import annotations
 
-import shutil
-
 import anthropic
 import httpx
 import jsonschema
@@ -15,7 +13,7 @@ import openai
 import pytest
 
 from tests.servers import MODEL, serve
-from tests.test_tool_calls import ADD, TOOL_TEMPLATE, TOOLS
+from tests.test_tool_calls import ADD, TOOLS, tool_model
 
 KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -31,12 +29,7 @@ GREEDY, SAMPLED = {"temperature": 0}, {"temperature": 1.0, "top_k": 50}
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("messages-model")
-    shutil.copytree(
-        model_dirs("llama", max_position_embeddings=2048)[0], folder, dirs_exist_ok=True
-    )
-    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    with serve(str(folder), "--api-key", KEY) as url:
+    with serve(tool_model(model_dirs, tmp_path_factory), "--api-key", KEY) as url:
         yield url
 
 

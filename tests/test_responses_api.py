@@ -8,7 +8,6 @@ it."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import anthropic
 import jsonschema
@@ -17,7 +16,7 @@ import pytest
 
 from tandem.server.launch import tandem_process
 from tests.servers import MODEL, serve
-from tests.test_tool_calls import TOOL_TEMPLATE, TOOLS
+from tests.test_tool_calls import TOOLS, tool_model
 
 QUESTION = "What is 2 + 2?"
 FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]
@@ -26,12 +25,7 @@ SCHEMAS = {tool["name"]: tool["parameters"] for tool in FUNCTIONS}
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("responses-model")
-    shutil.copytree(
-        model_dirs("llama", max_position_embeddings=2048)[0], folder, dirs_exist_ok=True
-    )
-    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    with serve(str(folder)) as url:
+    with serve(tool_model(model_dirs, tmp_path_factory)) as url:
         yield url
 
 

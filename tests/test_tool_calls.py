@@ -194,14 +194,20 @@ def test_no_tools_or_choice_none_means_plain_chat():
 # -- a live server ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(model_dirs, tmp_path_factory):
+def tool_model(model_dirs, tmp_path_factory) -> str:
+    """A tiny random model folder whose chat template renders tools (TOOL_TEMPLATE);
+    the server tests of the three APIs serve it."""
     folder = tmp_path_factory.mktemp("tool-model")
     shutil.copytree(
         model_dirs("llama", max_position_embeddings=2048)[0], folder, dirs_exist_ok=True
     )
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)  # (read before the config's)
-    with serve(str(folder)) as url:
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def client(model_dirs, tmp_path_factory):
+    with serve(tool_model(model_dirs, tmp_path_factory)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
