@@ -168,6 +168,10 @@ def error_of(call) -> tuple[int, dict]:
         ({"model": "other"}, 404, "not_found_error", "other"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
          "invalid_request_error", "messages[0].content[0].type"),
+        # a tool result's content neither text nor blocks (was a 500: iterated as a list)
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}, 400,
+         "invalid_request_error", "messages[0].content[0].content"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
          "invalid_request_error", "thinking"),
         ({"stop_sequences": ["x"] * 17}, 400, "invalid_request_error", "stop_sequences"),

@@ -33,7 +33,13 @@ from pydantic import BaseModel, Field
 
 from tandem.errors import InvalidParameterError
 from tandem.server.errors import APIError
-from tandem.server.protocol import INT_LIMIT, ChatCompletionRequest, _Body
+from tandem.server.protocol import (
+    INT_LIMIT,
+    ChatCompletionRequest,
+    _Body,
+    joined_text,
+    string_field,
+)
 
 PATH_PREFIX = "/v1/messages"
 
@@ -112,7 +118,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise InvalidParameterError("thinking", "extended thinking is not supported")
     messages = []
-    system = _text(body.system, "system") if body.system is not None else ""
+    system = joined_text(body.system, "system", ("text",)) if body.system is not None else ""
     if system:
         messages.append({"role": "system", "content": system})
     for index, message in enumerate(body.messages):
@@ -147,25 +153,6 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(chat)
 
 
-def _text(value: str | list[dict[str, Any]], where: str) -> str:
-    """A string, or text blocks joined (system prompts, tool results)."""
-    if isinstance(value, str):
-        return value
-    parts = []
-    for index, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise InvalidParameterError(f"{where}[{index}]", "must be a text block")
-        parts.append(_string(block, "text", f"{where}[{index}]"))
-    return "".join(parts)
-
-
-def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise InvalidParameterError(f"{where}.{key}", "must be a string")
-    return value
-
-
 def _chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: its tool results as tool turns first,
     then its text (and, for the assistant, its tool calls)."""
@@ -176,23 +163,27 @@ def _chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]
         at = f"{where}.content[{index}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append({"type": "text", "text": _string(block, "text", at)})
+            parts.append({"type": "text", "text": string_field(block, "text", at)})
         elif kind == "tool_use" and message.role == "assistant":
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise InvalidParameterError(f"{at}.input", "must be an object")
             calls.append({
-                "id": _string(block, "id", at), "type": "function",
-                "function": {"name": _string(block, "name", at),
+                "id": string_field(block, "id", at), "type": "function",
+                "function": {"name": string_field(block, "name", at),
                              "arguments": json.dumps(arguments, ensure_ascii=False)},
             })  # fmt: skip
         elif kind == "tool_result" and message.role == "user":
             content = block.get("content", "")
-            text = _text(content, f"{at}.content") if content is not None else ""
+            text = joined_text(content, f"{at}.content", ("text",)) if content is not None else ""
             if block.get("is_error") is True:
                 text = f"Error: {text}"
             results.append(
-                {"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text}
+                {
+                    "role": "tool",
+                    "tool_call_id": string_field(block, "tool_use_id", at),
+                    "content": text,
+                }
             )
         elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
             continue  # earlier reasoning: not part of what the model reads again

@@ -35,6 +35,32 @@ INT_LIMIT = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT_LIMIT)]
 
 
+def string_field(obj: dict[str, Any], key: str, where: str) -> str:
+    """``obj[key]``, which must be a string (InvalidParameterError naming where.key)."""
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise InvalidParameterError(f"{where}.{key}", "must be a string")
+    return value
+
+
+def joined_text(value: Any, where: str, part_types: tuple[str, ...]) -> str:
+    """A string, or a list of text parts (of ``part_types``) joined: the content of
+    the Messages and Responses APIs' turns, as the chat path joins its parts."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidParameterError(where, "must be a string or a list of text parts")
+    parts = []
+    for index, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in part_types:
+            raise InvalidParameterError(
+                f"{where}[{index}].type", f"{kind!r} parts are not supported"
+            )
+        parts.append(string_field(part, "text", f"{where}[{index}]"))
+    return "".join(parts)
+
+
 class _Body(BaseModel):
     # Strict: "1" is not an integer nor "true" a boolean; the schema is the contract.
     model_config = ConfigDict(extra="ignore", strict=True)

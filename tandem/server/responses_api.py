@@ -31,7 +31,13 @@ from pydantic import Field
 
 from tandem.errors import InvalidParameterError
 from tandem.server.errors import APIError
-from tandem.server.protocol import INT_LIMIT, ChatCompletionRequest, _Body
+from tandem.server.protocol import (
+    INT_LIMIT,
+    ChatCompletionRequest,
+    _Body,
+    joined_text,
+    string_field,
+)
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -119,13 +125,13 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
             )
         messages.append({
             "role": "system" if role == "developer" else role,
-            "content": _content(item.get("content"), f"{where}.content"),
+            "content": joined_text(item.get("content"), f"{where}.content", _TEXT_PARTS),
         })  # fmt: skip
     elif kind == "function_call":
         call = {
-            "id": _string(item, "call_id", where), "type": "function",
-            "function": {"name": _string(item, "name", where),
-                         "arguments": _string(item, "arguments", where)},
+            "id": string_field(item, "call_id", where), "type": "function",
+            "function": {"name": string_field(item, "name", where),
+                         "arguments": string_field(item, "arguments", where)},
         }  # fmt: skip
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
@@ -134,37 +140,18 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
         output = item.get("output")
-        text = output if isinstance(output, str) else _content(output, f"{where}.output")
+        text = (
+            output
+            if isinstance(output, str)
+            else joined_text(output, f"{where}.output", _TEXT_PARTS)
+        )
         messages.append(
-            {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
+            {"role": "tool", "tool_call_id": string_field(item, "call_id", where), "content": text}
         )
     elif kind == "reasoning":
         return  # earlier reasoning: not part of what the model reads again
     else:
         raise InvalidParameterError(f"{where}.type", f"{kind!r} items are not supported")
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise InvalidParameterError(f"{where}.{key}", "must be a string")
-    return value
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidParameterError(where, "must be a string or a list of text parts")
-    parts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise InvalidParameterError(
-                f"{where}[{index}].type", f"{kind!r} parts are not supported"
-            )
-        parts.append(_string(part, "text", f"{where}[{index}]"))
-    return "".join(parts)
 
 
 def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
