@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import transformers
 
 from tandem.errors import InvalidParameterError
 from tandem.plan.calculator import (
+    attended_pairs,
+    attention_flops,
     decode_step_seconds,
     engine_kv_dtype,
     kv_bytes_per_token,
@@ -20,7 +23,8 @@ from tandem.plan.calculator import (
     read_model,
 )
 from tandem.plan.cost import StepCostModel
-from tandem.plan.hardware import PRESETS, custom_hardware
+from tandem.plan.hardware import PRESETS, Hardware, custom_hardware
+from tandem.runner.attention.metadata import sliding_causal_mask
 
 LLAMA_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -46,6 +50,30 @@ def test_time_floors_hand_worked():
     assert decode_step_seconds(140e9, 1, 0, 0, 3400) == pytest.approx(0.041, rel=0.01)
     # KV reads add batch x context x bytes per token.
     assert decode_step_seconds(14e9, 8, 1000, 500_000, 2000) == pytest.approx(0.009)
+
+
+def test_attention_is_priced_by_the_pairs_the_engines_mask_lets_through(tmp_path):
+    for length, window in ((1, None), (7, None), (64, None), (64, 16), (64, 64), (64, 99),
+                           (5, 1)):  # fmt: skip
+        mask = sliding_causal_mask(length, window, torch.device("cpu"))
+        if mask is None:
+            mask = torch.ones(length, length, dtype=torch.bool).tril()
+        assert attended_pairs(length, window) == mask.sum().item()
+    path = tmp_path / "llama70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    config, _ = read_model(path)
+    # 80 layers x 64 heads x 128 dims x 4 FLOPs x 1024 x 1025 / 2 pairs: 1.38 TFLOP.
+    assert attention_flops(config, 1024) == 80 * 64 * 128 * 4 * 524_800
+    # On an H100 that is 1.4 ms beside the matmuls' 146 ms, in bf16's rate.
+    result = plan(path, PRESETS["h100-sxm"], "q4_0", None, 1024, 1)
+    assert result["prefill_attention_s"] == pytest.approx(1.376e12 / 989e12, rel=1e-3)
+    assert result["prefill_floor_s"] == pytest.approx(
+        prefill_seconds(result["parameters"], 1024, 989) + result["prefill_attention_s"]
+    )
+    # A measured rate (a CPU's float attention beside its integer matmuls) is used as is.
+    slow = Hardware("slow", 80, 3350, {"bf16": 989}, "", 0.1)
+    slow_attention = plan(path, slow, "bf16", None, 1024, 1)["prefill_attention_s"]
+    assert slow_attention == pytest.approx(13.76, rel=1e-3)
 
 
 def test_parameter_count_matches_transformers_from_config_alone(tmp_path):

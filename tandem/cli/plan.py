@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> None:
         file_weights,
         format_plan,
         plan,
+        read_model,
     )
     from tandem.plan.hardware import PRESETS, custom_hardware
     from tandem.plan.measure import check_measurable, measure_model, this_machine
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> None:
         check_measurable(args.model, args.dtype)
     if on_this_machine:
         weights = file_weights(gguf) if args.dtype == FILE_DTYPE else None
-        hardware = this_machine(args.dtype, weights)
+        config, _ = read_model(args.model)
+        hardware = this_machine(args.dtype, weights, config, args.prompt_len)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

@@ -7,13 +7,15 @@ be at best? Back-of-the-envelope numbers from the model's config.json alone.
                    number of KV heads hold replicas)
     fits           (memory x utilization - weights per rank) / KV per token per rank
     prefill floor  2 x params x prompt tokens / FLOP/s            (compute-bound)
+                   + the prompt's causal attention: 4 x layers x heads x head dim x
+                   the (query, key) pairs it scores / the rate attention runs at
     decode floor   (weight bytes + batch x context x KV per token) / bandwidth
                    (memory-bound: every step reads all weights and every sequence's KV)
     crossover      the batch where a decode step's compute (2 x params x batch / FLOP/s)
                    catches up with its memory time: above it, decode is compute-bound
 
-Floors ignore attention's own FLOPs, activations and kernel overheads; real systems
-reach a fraction of them (``--measure`` shows which fraction tandem reaches here).
+Floors ignore activations and kernel overheads; real systems reach a fraction of them
+(``--measure`` shows which fraction tandem reaches here).
 
 A GGUF file is priced as the engine runs it (``dtype="gguf"``): its weights at the bytes
 each tensor takes in the kernels' packed layout (file_weights), a decode step reading
@@ -68,6 +70,24 @@ def prefill_seconds(params: int, num_tokens: int, tflops: float) -> float:
     return 2 * params * num_tokens / (tflops * 1e12)
 
 
+def attended_pairs(length: int, window: int | None) -> int:
+    """(query, key) pairs a causal prompt of ``length`` tokens scores: each token sees
+    itself and the tokens before it, at most ``window`` of them."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def attention_flops(config: ModelConfig, prompt_len: int) -> float:
+    """A prompt's attention FLOPs: per layer and query head, each attended pair's score
+    (a dot of head_dim) and its weighted value (as many), 2 FLOPs a multiply-add. Small
+    beside the matmuls' (a few % at 512 tokens) but run at the float rate, not the
+    integer kernels' (on a CPU, a tenth of it): at 512 tokens of a 1B model, a fifth of
+    a prefill's time."""
+    per_pair = 4 * config.num_heads * config.head_dim
+    return sum(per_pair * attended_pairs(prompt_len, w) for w in config.layer_windows())
+
+
 def decode_step_seconds(
     weight_bytes: float, batch: int, context: float, kv_per_token: float, bandwidth_gbs: float
 ) -> float:
@@ -103,6 +123,9 @@ class FileWeights:
     # kernel's prefill rate is measured on.
     layer_shapes: dict[GGMLType, list[tuple[int, int]]]
     layer_weights: int  # in the blocks' matrices: what each prompt token multiplies
+    # Per block format, the blocks' weights in it: a prefill's formats (the LM head's,
+    # often another, runs for one token of the prompt only).
+    layer_mix: dict[GGMLType, int]
     head_weights: int  # the LM head's: run for the last prompt token only
 
     @property
@@ -120,6 +143,7 @@ def file_weights(path: Path) -> FileWeights:
     held = read = 0
     mix: dict[GGMLType, tuple[int, int]] = {}
     layer_shapes: dict[GGMLType, list[tuple[int, int]]] = {}
+    layer_mix: dict[GGMLType, int] = {}
     layer_weights = head_weights = 0
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     for t in tensors:
@@ -134,6 +158,8 @@ def file_weights(path: Path) -> FileWeights:
         held += size
         if t.name.startswith("blk.") and len(t.shape) > 1:
             layer_weights += rows * columns
+            if t.type in BLOCK:
+                layer_mix[code] = layer_mix.get(code, 0) + rows * columns
         if t.name == head:
             head_weights = rows * columns
         # The embedding is read a row a token, unless it is also the LM head.
@@ -144,7 +170,7 @@ def file_weights(path: Path) -> FileWeights:
                 mix[code] = (nbytes + size, weights + rows * columns)
                 if t.name.startswith("blk.0."):
                     layer_shapes.setdefault(code, []).append((rows, columns))
-    return FileWeights(held, read, mix, layer_shapes, layer_weights, head_weights)
+    return FileWeights(held, read, mix, layer_shapes, layer_weights, layer_mix, head_weights)
 
 
 def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
@@ -243,6 +269,10 @@ def plan(
         prefill = flops / (tflops * 1e12)
         decode_compute = 2 * (weights.layer_weights + weights.head_weights) * batch
         decode_compute /= tflops * 1e12
+    # Attention runs in the type the engine computes in, whatever the weights' format.
+    attention_tflops = hardware.attention_rate(engine_kv_dtype(dtype, engine_cpu)) * tp
+    prefill_attention = attention_flops(config, prompt_len) / (attention_tflops * 1e12)
+    prefill += prefill_attention
     ttft = max(prefill, read_bytes / (bandwidth * 1e9))
     tpot = max(decode_memory, decode_compute)
     crossover = crossover_batch(params, read_bytes, context, kv_all_ranks, tflops, bandwidth)
@@ -275,8 +305,10 @@ def plan(
         "output_len": output_len,
         "batch": batch,
         "tflops": tflops,
+        "attention_tflops": attention_tflops,
         "bandwidth_gbs": bandwidth,
         "prefill_floor_s": prefill,
+        "prefill_attention_s": prefill_attention,
         "decode_step_floor_s": decode_memory,
         "decode_step_compute_s": decode_compute,
         "crossover_batch": crossover,
@@ -345,10 +377,12 @@ def format_plan(result: dict[str, Any]) -> str:
         "",
         f"prefill floor      {_seconds(r['prefill_floor_s'])} for {r['prompt_len']} tokens "
         + (
-            "(2 x (the layers' matrices x P + the LM head) / FLOP/s)"
+            "(2 x (the layers' matrices x P + the LM head) / FLOP/s"
             if r["dtype"] == FILE_DTYPE
-            else "(2 x params x P / FLOP/s)"
-        ),
+            else "(2 x params x P / FLOP/s"
+        )
+        + f" + attention's FLOPs / {_flops(r['attention_tflops'])}: "
+        f"{_seconds(r['prefill_attention_s'])})",
         f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
         f"(({_bytes(r['weight_bytes_read_per_step'])} of weights + batch x context x KV per "
         "token) / bandwidth)",

@@ -20,11 +20,18 @@ class Hardware:
     bandwidth_gbs: float  # memory bandwidth, GB/s
     tflops: dict[str, float] = field(default_factory=dict)  # dtype -> dense TFLOP/s
     source: str = ""
+    # The rate a prompt's attention runs at, where measured (this_machine): on a CPU
+    # far below the matmuls' (float32 beside integer dots) and lower for short prompts.
+    attention_tflops: float | None = None
 
     def flops_for(self, dtype: str) -> float:
         if dtype in self.tflops:
             return self.tflops[dtype]
         return self.tflops.get("bf16") or next(iter(self.tflops.values()))
+
+    def attention_rate(self, dtype: str) -> float:
+        """TFLOP/s of attention computed in ``dtype``: measured, else the matmul rate."""
+        return self.attention_tflops or self.flops_for(dtype)
 
 
 PRESETS = {

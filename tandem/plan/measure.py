@@ -19,6 +19,7 @@ from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 
 if TYPE_CHECKING:
+    from tandem.models.config import ModelConfig
     from tandem.plan.calculator import FileWeights
 from tandem.quant.blocks import GGMLType
 from tandem.quant.packed import packed_nbytes
@@ -101,35 +102,72 @@ def quant_kernel_read_gbs(code: GGMLType, megabytes: int = 256, columns: int = 4
     return weight.nbytes / seconds / 1e9
 
 
-def this_machine(dtype: str = "fp32", weights: FileWeights | None = None) -> Hardware:
+# The engine's prompt chunks are at most this long by default (SchedulerConfig's token
+# budget): attention's rate is measured at a prompt's length up to it.
+ATTENTION_CHUNK_MAX = 2048
+
+
+def attention_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> float:
+    """Throughput of the engine's prompt attention (torch_sdpa.causal_attention, the
+    kernel fresh prompts run) on ``config``'s heads for a causal prompt of ``tokens``
+    (capped at a chunk's length): its FLOPs (calculator.attention_flops' count) over
+    its time. It depends on the length: short prompts run well below the rate of long
+    ones."""
+    from tandem.plan.calculator import attended_pairs
+    from tandem.runner.attention.torch_sdpa import causal_attention
+
+    tokens = max(16, min(tokens, ATTENTION_CHUNK_MAX))
+    generator = torch.Generator().manual_seed(0)
+    d, heads, kv_heads = config.head_dim, config.num_heads, config.num_kv_heads
+    q = torch.randn(tokens, heads, d, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, d, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, d, generator=generator).to(dtype)
+    seconds = median_time(lambda: causal_attention(q, k, v, 1, tokens, d**-0.5), 5, warmup=1)
+    return 4 * heads * d * attended_pairs(tokens, None) / seconds / 1e12
+
+
+def this_machine(
+    dtype: str = "fp32",
+    weights: FileWeights | None = None,
+    config: ModelConfig | None = None,
+    prompt_len: int = 512,
+) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
     and recorded under ``dtype``, so the plan's floors are the engine's. A GGUF file's
     (``dtype`` gguf) weights are priced at the rates of the integer-dot kernel that
-    runs each of its formats (``weights.mix``: format -> (bytes, weights) a step reads):
-    its throughput at prefill's shape on the model's own matrices of that format
-    (``weights.layer_shapes``), and for bandwidth the rate at which it streams weights for one row,
-    which is what a decode step's matmuls get; the file's rates are the mix's (bytes
-    over the sum of each format's time)."""
+    runs each of its formats: for FLOP/s its throughput at prefill's shape on the
+    model's own matrices of that format (``weights.layer_shapes``), blended by the
+    blocks' weights in each format (``weights.layer_mix``: a prompt's matmuls); for
+    bandwidth the rate at which it streams weights for one row (a decode step's
+    matmuls), blended by the bytes a step reads in each (``weights.mix``). A blend is
+    the total over the sum of each format's time. With the model's ``config``,
+    attention's own rate too, on its heads at ``prompt_len`` tokens (attention_tflops)."""
     from tandem.kernels import cpu as cpu_kernels
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
+    computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
+    attention = None
+    if config is not None:
+        attention = attention_tflops(config, prompt_len, computed)
     mix = weights.mix if weights is not None else {}
     if mix and cpu_kernels.load() is not None:
         seconds_per_byte = sum(b / quant_kernel_read_gbs(code) for code, (b, _) in mix.items())
         shapes = weights.layer_shapes
+        prefill_mix = weights.layer_mix or {code: w for code, (_, w) in mix.items()}
         seconds_per_flop = sum(
-            w / quant_kernel_tflops(code, shapes.get(code)) for code, (_, w) in mix.items()
+            w / quant_kernel_tflops(code, shapes.get(code)) for code, w in prefill_mix.items()
         )
         bandwidth = sum(b for b, _ in mix.values()) / seconds_per_byte
-        tflops = {dtype: sum(w for _, w in mix.values()) / seconds_per_flop}
+        tflops = {dtype: sum(prefill_mix.values()) / seconds_per_flop}
         names = "+".join(code.name for code in mix)
         source = f"measured by tandem plan: the integer-dot kernel on {names}"
-        return Hardware(name, memory_gb, bandwidth, tflops, source)
-    computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
+        return Hardware(name, memory_gb, bandwidth, tflops, source, attention)
     tflops = {dtype: matmul_tflops(computed)}
-    return Hardware(name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan")
+    return Hardware(
+        name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan", attention
+    )
 
 
 MAX_MEASURED_PARAMS = 2e9  # a random-weight model this size takes minutes to build here
