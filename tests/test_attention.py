@@ -40,12 +40,14 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     """With an int8 cache, every token read from the cache is its int8 row times its
     scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
     reads the same rows), prompts attended without the cache too. "mixed-split": every
-    prompt chunk after a cache takes the long-chunk path (prefix and chunk attended
-    apart, merged by log-sum-exp)."""
+    prompt chunk after a cache takes the long-chunk path (the chunk and its prefix's
+    spans attended apart, merged by log-sum-exp)."""
     if backend == "cpu-paged" and cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     if batch == "mixed-split":
         monkeypatch.setattr(torch_sdpa, "SPLIT_MASK_ELEMENTS", 1)
+        # Prefixes read in spans of 5 tokens: several per prefix, starting mid-block.
+        monkeypatch.setattr(torch_sdpa, "PREFIX_SPAN", 5)
     torch.manual_seed(0)
     # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
     # and chunks continuing after the cache.
@@ -175,13 +177,17 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype):
     """A 512-token chunk after 2,600 cached tokens (over SPLIT_MASK_ELEMENTS: no mask
-    is built) equals attention written out over the whole context."""
+    is built), its prefix given in three spans, equals attention written out over the
+    whole context."""
     torch.manual_seed(0)
     cached, new, heads, kv_heads, head_dim = 2600, 512, 12, 4, 32
     assert heads // kv_heads * new * (cached + new) >= torch_sdpa.SPLIT_MASK_ELEMENTS
     q = torch.randn(new, heads, head_dim, dtype=dtype)
     k, v = torch.randn(2, cached + new, kv_heads, head_dim, dtype=dtype)
-    out = torch_sdpa.split_chunk_attention(q, k, v, cached, head_dim**-0.5)
+    # The prefix in spans of any size and order, as the blocks are read.
+    bounds = [(1000, 2600), (0, 7), (7, 1000)]
+    spans = [(k[a:b], v[a:b]) for a, b in bounds]
+    out = torch_sdpa.split_chunk_attention(q, k[cached:], v[cached:], spans, head_dim**-0.5)
     keys, values = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
     causal = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]

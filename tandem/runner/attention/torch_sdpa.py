@@ -15,8 +15,10 @@ sequence (SDPA turns a boolean mask into a float one: 1 GB for a 2k chunk at 32k
 tokens of context with 4 query heads per KV head), so on the CPU such chunks go
 another way (``split_chunk_attention``): the prefix with no mask at all, the chunk
 over itself causally, both through torch's tiled flash-attention kernel, which
-returns each row's log-sum-exp, and the two merged by it. Memory stays linear in the
-context and no mask is read.
+returns each row's log-sum-exp, and the two merged by it. The prefix is read from the
+blocks a span of PREFIX_SPAN tokens at a time, each span merged in as it comes: no mask
+is read and no copy of a long context is held (so do chunks of any length once the
+context passes PREFIX_SPAN).
 """
 
 from __future__ import annotations
@@ -58,35 +60,48 @@ def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=Non
 
 # Chunks whose mask would hold at least this many elements take split_chunk_attention.
 SPLIT_MASK_ELEMENTS = 1 << 22
+# ... and so do chunks whose context is longer than this: their prefix is read this many
+# tokens at a time, each span gathered into one small workspace, so a chunk after a 32k
+# prefix holds a few MB of K/V beside the cache, not a copy of its whole context.
+PREFIX_SPAN = 4096
+OWN_ROWS, PREFIX_ROWS = -1, -2  # their workspaces' keys (groups' are their indices)
 
 
-def split_chunk_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
-    """One sequence's prompt chunk after ``num_computed`` cached tokens: q [Lq, H, D],
-    k/v [num_computed + Lq, Hkv, D] (its context, the chunk's own rows last) ->
-    [Lq, H, D]. Every row sees the whole prefix and the chunk up to itself: the two
-    parts are attended separately by the flash kernel (no mask: the prefix is not
-    masked, the chunk is square and causal) and merged by their log-sum-exps."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def _flash(q, k, v, causal: bool, scale: float):
+    """torch's tiled CPU flash kernel: q [1, H, Lq, D], k/v [1, H, Lk, D] -> the output
+    [1, H, Lq, D] and each row's log-sum-exp [1, H, Lq]."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return kernel(q, k, v, 0.0, causal, scale=scale)
+
+
+def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float) -> torch.Tensor:
+    """One sequence's prompt chunk after cached tokens: q [Lq, H, D], own_k/own_v
+    [Lq, Hkv, D] (the chunk's own K/V), ``prefix_spans`` the cached prefix as (k, v)
+    pieces [n, Hkv, D] in any order -> [Lq, H, D]. Every row sees the whole prefix and
+    the chunk up to itself: the chunk over itself (square and causal) and each piece of
+    the prefix (no mask) are attended apart by the flash kernel and merged by their
+    log-sum-exps as they come, so only one piece is held at a time."""
     lq, h, d = q.shape
-    hkv = k.shape[1]
+    hkv = own_k.shape[1]
     g = h // hkv
+    # The chunk over itself: its own K/V, each KV head repeated for its query heads.
+    own_k = own_k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    own_v = own_v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    out, lse = _flash(q.transpose(0, 1).unsqueeze(0), own_k, own_v, True, scale)
+    out, lse = out[0].float(), lse[0]  # [H, Lq, D], [H, Lq]
     # The prefix: the G query heads of a KV head folded into the query axis.
     folded = q.view(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * lq, d)
-    prefix_k = k[:num_computed].transpose(0, 1).unsqueeze(0)
-    prefix_v = v[:num_computed].transpose(0, 1).unsqueeze(0)
-    out_prefix, lse_prefix = flash(folded, prefix_k, prefix_v, 0.0, False, scale=scale)
-    out_prefix = out_prefix.reshape(h, lq, d)
-    lse_prefix = lse_prefix.reshape(h, lq)
-    # The chunk over itself: its own K/V, each KV head repeated for its query heads.
-    own_k = k[num_computed:].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
-    own_v = v[num_computed:].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
-    out_own, lse_own = flash(q.transpose(0, 1).unsqueeze(0), own_k, own_v, 0.0, True, scale=scale)
-    out_own, lse_own = out_own[0], lse_own[0]
-    top = torch.maximum(lse_prefix, lse_own)
-    w_prefix, w_own = (lse_prefix - top).exp_(), (lse_own - top).exp_()
-    merged = out_prefix.float() * w_prefix[..., None] + out_own.float() * w_own[..., None]
-    merged /= (w_prefix + w_own)[..., None]
-    return merged.to(q.dtype).transpose(0, 1)
+    for k, v in prefix_spans:
+        piece, piece_lse = _flash(
+            folded, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), False, scale
+        )
+        piece, piece_lse = piece.reshape(h, lq, d), piece_lse.reshape(h, lq)
+        top = torch.maximum(lse, piece_lse)
+        w_out, w_piece = (lse - top).exp_(), (piece_lse - top).exp_()
+        total = w_out + w_piece
+        out.mul_((w_out / total)[..., None]).add_(piece.float() * (w_piece / total)[..., None])
+        lse = top.add_(total.log_())
+    return out.to(q.dtype).transpose(0, 1)
 
 
 def _copyable(t: torch.Tensor) -> torch.Tensor:
@@ -151,6 +166,19 @@ class TorchPagedAttention:
         k_rows = _copyable(k_blocks).view(k_blocks.shape[0], -1)
         v_rows = _copyable(v_blocks).view(v_blocks.shape[0], -1)
         num_seqs, num_q = group.query_index.shape
+        heads_per_kv = q.shape[1] // num_kv_heads
+        padded_context = group.block_tables.shape[1] * group.block_size
+        if (
+            window is None
+            and not group.decodes
+            and q.device.type == "cpu"
+            and (
+                heads_per_kv * num_q * padded_context >= SPLIT_MASK_ELEMENTS
+                or padded_context > PREFIX_SPAN
+            )
+        ):
+            self._attend_split(group, q, k_blocks, v_blocks, out, scale)
+            return
         blocks = group.block_tables.flatten()
         if index not in self._workspaces:
             shape = (len(blocks), k_rows.shape[1])
@@ -164,23 +192,6 @@ class TorchPagedAttention:
         elif stored != q.dtype:
             keys, values = keys.view(stored).to(q.dtype), values.view(stored).to(q.dtype)
         queries = q.index_select(0, group.query_index.flatten()).view(num_seqs, num_q, *q.shape[1:])
-        heads_per_kv = q.shape[1] // num_kv_heads
-        if (
-            window is None
-            and not group.decodes
-            and q.device.type == "cpu"
-            and heads_per_kv * num_q * keys.shape[1] >= SPLIT_MASK_ELEMENTS
-        ):
-            rows = []
-            for s, (q_len, computed) in enumerate(
-                zip(group.host_query_lens, group.host_num_computed, strict=True)
-            ):
-                rows.append(split_chunk_attention(
-                    queries[s, :q_len], keys[s, : computed + q_len], values[s, : computed + q_len],
-                    computed, scale,
-                ))  # fmt: skip
-            out.index_copy_(0, group.valid_tokens, torch.cat(rows))
-            return
         if (index, window) not in self._masks:
             # The query heads sharing a KV head are stacked on the query axis, so the
             # mask repeats once per head of the group (built once per forward).
@@ -191,3 +202,52 @@ class TorchPagedAttention:
         if group.valid_rows is not None:
             group_out = group_out.index_select(0, group.valid_rows)
         out.index_copy_(0, group.valid_tokens, group_out)
+
+    def _attend_split(self, group: AttentionGroup, q, k_blocks, v_blocks, out, scale) -> None:
+        """Prompt chunks after a long prefix (split_chunk_attention), a sequence at a
+        time, the prefix read from the blocks PREFIX_SPAN tokens at a time."""
+        queries = q.index_select(0, group.valid_tokens)
+        first = 0
+        for table, q_len, computed in zip(
+            group.block_tables, group.host_query_lens, group.host_num_computed, strict=True
+        ):
+
+            def rows(start: int, end: int, slot: int, table=table):
+                return self._context_rows(k_blocks, v_blocks, table, start, end, q.dtype, slot)
+
+            own_k, own_v = rows(computed, computed + q_len, OWN_ROWS)
+            spans = (
+                rows(start, min(start + PREFIX_SPAN, computed), PREFIX_ROWS)
+                for start in range(0, computed, PREFIX_SPAN)
+            )
+            rows_of_chunk = slice(first, first + q_len)
+            chunk = split_chunk_attention(queries[rows_of_chunk], own_k, own_v, spans, scale)
+            out.index_copy_(0, group.valid_tokens[rows_of_chunk], chunk)
+            first += q_len
+
+    def _context_rows(self, k_blocks, v_blocks, table, start: int, end: int, dtype, slot: int):
+        """One sequence's cached K/V rows [start, end) -> k, v [end - start, Hkv, D] in
+        ``dtype``, gathered whole blocks at a time into the workspace ``slot`` (reused by
+        every call of this forward, grown to the largest span asked for: a result is
+        valid until the slot's next call)."""
+        block_size = k_blocks.shape[1]
+        num_kv_heads, width = k_blocks.shape[-2:]
+        first, last = start // block_size, -(-end // block_size)
+        blocks = table[first:last]
+        held = self._workspaces.get(slot)
+        if held is None or held[0].shape[0] < len(blocks):
+            shape = (len(blocks), k_blocks[0].numel())
+            k_flat, v_flat = _copyable(k_blocks), _copyable(v_blocks)
+            held = self._workspaces[slot] = (k_flat.new_empty(shape), v_flat.new_empty(shape))
+        picked = []
+        for cache, buffer in zip((k_blocks, v_blocks), held, strict=True):
+            rows = _copyable(cache).view(cache.shape[0], -1)
+            gathered = torch.index_select(rows, 0, blocks, out=buffer[: len(blocks)])
+            offset = start - first * block_size
+            part = gathered.view(-1, num_kv_heads, width)[offset : offset + end - start]
+            if cache.dtype == torch.uint8:
+                part = dequantize_kv_rows(part, dtype)
+            elif cache.dtype != dtype:
+                part = part.view(cache.dtype).to(dtype)
+            picked.append(part)
+        return picked[0], picked[1]
