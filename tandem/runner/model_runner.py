@@ -369,6 +369,8 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
         )
+        if self.device.type == "cpu":
+            host_memory.for_forward(len(input_ids))
         return self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
 
     def _rows(self, hidden: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
