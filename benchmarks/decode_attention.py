@@ -16,42 +16,12 @@ import torch
 
 from benchmarks.common import machine
 from tandem.kernels import cpu as cpu_kernels
-from tandem.plan.measure import median_time, memory_bandwidth_gbs
-from tandem.runner.kv_cache import SCALE_BYTES, STORED_DTYPES
+from tandem.plan.measure import decode_attention_seconds, memory_bandwidth_gbs, paged_caches
 
 SHAPES = {  # heads, KV heads, head size, layers
     "smollm2-135m": (9, 3, 64, 30),
     "llama-3.2-1b": (32, 8, 64, 16),
 }
-BLOCK_SIZE = 16
-
-
-def layer_caches(kv_dtype: str, depth: int, kv_heads: int, head_dim: int, layers: int):
-    blocks = 2 * (-(-depth // BLOCK_SIZE))
-    width = head_dim + (SCALE_BYTES if kv_dtype == "int8" else 0)
-    caches = []
-    for _ in range(layers):
-        if kv_dtype == "int8":
-            shape = (2, blocks, BLOCK_SIZE, kv_heads, width)
-            cache = torch.randint(0, 255, shape, dtype=torch.uint8)
-            cache[..., head_dim:] = 0
-            cache[..., head_dim:].view(torch.float32).fill_(0.01)
-        else:
-            cache = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, width)
-            cache = cache.to(STORED_DTYPES.get(kv_dtype, torch.float32))
-        caches.append(cache)
-    table = torch.randperm(blocks)[: -(-depth // BLOCK_SIZE)][None].contiguous()
-    return caches, table, caches[0].element_size() * width * kv_heads * 2 * depth
-
-
-def step_seconds(caches, q, table, lens, scale: float) -> float:
-    """Median seconds of one decode step's attention: every layer's call."""
-
-    def step() -> None:
-        for cache in caches:
-            cpu_kernels.decode_attention(q, cache[0], cache[1], table, lens, scale, None)
-
-    return median_time(step, repeats=7, warmup=1)
 
 
 def main() -> None:
@@ -70,13 +40,13 @@ def main() -> None:
         q = torch.randn(1, heads, head_dim)
         for kv_dtype in args.kv_dtypes:
             for depth in args.depths:
-                caches, table, layer_bytes = layer_caches(
+                caches, table, layer_bytes = paged_caches(
                     kv_dtype, depth, kv_heads, head_dim, layers
                 )
                 lens = torch.tensor([depth])
                 for threads in args.threads:
                     torch.set_num_threads(threads)
-                    seconds = step_seconds(caches, q, table, lens, head_dim**-0.5)
+                    seconds = decode_attention_seconds(caches, q, table, lens, head_dim**-0.5)
                     rate = layer_bytes * layers / seconds / 1e9
                     print(
                         f"| {name} | {kv_dtype} | {depth} | {threads} | {seconds * 1e3:.2f} "

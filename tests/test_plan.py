@@ -48,8 +48,10 @@ def test_time_floors_hand_worked():
     assert prefill_seconds(7e9, 1024, 312) == pytest.approx(0.046, rel=0.01)
     assert decode_step_seconds(14e9, 1, 0, 0, 2000) == pytest.approx(0.007)
     assert decode_step_seconds(140e9, 1, 0, 0, 3400) == pytest.approx(0.041, rel=0.01)
-    # KV reads add batch x context x bytes per token.
+    # KV reads add batch x context x bytes per token...
     assert decode_step_seconds(14e9, 8, 1000, 500_000, 2000) == pytest.approx(0.009)
+    # ...at the rate the decode attention kernel reads them, where it is known.
+    assert decode_step_seconds(14e9, 8, 1000, 500_000, 2000, 1000) == pytest.approx(0.011)
 
 
 def test_attention_is_priced_by_the_pairs_the_engines_mask_lets_through(tmp_path):
@@ -74,6 +76,28 @@ def test_attention_is_priced_by_the_pairs_the_engines_mask_lets_through(tmp_path
     slow = Hardware("slow", 80, 3350, {"bf16": 989}, "", 0.1)
     slow_attention = plan(path, slow, "bf16", None, 1024, 1)["prefill_attention_s"]
     assert slow_attention == pytest.approx(13.76, rel=1e-3)
+
+
+def test_this_machine_measures_its_attention_kernels(model_dirs):
+    """--hardware cpu: a prompt's attention and decode's K/V reads at the rates the
+    engine's kernels reach here, and the plan's floors priced with them."""
+    from tandem.kernels import cpu as cpu_kernels
+    from tandem.plan.measure import this_machine
+
+    folder, _ = model_dirs("llama")
+    config, _ = read_model(folder)
+    hardware = this_machine("fp32", None, config, 64)
+    assert 0 < hardware.attention_tflops < hardware.flops_for("fp32") * 10
+    if cpu_kernels.load() is None:
+        assert hardware.kv_bandwidth_gbs is None
+        return
+    assert hardware.kv_bandwidth_gbs > 0
+    result = plan(folder, hardware, "fp32", None, 64, 64, batch=4, engine_cpu=True)
+    kv = 4 * (64 + 32) * result["kv_bytes_per_token"]
+    assert result["decode_step_floor_s"] == pytest.approx(
+        result["weight_bytes_read_per_step"] / (hardware.bandwidth_gbs * 1e9)
+        + kv / (hardware.kv_bandwidth_gbs * 1e9)
+    )
 
 
 def test_parameter_count_matches_transformers_from_config_alone(tmp_path):

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
     if on_this_machine:
         weights = file_weights(gguf) if args.dtype == FILE_DTYPE else None
         config, _ = read_model(args.model)
-        hardware = this_machine(args.dtype, weights, config, args.prompt_len)
+        hardware = this_machine(args.dtype, weights, config, args.prompt_len, args.kv_dtype)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

@@ -9,8 +9,10 @@ be at best? Back-of-the-envelope numbers from the model's config.json alone.
     prefill floor  2 x params x prompt tokens / FLOP/s            (compute-bound)
                    + the prompt's causal attention: 4 x layers x heads x head dim x
                    the (query, key) pairs it scores / the rate attention runs at
-    decode floor   (weight bytes + batch x context x KV per token) / bandwidth
-                   (memory-bound: every step reads all weights and every sequence's KV)
+    decode floor   weight bytes / bandwidth + batch x context x KV per token / the
+                   rate the decode attention kernel reads K/V (measured on this machine;
+                   elsewhere the bandwidth): memory-bound, every step reads all weights
+                   and every sequence's KV
     crossover      the batch where a decode step's compute (2 x params x batch / FLOP/s)
                    catches up with its memory time: above it, decode is compute-bound
 
@@ -89,19 +91,23 @@ def attention_flops(config: ModelConfig, prompt_len: int) -> float:
 
 
 def decode_step_seconds(
-    weight_bytes: float, batch: int, context: float, kv_per_token: float, bandwidth_gbs: float
-) -> float:
-    return (weight_bytes + batch * context * kv_per_token) / (bandwidth_gbs * 1e9)
+    weight_bytes: float, batch: int, context: float, kv_per_token: float, bandwidth_gbs: float,
+    kv_bandwidth_gbs: float | None = None,
+) -> float:  # fmt: skip
+    """Weights at ``bandwidth_gbs``, the batch's K/V at ``kv_bandwidth_gbs`` (the rate
+    the decode attention kernel reads them; the same unless measured)."""
+    kv_rate = kv_bandwidth_gbs or bandwidth_gbs
+    return weight_bytes / (bandwidth_gbs * 1e9) + batch * context * kv_per_token / (kv_rate * 1e9)
 
 
 def crossover_batch(
     params: int, weight_bytes: float, context: float, kv_per_token: float, tflops: float,
-    bandwidth_gbs: float,
+    bandwidth_gbs: float, kv_bandwidth_gbs: float | None = None,
 ) -> float | None:  # fmt: skip
     """Smallest batch whose decode step is compute-bound; None if KV reads grow at least
     as fast as compute (then decode never turns compute-bound)."""
     compute_per_sequence = 2 * params / (tflops * 1e12)
-    kv_time_per_sequence = context * kv_per_token / (bandwidth_gbs * 1e9)
+    kv_time_per_sequence = context * kv_per_token / ((kv_bandwidth_gbs or bandwidth_gbs) * 1e9)
     if compute_per_sequence <= kv_time_per_sequence:
         return None
     return weight_bytes / (bandwidth_gbs * 1e9) / (compute_per_sequence - kv_time_per_sequence)
@@ -251,6 +257,7 @@ def plan(
     kv_rank = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes, tp)
     tflops = hardware.flops_for(dtype) * tp
     bandwidth = hardware.bandwidth_gbs * tp
+    kv_bandwidth = (hardware.kv_bandwidth_gbs or hardware.bandwidth_gbs) * tp
     weights_per_rank = weight_bytes / tp
     budget = hardware.memory_gb * 1e9 * MEMORY_UTILIZATION - weights_per_rank
     max_tokens = max(0, int(budget // kv_rank))
@@ -261,7 +268,9 @@ def plan(
     context = prompt_len + output_len / 2
     # Every rank reads its share of weights and KV; in aggregate that is all of them.
     kv_all_ranks = kv_rank * tp
-    decode_memory = decode_step_seconds(read_bytes, batch, context, kv_all_ranks, bandwidth)
+    decode_memory = decode_step_seconds(
+        read_bytes, batch, context, kv_all_ranks, bandwidth, kv_bandwidth
+    )
     decode_compute = 2 * params * batch / (tflops * 1e12)
     prefill = prefill_seconds(params, prompt_len, tflops)
     if gguf is not None:  # the file's own matrices: the head runs for one token
@@ -275,7 +284,9 @@ def plan(
     prefill += prefill_attention
     ttft = max(prefill, read_bytes / (bandwidth * 1e9))
     tpot = max(decode_memory, decode_compute)
-    crossover = crossover_batch(params, read_bytes, context, kv_all_ranks, tflops, bandwidth)
+    crossover = crossover_batch(
+        params, read_bytes, context, kv_all_ranks, tflops, bandwidth, kv_bandwidth
+    )
     weights_only = crossover_batch(params, read_bytes, 0, 0, tflops, bandwidth)
     return {
         "model": str(model),
@@ -307,6 +318,7 @@ def plan(
         "tflops": tflops,
         "attention_tflops": attention_tflops,
         "bandwidth_gbs": bandwidth,
+        "kv_bandwidth_gbs": kv_bandwidth,
         "prefill_floor_s": prefill,
         "prefill_attention_s": prefill_attention,
         "decode_step_floor_s": decode_memory,
@@ -384,8 +396,8 @@ def format_plan(result: dict[str, Any]) -> str:
         + f" + attention's FLOPs / {_flops(r['attention_tflops'])}: "
         f"{_seconds(r['prefill_attention_s'])})",
         f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
-        f"(({_bytes(r['weight_bytes_read_per_step'])} of weights + batch x context x KV per "
-        "token) / bandwidth)",
+        f"({_bytes(r['weight_bytes_read_per_step'])} of weights / bandwidth + batch x "
+        f"context x KV per token / {r['kv_bandwidth_gbs']:,.1f} GB/s)",
         f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
         "(2 x params x batch / FLOP/s)",
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "

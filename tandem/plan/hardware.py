@@ -23,6 +23,9 @@ class Hardware:
     # The rate a prompt's attention runs at, where measured (this_machine): on a CPU
     # far below the matmuls' (float32 beside integer dots) and lower for short prompts.
     attention_tflops: float | None = None
+    # The rate a decode step's attention reads K/V, where measured (this_machine): the
+    # kernel's, below the machine's read bandwidth.
+    kv_bandwidth_gbs: float | None = None
 
     def flops_for(self, dtype: str) -> float:
         if dtype in self.tflops:

@@ -126,11 +126,69 @@ def attention_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> fl
     return 4 * heads * d * attended_pairs(tokens, None) / seconds / 1e12
 
 
+KV_BLOCK_SIZE = 16
+KV_MEASURED_BYTES = 256 << 20  # the caches decode attention is timed over: past L3
+
+
+def paged_caches(kv_dtype: str, depth: int, kv_heads: int, head_dim: int, layers: int):
+    """``layers`` caches [2, blocks, block size, Hkv, width] of random rows in
+    ``kv_dtype`` (the engine's names: "auto" is float32) holding one sequence of
+    ``depth`` tokens, its blocks scattered in a pool twice as large (as in a serving
+    cache, so nothing stays cached between layers); -> (caches, block table [1, n],
+    the bytes one layer's decode attention reads)."""
+    from tandem.runner.kv_cache import SCALE_BYTES, STORED_DTYPES
+
+    blocks = 2 * (-(-depth // KV_BLOCK_SIZE))
+    width = head_dim + (SCALE_BYTES if kv_dtype == "int8" else 0)
+    caches = []
+    for _ in range(layers):
+        if kv_dtype == "int8":
+            shape = (2, blocks, KV_BLOCK_SIZE, kv_heads, width)
+            cache = torch.randint(0, 255, shape, dtype=torch.uint8)
+            cache[..., head_dim:] = 0
+            cache[..., head_dim:].view(torch.float32).fill_(0.01)
+        else:
+            cache = torch.randn(2, blocks, KV_BLOCK_SIZE, kv_heads, width)
+            cache = cache.to(STORED_DTYPES.get(kv_dtype, torch.float32))
+        caches.append(cache)
+    table = torch.randperm(blocks)[: -(-depth // KV_BLOCK_SIZE)][None].contiguous()
+    return caches, table, caches[0].element_size() * width * kv_heads * 2 * depth
+
+
+def decode_attention_seconds(caches, q, table, lens, scale: float) -> float:
+    """Median seconds of one decode step's attention: every layer's kernel call."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    def step() -> None:
+        for cache in caches:
+            cpu_kernels.decode_attention(q, cache[0], cache[1], table, lens, scale, None)
+
+    return median_time(step, repeats=7, warmup=1)
+
+
+def decode_attention_read_gbs(
+    config: ModelConfig, kv_dtype: str, dtype: torch.dtype = torch.float32, depth: int = 4096
+) -> float:
+    """The rate the CPU decode-attention kernel reads K/V for one sequence ``depth``
+    tokens deep on ``config``'s heads, queries in ``dtype``: bytes over time, over
+    enough layers to hold KV_MEASURED_BYTES (so the caches do not fit the CPU's)."""
+    per_layer = 2 * 2 * depth * config.num_kv_heads * config.head_dim * 4  # pool, float32
+    layers = max(2, min(config.num_layers, KV_MEASURED_BYTES // per_layer))
+    caches, table, layer_bytes = paged_caches(
+        kv_dtype, depth, config.num_kv_heads, config.head_dim, layers
+    )
+    q = torch.randn(1, config.num_heads, config.head_dim).to(dtype)
+    lens = torch.tensor([depth])
+    seconds = decode_attention_seconds(caches, q, table, lens, config.head_dim**-0.5)
+    return layer_bytes * layers / seconds / 1e9
+
+
 def this_machine(
     dtype: str = "fp32",
     weights: FileWeights | None = None,
     config: ModelConfig | None = None,
     prompt_len: int = 512,
+    kv_dtype: str | None = None,
 ) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
@@ -142,15 +200,20 @@ def this_machine(
     bandwidth the rate at which it streams weights for one row (a decode step's
     matmuls), blended by the bytes a step reads in each (``weights.mix``). A blend is
     the total over the sum of each format's time. With the model's ``config``,
-    attention's own rate too, on its heads at ``prompt_len`` tokens (attention_tflops)."""
+    attention's own rates too, on its heads: a prompt's at ``prompt_len`` tokens
+    (attention_tflops), and the rate decode attention reads a cache of ``kv_dtype``
+    (the plan's short names; the engine's default if None: decode_attention_read_gbs)."""
     from tandem.kernels import cpu as cpu_kernels
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
     computed = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_dtype(dtype)]
-    attention = None
+    attention = kv_read = None
     if config is not None:
         attention = attention_tflops(config, prompt_len, computed)
+        if cpu_kernels.available(torch.device("cpu"), computed):
+            cache = {"bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}.get(kv_dtype or "", "auto")
+            kv_read = decode_attention_read_gbs(config, cache, computed)
     mix = weights.mix if weights is not None else {}
     if mix and cpu_kernels.load() is not None:
         seconds_per_byte = sum(b / quant_kernel_read_gbs(code) for code, (b, _) in mix.items())
@@ -163,11 +226,11 @@ def this_machine(
         tflops = {dtype: sum(prefill_mix.values()) / seconds_per_flop}
         names = "+".join(code.name for code in mix)
         source = f"measured by tandem plan: the integer-dot kernel on {names}"
-        return Hardware(name, memory_gb, bandwidth, tflops, source, attention)
+        return Hardware(name, memory_gb, bandwidth, tflops, source, attention, kv_read)
     tflops = {dtype: matmul_tflops(computed)}
-    return Hardware(
-        name, memory_gb, memory_bandwidth_gbs(), tflops, "measured by tandem plan", attention
-    )
+    read = memory_bandwidth_gbs()
+    source = "measured by tandem plan"
+    return Hardware(name, memory_gb, read, tflops, source, attention, kv_read)
 
 
 MAX_MEASURED_PARAMS = 2e9  # a random-weight model this size takes minutes to build here
@@ -211,7 +274,7 @@ def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str,
     tokens, then ``batch`` sequences decoding; the achieved times beside the floors in
     ``result`` (a plan made with this machine's hardware, measured in the same dtype)."""
     from tandem.models.loader import load_model
-    from tandem.plan.calculator import FILE_DTYPE
+    from tandem.plan.calculator import FILE_DTYPE, decode_step_seconds
 
     check_measurable(config_path, result["dtype"])
     path = Path(config_path)
@@ -242,10 +305,10 @@ def measure_model(config_path, result: dict, decode_steps: int = 8) -> dict[str,
         run_once()  # the first run pays for page faults and kernel caches
         prefill, step = run_once()
     # The decode floor at the measured context (prompt + a few tokens), not the mean.
-    weights = result["weight_bytes_read_per_step"]
-    floor = (weights + batch * prompt_len * result["kv_bytes_per_token"]) / (
-        result["bandwidth_gbs"] * 1e9
-    )
+    floor = decode_step_seconds(
+        result["weight_bytes_read_per_step"], batch, prompt_len, result["kv_bytes_per_token"],
+        result["bandwidth_gbs"], result["kv_bandwidth_gbs"],
+    )  # fmt: skip
     floor = max(floor, result["decode_step_compute_s"])
     return {
         "prefill_s": prefill,
