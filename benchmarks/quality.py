@@ -56,19 +56,14 @@ def decode_tok_s(llm: LLM, prompt: list[int]) -> float:
     return 1 / statistics.median(gaps)
 
 
-# A KV-cache dtype only matters where tokens read earlier ones from the cache: those
-# rows run each window in chunks of this many tokens (the others whole, as llama.cpp's
-# -b ctx does).
-KV_BATCH = 16
-
-
 def row(name: str, model: str, tokens: list[int], ctx: int, reference, **options) -> str:
-    batch = KV_BATCH if "kv_cache_dtype" in options else None
+    """One setting, each window in one pass (as llama.cpp's -b ctx does): prompts attend
+    their own K/V as the cache holds them, so a KV dtype shows without chunking."""
     try:
         llm = LLM(model, enable_prefix_caching=False, **options)
     except TandemError as exc:
         return f"| {name} | not supported: {exc} | | | | | |"
-    f = evaluate(llm, tokens, ctx, reference, progress=False, batch=batch)
+    f = evaluate(llm, tokens, ctx, reference, progress=False)
     speed = decode_tok_s(llm, tokens[:64])
     return (
         f"| {name} | {f['kld_mean']:.5f} | {f['kld_p99']:.4f} | {f['same_top_pct']:.2f} | "
@@ -106,7 +101,7 @@ def real_model_rows(
         for kv_name, kv in KV_DTYPES.items():
             if weights == "float32" and kv_name == "float32":
                 continue  # the reference itself
-            settings[f"{weights}, {kv_name} KV cache, in chunks of {KV_BATCH}"] = (
+            settings[f"{weights}, {kv_name} KV cache"] = (
                 model, {"quantization": quantization, "kv_cache_dtype": kv}
             )  # fmt: skip
     for fmt in ("q8_0", "q4_0", "q4_k"):
@@ -130,11 +125,11 @@ def llama_rows(text_tokens: list[int], ctx: int) -> list[str]:
         "Q4_0": {"quantization": "q4_0"},
         "Q4_K": {"quantization": "q4_k"},
         **{
-            f"float32, {kv_name} KV cache, in chunks of {KV_BATCH}": {"kv_cache_dtype": kv}
+            f"float32, {kv_name} KV cache": {"kv_cache_dtype": kv}
             for kv_name, kv in KV_DTYPES.items()
             if kv_name != "float32"
         },
-        "Q4_K, int8 KV cache, in chunks of 16": {"quantization": "q4_k", "kv_cache_dtype": "int8"},
+        "Q4_K, int8 KV cache": {"quantization": "q4_k", "kv_cache_dtype": "int8"},
     }
     for name, options in settings.items():
         rows.append(row(name, folder, text_tokens, ctx, reference, **options))
