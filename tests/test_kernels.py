@@ -128,3 +128,24 @@ def test_argmax_rows_matches_torch_ties_included(vocab):
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
         assert torch.equal(argmax_rows(logits[:, : max(1, vocab - 3)]),
                            logits[:, : max(1, vocab - 3)].argmax(dim=-1))  # fmt: skip
+
+
+def test_a_long_chunks_mlp_in_row_slices_equals_it_whole():
+    """Inference runs a CPU MLP over more than MLP_ROWS rows a slice at a time (the
+    last slice short); autograd runs it whole: the same rows."""
+    from tandem.models.config import ModelConfig
+    from tandem.models.llama import MLP_ROWS, GatedMLP
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=0, hidden_size=64, num_layers=1,
+        num_heads=1, num_kv_heads=1, head_dim=64, intermediate_size=256,
+        max_position_embeddings=0, norm_eps=1e-6, hidden_act="silu",
+        tie_word_embeddings=False, rope=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mlp = GatedMLP(config)
+    for parameter in mlp.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    x = torch.randn(2 * MLP_ROWS + 37, 64)
+    sliced, whole = both_paths(lambda: mlp(x))
+    torch.testing.assert_close(sliced, whole, **TOLERANCE[torch.float32])

@@ -96,6 +96,21 @@ FUSED_ACTIVATIONS = {
 }
 
 
+def in_row_slices(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn over x [N, ...] ``rows`` rows at a time, into one output: for a row-wise fn
+    whose temporaries are much wider than its input and output (an MLP's), so that only
+    one slice's are alive at once. Same result as fn(x) when fn treats rows alike."""
+    if x.shape[0] <= rows:
+        return fn(x)
+    first = fn(x[:rows])
+    out = first.new_empty(x.shape[0], *first.shape[1:])
+    out[:rows] = first
+    del first
+    for start in range(rows, x.shape[0], rows):
+        out[start : start + rows] = fn(x[start : start + rows])
+    return out
+
+
 def activation(name: str):
     if name == "silu":
         return F.silu
