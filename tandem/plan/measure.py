@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.errors import InvalidParameterError
+from tandem.models.dtypes import DTYPES
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 
@@ -212,7 +213,8 @@ def this_machine(
     if config is not None:
         attention = attention_tflops(config, prompt_len, computed)
         if cpu_kernels.available(torch.device("cpu"), computed):
-            cache = {"bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}.get(kv_dtype or "", "auto")
+            short = DTYPES[kv_dtype].short if kv_dtype in DTYPES else None  # bfloat16: bf16
+            cache = {"bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}.get(short, "auto")
             kv_read = decode_attention_read_gbs(config, cache, computed)
     mix = weights.mix if weights is not None else {}
     if mix and cpu_kernels.load() is not None:
