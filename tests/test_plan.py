@@ -159,6 +159,16 @@ def test_bad_values_are_named(tmp_path):
         custom_hardware(80, None, 100)
 
 
+def test_this_machine_refuses_what_its_engine_cannot_run_before_measuring(model_dirs):
+    """--hardware cpu checks its arguments first: a cache type the CPU engine has no
+    cache for (fp16 was a KeyError traceback) and a bad length are named, exit 2."""
+    folder, _ = model_dirs("llama")
+    fp16 = run_plan("--model", str(folder), "--hardware", "cpu", "--kv-dtype", "fp16")
+    assert fp16.returncode == 2 and "kv_dtype" in fp16.stderr and "Traceback" not in fp16.stderr
+    short = run_plan("--model", str(folder), "--hardware", "cpu", "--prompt-len", "0")
+    assert short.returncode == 2 and "prompt_len" in short.stderr
+
+
 def run_plan(*args):
     return subprocess.run(
         [sys.executable, "-m", "tandem", "plan", *args], capture_output=True, text=True,

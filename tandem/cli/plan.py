@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> None:
         file_weights,
         format_plan,
         plan,
+        plan_arguments,
         read_model,
     )
     from tandem.plan.hardware import PRESETS, custom_hardware
@@ -87,12 +88,17 @@ def run(args: argparse.Namespace) -> None:
         args.dtype = FILE_DTYPE if gguf is not None else "fp32" if on_this_machine else "bf16"
     if args.kv_dtype is None:
         args.kv_dtype = engine_kv_dtype(args.dtype, on_cpu=on_this_machine)
-    if args.measure:  # before spending seconds measuring the machine
-        check_measurable(args.model, args.dtype)
+    # Checked (and named as the plan names them) before seconds of measuring.
+    dtype, kv_dtype, _ = plan_arguments(
+        args.model, args.dtype, args.kv_dtype, args.prompt_len, args.output_len, args.batch,
+        args.tp, on_this_machine,
+    )  # fmt: skip
+    if args.measure:
+        check_measurable(args.model, dtype)
     if on_this_machine:
-        weights = file_weights(gguf) if args.dtype == FILE_DTYPE else None
+        weights = file_weights(gguf) if dtype == FILE_DTYPE else None
         config, _ = read_model(args.model)
-        hardware = this_machine(args.dtype, weights, config, args.prompt_len, args.kv_dtype)
+        hardware = this_machine(dtype, weights, config, args.prompt_len, kv_dtype)
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

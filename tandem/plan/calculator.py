@@ -189,14 +189,28 @@ def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str
     block_size = CacheConfig().block_size
     available = host_available_bytes()
     budget = default_cpu_budget(None if available is None else max(0, available - weight_bytes))
-    # fp32 is the "auto" cache of a float32 engine; the others name their own type.
-    cache_dtype = {"fp32": "auto", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}[kv_dtype]
     needed = SchedulerConfig().max_num_seqs * config.max_position_embeddings
     blocks = num_blocks_for(
         config, block_size, torch.float32, torch.device("cpu"), None, max(budget, 1), 0.9, needed,
-        cache_dtype,
+        engine_cache_dtype(kv_dtype),
     )  # fmt: skip
     return blocks * block_size
+
+
+# The plan's KV dtypes (short names) as the CPU engine's --kv-cache-dtype: fp32 is the
+# "auto" cache of a float32 engine; the others name their own type.
+_ENGINE_CACHE_DTYPES = {"fp32": "auto", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}
+
+
+def engine_cache_dtype(kv_dtype: str) -> str:
+    """The CPU engine's --kv-cache-dtype for the plan's ``kv_dtype`` (a short name);
+    InvalidParameterError for a type its cache cannot hold."""
+    if kv_dtype not in _ENGINE_CACHE_DTYPES:
+        raise InvalidParameterError(
+            "kv_dtype", f"the CPU engine's cache holds {', '.join(_ENGINE_CACHE_DTYPES)}, "
+            f"not {kv_dtype}",
+        )  # fmt: skip
+    return _ENGINE_CACHE_DTYPES[kv_dtype]
 
 
 def engine_kv_dtype(dtype: str, on_cpu: bool) -> str:
@@ -217,19 +231,13 @@ def gguf_path(model: str | Path) -> Path | None:
     return find_gguf(resolve_model(model))
 
 
-def plan(
-    model: str | Path,
-    hardware: Hardware,
-    dtype: str = "bf16",
-    kv_dtype: str | None = None,
-    prompt_len: int = 1024,
-    output_len: int = 256,
-    batch: int = 1,
-    tp: int = 1,
-    engine_cpu: bool = False,
-) -> dict[str, Any]:
-    """``engine_cpu``: the hardware is this machine, run by tandem's CPU engine: the KV
-    capacity is the one it allocates by default (engine_cpu_kv_tokens)."""
+def plan_arguments(
+    model: str | Path, dtype: str, kv_dtype: str | None, prompt_len: int, output_len: int,
+    batch: int, tp: int, engine_cpu: bool,
+) -> tuple[str, str, Path | None]:  # fmt: skip
+    """plan()'s arguments checked (InvalidParameterError naming the first bad one) and
+    named as it uses them: (dtype, kv_dtype as short names, the GGUF file if the dtype
+    is the file's). Cheap: callers check before measuring a machine."""
     kv_dtype = kv_dtype or engine_kv_dtype(dtype, on_cpu=engine_cpu)
     gguf = gguf_path(model) if dtype == FILE_DTYPE else None
     if dtype == FILE_DTYPE and gguf is None:
@@ -245,6 +253,27 @@ def plan(
                         ("batch", batch), ("tp", tp)):  # fmt: skip
         if value < 1:
             raise InvalidParameterError(name, "must be >= 1")
+    if engine_cpu and tp == 1:
+        engine_cache_dtype(kv_dtype)
+    return dtype, kv_dtype, gguf
+
+
+def plan(
+    model: str | Path,
+    hardware: Hardware,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    prompt_len: int = 1024,
+    output_len: int = 256,
+    batch: int = 1,
+    tp: int = 1,
+    engine_cpu: bool = False,
+) -> dict[str, Any]:
+    """``engine_cpu``: the hardware is this machine, run by tandem's CPU engine: the KV
+    capacity is the one it allocates by default (engine_cpu_kv_tokens)."""
+    dtype, kv_dtype, gguf = plan_arguments(
+        model, dtype, kv_dtype, prompt_len, output_len, batch, tp, engine_cpu
+    )
     config, params = read_model(model)
     if gguf is not None:
         weights = file_weights(gguf)

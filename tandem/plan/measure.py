@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from tandem.errors import InvalidParameterError
-from tandem.models.dtypes import DTYPES
 from tandem.models.random_weights import random_model
 from tandem.plan.hardware import Hardware
 
@@ -203,8 +202,10 @@ def this_machine(
     the total over the sum of each format's time. With the model's ``config``,
     attention's own rates too, on its heads: a prompt's at ``prompt_len`` tokens
     (attention_tflops), and the rate decode attention reads a cache of ``kv_dtype``
-    (the plan's short names; the engine's default if None: decode_attention_read_gbs)."""
+    (a short name, as plan_arguments gives it; the engine's default if None:
+    decode_attention_read_gbs)."""
     from tandem.kernels import cpu as cpu_kernels
+    from tandem.plan.calculator import engine_cache_dtype
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
@@ -213,8 +214,7 @@ def this_machine(
     if config is not None:
         attention = attention_tflops(config, prompt_len, computed)
         if cpu_kernels.available(torch.device("cpu"), computed):
-            short = DTYPES[kv_dtype].short if kv_dtype in DTYPES else None  # bfloat16: bf16
-            cache = {"bf16": "bfloat16", "fp8": "fp8", "int8": "int8"}.get(short, "auto")
+            cache = engine_cache_dtype(kv_dtype) if kv_dtype is not None else "auto"
             kv_read = decode_attention_read_gbs(config, cache, computed)
     mix = weights.mix if weights is not None else {}
     if mix and cpu_kernels.load() is not None:
