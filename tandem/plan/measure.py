@@ -102,21 +102,18 @@ def quant_kernel_read_gbs(code: GGMLType, megabytes: int = 256, columns: int = 4
     return weight.nbytes / seconds / 1e9
 
 
-# The engine's prompt chunks are at most this long by default (SchedulerConfig's token
-# budget): attention's rate is measured at a prompt's length up to it.
-ATTENTION_CHUNK_MAX = 2048
-
-
 def attention_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> float:
     """Throughput of the engine's prompt attention (torch_sdpa.causal_attention, the
     kernel fresh prompts run) on ``config``'s heads for a causal prompt of ``tokens``
-    (capped at a chunk's length): its FLOPs (calculator.attention_flops' count) over
+    (capped at a default chunk's length): its FLOPs (calculator.attention_flops' count) over
     its time. It depends on the length: short prompts run well below the rate of long
     ones."""
+    from tandem.config import SchedulerConfig
     from tandem.plan.calculator import attended_pairs
     from tandem.runner.attention.torch_sdpa import causal_attention
 
-    tokens = max(16, min(tokens, ATTENTION_CHUNK_MAX))
+    # The engine's prompt chunks are at most its default step's token budget long.
+    tokens = max(16, min(tokens, SchedulerConfig().max_num_batched_tokens))
     generator = torch.Generator().manual_seed(0)
     d, heads, kv_heads = config.head_dim, config.num_heads, config.num_kv_heads
     q = torch.randn(tokens, heads, d, generator=generator).to(dtype)
@@ -126,7 +123,6 @@ def attention_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> fl
     return 4 * heads * d * attended_pairs(tokens, None) / seconds / 1e12
 
 
-KV_BLOCK_SIZE = 16
 KV_MEASURED_BYTES = 256 << 20  # the caches decode attention is timed over: past L3
 
 
@@ -136,22 +132,25 @@ def paged_caches(kv_dtype: str, depth: int, kv_heads: int, head_dim: int, layers
     ``depth`` tokens, its blocks scattered in a pool twice as large (as in a serving
     cache, so nothing stays cached between layers); -> (caches, block table [1, n],
     the bytes one layer's decode attention reads)."""
+    from tandem.config import CacheConfig
     from tandem.runner.kv_cache import SCALE_BYTES, STORED_DTYPES
 
-    blocks = 2 * (-(-depth // KV_BLOCK_SIZE))
+    block_size = CacheConfig().block_size  # the engine's default
+    used = -(-depth // block_size)
+    blocks = 2 * used
     width = head_dim + (SCALE_BYTES if kv_dtype == "int8" else 0)
     caches = []
     for _ in range(layers):
         if kv_dtype == "int8":
-            shape = (2, blocks, KV_BLOCK_SIZE, kv_heads, width)
+            shape = (2, blocks, block_size, kv_heads, width)
             cache = torch.randint(0, 255, shape, dtype=torch.uint8)
             cache[..., head_dim:] = 0
             cache[..., head_dim:].view(torch.float32).fill_(0.01)
         else:
-            cache = torch.randn(2, blocks, KV_BLOCK_SIZE, kv_heads, width)
+            cache = torch.randn(2, blocks, block_size, kv_heads, width)
             cache = cache.to(STORED_DTYPES.get(kv_dtype, torch.float32))
         caches.append(cache)
-    table = torch.randperm(blocks)[: -(-depth // KV_BLOCK_SIZE)][None].contiguous()
+    table = torch.randperm(blocks)[:used][None].contiguous()
     return caches, table, caches[0].element_size() * width * kv_heads * 2 * depth
 
 

@@ -64,7 +64,6 @@ SPLIT_MASK_ELEMENTS = 1 << 22
 # tokens at a time, each span gathered into one small workspace, so a chunk after a 32k
 # prefix holds a few MB of K/V beside the cache, not a copy of its whole context.
 PREFIX_SPAN = 4096
-OWN_ROWS, PREFIX_ROWS = -1, -2  # their workspaces' keys (groups' are their indices)
 
 
 def _flash(q, k, v, causal: bool, scale: float):
@@ -122,6 +121,8 @@ class TorchPagedAttention:
         # Gather buffers and head-repeated masks, one per group, reused by every layer
         # of this forward: fresh multi-MB allocations per layer cost page faults on CPU.
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # split_chunk_attention's: a chunk's own rows ("own") and a prefix span ("span").
+        self._span_workspaces: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
@@ -212,12 +213,12 @@ class TorchPagedAttention:
             group.block_tables, group.host_query_lens, group.host_num_computed, strict=True
         ):
 
-            def rows(start: int, end: int, slot: int, table=table):
+            def rows(start: int, end: int, slot: str, table=table):
                 return self._context_rows(k_blocks, v_blocks, table, start, end, q.dtype, slot)
 
-            own_k, own_v = rows(computed, computed + q_len, OWN_ROWS)
+            own_k, own_v = rows(computed, computed + q_len, "own")
             spans = (
-                rows(start, min(start + PREFIX_SPAN, computed), PREFIX_ROWS)
+                rows(start, min(start + PREFIX_SPAN, computed), "span")
                 for start in range(0, computed, PREFIX_SPAN)
             )
             rows_of_chunk = slice(first, first + q_len)
@@ -225,7 +226,7 @@ class TorchPagedAttention:
             out.index_copy_(0, group.valid_tokens[rows_of_chunk], chunk)
             first += q_len
 
-    def _context_rows(self, k_blocks, v_blocks, table, start: int, end: int, dtype, slot: int):
+    def _context_rows(self, k_blocks, v_blocks, table, start: int, end: int, dtype, slot: str):
         """One sequence's cached K/V rows [start, end) -> k, v [end - start, Hkv, D] in
         ``dtype``, gathered whole blocks at a time into the workspace ``slot`` (reused by
         every call of this forward, grown to the largest span asked for: a result is
@@ -234,11 +235,12 @@ class TorchPagedAttention:
         num_kv_heads, width = k_blocks.shape[-2:]
         first, last = start // block_size, -(-end // block_size)
         blocks = table[first:last]
-        held = self._workspaces.get(slot)
+        held = self._span_workspaces.get(slot)
         if held is None or held[0].shape[0] < len(blocks):
             shape = (len(blocks), k_blocks[0].numel())
             k_flat, v_flat = _copyable(k_blocks), _copyable(v_blocks)
-            held = self._workspaces[slot] = (k_flat.new_empty(shape), v_flat.new_empty(shape))
+            held = (k_flat.new_empty(shape), v_flat.new_empty(shape))
+            self._span_workspaces[slot] = held
         picked = []
         for cache, buffer in zip((k_blocks, v_blocks), held, strict=True):
             rows = _copyable(cache).view(cache.shape[0], -1)
