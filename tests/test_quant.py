@@ -116,7 +116,6 @@ def test_the_compiled_packer_writes_the_python_packers_bytes(code):
     joint = PackedWeight.allocate(code, 37, 512)
     joint.fill_rows(0, code, raw[:16])
     joint.fill_rows(16, code, raw[16:])
-    joint.settle_scales()
     assert torch.equal(joint.values, expected.values) and torch.equal(joint.scales, expected.scales)
     with pytest.raises(ValueError):
         joint.fill_rows(8, code, raw[:8])  # not on a tile boundary
@@ -176,12 +175,19 @@ def test_a_fused_layer_of_parts_in_different_formats():
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_scales_keep_the_files_bytes_where_float16_holds_them_exactly():
+def test_scales_keep_the_files_bytes():
     """Q4_1's scales and minimums are float16 in the file and stay so (5 bits a weight,
-    as the file); Q4_0's constant -8 * d is not stored at all; Q4_K's products of two
-    scales are not float16 numbers and stay float32."""
+    as the file); Q4_0's constant -8 * d is not stored at all; the K formats keep the
+    file's float16 super-scales and 8-bit sub-scales (Q4_K: 4.625 bits against the
+    file's 4.5; their float32 products took 6), and their weights are the file's."""
     sizes = {}
-    for code in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K):
-        packed = PackedWeight.from_ggml(code, random_blocks(code, 32, 512), 512)
+    for code in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+                 GGMLType.Q6_K):  # fmt: skip
+        raw = random_blocks(code, 32, 512)
+        packed = PackedWeight.from_ggml(code, raw, 512)
         sizes[code] = packed.nbytes * 8 / (32 * 512)
-    assert sizes == {GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 6.0}
+        assert torch.equal(packed.dequantize(), dequantize(code, raw, 512)), code
+    assert sizes == {
+        GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625,
+        GGMLType.Q5_K: 8.625, GGMLType.Q6_K: 8.5625,
+    }  # fmt: skip

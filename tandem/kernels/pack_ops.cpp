@@ -9,11 +9,12 @@
 // Outputs, allocated by the caller (packed.py):
 //   values  uint8 [tiles, K*8] for 4-bit formats (Q4_0, Q4_1, Q4_K), int8 [tiles, K*16]
 //           otherwise (Q5_0, Q5_1, Q5_K: 0..31; Q8_0; Q6_K: q - 32)
-//   scales  [tiles, K/group, 16]: float16 holding the file's own scale bits (Q4_0, Q4_1,
-//           Q5_0, Q5_1, Q8_0), float32 d * sub-scale for the K formats (in float32, as
-//           blocks.py multiplies them)
-//   corr    like scales, or absent: Q4_1 / Q5_1's m (float16), the K formats'
-//           -(dmin * sub-min) (float32)
+//   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
+//           Q5_0, Q5_1, Q8_0); for the K formats uint8 records [tiles, K/256, R], the
+//           file's factors per super-block, each item for the tile's 16 rows side by
+//           side: Q4_K / Q5_K (R = 320) d, dmin (float16 bits), sub-scales [8], sub-mins
+//           [8]; Q6_K (R = 288) d, sub-scales [16] (int8)
+//   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
 #include <torch/extension.h>
@@ -28,15 +29,15 @@ constexpr int64_t kRows = 16;
 enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-inline float f16(const uint8_t* p) { return static_cast<float>(c10::Half(u16(p), c10::Half::from_bits())); }
 
 struct Out {
   uint8_t* values;
   int64_t values_per_tile;
   void* scales;
-  void* corr;  // nullptr when the format has no constants
-  int64_t groups;  // per row
-  bool half;       // scales and corr are float16 bits (else float32)
+  void* corr;      // nullptr when the format has no constants
+  int64_t groups;  // per row (float16 scales)
+  int64_t supers;  // super-blocks per row (records)
+  int64_t record;  // bytes of a super-block's record, 0 for float16 scales
 };
 
 // Weight q[0..32) of row r, 32-block b, into its tile.
@@ -48,11 +49,16 @@ inline void put_nibbles(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
 inline void put_bytes(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
   for (int s = 0; s < 8; ++s) std::memcpy(tile + ((b * 8 + s) * kRows + r) * 4, q + 4 * s, 4);
 }
-inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, float value, uint16_t bits, void* dst) {
-  const int64_t at = (tile * o.groups + g) * kRows + r;
-  if (o.half) static_cast<uint16_t*>(dst)[at] = bits;
-  else static_cast<float*>(dst)[at] = value;
+inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t bits, void* dst) {
+  static_cast<uint16_t*>(dst)[(tile * o.groups + g) * kRows + r] = bits;
 }
+// Super-block sb's record in tile ``tile``, in units of 16 bytes: float16 item j (d,
+// dmin) is units 2j and 2j+1, row r's bits at byte 32j + 2r; byte item i (a sub-scale
+// or sub-min) is unit i, row r's at byte 16i + r.
+inline uint8_t* record(const Out& o, int64_t tile, int64_t sb) {
+  return static_cast<uint8_t*>(o.scales) + (tile * o.supers + sb) * o.record;
+}
+inline void put_half(uint8_t* at, uint16_t bits) { std::memcpy(at, &bits, 2); }
 
 // 6-bit scale and min j of a Q4_K / Q5_K block's 12 bytes (llama.cpp's get_scale_min_k4).
 inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
@@ -77,8 +83,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         const uint8_t* blk = row + b * size;
         // Byte 4p+i of the file holds weights 4p+i and 16+4p+i: the packed byte as is.
         for (int p = 0; p < 4; ++p) std::memcpy(dst + ((b * 4 + p) * kRows + r) * 4, blk + start + 4 * p, 4);
-        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
-        if (code == Q4_1) put_scale(o, tile, b, r, 0, u16(blk + 2), o.corr);
+        put_scale(o, tile, b, r, u16(blk), o.scales);
+        if (code == Q4_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
       return;
     }
@@ -86,7 +92,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 34;
         put_bytes(dst, b, r, blk + 2);
-        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
+        put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;
     case Q5_0:
@@ -102,8 +108,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           q[16 + j] = (qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4);
         }
         put_bytes(dst, b, r, q);
-        put_scale(o, tile, b, r, 0, u16(blk), o.scales);
-        if (code == Q5_1) put_scale(o, tile, b, r, 0, u16(blk + 2), o.corr);
+        put_scale(o, tile, b, r, u16(blk), o.scales);
+        if (code == Q5_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
       return;
     }
@@ -112,7 +118,9 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       const int64_t size = code == Q4_K ? 144 : 176;
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * size;
-        const float d = f16(blk), dmin = f16(blk + 2);
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk));
+        put_half(rec + 2 * (kRows + r), u16(blk + 2));
         const uint8_t* qh = blk + 16;
         const uint8_t* qs = blk + (code == Q4_K ? 16 : 48);
         for (int g = 0; g < 8; ++g) {
@@ -127,10 +135,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             for (int j = 0; j < 32; ++j) q[j] |= ((qh[j] >> g) & 1) << 4;
             put_bytes(dst, b, r, q);
           }
-          uint8_t sc, mn;
-          scale_min_k4(g, blk + 4, sc, mn);
-          put_scale(o, tile, b, r, d * static_cast<float>(sc), 0, o.scales);
-          put_scale(o, tile, b, r, -(dmin * static_cast<float>(mn)), 0, o.corr);
+          scale_min_k4(g, blk + 4, rec[(4 + g) * kRows + r], rec[(12 + g) * kRows + r]);
         }
       }
       return;
@@ -140,8 +145,9 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         const uint8_t* blk = row + sb * 210;
         const uint8_t* ql = blk;
         const uint8_t* qh = blk + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-        const float d = f16(blk + 208);
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk + 208));
+        for (int g = 0; g < 16; ++g) rec[(2 + g) * kRows + r] = blk[192 + g];  // int8 bits
         for (int h = 0; h < 2; ++h) {
           for (int part = 0; part < 4; ++part) {
             // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
@@ -154,7 +160,6 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             put_bytes(dst, sb * 8 + h * 4 + part, r, q);
           }
         }
-        for (int g = 0; g < 16; ++g) put_scale(o, tile, sb * 16 + g, r, d * static_cast<float>(sc[g]), 0, o.scales);
       }
       return;
   }
@@ -167,9 +172,18 @@ void zero_row(const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
   const int64_t steps = o.values_per_tile / (kRows * 4);
   for (int64_t s = 0; s < steps; ++s) std::memset(dst + (s * kRows + r) * 4, 0, 4);
+  if (o.record) {
+    const int64_t halves = o.record == 320 ? 2 : 1;  // d (and dmin), then bytes
+    for (int64_t sb = 0; sb < o.supers; ++sb) {
+      uint8_t* rec = record(o, tile, sb);
+      for (int64_t h = 0; h < halves; ++h) put_half(rec + 2 * (h * kRows + r), 0);
+      for (int64_t item = 2 * halves; item < o.record / kRows; ++item) rec[item * kRows + r] = 0;
+    }
+    return;
+  }
   for (int64_t g = 0; g < o.groups; ++g) {
-    put_scale(o, tile, g, r, 0.0f, 0, o.scales);
-    if (o.corr) put_scale(o, tile, g, r, 0.0f, 0, o.corr);
+    put_scale(o, tile, g, r, 0, o.scales);
+    if (o.corr) put_scale(o, tile, g, r, 0, o.corr);
   }
 }
 
@@ -184,9 +198,15 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
-  const bool half = scales.scalar_type() == torch::kHalf;
+  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K;
+  TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
+              "scales: uint8 records (K formats) or float16");
+  TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
+  const int64_t record = records ? (code == pack::Q6_K ? 288 : 320) : 0;
+  TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
-              corr.has_value() ? corr->data_ptr() : nullptr, scales.size(1), half};
+              corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
+              columns / 256, record};
   TORCH_CHECK(o.values_per_tile * 2 == columns * pack::kRows ||
                   o.values_per_tile == columns * pack::kRows, "values: [tiles, K*8] or [tiles, K*16]");
   const uint8_t* base = raw.data_ptr<uint8_t>();

@@ -10,10 +10,14 @@
 //   values  4-bit: [tiles, K/32, 4, 16, 4] bytes; byte (p, r, i) holds the weights
 //           4p+i (low nibble) and 16+4p+i (high nibble) of row r in that block
 //           8-bit: [tiles, K/32, 8, 16, 4] int8; (s, r, i) is weight 4s+i of row r
-//   scales  [tiles, K/group, 16] (group 32, or 16 for Q6_K), float16 where the file's
-//           scales are (as many bytes as the file), float32 for the K formats
-//   corr    like scales, or empty: the group's constant, m - offset * d; empty with
-//           an offset (Q4_0: 8) means -offset * d, computed, not stored
+//   scales  float16 [tiles, K/group, 16] (group 32), the file's own scales; or, for the
+//           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
+//           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
+//           sub-mins [8][16]; R = 288 for Q6_K, group 16: d[16], int8 sub-scales
+//           [16][16]), whose scale is d * sub-scale and constant -(dmin * sub-min),
+//           multiplied here in float32 as tandem/quant/blocks.py does
+//   corr    float16 like scales, or empty: the group's constant, m - offset * d; empty
+//           with an offset (Q4_0: 8) means -offset * d, computed, not stored
 // so that w[n, k] = scales[n, g] * q[n, k] + corr[n, g] with g = k / group.
 //
 // With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
@@ -119,24 +123,62 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
   });
 }
 
+// How a matrix's scales are held (see the top of this file).
+enum ScaleKind : int { kHalfScales = 0, kRecords = 1 };
+
+// Where a matrix's scales and constants are, for either kind.
+struct ScaleTable {
+  const void* scales;  // float16 [tiles, groups, 16], or uint8 records
+  const void* corr;    // float16 like scales; null: none, or -offset * scale
+  float offset;
+  int64_t groups;      // per row
+  int64_t supers;      // records: super-blocks per row
+  int64_t record;      // records: bytes of one; 0 for float16 scales
+  int group;
+
+  bool has_constants() const { return corr != nullptr || offset != 0.f || (record && group == 32); }
+  // The record of tile ``tile`` holding group g.
+  const uint8_t* record_of(int64_t tile, int64_t g) const {
+    return static_cast<const uint8_t*>(scales) + (tile * supers + g / (256 / group)) * record;
+  }
+  // Byte unit (16 bytes, one a row) of group g's sub-scale, or sub-min, in its record.
+  int64_t sub_unit(int64_t g) const { return (group == 32 ? 4 : 2) + g % (256 / group); }
+  int64_t min_unit(int64_t g) const { return 12 + g % 8; }
+};
+
+inline float half_at(const void* base, int64_t i) {
+  return static_cast<float>(static_cast<const at::Half*>(base)[i]);
+}
+
+// One weight's scale and constant (row r of tile ``tile``, group g), as the vector
+// paths below compute them.
+inline float scale_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
+  if (!s.record) return half_at(s.scales, (tile * s.groups + g) * kRows + r);
+  const uint8_t* rec = s.record_of(tile, g);
+  const uint8_t sub = rec[s.sub_unit(g) * kRows + r];
+  const float q = s.group == 32 ? static_cast<float>(sub) : static_cast<float>(static_cast<int8_t>(sub));
+  return half_at(rec, r) * q;
+}
+inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
+  if (s.record) {
+    if (s.group != 32) return 0.f;
+    const uint8_t* rec = s.record_of(tile, g);
+    return -(half_at(rec, kRows + r) * static_cast<float>(rec[s.min_unit(g) * kRows + r]));
+  }
+  if (s.corr != nullptr) return half_at(s.corr, (tile * s.groups + g) * kRows + r);
+  return -s.offset * scale_at(s, tile, r, g);
+}
+
 struct Problem {
   const uint8_t* values;
   int64_t tile_bytes;  // value bytes per tile
-  const void* scales;  // float32, or float16 (kHalf) where the format's are exact in it
-  const void* corr;    // like scales; null: none, or -offset * scale when offset != 0
-  float offset;
+  ScaleTable s;
   const float* bias;   // null: none
-  int64_t N, K, groups;
+  int64_t N, K;
   const Activations* act;
   float* out;
   int64_t out_stride;
 };
-
-template <bool kHalf>
-inline float load1(const void* base, int64_t i) {
-  if constexpr (kHalf) return static_cast<float>(static_cast<const at::Half*>(base)[i]);
-  else return static_cast<const float*>(base)[i];
-}
 
 inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y,
                        int64_t count = kRows) {
@@ -157,13 +199,43 @@ inline __m512i dot4(__m512i acc, __m512i w, __m512i x) {
   return _mm512_dpbusd_epi32(acc, w, x);
 }
 
-template <bool kHalf>
-inline __m512 load16(const void* base, int64_t i) {
-  if constexpr (kHalf) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-        static_cast<const at::Half*>(base) + i)));
+inline __m512 halves16(const void* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
+// Group g's scales for the tile's 16 rows; records: d is its super-block's (d16).
+template <int kScales, int kGroup>
+inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
+  if constexpr (kScales == kRecords) {
+    const uint8_t* rec = s.record_of(tile, g);
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + s.sub_unit(g) * kRows));
+    const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
   } else {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+    return halves16(static_cast<const at::Half*>(s.scales) + (tile * s.groups + g) * kRows);
+  }
+}
+
+// Records: the float16 item (0: d, 1: dmin) of the super-block holding group g.
+template <int kScales>
+inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t g, int item) {
+  if constexpr (kScales == kRecords) return halves16(s.record_of(tile, g) + item * 2 * kRows);
+  else return _mm512_setzero_ps();
+}
+
+// Group g's constants for the tile's 16 rows (has_constants() is true); records: dmin
+// is its super-block's.
+template <int kScales>
+inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
+  if constexpr (kScales == kRecords) {
+    const uint8_t* rec = s.record_of(tile, g);
+    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + s.min_unit(g) * kRows));
+    const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));
+  } else {
+    const int64_t i = (tile * s.groups + g) * kRows;
+    if (s.corr != nullptr) return halves16(static_cast<const at::Half*>(s.corr) + i);
+    return _mm512_mul_ps(halves16(static_cast<const at::Half*>(s.scales) + i), _mm512_set1_ps(-s.offset));
   }
 }
 
@@ -174,15 +246,16 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // One tile (16 rows) x NT tokens starting at t0.
-template <bool kNibbles, int kGroup, bool kHalf, int NT>
+template <bool kNibbles, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
-  const int64_t scale0 = tile_index * p.groups * kRows;  // this tile's first scale
   const Activations& a = *p.act;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();  // records: the super-block's d (8 blocks of 32)
   for (int64_t b = 0; b < nb; ++b) {
+    if (kScales == kRecords && b % 8 == 0) d = super16<kScales>(p.s, tile_index, b * kBlock / kGroup, 0);
     // dot[t][h]: per row, over the block's first (h = 0) or second 16 values; each
     // is the sum of two chains (c) so that consecutive vpdpbusd do not wait on
     // each other.
@@ -218,26 +291,28 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     __m512i dot[NT][2];
     for (int t = 0; t < NT; ++t)
       for (int h = 0; h < 2; ++h) dot[t][h] = _mm512_add_epi32(chain[t][h][0], chain[t][h][1]);
-    for (int t = 0; t < NT; ++t) {
-      const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
-      if constexpr (kGroup == 32) {
-        const __m512 s = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + b * kRows), dx);
+    if constexpr (kGroup == 32) {
+      const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 s = _mm512_mul_ps(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
         const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
-      } else {
-        const __m512 s0 = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + 2 * b * kRows), dx);
-        const __m512 s1 = _mm512_mul_ps(load16<kHalf>(p.scales, scale0 + (2 * b + 1) * kRows), dx);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), s0, acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), s1, acc[t]);
+      }
+    } else {
+      const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
+      const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(w0, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), _mm512_mul_ps(w1, dx), acc[t]);
       }
     }
   }
-  if (p.corr != nullptr || p.offset != 0.f) {
-    const __m512 minus_offset = _mm512_set1_ps(-p.offset);
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const int64_t i = scale0 + g * kRows;
-      const __m512 c = p.corr != nullptr ? load16<kHalf>(p.corr, i)
-                                         : _mm512_mul_ps(load16<kHalf>(p.scales, i), minus_offset);
+  if (p.s.has_constants()) {
+    __m512 dmin = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.s.groups; ++g) {
+      if (kScales == kRecords && g % 8 == 0) dmin = super16<kScales>(p.s, tile_index, g, 1);
+      const __m512 c = constants16<kScales>(p.s, tile_index, g, dmin);
       for (int t = 0; t < NT; ++t) {
         const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
         acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[g]), acc[t]);
@@ -269,13 +344,45 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-template <bool kHalf>
-inline __m256 load8(const void* base, int64_t i) {
-  if constexpr (kHalf) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const at::Half*>(base) + i)));
+inline __m256 halves8(const void* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+// Group g's scales for rows half*8 .. half*8+7 of the tile; records: d is its
+// super-block's (super8).
+template <int kScales, int kGroup>
+inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 d) {
+  if constexpr (kScales == kRecords) {
+    const uint8_t* rec = s.record_of(tile, g);
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + s.sub_unit(g) * kRows + half * 8));
+    const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
   } else {
-    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    return halves8(static_cast<const at::Half*>(s.scales) + (tile * s.groups + g) * kRows + half * 8);
+  }
+}
+
+// Records: the float16 item (0: d, 1: dmin) of the super-block holding group g, for
+// those rows.
+template <int kScales>
+inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t g, int item) {
+  if constexpr (kScales == kRecords) return halves8(s.record_of(tile, g) + item * 2 * kRows + half * 16);
+  else return _mm256_setzero_ps();
+}
+
+// Group g's constants for those rows (has_constants() is true); records: dmin is its
+// super-block's.
+template <int kScales>
+inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
+  if constexpr (kScales == kRecords) {
+    const uint8_t* rec = s.record_of(tile, g);
+    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + s.min_unit(g) * kRows + half * 8));
+    const __m256 product = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
+    return _mm256_xor_ps(product, _mm256_set1_ps(-0.f));
+  } else {
+    const int64_t i = (tile * s.groups + g) * kRows + half * 8;
+    if (s.corr != nullptr) return halves8(static_cast<const at::Half*>(s.corr) + i);
+    return _mm256_mul_ps(halves8(static_cast<const at::Half*>(s.scales) + i), _mm256_set1_ps(-s.offset));
   }
 }
 
@@ -285,16 +392,17 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <bool kNibbles, int kGroup, bool kHalf, int NT>
+template <bool kNibbles, int kGroup, int kScales, int NT>
 void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes + half * 32;
-  const int64_t scale0 = tile_index * p.groups * kRows + half * kHalfRows;
   const Activations& a = *p.act;
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 d = _mm256_setzero_ps();  // records: the super-block's d (8 blocks of 32)
   for (int64_t b = 0; b < nb; ++b) {
+    if (kScales == kRecords && b % 8 == 0) d = super8<kScales>(p.s, tile_index, half, b * kBlock / kGroup, 0);
     __m256i dot[NT][2];
     for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
     if constexpr (kNibbles) {
@@ -320,26 +428,28 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
         }
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
-      if constexpr (kGroup == 32) {
-        const __m256 s = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + b * kRows), dx);
+    if constexpr (kGroup == 32) {
+      const __m256 w = scales8<kScales, 32>(p.s, tile_index, half, b, d);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 s = _mm256_mul_ps(w, _mm256_set1_ps(a.d[(t0 + t) * nb + b]));
         const __m256i sum = _mm256_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t]);
-      } else {
-        const __m256 s0 = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + 2 * b * kRows), dx);
-        const __m256 s1 = _mm256_mul_ps(load8<kHalf>(p.scales, scale0 + (2 * b + 1) * kRows), dx);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][0]), s0, acc[t]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][1]), s1, acc[t]);
+      }
+    } else {
+      const __m256 w0 = scales8<kScales, 16>(p.s, tile_index, half, 2 * b, d);
+      const __m256 w1 = scales8<kScales, 16>(p.s, tile_index, half, 2 * b + 1, d);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][0]), _mm256_mul_ps(w0, dx), acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][1]), _mm256_mul_ps(w1, dx), acc[t]);
       }
     }
   }
-  if (p.corr != nullptr || p.offset != 0.f) {
-    const __m256 minus_offset = _mm256_set1_ps(-p.offset);
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const int64_t i = scale0 + g * kRows;
-      const __m256 c = p.corr != nullptr ? load8<kHalf>(p.corr, i)
-                                         : _mm256_mul_ps(load8<kHalf>(p.scales, i), minus_offset);
+  if (p.s.has_constants()) {
+    __m256 dmin = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.s.groups; ++g) {
+      if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, half, g, 1);
+      const __m256 c = constants8<kScales>(p.s, tile_index, half, g, dmin);
       for (int t = 0; t < NT; ++t) {
         const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
         acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[g]), acc[t]);
@@ -354,22 +464,17 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
   }
 }
 
-template <bool kNibbles, int kGroup, bool kHalf, int NT>
+template <bool kNibbles, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
-  half_tile<kNibbles, kGroup, kHalf, NT>(p, tile_index, 0, t0);
-  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, kHalf, NT>(p, tile_index, 1, t0);
+  half_tile<kNibbles, kGroup, kScales, NT>(p, tile_index, 0, t0);
+  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, kScales, NT>(p, tile_index, 1, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
-template <bool kNibbles, int kGroup, bool kHalf, int NT>
+template <bool kNibbles, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
-  const int64_t scale0 = tile_index * p.groups * kRows;
-  auto scale = [&](int64_t i) { return load1<kHalf>(p.scales, scale0 + i); };
-  auto corr = [&](int64_t i) {
-    return p.corr != nullptr ? load1<kHalf>(p.corr, scale0 + i) : -p.offset * scale(i);
-  };
   const Activations& a = *p.act;
   for (int t = 0; t < NT; ++t) {
     const int64_t tok = t0 + t;
@@ -391,14 +496,15 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         }
         const float dx = a.d[tok * nb + b];
         if constexpr (kGroup == 32) {
-          sum += scale(b * kRows + r) * dx * (dot[0] + dot[1]);
+          sum += scale_at(p.s, tile_index, r, b) * dx * (dot[0] + dot[1]);
         } else {
-          sum += scale(2 * b * kRows + r) * dx * dot[0] + scale((2 * b + 1) * kRows + r) * dx * dot[1];
+          sum += scale_at(p.s, tile_index, r, 2 * b) * dx * dot[0] +
+                 scale_at(p.s, tile_index, r, 2 * b + 1) * dx * dot[1];
         }
       }
-      if (p.corr != nullptr || p.offset != 0.f) {
+      if (p.s.has_constants()) {
         const float* xs = kGroup == 32 ? a.s32.data() + tok * nb : a.s16.data() + tok * 2 * nb;
-        for (int64_t g = 0; g < p.groups; ++g) sum += corr(g * kRows + r) * xs[g];
+        for (int64_t g = 0; g < p.s.groups; ++g) sum += constant_at(p.s, tile_index, r, g) * xs[g];
       }
       y[r] = sum;
     }
@@ -407,7 +513,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
 }
 #endif
 
-template <bool kNibbles, int kGroup, bool kHalf>
+template <bool kNibbles, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -415,11 +521,11 @@ void run(const Problem& p, int64_t T) {
       const int64_t c1 = std::min(T, c0 + kTokenChunk);
       for (int64_t index = begin; index < end; ++index) {
         int64_t t = c0;
-        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kHalf, kTokens>(p, index, t);
+        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kScales, kTokens>(p, index, t);
         switch (c1 - t) {
-          case 3: tile<kNibbles, kGroup, kHalf, 3>(p, index, t); break;
-          case 2: tile<kNibbles, kGroup, kHalf, 2>(p, index, t); break;
-          case 1: tile<kNibbles, kGroup, kHalf, 1>(p, index, t); break;
+          case 3: tile<kNibbles, kGroup, kScales, 3>(p, index, t); break;
+          case 2: tile<kNibbles, kGroup, kScales, 2>(p, index, t); break;
+          case 1: tile<kNibbles, kGroup, kScales, 1>(p, index, t); break;
           default: break;
         }
       }
@@ -427,47 +533,60 @@ void run(const Problem& p, int64_t T) {
   });
 }
 
+// A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
+// (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr).
+ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
+                       int64_t tiles, int64_t K, int64_t group, double offset) {
+  TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
+  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
+  ScaleTable s{scales.data_ptr(), nullptr, static_cast<float>(offset), K / group, K / 256, 0,
+               static_cast<int>(group)};
+  if (scales.scalar_type() == torch::kByte) {
+    s.record = group == 32 ? 320 : 288;
+    TORCH_CHECK(K % 256 == 0 && scales.numel() == tiles * s.supers * s.record,
+                "scales: records [tiles, K / 256 * ", s.record, "]");
+    TORCH_CHECK(!(corr.has_value() && corr->numel() > 0) && offset == 0.0,
+                "records hold their constants");
+    return s;
+  }
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf, "scales: float16 or uint8 records");
+  TORCH_CHECK(scales.numel() == tiles * s.groups * kRows, "scales: [tiles, K / group, 16]");
+  if (corr.has_value() && corr->numel() > 0) {
+    TORCH_CHECK(corr->is_contiguous() && corr->numel() == scales.numel() &&
+                corr->scalar_type() == torch::kHalf, "corr: like scales");
+    s.corr = corr->data_ptr();
+  }
+  return s;
+}
+
 }  // namespace quant
 
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
-// be padding). scales (and corr) are float32 or float16; without corr, a non-zero
-// offset makes each group's constant -offset * scale (Q4_0, Q5_0: nothing stored).
+// be padding). Without corr, a non-zero offset makes each group's constant
+// -offset * scale (Q4_0, Q5_0: nothing stored).
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
                   c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
                   int64_t N, int64_t group, double offset) {
-  using quant::kBlock;
   using quant::kRows;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
   TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
-  const bool half = scales.scalar_type() == torch::kHalf;
-  TORCH_CHECK(scales.is_contiguous() && (half || scales.scalar_type() == torch::kFloat),
-              "scales: float32 or float16");
-  TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
-  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
   TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   const bool nibbles = values.scalar_type() == torch::kUInt8;
   TORCH_CHECK(nibbles || values.scalar_type() == torch::kChar, "values: uint8 (4-bit) or int8");
   TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
   TORCH_CHECK(!nibbles || group == 32, "4-bit values come in groups of 32");
-  TORCH_CHECK(scales.numel() == tiles * (K / group) * kRows, "scales: [tiles, K / group, 16]");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
+  quant::Problem p;
+  p.s = quant::scale_table(scales, corr, tiles, K, group, offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
   quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
-  quant::Problem p;
   p.values = static_cast<const uint8_t*>(values.data_ptr());
   p.tile_bytes = values.size(1);
-  p.scales = scales.data_ptr();
-  p.corr = nullptr;
-  if (corr.has_value() && corr->numel() > 0) {
-    TORCH_CHECK(corr->is_contiguous() && corr->numel() == scales.numel() &&
-                corr->scalar_type() == scales.scalar_type(), "corr: like scales");
-    p.corr = corr->data_ptr();
-  }
-  p.offset = static_cast<float>(offset);
   p.bias = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == torch::kFloat);
@@ -475,16 +594,19 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   }
   p.N = N;
   p.K = K;
-  p.groups = K / group;
   p.act = &act;
   p.out = out.data_ptr<float>();
   p.out_stride = out.stride(0);
+  using quant::kHalfScales;
+  using quant::kRecords;
+  const bool records = p.s.record != 0;
   if (nibbles) {
-    half ? quant::run<true, 32, true>(p, T) : quant::run<true, 32, false>(p, T);
+    records ? quant::run<true, 32, kRecords>(p, T) : quant::run<true, 32, kHalfScales>(p, T);
   } else if (group == 32) {
-    half ? quant::run<false, 32, true>(p, T) : quant::run<false, 32, false>(p, T);
+    records ? quant::run<false, 32, kRecords>(p, T) : quant::run<false, 32, kHalfScales>(p, T);
   } else {
-    half ? quant::run<false, 16, true>(p, T) : quant::run<false, 16, false>(p, T);
+    TORCH_CHECK(records, "groups of 16 come in records (Q6_K)");
+    quant::run<false, 16, kRecords>(p, T);
   }
 }
 
@@ -496,38 +618,35 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
   using quant::kRows;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
   TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: int64");
-  TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "packed tensors: contiguous");
-  const int64_t n = ids.size(0), K = out.size(1), groups = K / group;
+  TORCH_CHECK(values.is_contiguous(), "values: contiguous");
+  const int64_t n = ids.size(0), K = out.size(1);
   const bool nibbles = values.scalar_type() == torch::kUInt8;
-  const bool half = scales.scalar_type() == torch::kHalf;
-  const bool has_corr = corr.has_value() && corr->numel() > 0;
   const int64_t tiles = values.size(0);
+  TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
+  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, offset);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < tiles * kRows, "row id out of range");
   const uint8_t* vals = static_cast<const uint8_t*>(values.data_ptr());
-  auto load = [&](const torch::Tensor& t, int64_t index) {
-    return half ? static_cast<float>(static_cast<const at::Half*>(t.data_ptr())[index])
-                : static_cast<const float*>(t.data_ptr())[index];
-  };
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t tile = id[i] / kRows, r = id[i] % kRows;
       const uint8_t* tv = vals + tile * values.size(1);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t b = k / kBlock, j = k % kBlock;
-        int32_t q;
-        if (nibbles) {
-          const uint8_t byte = tv[(b * 4 + (j % 16) / 4) * 4 * kRows + r * 4 + j % 4];
-          q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-        } else {
-          q = static_cast<int8_t>(tv[(b * 8 + j / 4) * 4 * kRows + r * 4 + j % 4]);
+      for (int64_t g = 0; g < s.groups; ++g) {
+        const float scale = quant::scale_at(s, tile, r, g);
+        const float constant = quant::constant_at(s, tile, r, g);
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          const int64_t b = k / kBlock, j = k % kBlock;
+          int32_t q;
+          if (nibbles) {
+            const uint8_t byte = tv[(b * 4 + (j % 16) / 4) * 4 * kRows + r * 4 + j % 4];
+            q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = static_cast<int8_t>(tv[(b * 8 + j / 4) * 4 * kRows + r * 4 + j % 4]);
+          }
+          dst[i * K + k] = scale * q + constant;
         }
-        const int64_t s = (tile * groups + k / group) * kRows + r;
-        const float scale = load(scales, s);
-        const float constant = has_corr ? load(*corr, s) : static_cast<float>(-offset) * scale;
-        dst[i * K + k] = scale * q + constant;
       }
     }
   });

@@ -193,7 +193,7 @@ class _Joint:
         _pack_rows(self.weight, self.module.shard_rows(part).start, tensor)
         self.waiting -= 1
         if self.waiting == 0:
-            set_packed_part(self.module, 0, self.weight.settle_scales())
+            set_packed_part(self.module, 0, self.weight)
 
 
 # Rows packed before their file pages are released (whole tiles): the file is let go
@@ -225,7 +225,6 @@ def _load_packed(
 ) -> None:
     packed = PackedWeight.allocate(tensor.type, tensor.shape[0], tensor.shape[1])
     _pack_rows(packed, 0, tensor)
-    packed.settle_scales()
     if isinstance(module, nn.Embedding):
         replace_module(model, module_name, QuantizedEmbedding(packed, dtype))
         if tied_head is not None:

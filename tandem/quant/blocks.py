@@ -103,17 +103,34 @@ def row_bytes(code: GGMLType, columns: int) -> int:
 
 
 @dataclass
+class SuperScales:
+    """A K format's scales as the file holds them, per super-block of 256 weights:
+    ``scales = d * sub`` and ``mins = -(dmin * sub_mins)`` in float32 (Decoded's).
+
+    d, dmin: float32 [rows, columns // 256], each exactly a float16; sub: the 6-bit
+    (uint8, Q4_K / Q5_K) or 8-bit signed (int8, Q6_K) sub-scales [rows, groups];
+    sub_mins: uint8 [rows, groups]; dmin and sub_mins None for Q6_K."""
+
+    d: torch.Tensor
+    sub: torch.Tensor
+    dmin: torch.Tensor | None = None
+    sub_mins: torch.Tensor | None = None
+
+
+@dataclass
 class Decoded:
     """``w[r, k] = scales[r, k // group] * (values[r, k] - offset) + mins[r, k // group]``.
 
     values: int8 when they fit (``signed``) else uint8 in 0..15; scales, mins: float32
-    [rows, columns // group] (mins None when the format has none)."""
+    [rows, columns // group] (mins None when the format has none); supers: the factors
+    of a K format's scales and mins (None for the others)."""
 
     values: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     offset: int
     group: int
+    supers: SuperScales | None = None
 
     @property
     def nibbles(self) -> bool:
@@ -138,12 +155,13 @@ def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (as get_scale_min_k4)."""
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins, uint8 (as
+    get_scale_min_k4)."""
     s = scales.reshape(*scales.shape[:-1], 3, 4)
     d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 def check_row_bytes(code: GGMLType, raw: torch.Tensor, columns: int) -> None:
@@ -193,19 +211,21 @@ def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
             qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
             low = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)
             q = (low | ((qh & 1) << 4)).view(torch.int8)
-        scales = d.unsqueeze(-1) * sc
-        mins = -(dmin.unsqueeze(-1) * mn)
-        return Decoded(flat(q), flat(scales), flat(mins), 0, 32)
+        scales = d.unsqueeze(-1) * sc.float()
+        mins = -(dmin.unsqueeze(-1) * mn.float())
+        supers = SuperScales(d, flat(sc), dmin, flat(mn))
+        return Decoded(flat(q), flat(scales), flat(mins), 0, 32, supers)
     if code == GGMLType.Q6_K:
         ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
         qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
-        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        sc = blocks[..., 192:208].contiguous().view(torch.int8)
         d = _f16(blocks[..., 208:210])
         low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
         high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
         q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
         q = (q.view(torch.int8) - 32).to(torch.int8)
-        return Decoded(flat(q), flat(d.unsqueeze(-1) * sc), None, 0, 16)
+        scales = d.unsqueeze(-1) * sc.float()
+        return Decoded(flat(q), flat(scales), None, 0, 16, SuperScales(d, flat(sc)))
     raise ModelLoadError(f"no decoder for {code.name}")
 
 

@@ -2,17 +2,26 @@
 
 Any GGML format decodes (blocks.py) to ``w = scale * (q - offset) + min`` per group;
 packing keeps ``q`` as it is stored, at 4 bits (two a byte, for Q4_0 / Q4_1 / Q4_K)
-or 8 (everything else: Q5's 5-bit values take a byte), and keeps the constants as
-``corr = min - offset * scale`` (Q4_1, Q5_1, the K formats) or, when there is only
-an offset (Q4_0, Q5_0), not at all: the kernel computes ``-offset * scale``. So one
-kernel (tandem/kernels/quant_ops.cpp) serves every format. Scales (and constants)
-are float16 where every one of them is exactly a float16, as in the Q4/Q5/Q8 files,
-so those take the file's own bytes; the K formats' products of a float16 and a 6- or
-8-bit sub-scale are not, and stay float32 (Q4_K: 6 bits a weight against the file's
-4.5). ``nbytes`` reports what is held.
+or 8 (everything else: Q5's 5-bit values take a byte), and the scales in the file's
+own precision, so that one kernel (tandem/kernels/quant_ops.cpp) serves every format:
 
-``reference`` is the exact math the kernel must reproduce: the activations quantized
-to int8 per block of 32 as the kernel does, times the dequantized weights, in float64.
+- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: float16 scales [tiles, K/32, 16], the file's bits;
+  the constants as ``corr = min - offset * scale`` (float16: Q4_1 and Q5_1's minimums
+  are the file's ``m``), or, when there is only an offset (Q4_0, Q5_0), not at all:
+  the kernel computes ``-offset * scale``.
+- the K formats: a scale is a float16 ``d`` per super-block of 256 weights times an
+  8-bit sub-scale per group (and a minimum ``-(dmin * sub-min)``), which no float16
+  holds. They are kept factored, one record per tile and super-block (uint8
+  [tiles, K/256 * record bytes], corr None), and the kernel multiplies them out in
+  float32 as blocks.py does, so the weights are the same numbers:
+      Q4_K, Q5_K (group 32): d[16], dmin[16] (float16), sub-scales [8][16] and
+                             sub-mins [8][16] (uint8): 320 bytes
+      Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
+  (Q4_K: 4.625 bits a weight against the file's 4.5; float32 products took 6.)
+
+``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
+reproduce: the activations quantized to int8 per block of 32 as the kernel does,
+times the dequantized weights, in float64.
 """
 
 from __future__ import annotations
@@ -26,20 +35,26 @@ from tandem.quant.blocks import Decoded, GGMLType, check_row_bytes, decode, dequ
 
 BLOCK = 32
 ROWS = 16  # rows per tile (the kernel's layout)
+SUPER = 256  # weights per K-format super-block
 
 # What each format packs to (as from_decoded makes it): 4-bit values or not, group
-# size, the offset left to the kernel, stored constants or not, and whether the
-# scales (and constants) are the file's own float16s (else float32 products).
+# size, the offset left to the kernel, stored constants or not, and the bytes of a
+# super-block record (0: float16 scales, no records).
 _LAYOUT = {
-    GGMLType.Q4_0: (True, 32, 8.0, False, True),
-    GGMLType.Q4_1: (True, 32, 0.0, True, True),
-    GGMLType.Q5_0: (False, 32, 16.0, False, True),
-    GGMLType.Q5_1: (False, 32, 0.0, True, True),
-    GGMLType.Q8_0: (False, 32, 0.0, False, True),
-    GGMLType.Q4_K: (True, 32, 0.0, True, False),
-    GGMLType.Q5_K: (False, 32, 0.0, True, False),
-    GGMLType.Q6_K: (False, 16, 0.0, False, False),
+    GGMLType.Q4_0: (True, 32, 8.0, False, 0),
+    GGMLType.Q4_1: (True, 32, 0.0, True, 0),
+    GGMLType.Q5_0: (False, 32, 16.0, False, 0),
+    GGMLType.Q5_1: (False, 32, 0.0, True, 0),
+    GGMLType.Q8_0: (False, 32, 0.0, False, 0),
+    GGMLType.Q4_K: (True, 32, 0.0, False, 320),
+    GGMLType.Q5_K: (False, 32, 0.0, False, 320),
+    GGMLType.Q6_K: (False, 16, 0.0, False, 288),
 }
+
+
+def record_bytes(group: int) -> int:
+    """Bytes of one tile's record per super-block: group 32 (with minimums) or 16."""
+    return 320 if group == 32 else 288
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -55,8 +70,8 @@ class PackedWeight:
     """A [rows, columns] matrix in tiles of 16 rows (layout in quant_ops.cpp)."""
 
     values: torch.Tensor  # uint8 [tiles, K*8] (4-bit pairs) or int8 [tiles, K*16]
-    scales: torch.Tensor  # [tiles, K/group, 16], float16 where exact, else float32
-    corr: torch.Tensor | None  # like scales; None: each constant is -offset * scale
+    scales: torch.Tensor  # float16 [tiles, K/group, 16], or uint8 super-block records
+    corr: torch.Tensor | None  # like float16 scales; None: -offset * scale, or in records
     rows: int
     group: int
     source: str  # the format it came from, e.g. "Q4_1"
@@ -67,8 +82,13 @@ class PackedWeight:
         return self.values.dtype == torch.uint8
 
     @property
+    def records(self) -> bool:
+        """Scales kept as K-format super-block records (see the module's docstring)."""
+        return self.scales.dtype == torch.uint8
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.rows, self.scales.shape[1] * self.group
+        return self.rows, self.values.shape[1] // (ROWS // 2 if self.nibbles else ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +109,8 @@ class PackedWeight:
             # (block, step, row, i) = weight 4*step+i
             values = q.to(torch.int8).reshape(-1, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
         values = values.reshape(values.shape[0], -1).contiguous()
+        if dec.supers is not None:
+            return cls(values, _records(dec, rows), None, rows, dec.group, source)
         # Constants: stored only when the format has minimums; an offset alone is
         # recomputed by the kernel from the scale.
         offset = float(dec.offset)
@@ -96,13 +118,12 @@ class PackedWeight:
         if dec.mins is not None:
             corr = dec.mins - offset * dec.scales if offset else dec.mins
             offset = 0.0
-        # float16 when every scale (and constant) is one exactly: the file's own bytes.
-        stored = [dec.scales] + ([corr] if corr is not None else [])
-        exact = all(torch.equal(t.half().float(), t) for t in stored)
-        dtype = torch.float16 if exact else torch.float32
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
-            return _tile(t.to(dtype), rows).permute(0, 2, 1).contiguous()
+            half = t.half()
+            if not torch.equal(half.float(), t):
+                raise ValueError(f"{source}'s scales are not float16 numbers")
+            return _tile(half, rows).permute(0, 2, 1).contiguous()
 
         return cls(
             values,
@@ -123,14 +144,14 @@ class PackedWeight:
         if compiled_packer(raw):
             weight = cls.allocate(code, raw.shape[0], columns)
             weight.fill_rows(0, code, raw)
-            return weight.settle_scales()
+            return weight
         return cls.from_decoded(decode(code, raw, columns), code.name)
 
     @classmethod
     def allocate(cls, code: GGMLType, rows: int, columns: int) -> PackedWeight:
         """An unfilled [rows, columns] matrix in ``code``'s packed layout, for
         ``fill_rows`` (several checkpoint tensors, such as q, k and v, packed
-        straight into one matrix) and then ``settle_scales``."""
+        straight into one matrix)."""
         (values, values_dtype), (scales, scales_dtype), has_corr = _packed_shapes(
             code, rows, columns
         )
@@ -156,17 +177,6 @@ class PackedWeight:
             raw, int(code), columns, self.values[first:last], self.scales[first:last], corr
         )
 
-    def settle_scales(self) -> PackedWeight:
-        """As from_decoded: float32 scales (and constants) become float16 when every
-        one of them is one exactly (checked in slices: the first inexact one ends it)."""
-        if self.scales.dtype != torch.float32:
-            return self
-        stored = [self.scales] + ([self.corr] if self.corr is not None else [])
-        if all(_exact_half(t) for t in stored):
-            self.scales = self.scales.half()
-            self.corr = None if self.corr is None else self.corr.half()
-        return self
-
     def decoded(self, tiles: torch.Tensor | None = None) -> Decoded:
         """The rows of all tiles (or of ``tiles``), padding included."""
         values, scales, corr = self.values, self.scales, self.corr
@@ -185,6 +195,9 @@ class PackedWeight:
         def untiled(t: torch.Tensor) -> torch.Tensor:
             return t.float().permute(0, 2, 1).reshape(-1, t.shape[1])
 
+        if self.records:
+            scales, mins = _unrecord(scales, self.group)
+            return Decoded(q, untiled(scales), None if mins is None else untiled(mins), 0, self.group)
         scales = untiled(scales)
         mins = untiled(corr) if corr is not None else None
         if corr is None and self.offset:
@@ -222,20 +235,59 @@ class PackedWeight:
         )
 
 
+def _records(dec: Decoded, rows: int) -> torch.Tensor:
+    """A K format's factored scales -> uint8 [tiles, K/256 * record bytes] (the
+    module's docstring), padding rows zero."""
+    supers = dec.supers
+
+    def per_row(t: torch.Tensor, each: int) -> torch.Tensor:
+        """[rows, K/256 * each] -> uint8 [tiles, K/256, each * 16]: per super-block,
+        item by item, the tile's 16 rows side by side."""
+        t = _tile(t, rows)  # [tiles, 16, K/256 * each]
+        t = t.reshape(t.shape[0], ROWS, -1, each).permute(0, 2, 3, 1)
+        return t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
+
+    parts = [per_row(supers.d.half(), 1)]
+    if supers.dmin is not None:
+        parts += [per_row(supers.dmin.half(), 1), per_row(supers.sub, 8), per_row(supers.sub_mins, 8)]
+    else:
+        parts.append(per_row(supers.sub.view(torch.uint8), 16))
+    records = torch.cat(parts, dim=-1)
+    return records.reshape(records.shape[0], -1)
+
+
+def _unrecord(records: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 records [tiles, K/256 * record bytes] -> float32 scales and minimums
+    [tiles, K/group, 16] (None for Q6_K), multiplied out as blocks.py does."""
+    tiles = records.shape[0]
+    r = records.reshape(tiles, -1, record_bytes(group))
+    d = r[..., : 2 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)
+    if group != 32:
+        sub = r[..., 2 * ROWS :].contiguous().view(torch.int8).reshape(tiles, -1, 16, ROWS)
+        return (d * sub.float()).reshape(tiles, -1, ROWS), None
+    dmin = r[..., 2 * ROWS : 4 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)
+    sub = r[..., 4 * ROWS : 12 * ROWS].reshape(tiles, -1, 8, ROWS)
+    mins = r[..., 12 * ROWS :].reshape(tiles, -1, 8, ROWS)
+    scales = (d * sub.float()).reshape(tiles, -1, ROWS)
+    return scales, (-(dmin * mins.float())).reshape(tiles, -1, ROWS)
+
+
 def _packed_shapes(code: GGMLType, rows: int, columns: int):
     """((values shape, dtype), (scales shape, dtype), whether corr is stored) of a
-    [rows, columns] matrix of ``code`` packed (K formats with float32 scales, as
-    ``allocate`` makes them before ``settle_scales``)."""
-    nibbles, group, _, has_corr, file_scales = _LAYOUT[code]
+    [rows, columns] matrix of ``code`` packed (as ``allocate`` makes it)."""
+    nibbles, group, _, has_corr, record = _LAYOUT[code]
     tiles = -(-rows // ROWS)
     values = ((tiles, columns * (8 if nibbles else 16)), torch.uint8 if nibbles else torch.int8)
-    scales = ((tiles, columns // group, ROWS), torch.float16 if file_scales else torch.float32)
+    if record:
+        scales = ((tiles, columns // SUPER * record), torch.uint8)
+    else:
+        scales = ((tiles, columns // group, ROWS), torch.float16)
     return values, scales, has_corr
 
 
 def packed_nbytes(code: GGMLType, rows: int, columns: int) -> int:
     """Bytes a [rows, columns] matrix of ``code`` takes packed (as ``allocate`` makes
-    it; K formats counted with float32 scales, as real files have them)."""
+    it)."""
     (values, _), (scales, scales_dtype), has_corr = _packed_shapes(code, rows, columns)
     scale_bytes = math.prod(scales) * scales_dtype.itemsize
     return math.prod(values) + scale_bytes * (2 if has_corr else 1)
@@ -246,10 +298,6 @@ def compiled_packer(raw: torch.Tensor) -> bool:
     from tandem.kernels import cpu as cpu_kernels
 
     return cpu_kernels.available(raw.device, torch.float32) and raw.stride(-1) == 1
-
-
-def _exact_half(t: torch.Tensor) -> bool:
-    return all(torch.equal(c.half().float(), c) for c in t.reshape(-1).split(1 << 20))
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
