@@ -203,7 +203,7 @@ inline __m512 halves16(const void* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
-// Group g's scales for the tile's 16 rows; records: d is its super-block's (d16).
+// Group g's scales for the tile's 16 rows; records: d is its super-block's (super16).
 template <int kScales, int kGroup>
 inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   if constexpr (kScales == kRecords) {
