@@ -54,7 +54,7 @@ _LAYOUT = {
 
 def record_bytes(group: int) -> int:
     """Bytes of one tile's record per super-block: group 32 (with minimums) or 16."""
-    return 320 if group == 32 else 288
+    return _LAYOUT[GGMLType.Q4_K if group == 32 else GGMLType.Q6_K][4]
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -197,7 +197,8 @@ class PackedWeight:
 
         if self.records:
             scales, mins = _unrecord(scales, self.group)
-            return Decoded(q, untiled(scales), None if mins is None else untiled(mins), 0, self.group)
+            mins = None if mins is None else untiled(mins)
+            return Decoded(q, untiled(scales), mins, 0, self.group)
         scales = untiled(scales)
         mins = untiled(corr) if corr is not None else None
         if corr is None and self.offset:
@@ -249,7 +250,8 @@ def _records(dec: Decoded, rows: int) -> torch.Tensor:
 
     parts = [per_row(supers.d.half(), 1)]
     if supers.dmin is not None:
-        parts += [per_row(supers.dmin.half(), 1), per_row(supers.sub, 8), per_row(supers.sub_mins, 8)]
+        parts.append(per_row(supers.dmin.half(), 1))
+        parts += [per_row(supers.sub, 8), per_row(supers.sub_mins, 8)]
     else:
         parts.append(per_row(supers.sub.view(torch.uint8), 16))
     records = torch.cat(parts, dim=-1)
