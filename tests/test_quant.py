@@ -137,6 +137,32 @@ def test_the_kernel_equals_the_exact_math(code, rows, columns):
         assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, (batch, code)
 
 
+# A block of activations (found by random search) whose value 0x1.fc6aeep-1 times the
+# block's 1 / d is exactly 16.5 in float32: the reference rounds it to 16.
+HALFWAY_BLOCK = [
+    "-0x1.592cc2p-1", "0x1.7b76e2p+2", "-0x1.673bf8p-5", "-0x1.76c53p+1", "0x1.7afe0cp-1",
+    "0x1.cc6edep+1", "0x1.fe8ceep+0", "0x1.2e539cp+1", "-0x1.92864cp+0", "0x1.02595p+2",
+    "-0x1.30ce2ap-1", "0x1.c5ba24p+1", "-0x1.0d77acp+1", "0x1.beac24p+1", "-0x1.d41368p-1",
+    "0x1.c9ea86p-1", "-0x1.cb06p+1", "-0x1.2d0e7p+1", "0x1.fc6aeep-1", "-0x1.2daf58p+1",
+    "0x1.cf88d6p-2", "-0x1.9db25ap-1", "-0x1.037216p+1", "0x1.806726p+1", "-0x1.4195bp+0",
+    "-0x1.3ab94ep+0", "-0x1.911b6cp+1", "-0x1.d2a03ap+1", "0x1.c94694p+1", "0x1.0e3c3cp+2",
+    "-0x1.d403b4p+1", "0x1.e928d0p+2",
+]  # fmt: skip
+
+
+@needs_kernels
+def test_an_activation_exactly_halfway_rounds_to_even():
+    """Every instruction-set path quantizes as the reference does (the scalar one,
+    written in plain C++, was compiled under -ffast-math to round this block's 16.5 up)."""
+    raw = random_blocks(GGMLType.Q8_0, 16, 32, seed=3)
+    packed = PackedWeight.from_ggml(GGMLType.Q8_0, raw, 32)
+    x = torch.tensor([[float.fromhex(v) for v in HALFWAY_BLOCK]])
+    out = torch.empty(1, 16)
+    packed.matmul(x, out)
+    expected = reference(packed, x)
+    assert (out.double() - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
 @needs_kernels
 def test_a_token_gets_the_same_result_whatever_its_batch():
     """Each token's activations are quantized alone and its sums run in the same order,

@@ -90,13 +90,17 @@ inline float quantize_block(const float* src, int8_t* q, int32_t sum[2]) {
   }
   return d;
 #else
+  // SSE's scalar instructions (x86-64's baseline), for the same reason: plain C++ let
+  // -ffast-math round x * (1 / d) otherwise, and a product of exactly k + 0.5 became
+  // k + 1 where the reference (and the AVX2 path) rounds it to even.
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(src[i]));
-  const float d = amax * (1.f / 127.f);
-  const float id = d > 0.f ? 1.f / d : 0.f;
+  const float d = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(amax), _mm_set_ss(1.f / 127.f)));
+  const float id = d > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.f), _mm_set_ss(d))) : 0.f;
   sum[0] = sum[1] = 0;
   for (int i = 0; i < kBlock; ++i) {
-    q[i] = static_cast<int8_t>(std::nearbyint(src[i] * id));
+    // cvtss2si rounds by MXCSR's mode: to nearest, ties to even.
+    q[i] = static_cast<int8_t>(_mm_cvtss_si32(_mm_mul_ss(_mm_set_ss(src[i]), _mm_set_ss(id))));
     sum[i / 16] += q[i];
   }
   return d;
