@@ -12,8 +12,9 @@
 //   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
 //           Q5_0, Q5_1, Q8_0); for the K formats uint8 records [tiles, K/256, R], the
 //           file's factors per super-block, each item for the tile's 16 rows side by
-//           side: Q4_K / Q5_K (R = 320) d, dmin (float16 bits), sub-scales [8], sub-mins
-//           [8]; Q6_K (R = 288) d, sub-scales [16] (int8)
+//           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
+//           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K (R = 288) d, sub-scales
+//           [16] (int8)
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -37,7 +38,7 @@ struct Out {
   void* corr;      // nullptr when the format has no constants
   int64_t groups;  // per row (float16 scales)
   int64_t supers;  // super-blocks per row (records)
-  int64_t record;  // bytes of a super-block's record, 0 for float16 scales
+  int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
 };
 
 // Weight q[0..32) of row r, 32-block b, into its tile.
@@ -52,11 +53,10 @@ inline void put_bytes(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
 inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t bits, void* dst) {
   static_cast<uint16_t*>(dst)[(tile * o.groups + g) * kRows + r] = bits;
 }
-// Super-block sb's record in tile ``tile``, in units of 16 bytes: float16 item j (d,
-// dmin) is units 2j and 2j+1, row r's bits at byte 32j + 2r; byte item i (a sub-scale
-// or sub-min) is unit i, row r's at byte 16i + r.
+// Super-block sb's record in tile ``tile`` (laid out by quant::record): float16 item j
+// (d, dmin) of row r at byte 32j + 2r, byte unit u of row r at byte 16u + r.
 inline uint8_t* record(const Out& o, int64_t tile, int64_t sb) {
-  return static_cast<uint8_t*>(o.scales) + (tile * o.supers + sb) * o.record;
+  return static_cast<uint8_t*>(o.scales) + (tile * o.supers + sb) * quant::record::bytes(o.record_group);
 }
 inline void put_half(uint8_t* at, uint16_t bits) { std::memcpy(at, &bits, 2); }
 
@@ -135,7 +135,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             for (int j = 0; j < 32; ++j) q[j] |= ((qh[j] >> g) & 1) << 4;
             put_bytes(dst, b, r, q);
           }
-          scale_min_k4(g, blk + 4, rec[(4 + g) * kRows + r], rec[(12 + g) * kRows + r]);
+          scale_min_k4(g, blk + 4, rec[quant::record::sub_unit(32, g) * kRows + r],
+                       rec[quant::record::min_unit(g) * kRows + r]);
         }
       }
       return;
@@ -147,7 +148,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         const uint8_t* qh = blk + 128;
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 208));
-        for (int g = 0; g < 16; ++g) rec[(2 + g) * kRows + r] = blk[192 + g];  // int8 bits
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = blk[192 + g];  // int8
         for (int h = 0; h < 2; ++h) {
           for (int part = 0; part < 4; ++part) {
             // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
@@ -172,12 +173,13 @@ void zero_row(const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
   const int64_t steps = o.values_per_tile / (kRows * 4);
   for (int64_t s = 0; s < steps; ++s) std::memset(dst + (s * kRows + r) * 4, 0, 4);
-  if (o.record) {
-    const int64_t halves = o.record == 320 ? 2 : 1;  // d (and dmin), then bytes
+  if (o.record_group) {
+    const int64_t halves = quant::record::halves(o.record_group);
+    const int64_t units = quant::record::bytes(o.record_group) / kRows;
     for (int64_t sb = 0; sb < o.supers; ++sb) {
       uint8_t* rec = record(o, tile, sb);
       for (int64_t h = 0; h < halves; ++h) put_half(rec + 2 * (h * kRows + r), 0);
-      for (int64_t item = 2 * halves; item < o.record / kRows; ++item) rec[item * kRows + r] = 0;
+      for (int64_t unit = 2 * halves; unit < units; ++unit) rec[unit * kRows + r] = 0;
     }
     return;
   }
@@ -202,11 +204,12 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const int64_t record = records ? (code == pack::Q6_K ? 288 : 320) : 0;
-  TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
+  const int64_t record_group = records ? (code == pack::Q6_K ? 16 : 32) : 0;
+  TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
+              "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record};
+              columns / 256, record_group};
   TORCH_CHECK(o.values_per_tile * 2 == columns * pack::kRows ||
                   o.values_per_tile == columns * pack::kRows, "values: [tiles, K*8] or [tiles, K*16]");
   const uint8_t* base = raw.data_ptr<uint8_t>();

@@ -130,6 +130,17 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
 // How a matrix's scales are held (see the top of this file).
 enum ScaleKind : int { kHalfScales = 0, kRecords = 1 };
 
+// A K format's super-block record (one per tile and super-block of 256 weights), in
+// units of 16 bytes, one byte a row: float16 d (units 0-1), dmin (2-3, group 32 only),
+// the sub-scales, then the sub-mins (group 32 only). The one definition: pack_ops.cpp
+// writes records with it (tandem/quant/packed.py mirrors it in torch).
+namespace record {
+constexpr int64_t halves(int64_t group) { return group == 32 ? 2 : 1; }  // d (, dmin)
+constexpr int64_t sub_unit(int64_t group, int64_t g) { return 2 * halves(group) + g % (256 / group); }
+constexpr int64_t min_unit(int64_t g) { return sub_unit(32, g) + 8; }  // group 32
+constexpr int64_t bytes(int64_t group) { return (group == 32 ? 20 : 18) * kRows; }  // 320, 288
+}  // namespace record
+
 // Where a matrix's scales and constants are, for either kind.
 struct ScaleTable {
   const void* scales;  // float16 [tiles, groups, 16], or uint8 records
@@ -145,9 +156,6 @@ struct ScaleTable {
   const uint8_t* record_of(int64_t tile, int64_t g) const {
     return static_cast<const uint8_t*>(scales) + (tile * supers + g / (256 / group)) * record;
   }
-  // Byte unit (16 bytes, one a row) of group g's sub-scale, or sub-min, in its record.
-  int64_t sub_unit(int64_t g) const { return (group == 32 ? 4 : 2) + g % (256 / group); }
-  int64_t min_unit(int64_t g) const { return 12 + g % 8; }
 };
 
 inline float half_at(const void* base, int64_t i) {
@@ -159,7 +167,7 @@ inline float half_at(const void* base, int64_t i) {
 inline float scale_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
   if (!s.record) return half_at(s.scales, (tile * s.groups + g) * kRows + r);
   const uint8_t* rec = s.record_of(tile, g);
-  const uint8_t sub = rec[s.sub_unit(g) * kRows + r];
+  const uint8_t sub = rec[record::sub_unit(s.group, g) * kRows + r];
   const float q = s.group == 32 ? static_cast<float>(sub) : static_cast<float>(static_cast<int8_t>(sub));
   return half_at(rec, r) * q;
 }
@@ -167,7 +175,7 @@ inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g
   if (s.record) {
     if (s.group != 32) return 0.f;
     const uint8_t* rec = s.record_of(tile, g);
-    return -(half_at(rec, kRows + r) * static_cast<float>(rec[s.min_unit(g) * kRows + r]));
+    return -(half_at(rec, kRows + r) * static_cast<float>(rec[record::min_unit(g) * kRows + r]));
   }
   if (s.corr != nullptr) return half_at(s.corr, (tile * s.groups + g) * kRows + r);
   return -s.offset * scale_at(s, tile, r, g);
@@ -212,7 +220,7 @@ template <int kScales, int kGroup>
 inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
-    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + s.sub_unit(g) * kRows));
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows));
     const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
   } else {
@@ -233,7 +241,7 @@ template <int kScales>
 inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
-    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + s.min_unit(g) * kRows));
+    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows));
     const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));
   } else {
@@ -358,7 +366,7 @@ template <int kScales, int kGroup>
 inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
-    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + s.sub_unit(g) * kRows + half * 8));
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows + half * 8));
     const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
   } else {
@@ -380,7 +388,7 @@ template <int kScales>
 inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
-    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + s.min_unit(g) * kRows + half * 8));
+    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows + half * 8));
     const __m256 product = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
     return _mm256_xor_ps(product, _mm256_set1_ps(-0.f));
   } else {
@@ -547,7 +555,7 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
   ScaleTable s{scales.data_ptr(), nullptr, static_cast<float>(offset), K / group, K / 256, 0,
                static_cast<int>(group)};
   if (scales.scalar_type() == torch::kByte) {
-    s.record = group == 32 ? 320 : 288;
+    s.record = record::bytes(group);
     TORCH_CHECK(K % 256 == 0 && scales.numel() == tiles * s.supers * s.record,
                 "scales: records [tiles, K / 256 * ", s.record, "]");
     TORCH_CHECK(!(corr.has_value() && corr->numel() > 0) && offset == 0.0,
