@@ -31,7 +31,7 @@ SHAPES = {
 
 
 def random_packed(code: GGMLType, rows: int, columns: int, rng) -> PackedWeight:
-    if code in (GGMLType.Q4_K, GGMLType.Q6_K):  # valid super-blocks (scales and mins)
+    if code in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):  # valid scales and mins
         raw = random_gguf.random_blocks(code, rows, columns, rng)
         return PackedWeight.from_ggml(code, torch.from_numpy(raw), columns)
     per_block, nbytes = BLOCK[code]

@@ -249,7 +249,7 @@ def test_calibrate_fits_the_cost_model_to_real_steps(model_dirs, tmp_path):
 
 def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
     """A GGUF file planned for this machine: its weights at the bytes the engine holds
-    them in (each tensor's packed layout: Q4_K and Q6_K take more than in the file),
+    them in (each tensor's packed layout: Q4_K takes a little more than in the file),
     a decode step reading all but the embedding, and the KV capacity the engine
     allocates by default, block for block."""
     from tandem import LLM

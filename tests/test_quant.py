@@ -201,19 +201,19 @@ def test_a_fused_layer_of_parts_in_different_formats():
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_scales_keep_the_files_bytes():
-    """Q4_1's scales and minimums are float16 in the file and stay so (5 bits a weight,
-    as the file); Q4_0's constant -8 * d is not stored at all; the K formats keep the
-    file's float16 super-scales and 8-bit sub-scales (Q4_K: 4.625 bits against the
-    file's 4.5; their float32 products took 6), and their weights are the file's."""
+def test_packed_weights_take_the_files_bits():
+    """Values keep the file's bits (Q5's 5 and Q6_K's 6 as nibbles plus planes of the
+    high bits, not a byte each); Q4_1's scales and minimums stay float16 as in the
+    file; Q4_0's offset (-8 * d) is not stored at all; the K formats keep the file's
+    float16 super-scales and 8-bit sub-scales (Q4_K: 4.625 bits against the file's
+    4.5); and every weight is the file's."""
     sizes = {}
-    for code in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
-                 GGMLType.Q6_K):  # fmt: skip
+    for code in BLOCK:
         raw = random_blocks(code, 32, 512)
         packed = PackedWeight.from_ggml(code, raw, 512)
         sizes[code] = packed.nbytes * 8 / (32 * 512)
         assert torch.equal(packed.dequantize(), dequantize(code, raw, 512)), code
     assert sizes == {
-        GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625,
-        GGMLType.Q5_K: 8.625, GGMLType.Q6_K: 8.5625,
+        GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0,
+        GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
     }  # fmt: skip

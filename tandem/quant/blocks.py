@@ -121,7 +121,8 @@ class SuperScales:
 class Decoded:
     """``w[r, k] = scales[r, k // group] * (values[r, k] - offset) + mins[r, k // group]``.
 
-    values: int8 when they fit (``signed``) else uint8 in 0..15; scales, mins: float32
+    values: uint8 in 0..2**bits - 1 (``bits`` 4, 5 or 6: the Q4 and Q5 formats and
+    Q6_K, as the file stores them), or int8 (Q8_0, bits 8); scales, mins: float32
     [rows, columns // group] (mins None when the format has none); supers: the factors
     of a K format's scales and mins (None for the others)."""
 
@@ -130,12 +131,8 @@ class Decoded:
     mins: torch.Tensor | None
     offset: int
     group: int
+    bits: int
     supers: SuperScales | None = None
-
-    @property
-    def nibbles(self) -> bool:
-        """Values fit in 4 unsigned bits (Q4_0, Q4_1, Q4_K): the kernel packs two a byte."""
-        return self.values.dtype == torch.uint8
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -186,20 +183,20 @@ def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
 
     if code == GGMLType.Q8_0:
         d, q = _f16(blocks[..., :2]), blocks[..., 2:].contiguous().view(torch.int8)
-        return Decoded(flat(q), d, None, 0, 32)
+        return Decoded(flat(q), d, None, 0, 32, 8)
     if code in (GGMLType.Q4_0, GGMLType.Q4_1):
         has_min = code == GGMLType.Q4_1
         start = 4 if has_min else 2
         q = _nibbles32(blocks[..., start:])
         mins = _f16(blocks[..., 2:4]) if has_min else None
-        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 8, 32)
+        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 8, 32, 4)
     if code in (GGMLType.Q5_0, GGMLType.Q5_1):
         has_min = code == GGMLType.Q5_1
         start = 4 if has_min else 2
         qh = _high_bits32(blocks[..., start : start + 4])
-        q = (_nibbles32(blocks[..., start + 4 :]) | (qh << 4)).view(torch.int8)
+        q = _nibbles32(blocks[..., start + 4 :]) | (qh << 4)
         mins = _f16(blocks[..., 2:4]) if has_min else None
-        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 16, 32)
+        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 16, 32, 5)
     if code in (GGMLType.Q4_K, GGMLType.Q5_K):
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         sc, mn = _k_scales(blocks[..., 4:16])
@@ -210,11 +207,12 @@ def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
             qh = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
             qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
             low = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)
-            q = (low | ((qh & 1) << 4)).view(torch.int8)
+            q = low | ((qh & 1) << 4)
         scales = d.unsqueeze(-1) * sc.float()
         mins = -(dmin.unsqueeze(-1) * mn.float())
         supers = SuperScales(d, flat(sc), dmin, flat(mn))
-        return Decoded(flat(q), flat(scales), flat(mins), 0, 32, supers)
+        bits = 4 if code == GGMLType.Q4_K else 5
+        return Decoded(flat(q), flat(scales), flat(mins), 0, 32, bits, supers)
     if code == GGMLType.Q6_K:
         ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
         qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
@@ -223,9 +221,8 @@ def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
         low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
         high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
         q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
-        q = (q.view(torch.int8) - 32).to(torch.int8)
         scales = d.unsqueeze(-1) * sc.float()
-        return Decoded(flat(q), flat(scales), None, 0, 16, SuperScales(d, flat(sc)))
+        return Decoded(flat(q), flat(scales), None, 32, 16, 6, SuperScales(d, flat(sc)))
     raise ModelLoadError(f"no decoder for {code.name}")
 
 

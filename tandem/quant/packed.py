@@ -1,14 +1,14 @@
 """PackedWeight: a quantized matrix in the layout the integer-dot kernel reads.
 
 Any GGML format decodes (blocks.py) to ``w = scale * (q - offset) + min`` per group;
-packing keeps ``q`` as it is stored, at 4 bits (two a byte, for Q4_0 / Q4_1 / Q4_K)
-or 8 (everything else: Q5's 5-bit values take a byte), and the scales in the file's
-own precision, so that one kernel (tandem/kernels/quant_ops.cpp) serves every format:
+packing keeps ``q`` as it is stored, at the file's bits (4: Q4_0 / Q4_1 / Q4_K, two a
+byte; 5: the Q5 formats and 6: Q6_K, as those nibbles plus planes of the high bits;
+8: Q8_0's int8), the offset as a number the kernel takes off in integers, and the
+scales in the file's own precision, so that one kernel (tandem/kernels/quant_ops.cpp,
+which documents the layout) serves every format:
 
 - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: float16 scales [tiles, K/32, 16], the file's bits;
-  the constants as ``corr = min - offset * scale`` (float16: Q4_1 and Q5_1's minimums
-  are the file's ``m``), or, when there is only an offset (Q4_0, Q5_0), not at all:
-  the kernel computes ``-offset * scale``.
+  Q4_1 and Q5_1's minimums the same way (``corr``, the file's ``m``).
 - the K formats: a scale is a float16 ``d`` per super-block of 256 weights times an
   8-bit sub-scale per group (and a minimum ``-(dmin * sub-min)``), which no float16
   holds. They are kept factored, one record per tile and super-block (uint8
@@ -17,7 +17,7 @@ own precision, so that one kernel (tandem/kernels/quant_ops.cpp) serves every fo
       Q4_K, Q5_K (group 32): d[16], dmin[16] (float16), sub-scales [8][16] and
                              sub-mins [8][16] (uint8): 320 bytes
       Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
-  (Q4_K: 4.625 bits a weight against the file's 4.5; float32 products took 6.)
+  (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file.)
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
 reproduce: the activations quantized to int8 per block of 32 as the kernel does,
@@ -37,18 +37,18 @@ BLOCK = 32
 ROWS = 16  # rows per tile (the kernel's layout)
 SUPER = 256  # weights per K-format super-block
 
-# What each format packs to (as from_decoded makes it): 4-bit values or not, group
-# size, the offset left to the kernel, stored constants or not, and the bytes of a
-# super-block record (0: float16 scales, no records).
+# What each format packs to (as from_decoded makes it): bits a value, group size, the
+# values' offset, stored constants or not, and the bytes of a super-block record
+# (0: float16 scales, no records).
 _LAYOUT = {
-    GGMLType.Q4_0: (True, 32, 8.0, False, 0),
-    GGMLType.Q4_1: (True, 32, 0.0, True, 0),
-    GGMLType.Q5_0: (False, 32, 16.0, False, 0),
-    GGMLType.Q5_1: (False, 32, 0.0, True, 0),
-    GGMLType.Q8_0: (False, 32, 0.0, False, 0),
-    GGMLType.Q4_K: (True, 32, 0.0, False, 320),
-    GGMLType.Q5_K: (False, 32, 0.0, False, 320),
-    GGMLType.Q6_K: (False, 16, 0.0, False, 288),
+    GGMLType.Q4_0: (4, 32, 8.0, False, 0),
+    GGMLType.Q4_1: (4, 32, 0.0, True, 0),
+    GGMLType.Q5_0: (5, 32, 16.0, False, 0),
+    GGMLType.Q5_1: (5, 32, 0.0, True, 0),
+    GGMLType.Q8_0: (8, 32, 0.0, False, 0),
+    GGMLType.Q4_K: (4, 32, 0.0, False, 320),
+    GGMLType.Q5_K: (5, 32, 0.0, False, 320),
+    GGMLType.Q6_K: (6, 16, 32.0, False, 288),
 }
 
 
@@ -69,17 +69,13 @@ def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
 class PackedWeight:
     """A [rows, columns] matrix in tiles of 16 rows (layout in quant_ops.cpp)."""
 
-    values: torch.Tensor  # uint8 [tiles, K*8] (4-bit pairs) or int8 [tiles, K*16]
+    values: torch.Tensor  # uint8 [tiles, K * 2 * bits] (4-6 bits) or int8 [tiles, K*16]
     scales: torch.Tensor  # float16 [tiles, K/group, 16], or uint8 super-block records
-    corr: torch.Tensor | None  # like float16 scales; None: -offset * scale, or in records
+    corr: torch.Tensor | None  # like float16 scales: the minimums; None: none, or in records
     rows: int
     group: int
     source: str  # the format it came from, e.g. "Q4_1"
-    offset: float = 0.0  # Q4_0: 8, Q5_0: 16 (when corr is None)
-
-    @property
-    def nibbles(self) -> bool:
-        return self.values.dtype == torch.uint8
+    offset: float = 0.0  # the values': Q4_0 8, Q5_0 16, Q6_K 32
 
     @property
     def records(self) -> bool:
@@ -88,7 +84,16 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows, self.values.shape[1] // (ROWS // 2 if self.nibbles else ROWS)
+        if self.records:
+            return self.rows, self.scales.shape[1] // record_bytes(self.group) * SUPER
+        return self.rows, self.scales.shape[1] * self.group
+
+    @property
+    def bits(self) -> int:
+        """Bits a value takes: 4, 5 or 6 (uint8 nibbles and planes) or 8 (int8)."""
+        if self.values.dtype == torch.int8:
+            return 8
+        return self.values.shape[1] // (2 * self.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -97,27 +102,11 @@ class PackedWeight:
 
     @classmethod
     def from_decoded(cls, dec: Decoded, source: str) -> PackedWeight:
-        rows, columns = dec.values.shape
-        blocks = columns // BLOCK
-        q = _tile(dec.values, rows).reshape(-1, ROWS, blocks, BLOCK)
-        if dec.nibbles:
-            # byte (block, pair, row, i) = weight 4*pair+i | weight 16+4*pair+i << 4
-            q = q.reshape(-1, ROWS, blocks, 2, 4, 4)
-            packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [tiles, rows, blocks, 4, 4]
-            values = packed.permute(0, 2, 3, 1, 4)
-        else:
-            # (block, step, row, i) = weight 4*step+i
-            values = q.to(torch.int8).reshape(-1, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        values = values.reshape(values.shape[0], -1).contiguous()
-        if dec.supers is not None:
-            return cls(values, _records(dec, rows), None, rows, dec.group, source)
-        # Constants: stored only when the format has minimums; an offset alone is
-        # recomputed by the kernel from the scale.
+        rows = dec.values.shape[0]
+        values = _pack_values(_tile(dec.values, rows), dec.bits)
         offset = float(dec.offset)
-        corr = None
-        if dec.mins is not None:
-            corr = dec.mins - offset * dec.scales if offset else dec.mins
-            offset = 0.0
+        if dec.supers is not None:
+            return cls(values, _records(dec, rows), None, rows, dec.group, source, offset)
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
             half = t.half()
@@ -125,15 +114,8 @@ class PackedWeight:
                 raise ValueError(f"{source}'s scales are not float16 numbers")
             return _tile(half, rows).permute(0, 2, 1).contiguous()
 
-        return cls(
-            values,
-            tiled(dec.scales),
-            None if corr is None else tiled(corr),
-            rows,
-            dec.group,
-            source,
-            offset,
-        )
+        corr = None if dec.mins is None else tiled(dec.mins)
+        return cls(values, tiled(dec.scales), corr, rows, dec.group, source, offset)
 
     @classmethod
     def from_ggml(cls, code: GGMLType, raw: torch.Tensor, columns: int) -> PackedWeight:
@@ -183,27 +165,18 @@ class PackedWeight:
         if tiles is not None:
             values, scales = values[tiles], scales[tiles]
             corr = None if corr is None else corr[tiles]
-        columns = self.shape[1]
-        blocks = columns // BLOCK
-        if self.nibbles:
-            v = values.reshape(-1, blocks, 4, ROWS, 4).permute(0, 3, 1, 2, 4)
-            q = torch.stack([v & 0x0F, v >> 4], dim=3)  # [tiles, rows, blocks, 2, 4, 4]
-        else:
-            q = values.reshape(-1, blocks, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
-        q = q.reshape(-1, columns)
+        q = _unpack_values(values, self.bits).reshape(-1, self.shape[1])
 
         def untiled(t: torch.Tensor) -> torch.Tensor:
             return t.float().permute(0, 2, 1).reshape(-1, t.shape[1])
 
+        offset = int(self.offset)
         if self.records:
             scales, mins = _unrecord(scales, self.group)
             mins = None if mins is None else untiled(mins)
-            return Decoded(q, untiled(scales), mins, 0, self.group)
-        scales = untiled(scales)
+            return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
         mins = untiled(corr) if corr is not None else None
-        if corr is None and self.offset:
-            mins = -self.offset * scales
-        return Decoded(q, scales, mins, 0, self.group)
+        return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
@@ -234,6 +207,47 @@ class PackedWeight:
         cpu_kernels.load().quant_linear(
             out, x, self.values, self.scales, self.corr, bias, self.rows, self.group, self.offset
         )
+
+
+def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Tiled values [tiles, 16, K] (uint8, or int8 for 8 bits) -> [tiles, K * 2 * bits]
+    in the kernel's layout (quant_ops.cpp): per block of 32, ``bits`` vectors of
+    [16 rows, 4] bytes."""
+    tiles, _, columns = q.shape
+    q = q.reshape(tiles, ROWS, columns // BLOCK, 8, 4)  # (row, block, vector s, i)
+    if bits == 8:  # vector s: weights 4s..4s+3
+        vectors = q
+    else:
+        # Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high); then the high
+        # bits of the eight nibble vectors s = 4h + p, hb = bits - 4 each, s's at bit
+        # hb*s of the planes.
+        low, high = q & 0x0F, q >> 4
+        vectors = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
+        hb = bits - 4
+        if hb:
+            per_byte = 8 // hb
+            shifts = (hb * torch.arange(per_byte, dtype=torch.uint8)).view(1, 1, 1, 1, -1, 1)
+            planes = high.reshape(tiles, ROWS, -1, hb, per_byte, 4) << shifts
+            vectors = torch.cat([vectors, planes.sum(4, dtype=torch.uint8)], dim=3)
+    return vectors.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous()
+
+
+def _unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """_pack_values undone: [tiles, K * 2 * bits] -> [tiles, 16, K]."""
+    tiles = values.shape[0]
+    v = values.reshape(tiles, -1, bits, ROWS, 4).permute(0, 3, 1, 2, 4)  # (row, block, vector)
+    if bits == 8:
+        return v.reshape(tiles, ROWS, -1)
+    nibbles = v[:, :, :, :4]
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # nibble vectors s = 4h + p
+    hb = bits - 4
+    if hb:
+        per_byte = 8 // hb
+        shifts = (hb * torch.arange(per_byte, dtype=torch.uint8)).view(1, 1, 1, 1, -1, 1)
+        planes = v[:, :, :, 4:].unsqueeze(4) >> shifts  # (row, block, plane, s in it, i)
+        high = (planes & ((1 << hb) - 1)).reshape(low.shape)
+        low = low | (high << 4)
+    return low.reshape(tiles, ROWS, -1)
 
 
 def _records(dec: Decoded, rows: int) -> torch.Tensor:
@@ -277,9 +291,9 @@ def _unrecord(records: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 def _packed_shapes(code: GGMLType, rows: int, columns: int):
     """((values shape, dtype), (scales shape, dtype), whether corr is stored) of a
     [rows, columns] matrix of ``code`` packed (as ``allocate`` makes it)."""
-    nibbles, group, _, has_corr, record = _LAYOUT[code]
+    bits, group, _, has_corr, record = _LAYOUT[code]
     tiles = -(-rows // ROWS)
-    values = ((tiles, columns * (8 if nibbles else 16)), torch.uint8 if nibbles else torch.int8)
+    values = ((tiles, columns * 2 * bits), torch.int8 if bits == 8 else torch.uint8)
     if record:
         scales = ((tiles, columns // SUPER * record), torch.uint8)
     else:

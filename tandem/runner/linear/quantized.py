@@ -19,8 +19,8 @@ from tandem.quant.packed import ROWS, PackedWeight
 
 
 def _joinable(a: PackedWeight, b: PackedWeight) -> bool:
-    same = (a.nibbles, a.group, a.scales.dtype, a.corr is None, a.offset) == (
-        b.nibbles,
+    same = (a.bits, a.group, a.scales.dtype, a.corr is None, a.offset) == (
+        b.bits,
         b.group,
         b.scales.dtype,
         b.corr is None,
@@ -50,8 +50,8 @@ def _join(a: PackedWeight, b: PackedWeight) -> PackedWeight:
 
 
 def join_parts(parts: list[tuple[int, PackedWeight]]) -> list[tuple[int, PackedWeight]]:
-    """Adjacent parts in the same layout (4- or 8-bit values, group size, scale type,
-    constants) as one."""
+    """Adjacent parts in the same layout (bits a value, group size, scale type,
+    constants, offset) as one."""
     joined: list[tuple[int, PackedWeight]] = []
     for start, weight in parts:
         if joined and _joinable(joined[-1][1], weight):
