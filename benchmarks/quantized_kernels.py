@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
-from tandem.quant.blocks import BLOCK, GGMLType
+from tandem.quant.blocks import GGMLType
 from tandem.quant.packed import PackedWeight
 
 # Layers, and (out, in) of each linear layer of one layer: qkv, o, gate_up, down.
@@ -31,16 +31,8 @@ SHAPES = {
 
 
 def random_packed(code: GGMLType, rows: int, columns: int, rng) -> PackedWeight:
-    if code in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):  # valid scales and mins
-        raw = random_gguf.random_blocks(code, rows, columns, rng)
-        return PackedWeight.from_ggml(code, torch.from_numpy(raw), columns)
-    per_block, nbytes = BLOCK[code]
-    raw = rng.integers(0, 256, size=(rows, columns // per_block, nbytes), dtype=np.uint8)
-    offsets = (0, 2) if code in (GGMLType.Q4_1, GGMLType.Q5_1) else (0,)
-    for offset in offsets:
-        scale = rng.uniform(-1e-3, 1e-3, size=raw.shape[:2]).astype(np.float16)
-        raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return PackedWeight.from_ggml(code, torch.from_numpy(raw.reshape(rows, -1)), columns)
+    raw = random_gguf.random_blocks(code, rows, columns, rng)  # valid blocks of any format
+    return PackedWeight.from_ggml(code, torch.from_numpy(raw), columns)
 
 
 def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -> float:

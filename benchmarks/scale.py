@@ -1,7 +1,7 @@
 """Real-size files and long contexts against llama.cpp: same files, machine and run.
 
 ``files``: random-weight GGUF files of real models' shapes (tandem/models/random_gguf.py:
-Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B in Q4_0, Q8_0 and a Q4_K_M mix), written once
+Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B in Q4_0, Q8_0, Q4_K_M or Q5_K_M), written once
 into ``--dir``; per file, in a process of its own: load time (the ``LLM`` constructor,
 imports excluded), peak RSS while loading and steady RSS after (the KV cache's bytes
 shown beside them), batch-1 and batch-16 decode tok/s (33 new tokens after a 128-token

@@ -26,16 +26,16 @@ from gguf import quants
 
 from tandem import LLM, SamplingParams
 from tandem.errors import ModelLoadError
+from tandem.models import random_gguf
 from tandem.models.gguf_export import export_gguf
 from tandem.models.gguf_file import GGUFFile
 from tandem.models.gguf_tokenizer import build_tokenizer
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import load_model
 from tandem.models.quantized import packed_parts
-from tandem.models.random_gguf import FORMATS as FORMATS_WRITTEN
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.tokenizer import Tokenizer
-from tandem.quant.blocks import GGMLType, dequantize
+from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.runner.attention import CausalAttention
 from tandem.runner.linear import linear_method_for
 from tests.hf_models import save_model
@@ -217,7 +217,7 @@ def test_the_streaming_loader_keeps_every_weight_of_the_file(gguf_files, arch, f
         assert torch.equal(embedding.packed.dequantize(), expected)
 
 
-@pytest.mark.parametrize("fmt", FORMATS_WRITTEN)
+@pytest.mark.parametrize("fmt", random_gguf.FORMATS)
 def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
     """write_random_gguf in each recipe: the types llama-quantize gives each tensor
     (the output matrix Q6_K, K-quant mixes with Q6_K in the "more bits" layers), and
@@ -239,6 +239,16 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
     assert types["blk.3.ffn_gate.weight"] == types["blk.1.ffn_down.weight"] == main
     more_bits = "Q6_K" if fmt.endswith("_k_m") else main  # layer 0: the first eighth
     assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == more_bits
+
+
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_random_blocks_of_every_format_are_valid_weights(code):
+    """random_gguf.random_blocks (which the benchmarks and `tandem plan --measure` time
+    each format's kernel on): finite weights, centred, spread about 0.02."""
+    raw = random_gguf.random_blocks(code, 64, 512, np.random.default_rng(0))
+    w = dequantize(code, torch.from_numpy(raw), 512)
+    assert torch.isfinite(w).all()
+    assert abs(w.mean().item()) < 0.004 and 0.015 < w.std().item() < 0.025
 
 
 def test_a_large_file_loads_at_about_its_own_size(tmp_path):

@@ -115,6 +115,9 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
 STD = 0.02
 _Q_STD = {
     GGMLType.Q4_0: 4.61,  # q - 8, q uniform in 0..15
+    GGMLType.Q4_1: 4.61,  # q + m / d, q uniform in 0..15
+    GGMLType.Q5_0: 9.23,  # q - 16, q uniform in 0..31
+    GGMLType.Q5_1: 9.23,
     GGMLType.Q8_0: 73.9,  # int8 uniform
     # sc * q - (q's mean) * mn, q in 0..15 (Q5_K: 0..31), sc and mn 6-bit with bit 3
     # set: the spread of a million of them
@@ -136,8 +139,14 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
     n = rows * columns // per_block
     blocks = np.frombuffer(rng.bytes(n * size), np.uint8).reshape(n, size).copy()
     d = STD / _Q_STD[code]
-    if code in (GGMLType.Q4_0, GGMLType.Q8_0):
+    if code in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0):
         blocks[:, 0:2] = _f16_scales(rng, n, d)
+    elif code in (GGMLType.Q4_1, GGMLType.Q5_1):
+        # w = d*q + m: m = -(q's mean) * d centres the weights.
+        scales = _f16_scales(rng, n, d)
+        blocks[:, 0:2] = scales
+        mean = 7.5 if code == GGMLType.Q4_1 else 15.5
+        blocks[:, 2:4] = (scales.view(np.float16) * np.float16(-mean)).view(np.uint8)
     elif code in (GGMLType.Q4_K, GGMLType.Q5_K):
         # 12 bytes of 6-bit (scale, min) pairs: the low 6 bits of bytes 0-7 and the
         # nibbles of bytes 8-11 with the top 2 bits of 0-7; bit 3 set keeps each >= 8.

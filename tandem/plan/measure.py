@@ -54,21 +54,10 @@ def matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> flo
     return 2 * size**3 / seconds / 1e12
 
 
-# The kernel that multiplies each block format, by its layout (4-bit values or 8-bit,
-# group of 32 or 16): formats with no random-block writer time a twin.
-_KERNEL_TWIN = {
-    GGMLType.Q4_1: GGMLType.Q4_0,
-    GGMLType.Q5_0: GGMLType.Q8_0,
-    GGMLType.Q5_1: GGMLType.Q8_0,
-    GGMLType.Q5_K: GGMLType.Q8_0,
-}
-
-
 def _random_packed(code: GGMLType, rows: int, columns: int):
     from tandem.models.random_gguf import random_blocks
     from tandem.quant.packed import PackedWeight
 
-    code = _KERNEL_TWIN.get(code, code)
     raw = torch.from_numpy(random_blocks(code, rows, columns, np.random.default_rng(0)))
     return PackedWeight.from_ggml(code, raw, columns)
 
