@@ -27,6 +27,8 @@ from tandem.quant.packed import PackedWeight
 SHAPES = {
     "smollm2-135m": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
     "llama-3.2-1b": (16, [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]),
+    # 8 of Llama-3.1-8B's 32 layers: 1.75B weights, far past the caches.
+    "llama-3.1-8b": (8, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]),
 }
 
 
