@@ -52,11 +52,11 @@ struct Out {
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
 };
 
-// Values q[0..32) (of ``bits`` bits) of row r, 32-block b, into its tile: vector v of
-// the block at byte ((b * bits + v) * 16 + r) * 4 (quant_ops.cpp's layout).
+// Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
 inline uint8_t* at(uint8_t* tile, int bits, int64_t b, int64_t v, int64_t r) {
-  return tile + ((b * bits + v) * kRows + r) * 4;
+  return tile + quant::values::offset(bits, b, v, r);
 }
+// Values q[0..32) (of ``bits`` bits) of row r, 32-block b, into its tile.
 inline void put_values(uint8_t* tile, int bits, int64_t b, int64_t r, const uint8_t* q) {
   if (bits == 8) {
     for (int s = 0; s < 8; ++s) std::memcpy(at(tile, 8, b, s, r), q + 4 * s, 4);
@@ -69,7 +69,8 @@ inline void put_values(uint8_t* tile, int bits, int64_t b, int64_t r, const uint
   for (int v = 0; v < hb; ++v) std::memset(at(tile, bits, b, 4 + v, r), 0, 4);
   for (int s = 0; s < 8 && hb; ++s)  // nibble vector s = 4h + p: weights 16h + 4p + i
     for (int i = 0; i < 4; ++i)
-      at(tile, bits, b, 4 + hb * s / 8, r)[i] |= (q[4 * s + i] >> 4) << (hb * s % 8);
+      at(tile, bits, b, quant::values::high_vector(hb, s), r)[i] |=
+          (q[4 * s + i] >> 4) << quant::values::high_bit(hb, s);
 }
 inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t bits, void* dst) {
   static_cast<uint16_t*>(dst)[(tile * o.groups + g) * kRows + r] = bits;

@@ -59,9 +59,8 @@ constexpr int64_t kTokenChunk = 64;  // tokens whose quantized activations stay 
 struct Activations {
   std::vector<int8_t> q;   // [T, K]
   std::vector<float> d;    // [T, K/32]
-  std::vector<float> s16;  // [T, K/16]: d * sum(q) over each 16 values
-  std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block
-  std::vector<int32_t> i16;  // [T, K/16]: sum(q) over each 16 values
+  std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block (for the constants)
+  std::vector<int32_t> i16;  // [T, K/16]: sum(q) over each 16 values (for the offset)
 };
 
 // One block of 32: q = round-half-even(x * (1 / d)), d = max|x| * (1 / 127). Written
@@ -121,7 +120,6 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
   const int64_t nb = K / kBlock;
   a.q.resize(T * K);
   a.d.resize(T * nb);
-  a.s16.resize(T * 2 * nb);
   a.s32.resize(T * nb);
   a.i16.resize(T * 2 * nb);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
@@ -130,8 +128,6 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
         int32_t sum[2];
         const float d = quantize_block(x + t * x_stride + b * kBlock, a.q.data() + t * K + b * kBlock, sum);
         a.d[t * nb + b] = d;
-        a.s16[t * 2 * nb + 2 * b] = d * sum[0];
-        a.s16[t * 2 * nb + 2 * b + 1] = d * sum[1];
         a.s32[t * nb + b] = d * (sum[0] + sum[1]);
         a.i16[t * 2 * nb + 2 * b] = sum[0];
         a.i16[t * 2 * nb + 2 * b + 1] = sum[1];
@@ -154,6 +150,17 @@ constexpr int64_t min_unit(int64_t g) { return sub_unit(32, g) + 8; }  // group 
 constexpr int64_t bytes(int64_t group) { return (group == 32 ? 20 : 18) * kRows; }  // 320, 288
 }  // namespace record
 
+// Where a value lives (the layout at the top of this file): byte i of row r in vector v
+// of block b, for values of ``bits`` bits; and where the high bits of nibble vector s
+// (s = 4h + p) are, hb = bits - 4 of them: plane vector high_vector, from bit high_bit.
+// The one definition: the kernels below and pack_ops.cpp's packer use it
+// (tandem/quant/packed.py mirrors it in torch).
+namespace values {
+constexpr int64_t offset(int bits, int64_t b, int64_t v, int64_t r) { return ((b * bits + v) * kRows + r) * 4; }
+constexpr int high_vector(int hb, int s) { return 4 + hb * s / 8; }
+constexpr int high_bit(int hb, int s) { return hb * s % 8; }
+}  // namespace values
+
 // Where a matrix's scales and constants are, for either kind.
 struct ScaleTable {
   const void* scales;  // float16 [tiles, groups, 16], or uint8 records
@@ -163,7 +170,8 @@ struct ScaleTable {
   int64_t record;      // records: bytes of one; 0 for float16 scales
   int group;
 
-  // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
+  // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms;
+  // groups of 32 only (scale_table and quant_linear admit no others with them).
   bool has_constants() const { return corr != nullptr || (record && group == 32); }
   // The record of tile ``tile`` holding group g.
   const uint8_t* record_of(int64_t tile, int64_t g) const {
@@ -196,14 +204,13 @@ inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g
 // The value q of weight j (0..31) of row r in block b of a tile (``bits`` as laid out
 // at the top of this file), one at a time: the portable path and row lookups.
 inline int32_t value_at(const uint8_t* tile, int bits, int64_t b, int64_t r, int64_t j) {
-  const uint8_t* block = tile + b * bits * 64;
-  auto byte = [&](int64_t vector, int64_t i) { return block[(vector * kRows + r) * 4 + i]; };
+  auto byte = [&](int64_t vector, int64_t i) { return tile[values::offset(bits, b, vector, r) + i]; };
   if (bits == 8) return static_cast<int8_t>(byte(j / 4, j % 4));
-  const int64_t h = j / 16, p = (j % 16) / 4, i = j % 4;
-  int32_t q = h ? byte(p, i) >> 4 : byte(p, i) & 0x0F;
+  const int s = static_cast<int>(j / 4), i = static_cast<int>(j % 4);  // s = 4h + p
+  int32_t q = s >= 4 ? byte(s - 4, i) >> 4 : byte(s, i) & 0x0F;
   if (bits > 4) {
-    const int hb = bits - 4, at = hb * static_cast<int>(4 * h + p);
-    q |= ((byte(4 + at / 8, i) >> (at % 8)) & ((1 << hb) - 1)) << 4;
+    const int hb = bits - 4;
+    q |= ((byte(values::high_vector(hb, s), i) >> values::high_bit(hb, s)) & ((1 << hb) - 1)) << 4;
   }
   return q;
 }
@@ -288,8 +295,8 @@ inline __m512i broadcast4(const int8_t* p) {
 template <int kBits>
 inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
   constexpr int hb = kBits - 4;
-  const int at = hb * s, shift = 4 - at % 8;
-  __m512i v = planes[at / 8];
+  const int shift = 4 - values::high_bit(hb, s);
+  __m512i v = planes[values::high_vector(hb, s) - 4];
   if (shift > 0) v = _mm512_slli_epi16(v, shift);
   if (shift < 0) v = _mm512_srli_epi16(v, -shift);
   // low | (v & mask): bits 4.. of ``low`` are zero, and a 16-bit shift leaves each
@@ -370,14 +377,13 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
       }
     }
   }
-  if (p.s.has_constants()) {
+  if (kGroup == 32 && p.s.has_constants()) {
     __m512 dmin = _mm512_setzero_ps();
     for (int64_t g = 0; g < p.s.groups; ++g) {
       if (kScales == kRecords && g % 8 == 0) dmin = super16<kScales>(p.s, tile_index, g, 1);
       const __m512 c = constants16<kScales>(p.s, tile_index, g, dmin);
       for (int t = 0; t < NT; ++t) {
-        const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
-        acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[g]), acc[t]);
+        acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t]);
       }
     }
   }
@@ -456,8 +462,8 @@ inline __m256i broadcast4(const int8_t* p) {
 template <int kBits>
 inline __m256i with_high_bits(__m256i low, const __m256i* planes, int s) {
   constexpr int hb = kBits - 4;
-  const int at = hb * s, shift = 4 - at % 8;
-  __m256i v = planes[at / 8];
+  const int shift = 4 - values::high_bit(hb, s);
+  __m256i v = planes[values::high_vector(hb, s) - 4];
   if (shift > 0) v = _mm256_slli_epi16(v, shift);
   if (shift < 0) v = _mm256_srli_epi16(v, -shift);
   return _mm256_or_si256(low, _mm256_and_si256(v, _mm256_set1_epi8(((1 << hb) - 1) << 4)));
@@ -529,14 +535,13 @@ void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
       }
     }
   }
-  if (p.s.has_constants()) {
+  if (kGroup == 32 && p.s.has_constants()) {
     __m256 dmin = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.s.groups; ++g) {
       if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, half, g, 1);
       const __m256 c = constants8<kScales>(p.s, tile_index, half, g, dmin);
       for (int t = 0; t < NT; ++t) {
-        const float* xs = kGroup == 32 ? a.s32.data() + (t0 + t) * nb : a.s16.data() + (t0 + t) * 2 * nb;
-        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[g]), acc[t]);
+        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t]);
       }
     }
   }
@@ -578,10 +583,8 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
                  scale_at(p.s, tile_index, r, 2 * b + 1) * dx * dot[1];
         }
       }
-      if (p.s.has_constants()) {
-        const float* xs = kGroup == 32 ? a.s32.data() + tok * nb : a.s16.data() + tok * 2 * nb;
-        for (int64_t g = 0; g < p.s.groups; ++g) sum += constant_at(p.s, tile_index, r, g) * xs[g];
-      }
+      if (kGroup == 32 && p.s.has_constants())
+        for (int64_t g = 0; g < nb; ++g) sum += constant_at(p.s, tile_index, r, g) * a.s32[tok * nb + g];
       y[r] = sum;
     }
     store_rows(p, tile_index * kRows, tok, y);

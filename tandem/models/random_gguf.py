@@ -125,6 +125,9 @@ _Q_STD = {
     GGMLType.Q5_K: 540.0,
     GGMLType.Q6_K: 18.5 * 20.0,  # q - 32, q in 0..63, times a sub-scale in 8..31
 }
+# The mean of a format's unsigned values (0..15 or 0..31), for the minimums that
+# centre its weights on zero.
+_Q_MEAN = {GGMLType.Q4_1: 7.5, GGMLType.Q5_1: 15.5, GGMLType.Q4_K: 7.5, GGMLType.Q5_K: 15.5}
 
 
 def _f16_scales(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
@@ -145,8 +148,7 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         # w = d*q + m: m = -(q's mean) * d centres the weights.
         scales = _f16_scales(rng, n, d)
         blocks[:, 0:2] = scales
-        mean = 7.5 if code == GGMLType.Q4_1 else 15.5
-        blocks[:, 2:4] = (scales.view(np.float16) * np.float16(-mean)).view(np.uint8)
+        blocks[:, 2:4] = (scales.view(np.float16) * np.float16(-_Q_MEAN[code])).view(np.uint8)
     elif code in (GGMLType.Q4_K, GGMLType.Q5_K):
         # 12 bytes of 6-bit (scale, min) pairs: the low 6 bits of bytes 0-7 and the
         # nibbles of bytes 8-11 with the top 2 bits of 0-7; bit 3 set keeps each >= 8.
@@ -154,10 +156,9 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         blocks[:, 12:16] |= 0x88
         scales = _f16_scales(rng, n, d)
         blocks[:, 0:2] = scales
-        # w = d*sc*q - dmin*mn with q's mean 7.5 (Q5_K: 15.5): dmin = 7.5 d centres the
-        # weights on zero on average over groups (sc and mn have the same distribution).
-        mean = 7.5 if code == GGMLType.Q4_K else 15.5
-        dmin = scales.view(np.float16) * np.float16(mean)
+        # w = d*sc*q - dmin*mn: dmin = (q's mean) * d centres the weights on zero on
+        # average over groups (sc and mn have the same distribution).
+        dmin = scales.view(np.float16) * np.float16(_Q_MEAN[code])
         blocks[:, 2:4] = dmin.view(np.uint8).reshape(n, 2)
     elif code == GGMLType.Q6_K:
         blocks[:, 192:208] = rng.integers(8, 32, (n, 16), dtype=np.uint8)
