@@ -90,6 +90,25 @@ class SchedulerConfig:
             )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the model (tandem/executor/)."""
+
+    tensor_parallel_size: int = setting(
+        1, "ranks that each hold 1/N of every weight matrix and of the KV heads, one "
+        "process each on this host (torch.distributed, gloo), their CPU threads split "
+        "between them", "N", "--tensor-parallel-size",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+            raise InvalidParameterError(
+                "tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL}]"
+            )
+
+
+MAX_TENSOR_PARALLEL = 64
+
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "layer_skip", "eagle")
 
 
@@ -226,6 +245,7 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
 
@@ -235,7 +255,7 @@ class EngineConfig:
                                "speculative_config")  # fmt: skip
         kv_transfer = _section(kwargs.pop("kv_transfer_config", None), KVTransferConfig,
                                "kv_transfer_config")  # fmt: skip
-        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         top = {f.name for f in dataclasses.fields(cls)} - set(sections)
         top -= {"model", "speculative", "kv_transfer"}
         values: dict[str, dict[str, Any]] = {name: {} for name in sections}

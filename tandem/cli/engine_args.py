@@ -17,6 +17,7 @@ from tandem.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -37,8 +38,8 @@ class FlagGroup:
 
 
 ENGINE = FlagGroup(
-    "engine", "engine", (EngineConfig, CacheConfig, SchedulerConfig),
-    skipped=frozenset({"model", "cache", "scheduler", "speculative", "kv_transfer"}),
+    "engine", "engine", (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig),
+    skipped=frozenset({"model", "cache", "scheduler", "parallel", "speculative", "kv_transfer"}),
 )  # fmt: skip
 SPECULATIVE = FlagGroup(
     "speculative", "speculative decoding", (SpeculativeConfig,), "speculative_config"

@@ -38,12 +38,13 @@ __all__ = ["Engine", "PromptInput"]
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """``runner``: anything with ``info`` (a RunnerInfo) and ``execute``; by default
-        a ModelRunner that loads ``config.model`` (the one place torch enters)."""
+        the executor ``config`` asks for (tandem/executor/: a ModelRunner that loads
+        ``config.model``, or tensor-parallel ranks; the one place torch enters)."""
         self.config = config
         if runner is None:
-            from tandem.runner.model_runner import ModelRunner
+            from tandem.executor import make_executor
 
-            runner = ModelRunner.from_config(config)
+            runner = make_executor(config)
         self.runner = runner
         self.model_info = info = runner.info
         self.tokenizer = info.tokenizer

@@ -30,9 +30,11 @@ from tandem.models.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from tandem.models.gguf_tokenizer import build_tokenizer
 from tandem.models.quantized import quantize_linear_layers
 from tandem.models.registry import model_class_for
+from tandem.models.sharding import ShardPlan, shard_model
 from tandem.models.tokenizer import Tokenizer
 from tandem.models.weight_loading import load_weights
 from tandem.models.weight_source import SafetensorsCheckpoint, read_json
+from tandem.quant.blocks import BLOCK
 
 
 @dataclass
@@ -45,6 +47,8 @@ class LoadedModel:
     device: torch.device
     # generation_config.json as written, for default sampling settings.
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # A tensor-parallel rank's plan (``config`` is then the rank's share of the model).
+    shard: ShardPlan | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -133,6 +137,7 @@ def load_model(
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
     quantization: str = "auto",
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
@@ -141,7 +146,8 @@ def load_model(
     ``dtype``, as transformers' GGUF loader does, which is also the reference the tests
     compare the kernels with) and a float checkpoint float; ``none`` makes every
     weight float in ``dtype``; ``q8_0`` / ``q4_0`` / ``q4_k`` quantize every linear
-    layer on load into that llama.cpp format."""
+    layer on load into that llama.cpp format. ``tensor_parallel``: (rank, size): the
+    rank's shard of every weight (models/sharding.py); the config is then the rank's."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(
             f"quantization {quantization!r} is not supported (use {', '.join(QUANTIZATIONS)})"
@@ -163,11 +169,19 @@ def load_model(
         and quantization == "auto"
         and cpu_kernels.available(device, torch.float32)
     )
-    # Built without allocating (meta); load_weights materialises what stays float.
-    with torch.device("meta"), _initializers_skipped():
-        model = cls(config).to(dtype)
     with source, torch.no_grad():
-        model = load_weights(model, source.tensors(), str(folder), device, dtype, keep)
+        tensors = list(source.tensors())
+        shard = None
+        if tensor_parallel is not None and tensor_parallel[1] > 1:
+            blocks = [BLOCK[t.type][0] for t in tensors if t.quantized]
+            shard = ShardPlan(config, *tensor_parallel, block=max(blocks, default=1))
+            config = shard.config
+        # Built without allocating (meta); load_weights materialises what stays float.
+        with torch.device("meta"), _initializers_skipped():
+            model = cls(config).to(dtype)
+            if shard is not None:
+                shard_model(model, shard)
+        model = load_weights(model, tensors, str(folder), device, dtype, keep, shard)
         if quantization not in ("auto", "none"):
             quantize_linear_layers(model, quantization, device)
     model.eval().requires_grad_(False)
@@ -182,4 +196,4 @@ def load_model(
         generation_path = path / "generation_config.json"
         if generation_path.is_file():
             generation_config = read_json(generation_path)
-    return LoadedModel(folder, config, model, tokenizer, dtype, device, generation_config)
+    return LoadedModel(folder, config, model, tokenizer, dtype, device, generation_config, shard)

@@ -15,8 +15,8 @@
     check     every parameter (every part of a fused one) got its tensor
 
 So the process holds the model as it will run plus one tensor of the file, never the
-file beside it. The loaders are the seam for sharding (tensor parallelism takes one
-rank's slice of each tensor here).
+file beside it. A tensor-parallel rank narrows each tensor to its slice first
+(models/sharding.py): it reads and holds only its share.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tandem.models.quantized import (
     set_half_weight_part,
     set_packed_part,
 )
+from tandem.models.sharding import ShardPlan
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import GGMLType, dequantize
 from tandem.quant.packed import ROWS, PackedWeight
@@ -79,10 +80,13 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype,
     keep_quantized: bool,
+    shard: ShardPlan | None = None,
 ) -> nn.Module:
     """Fill ``model`` (built on meta, in ``dtype``) from ``tensors`` and return it on
     ``device``. ``keep_quantized``: block-quantized matrices stay in their formats
-    (the caller checked that the compiled kernels run here)."""
+    (the caller checked that the compiled kernels run here). ``shard``: a
+    tensor-parallel rank's plan; each tensor is narrowed to the rank's slice before it
+    is read (the model was built from ``shard.config`` and cut by ``shard_model``)."""
     tensors = list(tensors)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -98,6 +102,8 @@ def load_weights(
             continue
         if target[0] not in params:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {tensor.file}")
+        if shard is not None:
+            tensor = shard.narrow(*target, tensor)
         targeted.append((tensor, *target))
         by_param[target[0]].append((target[1], tensor))
 

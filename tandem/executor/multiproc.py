@@ -1,0 +1,93 @@
+"""Tensor parallelism on one host: this process is rank 0, ranks 1..N-1 are workers.
+
+    __init__   start the workers (python -m tandem.executor.worker), host the
+               rendezvous, send them the config; every rank loads its shard
+               (models/sharding.py) and sizes the same KV pool
+    execute    send the step to every worker, run rank 0's share; the ranks meet in
+               each layer's all-reduce and in the logits' all-gather, and rank 0's
+               sampled tokens are the result (every rank samples the same ones)
+    close      tell the workers to stop and wait for them
+
+A worker that dies makes the step it was in raise (its socket closes: gloo fails the
+collective at once); from then on every step raises the same error, naming the
+rank and its exit status, so requests end with an error and never wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from tandem.config import EngineConfig
+from tandem.errors import EngineStepError
+from tandem.executor import ranks
+from tandem.executor.worker import STOP
+
+logger = logging.getLogger("tandem.executor")
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.parallel.tensor_parallel_size
+        port = ranks.free_port()
+        worker = [sys.executable, "-m", "tandem.executor.worker", ranks.ADDRESS, str(port)]
+        self.workers = [
+            subprocess.Popen([*worker, str(rank), str(size)]) for rank in range(1, size)
+        ]
+        self.broken: str | None = None
+        try:
+            ranks.join_as_driver(port, size, self._dead_worker)
+            ranks.send(config)
+            self.runner = ranks.build_runner(config, 0, size)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.info = self.runner.info
+        atexit.register(self.close)
+
+    @property
+    def spec_stats(self):
+        return self.runner.spec_stats
+
+    def execute(self, scheduler_output):
+        if self.broken is None:
+            self.broken = self._dead_worker()
+        if self.broken is not None:
+            raise EngineStepError(self.broken)
+        try:
+            ranks.send(scheduler_output)
+            return self.runner.execute(scheduler_output)
+        except RuntimeError as exc:  # a collective failed: a rank went away
+            self.broken = self._dead_worker() or f"a tensor-parallel collective failed: {exc}"
+            raise EngineStepError(self.broken) from exc
+
+    def _dead_worker(self) -> str | None:
+        for rank, worker in enumerate(self.workers, start=1):
+            if worker.poll() is not None:
+                return f"tensor-parallel rank {rank} exited with status {worker.returncode}"
+        return None
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if not self.workers:
+            return
+        if self.broken is None and self._dead_worker() is None:
+            with contextlib.suppress(RuntimeError):  # a worker went away meanwhile
+                ranks.send(STOP)
+        self._stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_workers(self, grace_s: float = 10.0) -> None:
+        for worker in self.workers:
+            try:
+                worker.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        self.workers = []

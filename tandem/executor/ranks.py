@@ -1,0 +1,87 @@
+"""What every tensor-parallel rank does the same way: join the group, split the CPU
+threads, build its runner, and pass each step's message from rank 0 to the others.
+
+The group is torch.distributed's gloo over TCP. Rank 0 hosts the rendezvous store;
+each worker writes ``ready/<rank>`` there once it is running, so rank 0 can tell a
+worker that died while starting (it polls the processes while it waits) from one
+that is slow. Collectives then wait without a deadline (``IDLE``): a worker waits in
+the step broadcast for as long as the server is idle. A rank that dies breaks the
+others' sockets: their collective raises at once (never a hang), and rank 0 fails
+the step and every one after it.
+
+Each step's message is the SchedulerOutput, pickled and broadcast by
+``broadcast_object_list`` (two gloo broadcasts: its size, then its bytes);
+benchmarks/tensor_parallel.py times it beside the step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig
+from tandem.errors import ModelLoadError
+
+ADDRESS = "127.0.0.1"
+IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
+START_TIMEOUT_S = 120.0  # for every worker to reach the rendezvous
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((ADDRESS, 0))
+        return s.getsockname()[1]
+
+
+def join_as_driver(port: int, size: int, alive: Callable[[], str | None]) -> None:
+    """Rank 0: host the store, wait for every worker (``alive`` says why one died,
+    or None), then join the group."""
+    store = dist.TCPStore(ADDRESS, port, size, is_master=True, wait_for_workers=False,
+                          timeout=IDLE)  # fmt: skip
+    deadline = time.monotonic() + START_TIMEOUT_S
+    keys = [f"ready/{rank}" for rank in range(1, size)]
+    while not all(store.check([key]) for key in keys):
+        problem = alive()
+        if problem is not None:
+            raise ModelLoadError(f"a tensor-parallel worker did not start: {problem}")
+        if time.monotonic() > deadline:
+            raise ModelLoadError(f"tensor-parallel workers did not start in {START_TIMEOUT_S} s")
+        time.sleep(0.05)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=IDLE)
+
+
+def join_as_worker(address: str, port: int, rank: int, size: int) -> None:
+    store = dist.TCPStore(address, port, size, is_master=False, timeout=IDLE)
+    store.set(f"ready/{rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE)
+
+
+def split_threads(size: int) -> None:
+    """Each of ``size`` ranks on this host takes its share of the CPU's threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // size))
+
+
+def build_runner(config: EngineConfig, rank: int, size: int):
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.tensor_parallel import TensorParallel
+
+    split_threads(size)
+    return ModelRunner.from_config(config, TensorParallel(rank, size))
+
+
+def send(message: object) -> None:
+    """Rank 0: ``message`` to every other rank."""
+    dist.broadcast_object_list([message], src=0)
+
+
+def receive() -> object:
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

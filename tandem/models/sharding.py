@@ -1,0 +1,190 @@
+"""Which slice of every weight one tensor-parallel rank holds (Megatron's layout).
+
+    q/k/v, gate/up   column-parallel: a rank's rows (its heads, its share of the MLP)
+    o, down          row-parallel: the matching columns; the ranks' outputs are partial
+                     sums, added by an all-reduce (runner/linear/parallel.py)
+    embedding, head  vocabulary-parallel: a rank's rows of the vocabulary (lookups
+                     all-reduced, logits gathered)
+    everything else  (norms, biases of row-parallel layers) whole on every rank
+
+Heads are split by KV groups, so that a rank's query heads read only its own KV
+heads: with at least as many KV heads as ranks each rank takes a run of whole groups
+(uneven where they do not divide: SmolLM2's 3 KV heads on 2 ranks are 2 + 1, its 9
+query heads 6 + 3); with fewer, each KV head is copied to several ranks and its
+group's query heads split between them. A block-quantized tensor is cut on whole
+blocks along its columns and whole packed tiles along its rows.
+
+Pure arithmetic on the ModelConfig: the model files never learn about ranks; the
+loader narrows each checkpoint tensor (``ShardPlan.narrow``) and builds the model
+from ``ShardPlan.config``, and the runner adds the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.config import ModelConfig
+from tandem.models.weight_source import CheckpointTensor
+from tandem.quant.blocks import BLOCK
+from tandem.quant.packed import ROWS
+
+COLUMN, ROW, VOCAB = "column", "row", "vocab"
+
+# Module name -> (how it is split, the unit of each fused part's rows or its columns).
+LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": (COLUMN, ("q", "kv", "kv")),
+    "gate_up_proj": (COLUMN, ("mlp", "mlp")),
+    "o_proj": (ROW, ("q",)),
+    "down_proj": (ROW, ("mlp",)),
+    "embed_tokens": (VOCAB, ("vocab",)),
+    "lm_head": (VOCAB, ("vocab",)),
+}
+# Families whose modules LAYOUT names (GPT-2's fused c_attn is not yet split).
+SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # fmt: skip
+
+
+def split_evenly(total: int, parts: int, index: int, unit: int = 1) -> range:
+    """Part ``index`` of ``total`` cut into ``parts`` runs of whole ``unit``s, the
+    first ones a unit longer where they do not divide (the last may end on a partial
+    unit when ``total`` is not whole units)."""
+    units = -(-total // unit)
+    size, extra = divmod(units, parts)
+    start = index * size + min(index, extra)
+    stop = start + size + (index < extra)
+    return range(min(start * unit, total), min(stop * unit, total))
+
+
+def head_ranges(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[range, range]:
+    """(query heads, KV heads) of ``rank`` out of ``size`` (the module's docstring)."""
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{num_heads} query heads are not whole groups of {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        kv = split_evenly(num_kv_heads, size, rank)
+        return range(kv.start * group, kv.stop * group), kv
+    kv_head = next(h for h in range(num_kv_heads) if rank in split_evenly(size, num_kv_heads, h))
+    sharers = split_evenly(size, num_kv_heads, kv_head)
+    if len(sharers) > group:
+        raise ModelLoadError(
+            f"tensor-parallel size {size} leaves a rank without attention heads "
+            f"({num_heads} query heads in {num_kv_heads} groups of {group})"
+        )
+    q = split_evenly(group, len(sharers), rank - sharers.start)
+    first = kv_head * group
+    return range(first + q.start, first + q.stop), range(kv_head, kv_head + 1)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank ``rank`` of ``size``: its ranges of heads, MLP columns and vocabulary."""
+
+    full: ModelConfig
+    rank: int
+    size: int
+    # The weights a quantized block of the file holds (its largest format's): MLP
+    # columns are cut on whole blocks, so that a quantized down projection splits.
+    block: int = 1
+
+    def __post_init__(self) -> None:
+        if self.full.architecture not in SHARDABLE:
+            raise ModelLoadError(
+                f"tensor parallelism does not split {self.full.architecture} yet "
+                f"(it splits {', '.join(SHARDABLE)})"
+            )
+        if -(-self.full.intermediate_size // self.block) < self.size:
+            raise ModelLoadError(
+                f"an MLP of {self.full.intermediate_size} columns in blocks of {self.block} "
+                f"cannot be split across {self.size} tensor-parallel ranks"
+            )
+
+    @property
+    def heads(self) -> tuple[range, range]:
+        return head_ranges(self.full.num_heads, self.full.num_kv_heads, self.size, self.rank)
+
+    @property
+    def ranges(self) -> dict[str, range]:
+        """Each unit's range in a weight's rows or columns: the rank's query and KV
+        heads' rows, its MLP columns (whole blocks of the file: ``block``) and its vocabulary
+        rows (whole packed tiles)."""
+        q, kv = self.heads
+        d = self.full.head_dim
+        return {
+            "q": range(q.start * d, q.stop * d),
+            "kv": range(kv.start * d, kv.stop * d),
+            "mlp": split_evenly(self.full.intermediate_size, self.size, self.rank, self.block),
+            "vocab": split_evenly(self.full.vocab_size, self.size, self.rank, ROWS),
+        }
+
+    @property
+    def vocab(self) -> range:
+        return self.ranges["vocab"]
+
+    @property
+    def config(self) -> ModelConfig:
+        """The rank's model: its heads and MLP columns (the vocabulary stays whole in
+        the config; the embedding and head are cut by ``shard_model``)."""
+        q, kv = self.heads
+        return dataclasses.replace(
+            self.full,
+            num_heads=len(q),
+            num_kv_heads=len(kv),
+            intermediate_size=len(self.ranges["mlp"]),
+        )
+
+    def narrow(self, param_name: str, part: int | None, tensor: CheckpointTensor):
+        """This rank's slice of a checkpoint tensor bound for ``param_name`` (its fused
+        ``part``); the tensor itself where the rank holds it whole."""
+        module_name, _, kind = param_name.rpartition(".")
+        layout = LAYOUT.get(module_name.rpartition(".")[2])
+        if layout is None:
+            return tensor
+        how, units = layout
+        unit_name = units[part or 0]
+        ranges = self.ranges
+        if how == ROW:
+            if kind == "bias":
+                return tensor  # added once, after the all-reduce (rank 0 keeps it)
+            return _narrow(tensor, 1, ranges[unit_name])
+        return _narrow(tensor, 0, ranges[unit_name])
+
+
+def _narrow(tensor: CheckpointTensor, dim: int, span: range) -> CheckpointTensor:
+    if tensor.quantized and dim == len(tensor.shape) - 1:
+        weights = BLOCK[tensor.type][0]
+        if span.start % weights or span.stop % weights:
+            raise ModelLoadError(
+                f"tensor {tensor.name!r} in {tensor.file}: columns {span.start}-{span.stop} "
+                f"of a tensor-parallel shard do not fall on its {weights}-weight blocks"
+            )
+    return tensor.narrow(dim, span.start, len(span))
+
+
+def parallel_style(module_name: str) -> str | None:
+    """COLUMN, ROW or VOCAB for a module LAYOUT splits, else None (whole)."""
+    layout = LAYOUT.get(module_name.rpartition(".")[2])
+    return layout[0] if layout else None
+
+
+def shard_model(model: nn.Module, plan: ShardPlan) -> None:
+    """Cut the embedding and the LM head of ``model`` (built on meta from
+    ``plan.config``) to the rank's vocabulary rows; record each split layer's style
+    (``tp_style``) for the runner's collectives."""
+    vocab = plan.vocab
+    for name, module in model.named_modules():
+        style = parallel_style(name)
+        if style is None:
+            continue
+        module.tp_style = style
+        if style != VOCAB:
+            continue
+        full = module.weight
+        module.weight = nn.Parameter(full.new_empty(len(vocab), full.shape[1]), False)
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = len(vocab)
+        else:
+            module.out_features = len(vocab)

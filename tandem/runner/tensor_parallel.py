@@ -1,0 +1,98 @@
+"""One tensor-parallel rank's view: its place in the group, and the model's collectives.
+
+The executor (tandem/executor/) starts the ranks and their torch.distributed group;
+the loader gives each rank its shard of the weights (models/sharding.py); this module
+adds what a shard needs to compute the whole model's numbers:
+
+    row-parallel layers (o, down)   all-reduce of the partial sums (runner/linear/parallel.py)
+    the LM head                     all-gather of the ranks' logits
+    the token embedding             each rank looks up the ids in its rows, zeros for the
+                                    others; an all-reduce assembles the rows
+    the KV cache                    the rank's KV heads only; every rank holds the same
+                                    number of blocks (the smallest any rank can afford),
+                                    since one scheduler counts them for all
+
+Every rank ends a step with the same logits (all-gathered), samples them with the
+same generator state and so draws the same tokens: the ranks' request states stay
+equal without sending tokens back; rank 0's are the ones returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.linear import Linear, LinearMethod
+from tandem.models.quantized import replace_module
+from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, split_evenly
+from tandem.quant.packed import ROWS
+from tandem.runner.linear.parallel import parallel_linear_method
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's rank in a tensor-parallel group of ``size``."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None  # None: the default (world) group
+
+    def vocab_sizes(self, vocab_size: int) -> list[int]:
+        """Each rank's vocabulary rows (models/sharding.py splits them so)."""
+        return [len(split_evenly(vocab_size, self.size, r, ROWS)) for r in range(self.size)]
+
+    def raise_any(self, failure: Exception | None) -> None:
+        """Raise, on every rank, the first rank's failure (None: this rank's went
+        well); each rank calls it."""
+        failures: list[str | None] = [None] * self.size
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(failures, mine, group=self.group)
+        for rank, text in enumerate(failures):
+            if text is not None:
+                if rank == self.rank and failure is not None:
+                    raise failure
+                raise ModelLoadError(f"tensor-parallel rank {rank} failed to load: {text}")
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (each rank calls it)."""
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows of the embedding; a lookup is whole after the all-reduce."""
+
+    def __init__(self, local: nn.Module, rows: range, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.local, self.rows, self.group = local, rows, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local_ids = ids - self.rows.start
+        outside = (local_ids < 0) | (local_ids >= len(self.rows))
+        out = self.local(local_ids.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def parallelize_embedding(model: nn.Module, shard: ShardPlan, tp: TensorParallel) -> None:
+    """Wrap the vocabulary-split embedding (float or quantized) so that its lookups
+    are whole rows."""
+    for name, module in list(model.named_modules()):
+        if parallel_style(name) == VOCAB and not isinstance(module, Linear):
+            replace_module(model, name, VocabParallelEmbedding(module, shard.vocab, tp.group))
+
+
+def method_with_collectives(tp: TensorParallel, vocab_size: int):
+    """``linear_method_for``'s choice for a layer, with its split's collective."""
+    sizes = tp.vocab_sizes(vocab_size)
+
+    def wrap(layer: Linear, inner: LinearMethod) -> LinearMethod:
+        return parallel_linear_method(layer, inner, tp.group, tp.rank, sizes)
+
+    return wrap

@@ -1,0 +1,211 @@
+"""Tensor parallelism: the shard arithmetic, and real rank processes on a gloo group
+against one process and against transformers on the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.errors import EngineStepError, InvalidParameterError, ModelLoadError
+from tandem.models.random_gguf import Shape, write_random_gguf
+from tandem.models.sharding import head_ranges, split_evenly
+from tandem.models.weight_source import CheckpointTensor
+from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.server.launch import tandem_process
+from tests.hf_models import VOCAB_SIZE, reference_greedy
+
+# -- the arithmetic ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("total,parts,unit", [(10, 3, 1), (768, 2, 256), (49152, 4, 16), (7, 7, 1)])
+def test_split_evenly_covers_everything_once_in_whole_units(total, parts, unit):
+    spans = [split_evenly(total, parts, i, unit) for i in range(parts)]
+    assert [x for s in spans for x in s] == list(range(total))
+    assert all(s.start % unit == 0 for s in spans)
+    sizes = [len(s) for s in spans]
+    assert max(sizes) - min(sizes) <= unit
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads",
+    [(9, 3), (32, 8), (4, 2), (8, 1), (12, 4), (6, 6)],
+)
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
+def test_head_ranges_give_each_query_head_once_with_its_kv_head(heads, kv_heads, size):
+    group = heads // kv_heads
+    if size > heads:
+        return
+    try:
+        parts = [head_ranges(heads, kv_heads, size, rank) for rank in range(size)]
+    except ModelLoadError:  # a rank would get no query head: refused, by name
+        assert kv_heads < size and any(
+            len(split_evenly(size, kv_heads, h)) > group for h in range(kv_heads)
+        )
+        return
+    assert sorted(h for q, _ in parts for h in q) == list(range(heads))
+    for q, kv in parts:
+        assert len(q) >= 1 and len(kv) >= 1
+        assert {h // group for h in q} == set(kv)  # its query heads read its KV heads only
+    if kv_heads >= size:  # KV heads split, not copied
+        assert sorted(h for _, kv in parts for h in kv) == list(range(kv_heads))
+
+
+def test_a_quantized_tensor_narrows_on_whole_blocks():
+    rng = np.random.default_rng(0)
+    from tandem.models.random_gguf import random_blocks
+
+    code = GGMLType.Q4_K
+    raw = torch.from_numpy(random_blocks(code, 32, 1024, rng))
+    whole = CheckpointTensor("w", (32, 1024), "f", code, lambda: raw)
+    full = dequantize(code, raw, 1024)
+    cols = whole.narrow(1, 256, 512)
+    assert cols.shape == (32, 512)
+    assert torch.equal(dequantize(code, cols.read().contiguous(), 512), full[:, 256:768])
+    rows = whole.narrow(0, 16, 8)
+    assert torch.equal(dequantize(code, rows.read(), 1024), full[16:24])
+    assert BLOCK[code][0] == 256
+
+
+# -- real ranks ------------------------------------------------------------------------
+
+
+def prompts(lengths: list[int], seed: int, vocab: int = VOCAB_SIZE) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _generate(llm: LLM, ids: list[list[int]], n: int = 8):
+    params = SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    return llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+
+
+def _assert_same(ours, reference, atol: float, most_within: float | None = None) -> None:
+    """The same greedy tokens, and each position's top log-probabilities within
+    ``atol`` (prompt positions and generated ones); ``most_within``: and at least half
+    the positions within that."""
+    diffs = []
+    for a, b in zip(ours, reference, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        rows_a = a.prompt_logprobs[1:] + a.outputs[0].logprobs
+        rows_b = b.prompt_logprobs[1:] + b.outputs[0].logprobs
+        for x, y in zip(rows_a, rows_b, strict=True):
+            top = [t for t, entry in y.items() if entry.rank is not None and entry.rank <= 2]
+            diffs.append(max(abs(x[t].logprob - y[t].logprob) for t in top))
+    assert max(diffs) < atol, diffs
+    if most_within is not None:
+        assert sorted(diffs)[len(diffs) // 2] < most_within, diffs
+
+
+def _close(llm: LLM) -> None:
+    llm.engine.runner.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_like(model_dirs):
+    """SmolLM2-135M's head layout (9 query heads over 3 KV heads: not divisible by 2),
+    small."""
+    return model_dirs(
+        "llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=96, num_hidden_layers=3, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, arch):
+    """Mistral's sliding window, Qwen2's q/k/v biases (cut with their rows), Qwen3's
+    per-head norms, Gemma 3's local and global layers, each on 2 ranks."""
+    folder, hf_model = smollm2_like if arch == "smollm2-like" else model_dirs(arch)
+    ids = prompts([7, 13, 5], seed=4)
+    one = LLM(str(folder), max_num_seqs=4)
+    reference = _generate(one, ids)
+    two = LLM(str(folder), max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        ours = _generate(two, ids)
+    finally:
+        _close(two)
+    _assert_same(ours, reference, atol=1e-4)
+    # and transformers' greedy tokens on the same weights
+    assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)
+
+
+@pytest.mark.parametrize("fmt,shape", [
+    ("q8_0", Shape(576, 2, 9, 3, 1536, tied=True, vocab=2048, context=512)),
+    ("q4_k_m", Shape(512, 2, 8, 2, 1024, tied=False, vocab=1024, context=512)),
+])  # fmt: skip
+def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
+    """Each rank reads its blocks of the file (row shards on whole tiles, column shards
+    on whole blocks: Q4_K's 256 weights). The only difference from one process is the
+    order of a float sum (1e-7), but the kernels quantize activations to int8 per block
+    of 32: where that moves a value across a rounding boundary, the token and those
+    after it (through its K/V) move by up to 1e-2, so most positions agree to 1e-5
+    and all to 3e-2 (a wrong shard is off by far more; the same file dequantized to
+    float agrees to 2e-6 everywhere)."""
+    path = write_random_gguf(tmp_path / f"random-{fmt}.gguf", shape, fmt)
+    ids = prompts([11, 6], seed=5, vocab=shape.vocab)
+    one = LLM(str(path), max_num_seqs=2, max_model_len=64)
+    reference = _generate(one, ids)
+    size = 3 if shape.kv_heads == 3 else 2
+    many = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=size)
+    try:
+        ours = _generate(many, ids)
+    finally:
+        _close(many)
+    _assert_same(ours, reference, atol=3e-2, most_within=1e-5)
+
+
+def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
+    folder, _ = smollm2_like
+    llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
+    worker = llm.engine.runner.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    started = time.monotonic()
+    with pytest.raises(EngineStepError, match="rank 1 exited"):
+        _generate(llm, prompts([5], seed=0))
+    assert time.monotonic() - started < 30
+    _close(llm)
+
+
+def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like, model_dirs):
+    folder, _ = smollm2_like
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+        LLM(str(folder), tensor_parallel_size=0)
+    with pytest.raises(InvalidParameterError, match="speculative method 'draft'"):
+        LLM(str(folder), tensor_parallel_size=2, speculative_config={"method": "draft"})
+    with pytest.raises(ModelLoadError, match="without attention heads"):
+        LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
+    gpt2, _ = model_dirs("gpt2")
+    with pytest.raises(ModelLoadError, match="does not split GPT2LMHeadModel"):
+        LLM(str(gpt2), tensor_parallel_size=2)
+
+
+def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
+    """`tandem serve --tensor-parallel-size 2`: the engine core process starts the
+    second rank; the answer equals one process's."""
+    import openai
+
+    folder, _ = smollm2_like
+    ids = prompts([9], seed=6)[0]
+    with tandem_process(
+        "serve", "--model", str(folder), "--served-model-name", "tp", "--tensor-parallel-size",
+        "2",
+    ) as url:  # fmt: skip
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        done = client.completions.create(
+            model="tp", prompt=ids, max_tokens=8, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 8
+    one = LLM(str(folder), max_num_seqs=1)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = one.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert done.choices[0].text == expected.outputs[0].text
