@@ -7,9 +7,10 @@ of 512 tokens (its time to first token), in a process of its own per size (the r
 split the machine's cores between them). On rank 0, during the batch-1 decode: the
 share of a step spent sending the step to the other ranks (the SchedulerOutput
 broadcast) and inside the model's collectives (all-reduce, all-gather; waiting for
-the slowest rank included), per step. And the collectives alone: one all-reduce of a
-token's hidden state between N processes on this host (gloo over loopback), the
-latency every row-parallel layer pays twice a layer::
+the slowest rank included), per step. Each with the ranks meeting in shared memory
+(runner/shm_group.py, the default) and over gloo (TANDEM_TP_SHM=0). And the
+collectives alone: one all-reduce of a token's hidden state between N processes on
+this host, both ways: the latency every row-parallel layer pays twice a layer::
 
     python -m benchmarks.tensor_parallel --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf \\
         --sizes 1 2
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,10 +37,11 @@ NEW_TOKENS = 33
 def point(model: str, size: int) -> dict[str, float]:
     """Runs in its own process (``--point``)."""
     import torch
-    import torch.distributed as dist
 
     import tandem.executor.ranks as ranks
     from tandem import LLM, SamplingParams
+    from tandem.runner.shm_group import ShmGroup
+    from tandem.runner.tensor_parallel import GlooCollectives
 
     timers = {"send": 0.0, "collectives": 0.0}
 
@@ -52,9 +55,10 @@ def point(model: str, size: int) -> dict[str, float]:
 
         return wrapper
 
-    ranks.send = timed("send", ranks.send)
-    for name in ("all_reduce", "all_gather"):
-        setattr(dist, name, timed("collectives", getattr(dist, name)))
+    ranks.StepChannel.send = timed("send", ranks.StepChannel.send)
+    for cls in (ShmGroup, GlooCollectives):
+        for name in ("all_reduce", "all_gather"):
+            setattr(cls, name, timed("collectives", getattr(cls, name)))
 
     llm = LLM(model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size)
     vocab = llm.engine.model_info.vocab_size
@@ -91,52 +95,61 @@ def point(model: str, size: int) -> dict[str, float]:
     return result
 
 
-def collective_latency(size: int, hidden: int, repeats: int = 2000) -> float:
+def collective_latency(size: int, hidden: int, transport: str, repeats: int = 2000) -> float:
     """Microseconds for one all-reduce of ``hidden`` float32 among ``size`` processes."""
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.tensor_parallel", "--allreduce", str(size),
-         str(hidden), str(repeats)],
+         str(hidden), str(repeats), transport],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return float(out.strip().splitlines()[-1])
 
 
-def _allreduce_ranks(size: int, hidden: int, repeats: int) -> None:
+def _allreduce_ranks(size: int, hidden: int, repeats: int, transport: str) -> None:
     import torch.multiprocessing as mp
 
     from tandem.executor.ranks import free_port
+    from tandem.runner.shm_group import create_segment
 
     port = free_port()
+    segment = create_segment(size, f"bench-{port}") if transport == "shm" else None
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    procs = [
-        context.Process(target=_allreduce_rank, args=(r, size, port, hidden, repeats, queue))
-        for r in range(size)
-    ]
+    args = (size, port, hidden, repeats, segment, queue)
+    procs = [context.Process(target=_allreduce_rank, args=(r, *args)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
+    if segment is not None:
+        import os
+
+        os.unlink(segment)
     print(queue.get())
 
 
-def _allreduce_rank(rank: int, size: int, port: int, hidden: int, repeats: int, queue) -> None:
+def _allreduce_rank(rank, size, port, hidden, repeats, segment, queue) -> None:
     import torch
     import torch.distributed as dist
+
+    from tandem.runner.shm_group import ShmGroup
+    from tandem.runner.tensor_parallel import GlooCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)  # fmt: skip
+    comm = ShmGroup(segment, rank, size, lambda: None) if segment else GlooCollectives()
     x = torch.randn(1, hidden)
     for _ in range(100):
-        dist.all_reduce(x)
+        comm.all_reduce(x)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(repeats):
-        dist.all_reduce(x)
+        comm.all_reduce(x)
     elapsed = time.perf_counter() - start
     if rank == 0:
         queue.put(elapsed / repeats * 1e6)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -145,11 +158,13 @@ def main() -> None:
         print(json.dumps(point(sys.argv[2], int(sys.argv[3]))))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--allreduce":
-        _allreduce_ranks(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        size, hidden, repeats = (int(a) for a in sys.argv[2:5])
+        _allreduce_ranks(size, hidden, repeats, sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--transports", nargs="+", default=["shm", "gloo"])
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     from tandem.models.loader import read_config
@@ -157,29 +172,34 @@ def main() -> None:
     _, config, _ = read_config(args.model)
     print(f"# {machine()}; model {args.model}")
     for size in args.sizes:
-        if size > 1:
-            us = collective_latency(size, config.hidden_size)
-            print(f"# all-reduce of one token's hidden state ({config.hidden_size} float32) "
-                  f"among {size} processes: {us:.1f} us")  # fmt: skip
-    print("| ranks | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s | step ms (batch 1) "
-          "| sending the step ms | collectives ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+        for transport in args.transports if size > 1 else []:
+            us = collective_latency(size, config.hidden_size, transport)
+            print(
+                f"# all-reduce of one token's hidden state ({config.hidden_size} float32) "
+                f"among {size} processes, {transport}: {us:.1f} us"
+            )
+    print(
+        "| ranks | collectives | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s "
+        "| step ms (batch 1) | sending the step ms | collectives ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
-        runs = []
-        for _ in range(args.repeat):
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.tensor_parallel", "--point", args.model,
-                 str(size)],
-                check=True, capture_output=True, text=True,
-            ).stdout  # fmt: skip
-            runs.append(json.loads(out.strip().splitlines()[-1]))
-
-        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        print(
-            f"| {size} | {med['decode_1']:.2f} | {med['decode_16']:.1f} | "
-            f"{med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
-            f"{med['send_ms_per_step']:.3f} | {med['collectives_ms_per_step']:.2f} |"
-        )
+        for transport in args.transports if size > 1 else ["-"]:
+            env = dict(os.environ, TANDEM_TP_SHM="0" if transport == "gloo" else "1")
+            runs = []
+            for _ in range(args.repeat):
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.tensor_parallel", "--point",
+                     args.model, str(size)],
+                    check=True, capture_output=True, text=True, env=env,
+                ).stdout  # fmt: skip
+                runs.append(json.loads(out.strip().splitlines()[-1]))
+            med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            print(
+                f"| {size} | {transport} | {med['decode_1']:.2f} | {med['decode_16']:.1f} | "
+                f"{med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
+                f"{med['send_ms_per_step']:.3f} | {med['collectives_ms_per_step']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -209,3 +209,64 @@ def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = one.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     assert done.choices[0].text == expected.outputs[0].text
+
+
+def test_gloo_collectives_give_the_same_tokens(smollm2_like, monkeypatch):
+    """TANDEM_TP_SHM=0: the ranks meet over gloo instead of shared memory."""
+    folder, hf_model = smollm2_like
+    monkeypatch.setenv("TANDEM_TP_SHM", "0")
+    ids = prompts([7, 5], seed=8)
+    llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.channel.shm is None
+        ours = _generate(llm, ids)
+    finally:
+        _close(llm)
+    assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)
+
+
+def _shm_rank(rank: int, size: int, segment: str, results) -> None:
+    from tandem.runner.shm_group import ShmGroup
+
+    group = ShmGroup(segment, rank, size, lambda: None)
+    big = torch.arange(1_500_000, dtype=torch.float32) * (rank + 1)  # 6 MB: two pieces
+    group.all_reduce(big)
+    strided = torch.full((4, 6), float(rank)).t()  # not contiguous
+    group.all_reduce(strided)
+    sizes = [3, 5, 2][:size]
+    local = torch.full((700_000, sizes[rank]), float(rank))  # several pieces of rows
+    gathered = group.all_gather(local, sizes)
+    payload = group.receive() if rank else None
+    if rank == 0:
+        group.send(bytes(range(256)) * 40_000)  # 10 MB: three parts
+    results.put((rank, big[-1].item(), strided.sum().item(), gathered[-1].tolist(),
+                 None if payload is None else (len(payload), payload[:3])))  # fmt: skip
+
+
+def test_shared_memory_collectives_in_pieces(tmp_path):
+    """The shared-memory group on 3 processes: sums and gathers larger than a slot,
+    a strided tensor, a message in parts; every rank gets the exact result."""
+    import torch.multiprocessing as mp
+
+    from tandem.runner.shm_group import create_segment
+
+    size = 3
+    segment = create_segment(size, f"test-{os.getpid()}")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    procs = [
+        context.Process(target=_shm_rank, args=(rank, size, segment, results))
+        for rank in range(size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    os.unlink(segment)
+    assert all(p.exitcode == 0 for p in procs)
+    got = sorted(results.get() for _ in range(size))
+    for rank, last, strided, row, payload in got:
+        assert last == 1_499_999 * 6  # (1 + 2 + 3) x the last value
+        assert strided == 24 * 3  # 0 + 1 + 2 in each of 24 places
+        assert row == [0.0] * 3 + [1.0] * 5 + [2.0] * 2
+        assert payload == (None if rank == 0 else (10_240_000, bytes([0, 1, 2])))

@@ -4,8 +4,9 @@
                rendezvous, send them the config; every rank loads its shard
                (models/sharding.py) and sizes the same KV pool
     execute    send the step to every worker, run rank 0's share; the ranks meet in
-               each layer's all-reduce and in the logits' all-gather, and rank 0's
-               sampled tokens are the result (every rank samples the same ones)
+               each layer's all-reduce and in the logits' all-gather (in shared memory,
+               runner/shm_group.py, or over gloo), and rank 0's sampled tokens are the
+               result (every rank samples the same ones)
     close      tell the workers to stop and wait for them
 
 A worker that dies makes the step it was in raise (its socket closes: gloo fails the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 
@@ -26,7 +28,8 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.errors import EngineStepError
 from tandem.executor import ranks
-from tandem.executor.worker import STOP
+from tandem.executor.worker import NO_SEGMENT, STOP
+from tandem.runner.shm_group import ShmGroup, create_segment
 
 logger = logging.getLogger("tandem.executor")
 
@@ -35,18 +38,25 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel.tensor_parallel_size
         port = ranks.free_port()
+        shared = ranks.shared_memory_usable()
+        segment = create_segment(size, f"{os.getpid()}-{port}") if shared else NO_SEGMENT
         worker = [sys.executable, "-m", "tandem.executor.worker", ranks.ADDRESS, str(port)]
         self.workers = [
-            subprocess.Popen([*worker, str(rank), str(size)]) for rank in range(1, size)
+            subprocess.Popen([*worker, str(rank), str(size), segment]) for rank in range(1, size)
         ]
         self.broken: str | None = None
         try:
             ranks.join_as_driver(port, size, self._dead_worker)
-            ranks.send(config)
-            self.runner = ranks.build_runner(config, 0, size)
+            shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
+            self.channel = ranks.StepChannel(shm)
+            ranks.send_config(config)
+            self.runner = ranks.build_runner(config, 0, size, shm)
         except BaseException:
-            self._stop_workers()
+            self._stop_workers(grace_s=2.0)
             raise
+        finally:
+            if shared:  # every rank has mapped it (they met in the load's collectives)
+                os.unlink(segment)
         self.info = self.runner.info
         atexit.register(self.close)
 
@@ -60,7 +70,7 @@ class MultiprocExecutor:
         if self.broken is not None:
             raise EngineStepError(self.broken)
         try:
-            ranks.send(scheduler_output)
+            self.channel.send(scheduler_output)
             return self.runner.execute(scheduler_output)
         except RuntimeError as exc:  # a collective failed: a rank went away
             self.broken = self._dead_worker() or f"a tensor-parallel collective failed: {exc}"
@@ -78,7 +88,7 @@ class MultiprocExecutor:
             return
         if self.broken is None and self._dead_worker() is None:
             with contextlib.suppress(RuntimeError):  # a worker went away meanwhile
-                ranks.send(STOP)
+                self.channel.send(STOP)
         self._stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()

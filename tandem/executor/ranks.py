@@ -9,15 +9,18 @@ the step broadcast for as long as the server is idle. A rank that dies breaks th
 others' sockets: their collective raises at once (never a hang), and rank 0 fails
 the step and every one after it.
 
-Each step's message is the SchedulerOutput, pickled and broadcast by
-``broadcast_object_list`` (two gloo broadcasts: its size, then its bytes);
-benchmarks/tensor_parallel.py times it beside the step.
+The config goes to the workers once over gloo. The model's collectives and each
+step's message (the SchedulerOutput, pickled) go through a shared-memory segment
+(runner/shm_group.py) where the compiled kernels are there: gloo over loopback took
+1.2 ms a collective on a 2-core VM; without them, over gloo. benchmarks/
+tensor_parallel.py times both.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.errors import ModelLoadError
+from tandem.runner.shm_group import ShmGroup
 
 ADDRESS = "127.0.0.1"
 IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
@@ -68,20 +72,50 @@ def split_threads(size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // size))
 
 
-def build_runner(config: EngineConfig, rank: int, size: int):
+def shared_memory_usable() -> bool:
+    """Whether ranks on this host meet in shared memory (runner/shm_group.py; its
+    counters are compiled kernels) rather than over gloo (TANDEM_TP_SHM=0 forces
+    gloo, for comparisons)."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    return os.environ.get("TANDEM_TP_SHM", "1") != "0" and cpu_kernels.load() is not None
+
+
+def build_runner(config: EngineConfig, rank: int, size: int, shm: ShmGroup | None):
     from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.tensor_parallel import TensorParallel
+    from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
 
     split_threads(size)
-    return ModelRunner.from_config(config, TensorParallel(rank, size))
+    comm = shm if shm is not None else GlooCollectives()
+    return ModelRunner.from_config(config, TensorParallel(rank, size, comm))
 
 
-def send(message: object) -> None:
-    """Rank 0: ``message`` to every other rank."""
-    dist.broadcast_object_list([message], src=0)
+def send_config(config: EngineConfig) -> None:
+    dist.broadcast_object_list([config], src=0)
 
 
-def receive() -> object:
+def receive_config() -> EngineConfig:
     box = [None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class StepChannel:
+    """Rank 0's per-step message to the other ranks: pickled through the shared
+    segment on one host, else ``broadcast_object_list`` over gloo."""
+
+    def __init__(self, shm: ShmGroup | None) -> None:
+        self.shm = shm
+
+    def send(self, message: object) -> None:
+        if self.shm is None:
+            dist.broadcast_object_list([message], src=0)
+        else:
+            self.shm.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(self) -> object:
+        if self.shm is None:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return pickle.loads(self.shm.receive())

@@ -1,33 +1,44 @@
 """A tensor-parallel worker: rank 1..N-1 of a model, started by the driver (rank 0).
 
-    python -m tandem.executor.worker ADDRESS PORT RANK SIZE
+    python -m tandem.executor.worker ADDRESS PORT RANK SIZE SEGMENT
 
-It joins the group, receives the engine config from rank 0, loads its shard, then
-runs every step rank 0 sends until told to stop or until rank 0 goes away (its
-socket closes: the broadcast raises and the worker exits).
+It joins the group, maps the shared segment (a path, or ``-``: everything over
+gloo), receives the engine config from rank 0, loads its shard, then runs every step
+rank 0 sends until told to stop or until rank 0 goes away (it is no longer this
+process's parent, or its socket closes: the wait raises and the worker exits).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch.distributed as dist
 
 from tandem.executor import ranks
+from tandem.runner.shm_group import ShmGroup
 
 logger = logging.getLogger("tandem.executor")
 
 STOP = "stop"
+NO_SEGMENT = "-"  # the ranks meet over gloo
 
 
-def serve(address: str, port: int, rank: int, size: int) -> int:
+def serve(address: str, port: int, rank: int, size: int, segment: str) -> int:
+    parent = os.getppid()  # rank 0: a worker outlives it by no more than a wait
+
+    def rank0_gone() -> str | None:
+        return None if os.getppid() == parent else "tensor-parallel rank 0 is gone"
+
     ranks.join_as_worker(address, port, rank, size)
     try:
-        config = ranks.receive()
-        runner = ranks.build_runner(config, rank, size)
+        shm = None if segment == NO_SEGMENT else ShmGroup(segment, rank, size, rank0_gone)
+        channel = ranks.StepChannel(shm)
+        config = ranks.receive_config()
+        runner = ranks.build_runner(config, rank, size, shm)
         while True:
-            message = ranks.receive()
+            message = channel.receive()
             if message == STOP:
                 return 0
             runner.execute(message)
@@ -40,8 +51,8 @@ def serve(address: str, port: int, rank: int, size: int) -> int:
 
 
 def main() -> None:
-    address, port, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    sys.exit(serve(address, port, rank, size))
+    address, port, rank, size, segment = sys.argv[1:6]
+    sys.exit(serve(address, int(port), int(rank), int(size), segment))
 
 
 if __name__ == "__main__":

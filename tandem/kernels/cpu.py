@@ -15,6 +15,8 @@ at load, in one pass across threads.
 
 decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tokens, the calls
 above made from C++ (runner/fused_decode.py decides when).
+shm_ops.cpp: the counters through which tensor-parallel ranks on one host wait for each
+other in shared memory (runner/shm_group.py).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 # One translation unit, in this order: decode_layer.cpp calls the other two.
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_ops.cpp", "quant_ops.cpp", "pack_ops.cpp", "decode_layer.cpp")
+    for name in ("cpu_ops.cpp", "quant_ops.cpp", "pack_ops.cpp", "decode_layer.cpp", "shm_ops.cpp")
 ]
 FUNCTIONS = [
     "rms_norm",
@@ -63,6 +65,8 @@ FUNCTIONS = [
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",
+    "shm_post",
+    "shm_wait",
 ]
 
 

@@ -19,7 +19,7 @@ equal without sending tokens back; rank 0's are the ones returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,15 +30,34 @@ from tandem.models.linear import Linear, LinearMethod
 from tandem.models.quantized import replace_module
 from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, split_evenly
 from tandem.quant.packed import ROWS
-from tandem.runner.linear.parallel import parallel_linear_method
+from tandem.runner.linear.parallel import Collectives, parallel_linear_method
+
+
+class GlooCollectives:
+    """torch.distributed's collectives on the group (gloo on CPUs)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
+    def all_gather(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        width = max(sizes)  # gloo gathers equal sizes: the shorter shares padded
+        padded = torch.nn.functional.pad(local, (0, width - local.shape[-1])).contiguous()
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=self.group)
+        return torch.cat([p[..., :n] for p, n in zip(pieces, sizes, strict=True)], dim=-1)
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's rank in a tensor-parallel group of ``size``."""
+    """This process's rank in a tensor-parallel group of ``size``; ``comm`` runs the
+    model's collectives (setup's rare ones go through torch.distributed's group)."""
 
     rank: int
     size: int
+    comm: Collectives = field(default_factory=GlooCollectives)
     group: dist.ProcessGroup | None = None  # None: the default (world) group
 
     def vocab_sizes(self, vocab_size: int) -> list[int]:
@@ -67,16 +86,16 @@ class TensorParallel:
 class VocabParallelEmbedding(nn.Module):
     """The rank's rows of the embedding; a lookup is whole after the all-reduce."""
 
-    def __init__(self, local: nn.Module, rows: range, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, local: nn.Module, rows: range, comm: Collectives) -> None:
         super().__init__()
-        self.local, self.rows, self.group = local, rows, group
+        self.local, self.rows, self.comm = local, rows, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local_ids = ids - self.rows.start
         outside = (local_ids < 0) | (local_ids >= len(self.rows))
         out = self.local(local_ids.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        dist.all_reduce(out, group=self.group)
+        self.comm.all_reduce(out)
         return out
 
 
@@ -85,7 +104,7 @@ def parallelize_embedding(model: nn.Module, shard: ShardPlan, tp: TensorParallel
     are whole rows."""
     for name, module in list(model.named_modules()):
         if parallel_style(name) == VOCAB and not isinstance(module, Linear):
-            replace_module(model, name, VocabParallelEmbedding(module, shard.vocab, tp.group))
+            replace_module(model, name, VocabParallelEmbedding(module, shard.vocab, tp.comm))
 
 
 def method_with_collectives(tp: TensorParallel, vocab_size: int):
@@ -93,6 +112,6 @@ def method_with_collectives(tp: TensorParallel, vocab_size: int):
     sizes = tp.vocab_sizes(vocab_size)
 
     def wrap(layer: Linear, inner: LinearMethod) -> LinearMethod:
-        return parallel_linear_method(layer, inner, tp.group, tp.rank, sizes)
+        return parallel_linear_method(layer, inner, tp.comm, tp.rank, sizes)
 
     return wrap

@@ -5,24 +5,39 @@ output is the rank's heads or MLP columns, which the next layer consumes as they
 A row-parallel layer (o, down: the rank's input columns) yields a partial sum that an
 all-reduce completes; a vocabulary-parallel LM head yields the rank's logits, which an
 all-gather puts side by side. Which layer is which the loader recorded as
-``layer.tp_style`` (models/sharding.py); the collectives are torch.distributed's.
+``layer.tp_style`` (models/sharding.py); the collectives are the group's (gloo, or
+shared memory between ranks on one host).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
-import torch.distributed as dist
 
 from tandem.models.linear import Linear, LinearMethod
 from tandem.models.sharding import ROW, VOCAB
+
+
+class Collectives(Protocol):
+    """What the split layers need of a group (runner/tensor_parallel.py: gloo;
+    runner/shm_group.py: shared memory on one host)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """``tensor`` <- the sum over the ranks, in place."""
+        ...
+
+    def all_gather(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """[rows, sizes[rank]] -> [rows, sum(sizes)], rank order."""
+        ...
 
 
 class RowParallelLinearMethod:
     """The rank's partial product, summed over the ranks; the bias is added once
     (rank 0 keeps it, the others zero theirs)."""
 
-    def __init__(self, inner: LinearMethod, group: dist.ProcessGroup, rank: int) -> None:
-        self.inner, self.group, self.rank = inner, group, rank
+    def __init__(self, inner: LinearMethod, comm: Collectives, rank: int) -> None:
+        self.inner, self.comm, self.rank = inner, comm, rank
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.inner.process_weights_after_loading(layer)
@@ -31,38 +46,34 @@ class RowParallelLinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.apply(layer, x)
-        dist.all_reduce(out, group=self.group)
+        self.comm.all_reduce(out)
         return out
 
 
 class GatheredLinearMethod:
-    """The rank's rows of the vocabulary, gathered from every rank into whole rows
-    (ranks whose share is a tile shorter pad it for the collective)."""
+    """The rank's rows of the vocabulary, gathered from every rank into whole rows."""
 
-    def __init__(self, inner: LinearMethod, group: dist.ProcessGroup, sizes: list[int]) -> None:
-        self.inner, self.group, self.sizes = inner, group, sizes
+    def __init__(self, inner: LinearMethod, comm: Collectives, sizes: list[int]) -> None:
+        self.inner, self.comm, self.sizes = inner, comm, sizes
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         local = self.inner.apply(layer, x)
-        width = max(self.sizes)
-        if local.shape[-1] < width:
-            local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
-        pieces = [torch.empty_like(local) for _ in self.sizes]
-        dist.all_gather(pieces, local.contiguous(), group=self.group)
-        return torch.cat([p[..., :n] for p, n in zip(pieces, self.sizes, strict=True)], dim=-1)
+        return self.comm.all_gather(local.reshape(-1, local.shape[-1]), self.sizes).view(
+            *local.shape[:-1], sum(self.sizes)
+        )
 
 
 def parallel_linear_method(
-    layer: Linear, inner: LinearMethod, group: dist.ProcessGroup, rank: int, sizes: list[int]
+    layer: Linear, inner: LinearMethod, comm: Collectives, rank: int, sizes: list[int]
 ) -> LinearMethod:
     """``inner`` with the collective ``layer``'s split needs (``sizes``: each rank's
     vocabulary rows, for the LM head)."""
     style = getattr(layer, "tp_style", None)
     if style == ROW:
-        return RowParallelLinearMethod(inner, group, rank)
+        return RowParallelLinearMethod(inner, comm, rank)
     if style == VOCAB:
-        return GatheredLinearMethod(inner, group, sizes)
+        return GatheredLinearMethod(inner, comm, sizes)
     return inner

@@ -1,0 +1,45 @@
+// Synchronisation of tensor-parallel ranks on one host through shared memory
+// (tandem/runner/shm_group.py): each rank publishes a counter in a shared segment; a
+// rank writes its data, then posts its counter (a full fence, then a release store);
+// a waiter reads the counters with acquire loads until every one has reached the
+// value, then fences again before it reads the data. The data itself is copied and
+// summed by torch on the segment's tensors.
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+// counters[index * stride] = value, after every store before it is visible.
+void shm_post(torch::Tensor counters, int64_t index, int64_t value) {
+  TORCH_CHECK(counters.scalar_type() == torch::kLong && counters.is_contiguous());
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  __atomic_store_n(counters.data_ptr<int64_t>() + index, value, __ATOMIC_RELEASE);
+}
+
+// Whether counters[i * stride] >= value for every i < count, spinning at most spin_us
+// microseconds (the caller checks that its peers are alive between calls). The GIL is
+// released while it spins: the engine process has other threads.
+bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t value,
+              int64_t spin_us) {
+  TORCH_CHECK(counters.scalar_type() == torch::kLong && counters.is_contiguous());
+  TORCH_CHECK(count * stride <= counters.numel());
+  const int64_t* base = counters.data_ptr<int64_t>();
+  pybind11::gil_scoped_release released;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  for (int64_t round = 0;; ++round) {
+    bool all = true;
+    for (int64_t i = 0; i < count && all; ++i)
+      all = __atomic_load_n(base + i * stride, __ATOMIC_ACQUIRE) >= value;
+    if (all) {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      return true;
+    }
+    if ((round & 63) == 63) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      if (round > (1 << 16)) std::this_thread::yield();  // a long wait: let others run
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+  }
+}
