@@ -1,7 +1,7 @@
 """The dependency rule docs/ARCHITECTURE.md states, checked on the source: the engine
 package imports neither torch nor model or runner code (it drives a runner it is
-given), so a simulator or a separate process can run it; kernels import nothing of
-tandem's."""
+given), so a simulator or a separate process can run it; the runner and models never
+import the executor; kernels import nothing of tandem's."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def runtime_imports(path: Path) -> set[str]:
     [
         ("engine", ("torch", "tandem.models", "tandem.runner", "tandem.spec_decode")),
         ("kernels", ("tandem.",)),
+        # executor -> runner -> models: the runner and the models never learn how many
+        # processes run them (a rank's view comes in as a TensorParallel, a ShardPlan)
+        ("runner", ("tandem.executor",)),
+        ("models", ("tandem.executor", "tandem.runner")),
     ],
 )
 def test_package_imports(package, forbidden):
