@@ -108,8 +108,8 @@ def collective_latency(size: int, hidden: int, transport: str, repeats: int = 20
 def _allreduce_ranks(size: int, hidden: int, repeats: int, transport: str) -> None:
     import torch.multiprocessing as mp
 
-    from tandem.executor.ranks import free_port
     from tandem.runner.shm_group import create_segment
+    from tandem.server.launch import free_port
 
     port = free_port()
     segment = create_segment(size, f"bench-{port}") if transport == "shm" else None

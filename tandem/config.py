@@ -96,8 +96,20 @@ class ParallelConfig:
 
     tensor_parallel_size: int = setting(
         1, "ranks that each hold 1/N of every weight matrix and of the KV heads, one "
-        "process each on this host (torch.distributed, gloo), their CPU threads split "
-        "between them", "N", "--tensor-parallel-size",
+        "process each (torch.distributed), their hosts' CPU threads split between them",
+        "N", "--tensor-parallel-size",
+    )  # fmt: skip
+    nnodes: int = setting(
+        1, "hosts the ranks span, tensor_parallel_size / nnodes on each: this one (node "
+        "rank 0) runs the engine, the others `tandem worker` with the same settings", "N",
+    )  # fmt: skip
+    node_rank: int = setting(0, "this host's place among nnodes (the engine's is 0)", "N")
+    master_addr: str = setting(
+        "127.0.0.1", "with nnodes > 1: the address of node 0, where the ranks meet", "ADDR"
+    )
+    master_port: int = setting(
+        0, "with nnodes > 1: node 0's rendezvous port (required there; one host needs none)",
+        "PORT",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -105,6 +117,18 @@ class ParallelConfig:
             raise InvalidParameterError(
                 "tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL}]"
             )
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise InvalidParameterError(
+                "nnodes", "must be >= 1 and divide tensor_parallel_size (ranks per host)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidParameterError("node_rank", "must be in [0, nnodes)")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise InvalidParameterError("master_port", "is required (1-65535) with nnodes > 1")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
 
 MAX_TENSOR_PARALLEL = 64

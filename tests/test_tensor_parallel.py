@@ -270,3 +270,33 @@ def test_shared_memory_collectives_in_pieces(tmp_path):
         assert strided == 24 * 3  # 0 + 1 + 2 in each of 24 places
         assert row == [0.0] * 3 + [1.0] * 5 + [2.0] * 2
         assert payload == (None if rank == 0 else (10_240_000, bytes([0, 1, 2])))
+
+
+def test_two_nodes_on_loopback_equal_one_process(smollm2_like):
+    """Two launches as two hosts would run them: node 0 runs the engine (rank 0 here,
+    in this process), node 1 `tandem worker` (rank 1), meeting at node 0's TCP store;
+    across hosts the ranks talk gloo only."""
+    import subprocess
+    import sys
+
+    from tandem.server.launch import free_port
+
+    folder, hf_model = smollm2_like
+    port = free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "worker", *flags, "--node-rank", "1"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2, nnodes=2, master_port=port)
+        assert llm.engine.runner.workers == []  # no local worker: rank 1 is node 1's
+        ids = prompts([7, 5], seed=9)
+        ours = _generate(llm, ids)
+        _close(llm)
+        assert node1.wait(30) == 0  # rank 0 told it to stop
+    finally:
+        node1.kill()
+    said = node1.stdout.read()
+    assert "node 1 of 2, tensor-parallel ranks 1-1 of 2; workers only" in said
+    assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)

@@ -21,6 +21,7 @@ from tandem.cli import (
     trace,
     train_draft,
     tune_layer_skip,
+    worker,
 )
 from tandem.errors import TandemError
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(commands, "generate", generate)
     add(commands, "serve", serve)
     add(commands, "router", router)
+    add(commands, "worker", worker)
     benchmarks = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", required=True, metavar="BENCHMARK"
     )

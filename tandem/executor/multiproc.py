@@ -1,7 +1,8 @@
-"""Tensor parallelism on one host: this process is rank 0, ranks 1..N-1 are workers.
+"""Tensor parallelism: this process is rank 0, ranks 1..N-1 are worker processes.
 
-    __init__   start the workers (python -m tandem.executor.worker), host the
-               rendezvous, send them the config; every rank loads its shard
+    __init__   start this host's workers (python -m tandem.executor.worker; other
+               hosts' come from `tandem worker` there, node.py), wait for every rank
+               at the rendezvous, send them the config; every rank loads its shard
                (models/sharding.py) and sizes the same KV pool
     execute    send the step to every worker, run rank 0's share; the ranks meet in
                each layer's all-reduce and in the logits' all-gather (in shared memory,
@@ -20,8 +21,8 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
-import sys
 
 import torch.distributed as dist
 
@@ -36,23 +37,38 @@ logger = logging.getLogger("tandem.executor")
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        size = config.parallel.tensor_parallel_size
-        port = ranks.free_port()
-        shared = ranks.shared_memory_usable()
-        segment = create_segment(size, f"{os.getpid()}-{port}") if shared else NO_SEGMENT
-        worker = [sys.executable, "-m", "tandem.executor.worker", ranks.ADDRESS, str(port)]
+        parallel = config.parallel
+        size, local = parallel.tensor_parallel_size, parallel.ranks_per_node
+        self.store_folder = None
+        if parallel.nnodes == 1:
+            rendezvous = ranks.local_rendezvous()
+            self.store_folder = os.path.dirname(rendezvous.partition(":")[2])
+            timeout_s = ranks.START_TIMEOUT_S
+        else:  # the other hosts' ranks come from `tandem worker` there
+            rendezvous = ranks.network_rendezvous(parallel.master_addr, parallel.master_port)
+            timeout_s = ranks.REMOTE_START_TIMEOUT_S
+            logger.info(
+                "tensor parallelism over %d hosts: waiting for ranks %d-%d at %s:%d",
+                parallel.nnodes, local, size - 1, parallel.master_addr, parallel.master_port,
+            )  # fmt: skip
+        # Shared memory joins ranks of one host only: across hosts everything is gloo.
+        shared = parallel.nnodes == 1 and ranks.shared_memory_usable()
+        segment = create_segment(size, str(os.getpid())) if shared else NO_SEGMENT
         self.workers = [
-            subprocess.Popen([*worker, str(rank), str(size), segment]) for rank in range(1, size)
+            subprocess.Popen(ranks.worker_command(rendezvous, rank, size, segment))
+            for rank in range(1, local)
         ]
         self.broken: str | None = None
+        self.closed = False
         try:
-            ranks.join_as_driver(port, size, self._dead_worker)
+            ranks.join_as_driver(rendezvous, size, self._dead_worker, timeout_s)
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
             self.channel = ranks.StepChannel(shm)
             ranks.send_config(config)
             self.runner = ranks.build_runner(config, 0, size, shm)
         except BaseException:
             self._stop_workers(grace_s=2.0)
+            self._remove_store()
             raise
         finally:
             if shared:  # every rank has mapped it (they met in the load's collectives)
@@ -83,15 +99,23 @@ class MultiprocExecutor:
         return None
 
     def close(self) -> None:
-        """Stop the workers (idempotent)."""
-        if not self.workers:
+        """Stop every rank, this host's and other hosts' (idempotent)."""
+        if self.closed:
             return
+        self.closed = True
         if self.broken is None and self._dead_worker() is None:
             with contextlib.suppress(RuntimeError):  # a worker went away meanwhile
                 self.channel.send(STOP)
+        self.broken = self.broken or "the tensor-parallel ranks were stopped (closed)"
         self._stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._remove_store()
+
+    def _remove_store(self) -> None:
+        if self.store_folder is not None:
+            shutil.rmtree(self.store_folder, ignore_errors=True)
+            self.store_folder = None
 
     def _stop_workers(self, grace_s: float = 10.0) -> None:
         for worker in self.workers:

@@ -1,13 +1,13 @@
 """What every tensor-parallel rank does the same way: join the group, split the CPU
 threads, build its runner, and pass each step's message from rank 0 to the others.
 
-The group is torch.distributed's gloo over TCP. Rank 0 hosts the rendezvous store;
-each worker writes ``ready/<rank>`` there once it is running, so rank 0 can tell a
-worker that died while starting (it polls the processes while it waits) from one
-that is slow. Collectives then wait without a deadline (``IDLE``): a worker waits in
-the step broadcast for as long as the server is idle. A rank that dies breaks the
-others' sockets: their collective raises at once (never a hang), and rank 0 fails
-the step and every one after it.
+The group is torch.distributed's gloo. The ranks meet at a store: a file on one
+host, node 0's TCP store across hosts; each worker writes ``ready/<rank>`` there once
+it is running, so rank 0 can tell a worker that died while starting (it polls its
+processes while it waits) from one that is slow. Collectives then wait without a
+deadline (``IDLE``): a worker waits for the next step for as long as the server is
+idle. A rank that dies breaks the others' sockets: their collective raises at once
+(never a hang), and rank 0 fails the step and every one after it.
 
 The config goes to the workers once over gloo. The model's collectives and each
 step's message (the SchedulerOutput, pickled) go through a shared-memory segment
@@ -22,6 +22,8 @@ import datetime
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -32,38 +34,66 @@ from tandem.config import EngineConfig
 from tandem.errors import ModelLoadError
 from tandem.runner.shm_group import ShmGroup
 
-ADDRESS = "127.0.0.1"
 IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
-START_TIMEOUT_S = 120.0  # for every worker to reach the rendezvous
+START_TIMEOUT_S = 120.0  # for every rank on this host to reach the rendezvous
+REMOTE_START_TIMEOUT_S = 900.0  # ... and for other hosts' ranks (started by hand)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((ADDRESS, 0))
-        return s.getsockname()[1]
+def local_rendezvous() -> str:
+    """One host: a file store in a fresh private folder (no port is opened), and the
+    ranks' gloo sockets on the loopback interface."""
+    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # inherited by the workers
+    return "file:" + os.path.join(tempfile.mkdtemp(prefix="tandem-tp-"), "store")
 
 
-def join_as_driver(port: int, size: int, alive: Callable[[], str | None]) -> None:
-    """Rank 0: host the store, wait for every worker (``alive`` says why one died,
-    or None), then join the group."""
-    store = dist.TCPStore(ADDRESS, port, size, is_master=True, wait_for_workers=False,
-                          timeout=IDLE)  # fmt: skip
-    deadline = time.monotonic() + START_TIMEOUT_S
+def network_rendezvous(address: str, port: int) -> str:
+    """Several hosts: node 0's TCP store (it listens on ``port`` on every interface,
+    as torchrun's does; gloo picks its interface from GLOO_SOCKET_IFNAME or the host
+    name)."""
+    return f"tcp:{address}:{port}"
+
+
+def _store(rendezvous: str, size: int, is_master: bool) -> dist.Store:
+    kind, _, where = rendezvous.partition(":")
+    if kind == "file":
+        return dist.FileStore(where, size)
+    host, _, port = where.rpartition(":")
+    return dist.TCPStore(host, int(port), size, is_master=is_master, wait_for_workers=False,
+                         timeout=IDLE)  # fmt: skip
+
+
+def join_as_driver(
+    rendezvous: str, size: int, alive: Callable[[], str | None], timeout_s: float
+) -> None:
+    """Rank 0: wait for every other rank at the rendezvous (``alive`` says why a
+    worker of this host died, or None), then join the group."""
+    store = _store(rendezvous, size, is_master=True)
+    deadline = time.monotonic() + timeout_s
     keys = [f"ready/{rank}" for rank in range(1, size)]
     while not all(store.check([key]) for key in keys):
         problem = alive()
         if problem is not None:
             raise ModelLoadError(f"a tensor-parallel worker did not start: {problem}")
         if time.monotonic() > deadline:
-            raise ModelLoadError(f"tensor-parallel workers did not start in {START_TIMEOUT_S} s")
+            missing = [k.split("/")[1] for k in keys if not store.check([k])]
+            raise ModelLoadError(
+                f"tensor-parallel rank(s) {', '.join(missing)} did not join in {timeout_s:.0f} s"
+            )
         time.sleep(0.05)
     dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=IDLE)
 
 
-def join_as_worker(address: str, port: int, rank: int, size: int) -> None:
-    store = dist.TCPStore(address, port, size, is_master=False, timeout=IDLE)
+def join_as_worker(rendezvous: str, rank: int, size: int) -> None:
+    store = _store(rendezvous, size, is_master=False)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE)
+
+
+def worker_command(rendezvous: str, rank: int, size: int, segment: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.executor.worker", rendezvous, str(rank), str(size),
+            segment]  # fmt: skip
 
 
 def split_threads(size: int) -> None:

@@ -1,11 +1,12 @@
 """A tensor-parallel worker: rank 1..N-1 of a model, started by the driver (rank 0).
 
-    python -m tandem.executor.worker ADDRESS PORT RANK SIZE SEGMENT
+    python -m tandem.executor.worker RENDEZVOUS RANK SIZE SEGMENT
 
-It joins the group, maps the shared segment (a path, or ``-``: everything over
-gloo), receives the engine config from rank 0, loads its shard, then runs every step
-rank 0 sends until told to stop or until rank 0 goes away (it is no longer this
-process's parent, or its socket closes: the wait raises and the worker exits).
+It joins the group at the rendezvous (ranks.py), maps the shared segment (a path, or
+``-``: everything over gloo), receives the engine config from rank 0, loads its
+shard, then runs every step rank 0 sends until told to stop or until rank 0 goes
+away (it is no longer this process's parent, or its socket closes: the wait raises
+and the worker exits).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ STOP = "stop"
 NO_SEGMENT = "-"  # the ranks meet over gloo
 
 
-def serve(address: str, port: int, rank: int, size: int, segment: str) -> int:
+def serve(rendezvous: str, rank: int, size: int, segment: str) -> int:
     parent = os.getppid()  # rank 0: a worker outlives it by no more than a wait
 
     def rank0_gone() -> str | None:
         return None if os.getppid() == parent else "tensor-parallel rank 0 is gone"
 
-    ranks.join_as_worker(address, port, rank, size)
+    ranks.join_as_worker(rendezvous, rank, size)
     try:
         shm = None if segment == NO_SEGMENT else ShmGroup(segment, rank, size, rank0_gone)
         channel = ranks.StepChannel(shm)
@@ -51,8 +52,8 @@ def serve(address: str, port: int, rank: int, size: int, segment: str) -> int:
 
 
 def main() -> None:
-    address, port, rank, size, segment = sys.argv[1:6]
-    sys.exit(serve(address, int(port), int(rank), int(size), segment))
+    rendezvous, rank, size, segment = sys.argv[1:5]
+    sys.exit(serve(rendezvous, int(rank), int(size), segment))
 
 
 if __name__ == "__main__":
