@@ -119,16 +119,20 @@ def test_every_engine_setting_is_a_flag_with_help():
         CacheConfig,
         EngineConfig,
         KVTransferConfig,
+        ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
     )
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     actions = {s: a for a in serve._actions for s in a.option_strings}
-    sections = {"model", "cache", "scheduler", "speculative", "kv_transfer"}
-    configs = (EngineConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, KVTransferConfig)
+    sections = {"model", "cache", "scheduler", "parallel", "speculative", "kv_transfer"}
+    configs = (
+        EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig,
+        KVTransferConfig,
+    )  # fmt: skip
     settings = [f for cls in configs for f in dataclasses.fields(cls) if f.name not in sections]
-    assert len(settings) == 29  # a new setting must show up here, and as a flag
+    assert len(settings) == 34  # a new setting must show up here, and as a flag
     for f in settings:
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         action = actions[flag]
