@@ -32,8 +32,18 @@ def runtime_imports(path: Path) -> set[str]:
         ("engine", ("torch", "tandem.models", "tandem.runner", "tandem.spec_decode")),
         ("kernels", ("tandem.",)),
         # executor -> runner -> models: the runner and the models never learn how many
-        # processes run them (a rank's view comes in as a TensorParallel, a ShardPlan)
-        ("runner", ("tandem.executor",)),
+        # processes run them (a rank's view comes in as a TensorParallel, a ShardPlan);
+        # proposers build runners (a draft's), so the executor hands the runner its own
+        (
+            "runner",
+            (
+                "tandem.executor",
+                "tandem.spec_decode.proposer",
+                "tandem.spec_decode.draft",
+                "tandem.spec_decode.eagle",
+                "tandem.spec_decode.layer_skip",
+            ),
+        ),
         ("models", ("tandem.executor", "tandem.runner")),
     ],
 )

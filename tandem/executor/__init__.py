@@ -12,21 +12,39 @@ The engine calls ``make_executor``; it never learns how many processes there are
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.tensor_parallel import TensorParallel
 
 
 def make_executor(config: EngineConfig):
     """The runner (one process) or the tensor-parallel executor the config asks for."""
     size = config.parallel.tensor_parallel_size
     if size == 1:
-        from tandem.runner.model_runner import ModelRunner
-
-        return ModelRunner.from_config(config)
+        return build_runner(config)
     check_parallel(config)
     from tandem.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config)
+
+
+def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner:
+    """One rank's runner and its speculative proposer: spec_decode builds runners of
+    its own (a draft model's), so the runner is handed its proposer from here rather
+    than importing spec_decode."""
+    from tandem.runner.model_runner import ModelRunner
+    from tandem.spec_decode.proposer import make_proposer
+
+    runner = ModelRunner.from_config(config, tp)
+    runner.use_proposer(
+        make_proposer(config.speculative, runner.loaded, runner.info.num_blocks, runner.block_size)
+    )
+    return runner
 
 
 # Speculative methods that work on every rank alike: they read only token ids.

@@ -111,13 +111,14 @@ def shared_memory_usable() -> bool:
     return os.environ.get("TANDEM_TP_SHM", "1") != "0" and cpu_kernels.load() is not None
 
 
-def build_runner(config: EngineConfig, rank: int, size: int, shm: ShmGroup | None):
-    from tandem.runner.model_runner import ModelRunner
+def build_rank(config: EngineConfig, rank: int, size: int, shm: ShmGroup | None):
+    """This rank's runner, its collectives in shared memory or over gloo."""
+    from tandem.executor import build_runner
     from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
 
     split_threads(size)
     comm = shm if shm is not None else GlooCollectives()
-    return ModelRunner.from_config(config, TensorParallel(rank, size, comm))
+    return build_runner(config, TensorParallel(rank, size, comm))
 
 
 def send_config(config: EngineConfig) -> None:

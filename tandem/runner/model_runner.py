@@ -36,7 +36,6 @@ from tandem.runner.tensor_parallel import (
     method_with_collectives,
     parallelize_embedding,
 )
-from tandem.spec_decode.proposer import Proposer, make_proposer
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
 
@@ -44,6 +43,7 @@ logger = logging.getLogger("tandem.runner")
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
     from tandem.engine.scheduler import SchedulerOutput
+    from tandem.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -115,9 +115,8 @@ class ModelRunner:
             loaded.device, loaded.config.vocab_size, self._grammar_tokenizer
         )
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
-        self.proposer = proposer
-        if hasattr(proposer, "attach"):  # a draft made of this runner's model (layer_skip)
-            proposer.attach(self)
+        self.proposer: Proposer | None = None
+        self.use_proposer(proposer)
         self.spec_stats = SpecDecodeStats()
         self.info = RunnerInfo(
             num_blocks=num_blocks,
@@ -129,6 +128,13 @@ class ModelRunner:
             generation_config=loaded.generation_config,
         )
 
+    def use_proposer(self, proposer: Proposer | None) -> None:
+        """Speculate with ``proposer`` (the executor builds it: spec_decode imports the
+        runner, never the reverse)."""
+        self.proposer = proposer
+        if hasattr(proposer, "attach"):  # a draft made of this runner's model (layer_skip)
+            proposer.attach(self)
+
     def _grammar_tokenizer(self):
         if self.loaded.tokenizer is None:
             raise ValueError("structured outputs need a model with a tokenizer")
@@ -138,10 +144,10 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner:
-        """Load ``config.model`` (``tp``: this rank's shard), size the KV pool from the
-        memory settings and build the speculative proposer, if any. Every rank of a
-        group calls it together: a load that fails on any rank raises on all of them,
-        and all take the smallest pool any rank can hold."""
+        """Load ``config.model`` (``tp``: this rank's shard) and size the KV pool from
+        the memory settings (the proposer, if any, comes after: ``use_proposer``). Every
+        rank of a group calls it together: a load that fails on any rank raises on all
+        of them, and all take the smallest pool any rank can hold."""
         torch.manual_seed(config.seed)
         try:
             loaded = load_model(
@@ -195,9 +201,8 @@ class ModelRunner:
                 "are refused (raise kv_cache_memory or num_blocks, or lower max_model_len)",
                 capacity, max_model_len,
             )  # fmt: skip
-        proposer = make_proposer(config.speculative, loaded, num_blocks, cache.block_size)
         runner = cls(
-            loaded, num_blocks, cache.block_size, config.seed, proposer, cache.kv_cache_dtype, tp
+            loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp
         )
         runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
         return runner
