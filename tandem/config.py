@@ -99,6 +99,11 @@ class ParallelConfig:
         "process each (torch.distributed), their hosts' CPU threads split between them",
         "N", "--tensor-parallel-size",
     )  # fmt: skip
+    distributed_executor_backend: str = setting(
+        "mp", "mp: this process starts the ranks (and `tandem worker` on other hosts); "
+        "external_launcher: torchrun started every rank, each running this same program "
+        "with its own engine (offline use, as vLLM's)", "BACKEND",
+    )  # fmt: skip
     nnodes: int = setting(
         1, "hosts the ranks span, tensor_parallel_size / nnodes on each: this one (node "
         "rank 0) runs the engine, the others `tandem worker` with the same settings", "N",
@@ -117,6 +122,12 @@ class ParallelConfig:
             raise InvalidParameterError(
                 "tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL}]"
             )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise InvalidParameterError(
+                "distributed_executor_backend",
+                f"{self.distributed_executor_backend!r} is not one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}",
+            )
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise InvalidParameterError(
                 "nnodes", "must be >= 1 and divide tensor_parallel_size (ranks per host)"
@@ -132,6 +143,7 @@ class ParallelConfig:
 
 
 MAX_TENSOR_PARALLEL = 64
+EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "layer_skip", "eagle")
 

@@ -300,3 +300,47 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like):
     said = node1.stdout.read()
     assert "node 1 of 2, tensor-parallel ranks 1-1 of 2; workers only" in said
     assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+from tandem import LLM, SamplingParams
+folder, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(folder, max_num_seqs=2, tensor_parallel_size=2,
+          distributed_executor_backend="external_launcher")
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+done = llm.generate([{"prompt_token_ids": p} for p in ids], greedy, use_tqdm=False)
+drawn = llm.generate({"prompt_token_ids": ids[0]}, sampled, use_tqdm=False)
+with open(out + "." + os.environ["RANK"], "w") as f:
+    json.dump([[r.outputs[0].token_ids for r in done], drawn[0].outputs[0].token_ids], f)
+llm.engine.runner.close()
+"""
+
+
+def test_ranks_started_by_torchrun_equal_one_process(smollm2_like, tmp_path):
+    """vLLM's external launcher: torchrun starts both ranks, each runs the same script
+    with its own engine; they agree with each other and with one process."""
+    import json
+    import subprocess
+    import sys
+
+    from tandem.server.launch import free_port
+
+    folder, hf_model = smollm2_like
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    ids = prompts([7, 5], seed=10)
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(script), str(folder), str(out), json.dumps(ids)],
+        check=True, timeout=240, capture_output=True,
+    )  # fmt: skip
+    rank0, rank1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    assert rank0[0] == reference_greedy(hf_model, ids, 8)
+    one = LLM(str(folder), max_num_seqs=2)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+    drawn = one.generate({"prompt_token_ids": ids[0]}, sampled, use_tqdm=False)
+    assert rank0[1] == drawn[0].outputs[0].token_ids

@@ -2,10 +2,13 @@
 
     one process     the engine drives a ModelRunner directly (the runner is its own
                     executor: ``info``, ``execute``, ``spec_stats``)
-    multiproc.py    tensor parallelism on one host: this process is rank 0 and starts
-                    ranks 1..N-1 as processes of their own (worker.py); every step's
-                    SchedulerOutput goes to all of them, each runs its shard of the
-                    forward, and rank 0's sampled tokens are the step's result
+    multiproc.py    tensor parallelism: this process is rank 0 and starts ranks
+                    1..N-1 as processes of their own (worker.py; other hosts' with
+                    `tandem worker`, node.py); every step's SchedulerOutput goes to all
+                    of them, each runs its shard of the forward, and rank 0's sampled
+                    tokens are the step's result
+    external.py     ranks started by torchrun, each running the same program with its
+                    own engine; deterministic scheduling keeps them in step
 
 The engine calls ``make_executor``; it never learns how many processes there are.
 """
@@ -28,6 +31,10 @@ def make_executor(config: EngineConfig):
     if size == 1:
         return build_runner(config)
     check_parallel(config)
+    if config.parallel.distributed_executor_backend == "external_launcher":
+        from tandem.executor.external import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(config)
     from tandem.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config)
@@ -70,6 +77,14 @@ def check_parallel(config: EngineConfig) -> None:
     for rank in range(size):  # a layout that leaves a rank nothing fails here, not in N loads
         _ = ShardPlan(model_config, rank, size).heads
     speculative = config.speculative
+    external = config.parallel.distributed_executor_backend == "external_launcher"
+    if external and speculative is not None and speculative.adaptive:
+        raise InvalidParameterError(
+            "speculative_config.adaptive",
+            "ranks of an external launcher schedule alone and must make the same "
+            "decisions: speculation that switches on measured time cannot run there "
+            "(set adaptive to false)",
+        )
     if speculative is not None and speculative.method not in PARALLEL_SPECULATION:
         raise InvalidParameterError(
             "tensor_parallel_size",

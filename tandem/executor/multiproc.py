@@ -65,7 +65,7 @@ class MultiprocExecutor:
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
             self.channel = ranks.StepChannel(shm)
             ranks.send_config(config)
-            self.runner = ranks.build_rank(config, 0, size, shm)
+            self.runner = ranks.build_rank(config, 0, shm, local)
         except BaseException:
             self._stop_workers(grace_s=2.0)
             self._remove_store()

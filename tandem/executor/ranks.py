@@ -111,13 +111,15 @@ def shared_memory_usable() -> bool:
     return os.environ.get("TANDEM_TP_SHM", "1") != "0" and cpu_kernels.load() is not None
 
 
-def build_rank(config: EngineConfig, rank: int, size: int, shm: ShmGroup | None):
-    """This rank's runner, its collectives in shared memory or over gloo."""
+def build_rank(config: EngineConfig, rank: int, shm: ShmGroup | None, ranks_on_host: int):
+    """This rank's runner, its collectives in shared memory or over gloo, the host's
+    threads split between its ``ranks_on_host``."""
     from tandem.executor import build_runner
     from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
 
-    split_threads(size)
+    split_threads(ranks_on_host)
     comm = shm if shm is not None else GlooCollectives()
+    size = config.parallel.tensor_parallel_size
     return build_runner(config, TensorParallel(rank, size, comm))
 
 
