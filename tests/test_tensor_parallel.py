@@ -344,3 +344,28 @@ def test_ranks_started_by_torchrun_equal_one_process(smollm2_like, tmp_path):
     sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
     drawn = one.generate({"prompt_token_ids": ids[0]}, sampled, use_tqdm=False)
     assert rank0[1] == drawn[0].outputs[0].token_ids
+
+
+def test_two_ranks_under_chunking_preemption_and_prefix_hits(smollm2_like):
+    """The ranks' request states stay in step through what the scheduler does to
+    requests: prompts cut into chunks, requests preempted for want of blocks and
+    recomputed, prefix-cache hits; greedy outputs equal one process's."""
+    folder, _ = smollm2_like
+    shared = prompts([40], seed=11)[0]
+    ids = [shared + tail for tail in prompts([9, 3, 17, 6], seed=12)] + prompts([30], seed=13)
+    settings = dict(
+        max_num_seqs=4, max_num_batched_tokens=24, num_blocks=24, block_size=4,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = LLM(str(folder), **settings)
+    reference = one.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    two = LLM(str(folder), tensor_parallel_size=2, **settings)
+    try:
+        ours = two.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        preempted = sum(o.metrics.num_preemptions for o in ours)
+        cached = sum(o.num_cached_tokens for o in ours)
+    finally:
+        _close(two)
+    assert preempted > 0 and cached > 0  # the situations this test is about happened
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
