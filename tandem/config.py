@@ -104,6 +104,11 @@ class ParallelConfig:
         "external_launcher: torchrun started every rank, each running this same program "
         "with its own engine (offline use, as vLLM's)", "BACKEND",
     )  # fmt: skip
+    cpu_bind: str = setting(
+        "auto", "auto: each rank of a host on its own run of the host's CPUs (every "
+        "thread pinned); none: the ranks share them, only their thread counts split",
+        "POLICY",
+    )  # fmt: skip
     nnodes: int = setting(
         1, "hosts the ranks span, tensor_parallel_size / nnodes on each: this one (node "
         "rank 0) runs the engine, the others `tandem worker` with the same settings", "N",
@@ -128,6 +133,8 @@ class ParallelConfig:
                 f"{self.distributed_executor_backend!r} is not one of "
                 f"{', '.join(EXECUTOR_BACKENDS)}",
             )
+        if self.cpu_bind not in ("auto", "none"):
+            raise InvalidParameterError("cpu_bind", f"{self.cpu_bind!r} is not one of auto, none")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise InvalidParameterError(
                 "nnodes", "must be >= 1 and divide tensor_parallel_size (ranks per host)"

@@ -126,11 +126,14 @@ def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, 
     ids = prompts([7, 13, 5], seed=4)
     one = LLM(str(folder), max_num_seqs=4)
     reference = _generate(one, ids)
+    threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
     two = LLM(str(folder), max_num_seqs=4, tensor_parallel_size=2)
     try:
         ours = _generate(two, ids)
     finally:
         _close(two)
+    # rank 0 (this process) had its CPUs and threads split; closing gives them back
+    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == (threads, cpus)
     _assert_same(ours, reference, atol=1e-4)
     # and transformers' greedy tokens on the same weights
     assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)

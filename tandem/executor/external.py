@@ -66,6 +66,7 @@ class ExternalLauncherExecutor:
             if rank == 0:
                 os.unlink(box[0])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", size if one_host else 1))
+        self.host_settings = ranks.HostSettings()
         self.runner = ranks.build_rank(config, rank, shm, local)
         self.info = self.runner.info
 
@@ -82,3 +83,4 @@ class ExternalLauncherExecutor:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.host_settings.restore()

@@ -60,6 +60,7 @@ class MultiprocExecutor:
         ]
         self.broken: str | None = None
         self.closed = False
+        self.host_settings = ranks.HostSettings()
         try:
             ranks.join_as_driver(rendezvous, size, self._dead_worker, timeout_s)
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
@@ -69,6 +70,7 @@ class MultiprocExecutor:
         except BaseException:
             self._stop_workers(grace_s=2.0)
             self._remove_store()
+            self.host_settings.restore()
             raise
         finally:
             if shared:  # every rank has mapped it (they met in the load's collectives)
@@ -111,6 +113,7 @@ class MultiprocExecutor:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._remove_store()
+        self.host_settings.restore()
 
     def _remove_store(self) -> None:
         if self.store_folder is not None:

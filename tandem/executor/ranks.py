@@ -18,6 +18,7 @@ tensor_parallel.py times both.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -96,10 +97,41 @@ def worker_command(rendezvous: str, rank: int, size: int, segment: str) -> list[
             segment]  # fmt: skip
 
 
-def split_threads(size: int) -> None:
-    """Each of ``size`` ranks on this host takes its share of the CPU's threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // size))
+def split_threads(ranks_on_host: int, local_rank: int, bind: bool) -> None:
+    """This rank's share of the host's CPUs: a disjoint run of them when ``bind`` (every
+    thread of the process pinned there, later ones inheriting it) and there are as many
+    CPUs as ranks; torch's threads, one per CPU of the share."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
+        return
+    if bind and len(cpus) >= ranks_on_host > 1:
+        from tandem.models.sharding import split_evenly
+
+        share = [cpus[i] for i in split_evenly(len(cpus), ranks_on_host, local_rank)]
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                os.sched_setaffinity(int(thread), share)
+        torch.set_num_threads(len(share))
+        return
+    torch.set_num_threads(max(1, len(cpus) // ranks_on_host))
+
+
+class HostSettings:
+    """The process-wide settings a rank changes (CPU affinity of every thread, torch's
+    thread count), to put back when the ranks stop: rank 0 may be a process that goes
+    on (a test, a notebook)."""
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+    def restore(self) -> None:
+        torch.set_num_threads(self.threads)
+        if self.cpus is not None:
+            for thread in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(thread), self.cpus)
 
 
 def shared_memory_usable() -> bool:
@@ -113,11 +145,11 @@ def shared_memory_usable() -> bool:
 
 def build_rank(config: EngineConfig, rank: int, shm: ShmGroup | None, ranks_on_host: int):
     """This rank's runner, its collectives in shared memory or over gloo, the host's
-    threads split between its ``ranks_on_host``."""
+    CPUs split between its ``ranks_on_host`` (ranks of a host are numbered in a run)."""
     from tandem.executor import build_runner
     from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
 
-    split_threads(ranks_on_host)
+    split_threads(ranks_on_host, rank % ranks_on_host, config.parallel.cpu_bind == "auto")
     comm = shm if shm is not None else GlooCollectives()
     size = config.parallel.tensor_parallel_size
     return build_runner(config, TensorParallel(rank, size, comm))
