@@ -10,9 +10,10 @@
                result (every rank samples the same ones)
     close      tell the workers to stop and wait for them
 
-A worker that dies makes the step it was in raise (its socket closes: gloo fails the
-collective at once); from then on every step raises the same error, naming the
-rank and its exit status, so requests end with an error and never wait.
+A worker that dies makes the step it was in raise (rank 0's wait in shared memory
+sees the process gone; over gloo its socket closes and the collective fails at
+once); from then on every step raises the same error, naming the rank and its exit
+status, so requests end with an error and never wait.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class MultiprocExecutor:
         try:
             self.channel.send(scheduler_output)
             return self.runner.execute(scheduler_output)
-        except RuntimeError as exc:  # a collective failed: a rank went away
-            self.broken = self._dead_worker() or f"a tensor-parallel collective failed: {exc}"
+        except RuntimeError as exc:  # a rank went away, or failed mid-step: out of step
+            self.broken = self._dead_worker() or f"a tensor-parallel step failed: {exc}"
             raise EngineStepError(self.broken) from exc
 
     def _dead_worker(self) -> str | None:

@@ -59,6 +59,11 @@ def split_evenly(total: int, parts: int, index: int, unit: int = 1) -> range:
     return range(min(start * unit, total), min(stop * unit, total))
 
 
+def vocab_rows(vocab_size: int, size: int, rank: int) -> range:
+    """The embedding and LM head rows of ``rank``: whole packed tiles."""
+    return split_evenly(vocab_size, size, rank, ROWS)
+
+
 def head_ranges(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[range, range]:
     """(query heads, KV heads) of ``rank`` out of ``size`` (the module's docstring)."""
     if num_heads % num_kv_heads:
@@ -117,7 +122,7 @@ class ShardPlan:
             "q": range(q.start * d, q.stop * d),
             "kv": range(kv.start * d, kv.stop * d),
             "mlp": split_evenly(self.full.intermediate_size, self.size, self.rank, self.block),
-            "vocab": split_evenly(self.full.vocab_size, self.size, self.rank, ROWS),
+            "vocab": vocab_rows(self.full.vocab_size, self.size, self.rank),
         }
 
     @property

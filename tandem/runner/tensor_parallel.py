@@ -28,8 +28,7 @@ from torch import nn
 from tandem.errors import ModelLoadError
 from tandem.models.linear import Linear, LinearMethod
 from tandem.models.quantized import replace_module
-from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, split_evenly
-from tandem.quant.packed import ROWS
+from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, vocab_rows
 from tandem.runner.linear.parallel import Collectives, parallel_linear_method
 
 
@@ -62,7 +61,7 @@ class TensorParallel:
 
     def vocab_sizes(self, vocab_size: int) -> list[int]:
         """Each rank's vocabulary rows (models/sharding.py splits them so)."""
-        return [len(split_evenly(vocab_size, self.size, r, ROWS)) for r in range(self.size)]
+        return [len(vocab_rows(vocab_size, self.size, r)) for r in range(self.size)]
 
     def raise_any(self, failure: Exception | None) -> None:
         """Raise, on every rank, the first rank's failure (None: this rank's went
