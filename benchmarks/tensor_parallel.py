@@ -8,7 +8,8 @@ split the machine's cores between them). On rank 0, during the batch-1 decode: t
 share of a step spent sending the step to the other ranks (the SchedulerOutput
 broadcast) and inside the model's collectives (all-reduce, all-gather; waiting for
 the slowest rank included), per step. Each with the ranks meeting in shared memory
-(runner/shm_group.py, the default) and over gloo (TANDEM_TP_SHM=0). And the
+(runner/shm_group.py, the default) and over gloo (TANDEM_TP_SHM=0), each rank on its
+own CPUs (--cpu-bind auto, the default) or sharing them (--cpu-binds auto none). And the
 collectives alone: one all-reduce of a token's hidden state between N processes on
 this host, both ways: the latency every row-parallel layer pays twice a layer::
 
@@ -34,7 +35,7 @@ from benchmarks.common import machine
 NEW_TOKENS = 33
 
 
-def point(model: str, size: int) -> dict[str, float]:
+def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     """Runs in its own process (``--point``)."""
     import torch
 
@@ -60,7 +61,9 @@ def point(model: str, size: int) -> dict[str, float]:
         for name in ("all_reduce", "all_gather"):
             setattr(cls, name, timed("collectives", getattr(cls, name)))
 
-    llm = LLM(model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size)
+    llm = LLM(
+        model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind
+    )
     vocab = llm.engine.model_info.vocab_size
     generator = torch.Generator().manual_seed(0)
 
@@ -155,7 +158,7 @@ def _allreduce_rank(rank, size, port, hidden, repeats, segment, queue) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--point":
-        print(json.dumps(point(sys.argv[2], int(sys.argv[3]))))
+        print(json.dumps(point(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--allreduce":
         size, hidden, repeats = (int(a) for a in sys.argv[2:5])
@@ -165,6 +168,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--transports", nargs="+", default=["shm", "gloo"])
+    parser.add_argument(
+        "--cpu-binds", nargs="+", default=["auto"], help="auto (each rank its own CPUs), none"
+    )
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     from tandem.models.loader import read_config
@@ -179,25 +185,29 @@ def main() -> None:
                 f"among {size} processes, {transport}: {us:.1f} us"
             )
     print(
-        "| ranks | collectives | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s "
+        "| ranks | collectives | CPUs | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s "
         "| step ms (batch 1) | sending the step ms | collectives ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
-        for transport in args.transports if size > 1 else ["-"]:
+        layouts = [("-", "auto")] if size == 1 else [
+            (t, b) for t in args.transports for b in args.cpu_binds
+        ]  # fmt: skip
+        for transport, bind in layouts:
             env = dict(os.environ, TANDEM_TP_SHM="0" if transport == "gloo" else "1")
             runs = []
             for _ in range(args.repeat):
                 out = subprocess.run(
                     [sys.executable, "-m", "benchmarks.tensor_parallel", "--point",
-                     args.model, str(size)],
+                     args.model, str(size), bind],
                     check=True, capture_output=True, text=True, env=env,
                 ).stdout  # fmt: skip
                 runs.append(json.loads(out.strip().splitlines()[-1]))
             med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            cpus = "-" if size == 1 else ("own" if bind == "auto" else "shared")
             print(
-                f"| {size} | {transport} | {med['decode_1']:.2f} | {med['decode_16']:.1f} | "
-                f"{med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
+                f"| {size} | {transport} | {cpus} | {med['decode_1']:.2f} | "
+                f"{med['decode_16']:.1f} | {med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
                 f"{med['send_ms_per_step']:.3f} | {med['collectives_ms_per_step']:.2f} |"
             )
 
