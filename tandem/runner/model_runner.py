@@ -129,8 +129,8 @@ class ModelRunner:
         )
 
     def use_proposer(self, proposer: Proposer | None) -> None:
-        """Speculate with ``proposer`` (the executor builds it: spec_decode imports the
-        runner, never the reverse)."""
+        """Speculate with ``proposer`` (the executor builds it: the proposers import
+        the runner, a draft model having one of its own, never the reverse)."""
         self.proposer = proposer
         if hasattr(proposer, "attach"):  # a draft made of this runner's model (layer_skip)
             proposer.attach(self)
