@@ -72,6 +72,29 @@ def test_a_quantized_tensor_narrows_on_whole_blocks():
     assert BLOCK[code][0] == 256
 
 
+def test_a_safetensors_rank_reads_only_its_rows(tmp_path, monkeypatch):
+    """Row shards of a safetensors tensor are read alone (their bytes, by pread);
+    column shards are cut from the whole."""
+    from safetensors.torch import save_file
+
+    from tandem.models.weight_source import SafetensorsCheckpoint
+
+    weight = torch.randn(64, 32)
+    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
+    reads = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or preadv(fd, bufs, at))
+    with SafetensorsCheckpoint(tmp_path) as checkpoint:
+        (tensor,) = list(checkpoint.tensors())
+        rows = tensor.narrow(0, 16, 8)
+        assert rows.shape == (8, 32) and torch.equal(rows.read(), weight[16:24])
+        assert len(reads) == 1
+        first = reads[0]
+        columns = tensor.narrow(1, 8, 16)
+        assert torch.equal(columns.read(), weight[:, 8:24])
+        assert reads[1] == first - 16 * 32 * 4  # the whole tensor, from its first row
+
+
 # -- real ranks ------------------------------------------------------------------------
 
 

@@ -40,6 +40,8 @@ class CheckpointTensor:
     type: GGMLType | None  # a GGUF tensor's storage type; None for safetensors
     _read: Callable[[], torch.Tensor]
     _release: Callable[[int, int | None], None] | None = None
+    # Reads rows [start, stop) alone (a file read rather than a mapping: safetensors).
+    _read_rows: Callable[[int, int], torch.Tensor] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -59,10 +61,11 @@ class CheckpointTensor:
         if self.quantized and dim == len(self.shape) - 1:  # the bytes of whole blocks
             weights, size = BLOCK[self.type]
             view_start, view_length = start // weights * size, length // weights * size
-        part = CheckpointTensor(
-            self.name, tuple(shape), self.file, self.type,
-            lambda: self._read().narrow(dim, view_start, view_length),
-        )  # fmt: skip
+        if dim == 0 and self._read_rows is not None:  # only the part's bytes are read
+            read = functools.partial(self._read_rows, start, start + length)
+        else:
+            read = lambda: self._read().narrow(dim, view_start, view_length)  # noqa: E731
+        part = CheckpointTensor(self.name, tuple(shape), self.file, self.type, read)
         if self._release is not None:
 
             def release(start_byte: int, stop_byte: int | None) -> None:
@@ -155,7 +158,8 @@ class SafetensorsCheckpoint:
     The safetensors library opens and validates each file and gives names, shapes and
     dtypes; the bytes are then read with ``pread`` into a fresh tensor rather than
     through the library's memory map, whose pages would stay in the process (the
-    whole file beside the model) until the file is closed."""
+    whole file beside the model) until the file is closed. A tensor-parallel rank's
+    rows of a tensor are read alone (``narrow``); its columns, from the whole."""
 
     def __init__(self, folder: Path) -> None:
         self.files = []
@@ -174,10 +178,10 @@ class SafetensorsCheckpoint:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 info = handle.get_slice(name)
                 shape = tuple(info.get_shape())
-                read = functools.partial(
-                    _pread, fd, offsets[name], shape, _SAFETENSORS_DTYPES[info.get_dtype()]
-                )
-                yield CheckpointTensor(name, shape, path.name, None, read)
+                dtype = _SAFETENSORS_DTYPES[info.get_dtype()]
+                read = functools.partial(_pread, fd, offsets[name], shape, dtype)
+                rows = functools.partial(_pread_rows, fd, offsets[name], shape, dtype)
+                yield CheckpointTensor(name, shape, path.name, None, read, _read_rows=rows)
 
     def close(self) -> None:
         for _, handle, _, fd in self.files:
@@ -190,6 +194,17 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pread_rows(
+    fd: int, span: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, first: int,
+    stop: int,
+):  # fmt: skip
+    """Rows [first, stop) of a row-major tensor: their bytes alone."""
+    row_bytes = (span[1] - span[0]) // max(shape[0], 1)
+    start = span[0] + first * row_bytes
+    rows = (start, start + (stop - first) * row_bytes)
+    return _pread(fd, rows, (stop - first, *shape[1:]), dtype)
 
 
 def _pread(fd: int, span: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype):
