@@ -101,9 +101,7 @@ def tandem_file_point(model: str) -> dict[str, float]:
     """Runs in its own process (``--file-point``): load, memory, decode, prefill."""
     import time
 
-    import torch
-
-    from tandem import LLM, SamplingParams
+    from tandem import LLM
     from tandem.runner.kv_cache import kv_bytes_per_block
 
     start = time.perf_counter()
@@ -119,7 +117,27 @@ def tandem_file_point(model: str) -> dict[str, float]:
         )
         / 1e9
     )
-    vocab = runner.model.config.vocab_size
+    return {
+        "load_s": load_s,
+        "peak_gb": peak_gb,
+        "steady_gb": steady,
+        "kv_gb": kv_gb,
+        **decode_and_prefill(llm),
+    }
+
+
+def decode_and_prefill(llm, warm: bool = False, around_batch_1=None) -> dict[str, float]:
+    """Batch-1 and batch-16 decode tok/s (33 new tokens after 128-token prompts of
+    random ids; 1 / the median inter-token gap, x16 for the batch) and prefill of 512
+    tokens (512 / its time to first token). ``warm``: one short request first;
+    ``around_batch_1``: a context manager the batch-1 run goes inside (to time it)."""
+    import contextlib
+
+    import torch
+
+    from tandem import SamplingParams
+
+    vocab = llm.engine.model_info.vocab_size
     generator = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> dict:
@@ -132,19 +150,17 @@ def tandem_file_point(model: str) -> dict[str, float]:
             g for o in outputs for g in (o.outputs[0].metrics or o.metrics).inter_token_latencies
         ]
 
-    one = llm.generate(prompt(128), params, use_tqdm=False)
+    if warm:
+        llm.generate(prompt(16), params, use_tqdm=False)
+    with around_batch_1 or contextlib.nullcontext():
+        one = llm.generate(prompt(128), params, use_tqdm=False)
     batch = llm.generate([prompt(128) for _ in range(16)], params, use_tqdm=False)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prefill = llm.generate(prompt(512), first, use_tqdm=False)[0]
-    ttft = (prefill.outputs[0].metrics or prefill.metrics).ttft
     return {
-        "load_s": load_s,
-        "peak_gb": peak_gb,
-        "steady_gb": steady,
-        "kv_gb": kv_gb,
         "decode_1": 1 / statistics.median(gaps(one)),
         "decode_16": 16 / statistics.median(gaps(batch)),
-        "prefill_512": 512 / ttft,
+        "prefill_512": 512 / (prefill.outputs[0].metrics or prefill.metrics).ttft,
     }
 
 

@@ -23,6 +23,7 @@ The model defaults to SmolLM2-135M-Instruct's Q4_1 file
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,16 +32,13 @@ import sys
 import time
 
 from benchmarks.common import machine
-
-NEW_TOKENS = 33
+from benchmarks.scale import NEW_TOKENS, decode_and_prefill
 
 
 def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     """Runs in its own process (``--point``)."""
-    import torch
-
     import tandem.executor.ranks as ranks
-    from tandem import LLM, SamplingParams
+    from tandem import LLM
     from tandem.runner.shm_group import ShmGroup
     from tandem.runner.tensor_parallel import GlooCollectives
 
@@ -64,35 +62,20 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     llm = LLM(
         model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind
     )
-    vocab = llm.engine.model_info.vocab_size
-    generator = torch.Generator().manual_seed(0)
+    shares: dict[str, float] = {}
 
-    def prompt(n: int) -> dict:
-        return {"prompt_token_ids": torch.randint(0, vocab, (n,), generator=generator).tolist()}
+    @contextlib.contextmanager
+    def timing_batch_1():
+        for key in timers:
+            timers[key] = 0.0
+        start = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - start
+        steps = NEW_TOKENS  # the prompt's step and 32 decodes
+        shares.update({f"{k}_ms_per_step": v / steps * 1e3 for k, v in timers.items()})
+        shares["step_ms"] = elapsed / steps * 1e3
 
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-    def gaps(outputs) -> list[float]:
-        return [g for o in outputs for g in o.outputs[0].metrics.inter_token_latencies]
-
-    llm.generate(prompt(16), params, use_tqdm=False)  # warm
-    for key in timers:
-        timers[key] = 0.0
-    start = time.perf_counter()
-    one = llm.generate(prompt(128), params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    steps = NEW_TOKENS  # the prompt's step and 32 decodes
-    shares = {f"{k}_ms_per_step": v / steps * 1e3 for k, v in timers.items()}
-    shares["step_ms"] = elapsed / steps * 1e3
-    batch = llm.generate([prompt(128) for _ in range(16)], params, use_tqdm=False)
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    prefill = llm.generate(prompt(512), first, use_tqdm=False)[0]
-    result = {
-        "decode_1": 1 / statistics.median(gaps(one)),
-        "decode_16": 16 / statistics.median(gaps(batch)),
-        "prefill_512": 512 / prefill.outputs[0].metrics.ttft,
-        **shares,
-    }
+    result = {**decode_and_prefill(llm, warm=True, around_batch_1=timing_batch_1()), **shares}
     if size > 1:
         llm.engine.runner.close()
     return result
