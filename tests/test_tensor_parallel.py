@@ -40,7 +40,7 @@ def test_split_evenly_covers_everything_once_in_whole_units(total, parts, unit):
 def test_head_ranges_give_each_query_head_once_with_its_kv_head(heads, kv_heads, size):
     group = heads // kv_heads
     if size > heads:
-        return
+        pytest.skip("more ranks than query heads")
     try:
         parts = [head_ranges(heads, kv_heads, size, rank) for rank in range(size)]
     except ModelLoadError:  # a rank would get no query head: refused, by name

@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
@@ -130,11 +131,12 @@ class ShmGroup:
 
     def send(self, payload: bytes) -> None:
         """Rank 0: ``payload`` to every other rank (in parts when large)."""
-        parts = [payload[i : i + MESSAGE_BYTES] for i in range(0, len(payload), MESSAGE_BYTES)]
-        for index, part in enumerate(parts or [b""]):
+        view = memoryview(payload)
+        parts = [view[i : i + MESSAGE_BYTES] for i in range(0, len(view), MESSAGE_BYTES)]
+        for index, part in enumerate(parts or [view]):
             # every rank has copied the previous part out before it is overwritten
             self._wait(self.acks[LINE:], self.size - 1, self.messages)
-            self.message[: len(part)] = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+            self.message[: len(part)].numpy()[:] = np.frombuffer(part, dtype=np.uint8)
             self.message_header[1] = len(part)
             self.message_header[2] = len(parts) - 1 - index
             self.messages += 1
