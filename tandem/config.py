@@ -24,6 +24,9 @@ def setting(default: Any, help: str, metavar: str | None = None, flag: str | Non
     return field(default=default, metadata={"help": help, "metavar": metavar, "flag": flag})
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # a server's KV cache on CPU when none is given
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = setting(16, "tokens per KV cache block", "TOKENS")

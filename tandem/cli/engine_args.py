@@ -104,8 +104,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = Fa
         "smollm2-135m-instruct (default: the bundled stdlib-lm)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=int, default=0, metavar="N", help="CPU threads (0: torch's default)"
-    )
+        "--threads", type=int, default=0, metavar="N",
+        help="CPU threads (0: torch's default; with --data-parallel-size, each core's, "
+        "by default its share of the CPUs)",
+    )  # fmt: skip
     for group in _groups(kv_transfer):
         arguments = parser.add_argument_group(group.title)
         for f, flag, kind in _fields(group):

@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine core on a thread of the server's process (for debugging; "
         "by default it runs in its own process, beside the HTTP server's)",
     )  # fmt: skip
+    http.add_argument(
+        "--data-parallel-size", type=int, default=1, metavar="N",
+        help="N engine cores behind this server, each a whole engine (its own process, "
+        "KV cache and --tensor-parallel-size ranks) on its own share of the CPUs; "
+        "requests go to the core with the fewest in flight (default: 1)",
+    )  # fmt: skip
     add_limit_arguments(parser, LIMIT_HELP)
     add_engine_arguments(parser, kv_transfer=True)
 
@@ -109,4 +115,5 @@ def run(args: argparse.Namespace) -> None:
         engine_process=not args.no_engine_process,
         tool_call_parser=args.tool_call_parser,
         threads=checked_threads(args),
+        data_parallel_size=args.data_parallel_size,
     )

@@ -18,7 +18,6 @@ tensor_parallel.py times both.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.errors import ModelLoadError
+from tandem.executor.cpus import allowed_cpus, cpu_share, pin_threads
 from tandem.runner.shm_group import ShmGroup
 
 IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
@@ -101,17 +101,13 @@ def split_threads(ranks_on_host: int, local_rank: int, bind: bool) -> None:
     """This rank's share of the host's CPUs: a disjoint run of them when ``bind`` (every
     thread of the process pinned there, later ones inheriting it) and there are as many
     CPUs as ranks; torch's threads, one per CPU of the share."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed_cpus()
     if not cpus:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
         return
-    if bind and len(cpus) >= ranks_on_host > 1:
-        from tandem.models.sharding import split_evenly
-
-        share = [cpus[i] for i in split_evenly(len(cpus), ranks_on_host, local_rank)]
-        for thread in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError):  # a thread that just ended
-                os.sched_setaffinity(int(thread), share)
+    share = cpu_share(cpus, ranks_on_host, local_rank) if bind and ranks_on_host > 1 else []
+    if share:
+        pin_threads(share)
         torch.set_num_threads(len(share))
         return
     torch.set_num_threads(max(1, len(cpus) // ranks_on_host))
@@ -124,14 +120,12 @@ class HostSettings:
 
     def __init__(self) -> None:
         self.threads = torch.get_num_threads()
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.cpus = allowed_cpus()
 
     def restore(self) -> None:
         torch.set_num_threads(self.threads)
-        if self.cpus is not None:
-            for thread in os.listdir("/proc/self/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(thread), self.cpus)
+        if self.cpus:
+            pin_threads(self.cpus)
 
 
 def shared_memory_usable() -> bool:

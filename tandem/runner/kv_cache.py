@@ -25,6 +25,7 @@ import mmap
 
 import torch
 
+from tandem.config import DEFAULT_CPU_KV_CACHE_BYTES
 from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 
@@ -109,7 +110,6 @@ def as_cached(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
     return cache_rows(x, stored).to(x.dtype)
 
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_CPU_AVAILABLE_FRACTION = 0.8
 
 

@@ -202,10 +202,10 @@ def build_app(
     trace_guarded = [Depends(check_key), Depends(check_trace_allowed)]
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> dict[str, str]:
+    async def health() -> dict:
         if not engine.is_alive:
             raise APIError(503, engine.dead_reason, "service_unavailable", code="engine_dead")
-        return {"status": "ok"}
+        return engine.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():

@@ -60,6 +60,8 @@ class EngineCoreClient(EngineClient):
         """Start the core process and wait until it is ready; a core that cannot load
         its model raises TandemError with its reason."""
         self.on_dead = on_dead
+        self.options = options
+        self.name = f"engine {options.name}"
         self._closing = False
         self._folder = Path(tempfile.mkdtemp(prefix="tandem-core-"))
         input_address = f"ipc://{self._folder / 'input'}"
@@ -99,12 +101,12 @@ class EngineCoreClient(EngineClient):
         ]
         for thread in self._threads:
             thread.start()
-        logger.info("engine core running in process %d", self.process.pid)
+        logger.info("%s running in process %d", self.name, self.process.pid)
 
     def _wait_ready(self, timeout: float):
         ready = wait([self._pipe, self.process.sentinel], timeout)
         if not ready:
-            raise TandemError(f"the engine core did not start in {timeout:.0f} s")
+            raise TandemError(f"the {self.name} did not start in {timeout:.0f} s")
         if self._pipe in ready:
             with contextlib.suppress(EOFError):
                 kind, payload = self._pipe.recv()
@@ -113,7 +115,7 @@ class EngineCoreClient(EngineClient):
                 raise TandemError(payload)
         self.process.join(5)
         raise TandemError(
-            f"the engine core process exited with code {self.process.exitcode} while starting"
+            f"the {self.name} process exited with code {self.process.exitcode} while starting"
         )
 
     # -- the transport ----------------------------------------------------------------
@@ -193,7 +195,7 @@ class EngineCoreClient(EngineClient):
         self.process.join(timeout=5)  # reaped: exitcode is set only once it is
         if self._closing:
             return
-        reason = f"the engine core process exited with code {self.process.exitcode}"
+        reason = f"the {self.name} process exited with code {self.process.exitcode}"
         logger.error("%s; failing the requests in flight", reason)
         self.dead_reason = reason
         loop = self._loop
@@ -228,7 +230,7 @@ class EngineCoreClient(EngineClient):
         self._closing = True
         self.process.join(timeout=30)
         if self.process.is_alive():
-            logger.warning("the engine core did not stop in 30 s; terminating it")
+            logger.warning("the %s did not stop in 30 s; terminating it", self.name)
             self.process.terminate()
             self.process.join(timeout=5)
         if self.process.is_alive():

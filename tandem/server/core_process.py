@@ -94,7 +94,8 @@ def run_engine_core(
     ready (or why not) on ``pipe``, then serve until Shutdown or the API server
     goes away."""
     logging.basicConfig(
-        level=options.log_level.upper(), format="%(asctime)s %(levelname)s core: %(message)s"
+        level=options.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {options.name}: %(message)s",
     )
     # Ctrl-C in a terminal reaches the whole process group: the server handles it and
     # shuts the core down in order (a core dying of it first would look like a crash).

@@ -48,6 +48,18 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self.dead_reason is None
 
+    @property
+    def in_flight(self) -> int:
+        """Requests added and not yet finished, failed or aborted."""
+        return len(self._streams)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def health(self) -> dict:
+        """``/health``'s body while the server serves."""
+        return {"status": "ok"}
+
     async def add_request(
         self,
         request_id: str,

@@ -15,6 +15,7 @@ import uvicorn
 from tandem.config import EngineConfig
 from tandem.errors import TandemError
 from tandem.server.api import build_app
+from tandem.server.data_parallel import check_data_parallel, start_engine
 from tandem.server.engine_client import EngineClient
 from tandem.server.limits import ServerLimits, h11_protocol
 from tandem.server.served_engine import CoreOptions, ServedEngine
@@ -40,11 +41,13 @@ def run_server(
     engine_process: bool = True,
     threads: int = 0,
     tool_call_parser: str = "hermes",
+    data_parallel_size: int = 1,
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     limits = limits or ServerLimits()
     listener = claim_port(host, port)  # a busy port fails now, not after loading the model
     config = EngineConfig.from_kwargs(model, **engine_options)
+    check_data_parallel(config, data_parallel_size, engine_process)
     name = served_model_name or Path(model).name
     options = CoreOptions(name, max_waiting_requests, trace, host, log_level, threads)
     server: uvicorn.Server | None = None
@@ -60,9 +63,7 @@ def run_server(
         threading.Timer(EXIT_GRACE_S, stop).start()
 
     if engine_process:
-        from tandem.server.core_client import EngineCoreClient
-
-        client: EngineClient = EngineCoreClient(config, options, on_dead)
+        client: EngineClient = start_engine(config, options, data_parallel_size, on_dead)
     else:
         client = _in_process_engine(config, options)
     app = build_app(
@@ -71,9 +72,11 @@ def run_server(
     info = client.info
     logger.info(
         "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d, "
-        "engine core %s)",
+        "%s)",
         model, name, host, port, info.num_blocks, info.block_size, info.max_model_len,
-        "in its own process" if engine_process else "on a thread of this process",
+        f"{data_parallel_size} engine cores, each in its own process" if data_parallel_size > 1
+        else "engine core in its own process" if engine_process
+        else "engine core on a thread of this process",
     )  # fmt: skip
     server = make_server(app, log_level, limits.header_timeout)
     server.run(sockets=[listener])

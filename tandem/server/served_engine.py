@@ -30,16 +30,26 @@ class CoreOptions:
     trace: str | None = None  # write the step trace here at shutdown
     host: str = "127.0.0.1"  # the KV transfer listener's address (disaggregated roles)
     log_level: str = "info"
-    threads: int = 0  # torch threads (0: torch's default)
+    threads: int = 0  # torch threads (0: torch's default, or one per CPU of ``cpus``)
+    index: int | None = None  # this core's place among data-parallel cores
+    cpus: tuple[int, ...] = ()  # data parallelism: this core's own CPUs (every thread pinned)
+
+    @property
+    def name(self) -> str:
+        return "core" if self.index is None else f"core {self.index}"
 
 
 class ServedEngine:
     def __init__(self, config: EngineConfig, options: CoreOptions) -> None:
         """Load the model (the one place it is loaded)."""
-        if options.threads:
+        if options.cpus:
+            from tandem.executor.cpus import pin_threads
+
+            pin_threads(options.cpus)
+        if options.threads or options.cpus:
             import torch
 
-            torch.set_num_threads(options.threads)
+            torch.set_num_threads(options.threads or len(options.cpus))
         from tandem.engine.engine import Engine
         from tandem.server.metrics import ServerMetrics
 

@@ -1,0 +1,203 @@
+"""Data parallelism (``tandem serve --data-parallel-size N``): N engine cores behind one
+API server answer as one engine does, take requests side by side, report their
+metrics by core, and a core that dies fails only its own streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.errors import InvalidParameterError
+from tandem.executor.cpus import cpu_share
+from tandem.server.data_parallel import (
+    check_data_parallel,
+    core_config,
+    core_options,
+    merge_metrics,
+    merge_traces,
+)
+from tandem.server.launch import tandem_server
+from tandem.server.served_engine import CoreOptions
+from tests.servers import MODEL, metric, serve, wait_for
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "In 1969, the"]
+LONG = 4000  # tokens: streams that run until the test ends them
+
+
+@pytest.fixture(scope="module")
+def folder(model_dirs):
+    return str(model_dirs("llama", max_position_embeddings=LONG + 64)[0])
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The engine-core processes (multiprocessing's spawned children) of a server."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return [
+        int(pid)
+        for pid in children
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+def open_stream(http: httpx.Client, prompt: str):
+    """A long streaming completion that has produced its first token."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG, "ignore_eos": True}
+    stream = http.stream("POST", "/v1/completions", json={**body, "stream": True})
+    response = stream.__enter__()
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: {")
+    return stream, lines
+
+
+def running(url: str, engine: str) -> float:
+    return metric(url, "num_requests_running", engine=engine)
+
+
+def test_two_cores_answer_as_one_engine_and_take_requests_side_by_side(folder):
+    llm = LLM(folder)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    offline = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with serve(folder, "--data-parallel-size", "2") as url:
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "engine_cores": 2}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        answers: dict[int, str] = {}
+
+        def ask(index: int) -> None:  # the real SDK, streaming, four clients at once
+            chunks = client.completions.create(
+                model=MODEL, prompt=PROMPTS[index], max_tokens=16, temperature=0, stream=True
+            )
+            answers[index] = "".join(chunk.choices[0].text for chunk in chunks)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert [answers[i] for i in range(len(PROMPTS))] == offline
+        # Both cores served: /metrics labels every sample with its core.
+        for engine in ("0", "1"):
+            assert metric(url, "request_success_total", engine=engine) >= 1
+        assert metric(url, "request_success_total") == len(PROMPTS)
+        assert metric(url, "engine_cores", state="alive") == 2
+        # Two streams in flight run on two cores at once.
+        with httpx.Client(base_url=url, timeout=60) as http:
+            streams = [open_stream(http, prompt) for prompt in PROMPTS[:2]]
+            assert running(url, "0") == running(url, "1") == 1
+            for stream, _ in streams:
+                stream.__exit__(None, None, None)
+        wait_for(lambda: metric(url, "num_requests_running") == 0)
+
+
+def test_a_dead_core_fails_only_its_streams_and_the_last_one_takes_the_server(folder):
+    flags = ("--data-parallel-size", "2", "--served-model-name", MODEL)
+    with tandem_server("serve", "--model", folder, *flags) as server:
+        url = server.url
+        pids = core_pids(server.process.pid)
+        assert len(pids) == 2
+        with httpx.Client(base_url=url, timeout=60) as http:
+            streams = [open_stream(http, prompt) for prompt in PROMPTS[:2]]
+            os.kill(pids[0], signal.SIGKILL)
+            ended = {}
+            for index, (_, lines) in enumerate(streams):
+                for _ in range(40):  # the survivor keeps streaming; the other ends
+                    line = next(lines, None)
+                    if line is None or line.startswith('data: {"error"'):
+                        ended[index] = json.loads(line.removeprefix("data: "))["error"]
+                        break
+            assert len(ended) == 1, "exactly the dead core's stream ends"
+            (error,) = ended.values()
+            assert error["code"] == "engine_dead" and "exited with code -9" in error["message"]
+            for stream, _ in streams:
+                stream.__exit__(None, None, None)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 200
+        body = health.json()
+        assert body["status"] == "degraded" and len(body["dead_engine_cores"]) == 1
+        assert metric(url, "engine_cores", state="dead") == 1
+        # New requests go to the survivor, every time.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        for prompt in PROMPTS:
+            reply = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
+            )
+            assert reply.choices[0].finish_reason == "length"
+        os.kill(pids[1], signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 1
+
+
+def test_settings_data_parallelism_does_not_serve_are_refused_by_name(tmp_path):
+    config = EngineConfig.from_kwargs(str(tmp_path))
+    check_data_parallel(config, 2, engine_process=True)
+    two_hosts = EngineConfig.from_kwargs(
+        str(tmp_path), nnodes=2, tensor_parallel_size=2, master_port=29500
+    )
+    decode_role = EngineConfig.from_kwargs(str(tmp_path), kv_transfer_config={"role": "decode"})
+    refusals = [
+        (config, 0, True),
+        (config, 65, True),
+        (config, 2, False),  # --no-engine-process
+        (two_hosts, 2, True),
+        (decode_role, 2, True),
+    ]
+    for refused, size, engine_process in refusals:
+        with pytest.raises(InvalidParameterError, match="--data-parallel-size"):
+            check_data_parallel(refused, size, engine_process)
+
+
+def test_each_core_gets_its_own_cpus_kv_budget_and_trace_file(tmp_path):
+    assert cpu_share([0, 1, 2, 3, 4], 2, 0) == [0, 1, 2]
+    assert cpu_share([0, 1, 2, 3, 4], 2, 1) == [3, 4]
+    assert cpu_share([0], 2, 1) == []  # fewer CPUs than cores: nobody is pinned
+    options = CoreOptions("m", trace=str(tmp_path / "steps.json"))
+    first, second = (core_options(options, 2, i, bind=True) for i in range(2))
+    assert (first.index, second.index) == (0, 1)
+    assert first.trace.endswith("steps.core0.json") and second.trace.endswith("steps.core1.json")
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert first.cpus and second.cpus and not set(first.cpus) & set(second.cpus)
+    assert core_options(options, 2, 0, bind=False).cpus == ()
+    config = EngineConfig.from_kwargs(str(tmp_path))
+    halves = core_config(config, 2).cache.kv_cache_memory
+    assert halves == (2 << 30) // 2
+    given = EngineConfig.from_kwargs(str(tmp_path), num_blocks=64)
+    assert core_config(given, 2) is given
+
+
+def test_metrics_and_traces_of_the_cores_merge_labelled_by_core():
+    text = (
+        "# HELP tandem:generation_tokens_total Generated tokens.\n"
+        "# TYPE tandem:generation_tokens_total counter\n"
+        'tandem:generation_tokens_total{model_name="m"} 5.0\n'
+    )
+    merged = merge_metrics([(0, text.encode()), (1, text.replace("5.0", "7.0"))], 2, 2)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(merged)
+        for s in family.samples
+    }
+    assert samples[("tandem:generation_tokens_total", (("engine", "0"), ("model_name", "m")))] == 5
+    assert samples[("tandem:generation_tokens_total", (("engine", "1"), ("model_name", "m")))] == 7
+    assert samples[("tandem:engine_cores", (("state", "dead"),))] == 0
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "engine"}},
+            {"ph": "X", "name": "step 0", "pid": 1, "ts": 0, "dur": 1},
+        ],
+        "otherData": {"dropped": {"steps": 1}},
+    }
+    both = merge_traces([(0, trace), (1, trace)])
+    names = [e["args"]["name"] for e in both["traceEvents"] if e["ph"] == "M"]
+    assert names == ["core 0: engine", "core 1: engine"]
+    assert len({e["pid"] for e in both["traceEvents"]}) == 2
+    assert both["otherData"]["dropped"] == {"steps": 2}
