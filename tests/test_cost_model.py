@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.plan.cost import ModelShape, StepCostModel, transfer_seconds
+from tandem.plan.cost import (
+    ModelShape,
+    StepCostModel,
+    allreduce_seconds,
+    collective_seconds,
+    transfer_seconds,
+)
 from tandem.plan.hardware import PRESETS
 
 # 1B parameters in bf16, 100 kB of KV per token, 10 layers, attention 1,000 wide.
@@ -39,6 +45,28 @@ def test_the_datasheet_model_is_the_plan_roofline():
     assert model.bandwidth_gbs == 2 * PRESETS["h100-sxm"].bandwidth_gbs
     assert model.tflops == 2 * PRESETS["h100-sxm"].flops_for("bf16")
     assert model.step_overhead_s == 0 and "H100" in model.source
+
+
+def test_tensor_parallel_collectives_by_hand(tmp_path):
+    # One all-reduce of 1 MB between 2 ranks over 100 GB/s, 10 us: 10 us + 2 x 1/2 x 10 us.
+    assert allreduce_seconds(1e6, 2, 100, 1e-5) == pytest.approx(2e-5)
+    # Among 4: each link carries 2 x 3/4 of the bytes.
+    assert allreduce_seconds(1e6, 4, 100, 0) == pytest.approx(1.5e-5)
+    assert allreduce_seconds(1e6, 1, 100, 1e-5) == 0
+    shape = ModelShape(10**9, 2e9, 1e5, num_layers=10, attention_width=1000, hidden_size=1000,
+                       vocab_size=50_000, activation_bytes=2)  # fmt: skip
+    # 8 tokens: 20 all-reduces of 8 x 1,000 x 2 bytes (1 us + 16 kB / 100 GB/s = 1.16 us),
+    # then 4 sampled rows of 50,000 float32 logits gathered (1 us + 1/2 x 800 kB / 100 GB/s).
+    expected = 20 * (1e-6 + 16e3 / 1e11) + (1e-6 + 0.5 * 8e5 / 1e11)
+    assert collective_seconds(shape, 8, 4, 2, 100, 1e-6) == pytest.approx(expected)
+    model = StepCostModel.from_hardware(PRESETS["h100-sxm"], "bf16", tp=2, link=(100, 1e-6))
+    alone = StepCostModel.from_hardware(PRESETS["h100-sxm"], "bf16", tp=2, link=(1e9, 0))
+    decodes = [(1, 100)] * 8
+    assert model.step_seconds(shape, decodes) - alone.step_seconds(shape, decodes) == (
+        pytest.approx(collective_seconds(shape, 8, 8, 2, 100, 1e-6), rel=1e-6)
+    )
+    model.save(tmp_path / "cost.json")  # the link travels with the model
+    assert StepCostModel.load(tmp_path / "cost.json") == model
 
 
 def test_the_fit_recovers_known_coefficients(tmp_path):

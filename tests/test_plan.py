@@ -17,6 +17,7 @@ from tandem.plan.calculator import (
     attention_flops,
     decode_step_seconds,
     engine_kv_dtype,
+    format_plan,
     kv_bytes_per_token,
     plan,
     prefill_seconds,
@@ -125,6 +126,29 @@ def test_a_70b_plan_on_h100s(tmp_path):
     ratio = 989e12 / 3350e9
     assert alone["crossover_batch_weights_only"] == pytest.approx(ratio, rel=1e-6)
     assert alone["tpot_estimate_s"] >= alone["weight_bytes"] / 3350e9
+
+
+def test_the_plan_prices_the_collectives_and_says_when_tensor_parallelism_pays(tmp_path):
+    path = tmp_path / "llama70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    nvlink = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512, batch=32, tp=4)
+    # 80 layers x 2 all-reduces of 32 x 8,192 bf16 values over NVLink's 450 GB/s, each
+    # 20 us + 1.5 x 512 kB / 450 GB/s; then 32 rows of logits gathered.
+    per_allreduce = 20e-6 + 1.5 * 32 * 8192 * 2 / 450e9
+    gather = 20e-6 + 0.75 * 32 * 128256 * 4 / 450e9
+    assert nvlink["decode_collectives_s"] == pytest.approx(160 * per_allreduce + gather)
+    assert nvlink["tpot_estimate_s"] == pytest.approx(
+        max(nvlink["decode_step_floor_s"], nvlink["decode_step_compute_s"])
+        + nvlink["decode_collectives_s"]
+    )
+    one = nvlink["one_device"]
+    assert one["tpot_estimate_s"] / nvlink["tpot_estimate_s"] > 3  # 4 devices' bandwidth
+    # Over a link a millisecond away, the collectives cost more than the split gains.
+    slow = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512, batch=32, tp=4,
+                link=(450, 1e-3))  # fmt: skip
+    assert slow["one_device"]["tpot_estimate_s"] < slow["tpot_estimate_s"]
+    assert "TP 4 against 1" in format_plan(slow)
+    assert "one_device" not in plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512)
 
 
 def test_quantized_weights_take_their_block_formats_bytes(tmp_path):

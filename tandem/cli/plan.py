@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=256, metavar="TOKENS")
     parser.add_argument("--batch", type=int, default=1, metavar="N")
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel devices")
+    add_tp_link_arguments(parser)
     parser.add_argument(
         "--measure", action="store_true", help="measure this machine and run tandem on it"
     )
@@ -57,6 +58,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fit a request's time outside the engine",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_tp_link_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp-link-gbs", type=float, default=None, metavar="GB/S",
+        help="with --tp: GB/s each way between two ranks (default: the hardware's: NVLink "
+        "or PCIe from its datasheet; this machine's memory bandwidth)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp-link-latency-us", type=float, default=None, metavar="US",
+        help="with --tp: one small all-reduce's latency (default: the hardware's; 20 us "
+        "between GPUs, the shared-memory figure of benchmarks/tensor_parallel.py here)",
+    )  # fmt: skip
+
+
+def tp_link(args: argparse.Namespace, hardware) -> tuple[float, float]:
+    """(GB/s, seconds): the flags over the hardware's figures."""
+    from tandem.errors import InvalidParameterError
+
+    link_gbs, latency_s = hardware.link()
+    if args.tp_link_gbs is not None:
+        if args.tp_link_gbs <= 0:
+            raise InvalidParameterError("--tp-link-gbs", "must be > 0")
+        link_gbs = args.tp_link_gbs
+    if args.tp_link_latency_us is not None:
+        if args.tp_link_latency_us < 0:
+            raise InvalidParameterError("--tp-link-latency-us", "must be >= 0")
+        latency_s = args.tp_link_latency_us * 1e-6
+    return link_gbs, latency_s
 
 
 def run(args: argparse.Namespace) -> None:
@@ -105,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
         hardware = PRESETS[args.hardware]
     result = plan(
         args.model, hardware, args.dtype, args.kv_dtype, args.prompt_len, args.output_len,
-        args.batch, args.tp, engine_cpu=on_this_machine,
+        args.batch, args.tp, engine_cpu=on_this_machine, link=tp_link(args, hardware),
     )  # fmt: skip
     if args.measure:
         result["measured"] = measure_model(args.model, result)

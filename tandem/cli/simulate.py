@@ -20,6 +20,7 @@ ENGINE_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tandem.bench.serve import add_workload_arguments
+    from tandem.cli.plan import add_tp_link_arguments
     from tandem.plan.hardware import PRESETS
 
     parser.add_argument("--model", required=True, metavar="PATH", help="a folder or a config.json")
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a datasheet roofline (a floor: no overheads, so optimistic)",
     )  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="(with --hardware)")
+    add_tp_link_arguments(parser)
     parser.add_argument(
         "--dtype", default=None, choices=["fp32", "bf16"],
         help="weights and KV (default: fp32 with --cost, as the CPU engine runs; bf16 with "
@@ -53,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instances (routed as `tandem router` routes: fewest requests in flight)"
     )
     cluster.add_argument(
-        "--instances", type=int, default=1, metavar="N", help="colocated instances (default: 1)"
+        "--instances", "--dp", type=int, default=1, metavar="N",
+        help="colocated instances: data-parallel engine cores or servers (default: 1)",
     )  # fmt: skip
     cluster.add_argument(
         "--prefill", type=int, default=0, metavar="P",
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> None:
     from tandem.bench.datasets import LocalTokenizer
     from tandem.bench.serve import arrival_gaps, workload_requests
     from tandem.bench.summary import format_table, parse_goodput, summarize
+    from tandem.cli.plan import tp_link
     from tandem.config import EngineConfig
     from tandem.errors import InvalidParameterError
     from tandem.plan.calculator import MEMORY_UTILIZATION, read_model
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
         hardware = PRESETS[args.hardware]
-        cost = StepCostModel.from_hardware(hardware, dtype, args.tp)
+        cost = StepCostModel.from_hardware(hardware, dtype, args.tp, tp_link(args, hardware))
         memory = hardware.memory_gb * 1e9 * args.tp
     options = {name: value for name in ENGINE_FLAGS if (value := getattr(args, name)) is not None}
     if args.enable_prefix_caching is not None:

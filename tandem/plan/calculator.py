@@ -39,6 +39,7 @@ from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 from tandem.models.dtypes import DTYPES
 from tandem.models.loader import read_config
+from tandem.plan.cost import ModelShape, collective_seconds
 from tandem.plan.hardware import Hardware
 from tandem.quant.blocks import BLOCK, GGMLType
 
@@ -268,9 +269,12 @@ def plan(
     batch: int = 1,
     tp: int = 1,
     engine_cpu: bool = False,
+    link: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """``engine_cpu``: the hardware is this machine, run by tandem's CPU engine: the KV
-    capacity is the one it allocates by default (engine_cpu_kv_tokens)."""
+    capacity is the one it allocates by default (engine_cpu_kv_tokens). ``link``: the
+    tensor-parallel ranks' link (GB/s each way, one all-reduce's latency in seconds;
+    default: the hardware's), which every step's collectives cross."""
     dtype, kv_dtype, gguf = plan_arguments(
         model, dtype, kv_dtype, prompt_len, output_len, batch, tp, engine_cpu
     )
@@ -311,13 +315,18 @@ def plan(
     attention_tflops = hardware.attention_rate(engine_kv_dtype(dtype, engine_cpu)) * tp
     prefill_attention = attention_flops(config, prompt_len) / (attention_tflops * 1e12)
     prefill += prefill_attention
-    ttft = max(prefill, read_bytes / (bandwidth * 1e9))
-    tpot = max(decode_memory, decode_compute)
+    link_gbs, latency_s = link or hardware.link()
+    computed = DTYPES[engine_kv_dtype(dtype, engine_cpu)].bytes
+    shape = ModelShape.of(config, params, 0, computed)
+    decode_collectives = collective_seconds(shape, batch, batch, tp, link_gbs, latency_s)
+    prefill_collectives = collective_seconds(shape, prompt_len, 1, tp, link_gbs, latency_s)
+    ttft = max(prefill, read_bytes / (bandwidth * 1e9)) + prefill_collectives
+    tpot = max(decode_memory, decode_compute) + decode_collectives
     crossover = crossover_batch(
         params, read_bytes, context, kv_all_ranks, tflops, bandwidth, kv_bandwidth
     )
     weights_only = crossover_batch(params, read_bytes, 0, 0, tflops, bandwidth)
-    return {
+    result = {
         "model": str(model),
         "architecture": config.architecture,
         "hardware": hardware.name,
@@ -357,7 +366,16 @@ def plan(
         "ttft_estimate_s": ttft,
         "tpot_estimate_s": tpot,
         "tokens_per_s": batch / tpot,
+        "link_gbs": link_gbs,
+        "link_latency_s": latency_s,
+        "decode_collectives_s": decode_collectives,
+        "prefill_collectives_s": prefill_collectives,
     }
+    if tp > 1:  # what the split buys: the same request on one device
+        one = plan(model, hardware, dtype, kv_dtype, prompt_len, output_len, batch, 1,
+                   engine_cpu, link)  # fmt: skip
+        result["one_device"] = {k: one[k] for k in ("ttft_estimate_s", "tpot_estimate_s")}
+    return result
 
 
 def _bytes(value: float) -> str:
@@ -431,6 +449,23 @@ def format_plan(result: dict[str, Any]) -> str:
         "(2 x params x batch / FLOP/s)",
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "
         f"{_batch(r['crossover_batch_weights_only'])}",
+    ]
+    if r["tp"] > 1:
+        lines += [
+            f"collectives        {_seconds(r['decode_collectives_s'])} a decode step, "
+            f"{_seconds(r['prefill_collectives_s'])} a prefill (2 all-reduces a layer, each "
+            f"{_seconds(r['link_latency_s'])} + 2 (N-1)/N x tokens x hidden / "
+            f"{r['link_gbs']:,.0f} GB/s; the sampled logits gathered)",
+        ]
+        if "one_device" in r:
+            one = r["one_device"]
+            ttft = one["ttft_estimate_s"] / r["ttft_estimate_s"]
+            tpot = one["tpot_estimate_s"] / r["tpot_estimate_s"]
+            lines.append(
+                f"TP {r['tp']} against 1     TTFT x{ttft:.2f}, TPOT x{tpot:.2f} as fast (below "
+                "1: the collectives cost more than the split gains)"
+            )
+    lines += [
         "",
         f"TTFT estimate      {_seconds(r['ttft_estimate_s'])}",
         f"TPOT estimate      {_seconds(r['tpot_estimate_s'])}",

@@ -19,7 +19,10 @@ The coefficients come from a datasheet (``from_hardware``: the `tandem plan` pre
 no overheads) or are fitted to real steps measured on this machine (``fit``: a
 least-squares fit of the same form, `tandem plan --measure --calibrate FILE`), and
 are saved as JSON. A KV transfer (disaggregated serving) costs ``latency + bytes /
-link bandwidth`` (``transfer_seconds``). A served request also spends ``frontend_s``
+link bandwidth`` (``transfer_seconds``). Under tensor parallelism every step also
+pays its collectives (``collective_seconds``): two all-reduces of the step's hidden
+states per layer and the gather of the sampled rows' logits, each a latency plus
+bytes over the link between ranks. A served request also spends ``frontend_s``
 outside the engine (fitted by `tandem plan --calibrate --from-trace` from a serving
 run; calibrate.py).
 """
@@ -47,15 +50,22 @@ class ModelShape:
     kv_bytes_per_token: float
     num_layers: int
     attention_width: int  # query heads x head dim
+    hidden_size: int = 0  # (the tensor-parallel collectives' message: a token's state)
+    vocab_size: int = 0
+    activation_bytes: float = 4.0
 
     @classmethod
     def of(cls, config: ModelConfig, params: int, bytes_per_weight: float, kv_bytes: float):
+        """``kv_bytes``: the element size of the cache and of the activations."""
         return cls(
             params,
             params * bytes_per_weight,
             config.kv_bytes_per_token(kv_bytes),
             config.num_layers,
             config.num_heads * config.head_dim,
+            config.hidden_size,
+            config.vocab_size,
+            kv_bytes,
         )
 
     def step_bytes(self, shares: list[Share]) -> float:
@@ -80,14 +90,26 @@ class StepCostModel:
     # to each request's TTFT and E2EL. 0 for an engine driven in process.
     frontend_s: float = 0.0
     source: str = ""  # "datasheet: <preset>", or "fitted to N steps on <machine>"
+    # Tensor parallelism: ranks, and the link between them (collective_seconds).
+    tp: int = 1
+    link_gbs: float = float("inf")
+    link_latency_s: float = 0.0
 
     @classmethod
-    def from_hardware(cls, hardware, dtype: str, tp: int = 1) -> StepCostModel:
-        """A datasheet's roofline (no overheads: a floor, not a prediction)."""
+    def from_hardware(
+        cls, hardware, dtype: str, tp: int = 1, link: tuple[float, float] | None = None
+    ) -> StepCostModel:
+        """A datasheet's roofline (no overheads: a floor, not a prediction), over ``tp``
+        devices whose collectives cross ``link`` (GB/s, seconds; default: the
+        hardware's)."""
+        link_gbs, latency_s = link or hardware.link()
         return cls(
             hardware.bandwidth_gbs * tp,
             hardware.flops_for(dtype) * tp,
             source=f"datasheet: {hardware.name}",
+            tp=tp,
+            link_gbs=link_gbs,
+            link_latency_s=latency_s,
         )
 
     def step_seconds(self, shape: ModelShape, shares: list[Share]) -> float:
@@ -100,7 +122,11 @@ class StepCostModel:
         host = len(shares) * self.request_overhead_s + sum(n for n, _ in shares) * (
             self.token_overhead_s
         )
-        return fixed + host + max(memory, compute)
+        collectives = collective_seconds(
+            shape, sum(n for n, _ in shares), len(shares), self.tp, self.link_gbs,
+            self.link_latency_s,
+        )  # fmt: skip
+        return fixed + host + max(memory, compute) + collectives
 
     @classmethod
     def fit(
@@ -161,6 +187,30 @@ class StepCostModel:
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:
         return cls(**json.loads(Path(path).read_text()))
+
+
+def allreduce_seconds(num_bytes: float, ranks: int, link_gbs: float, latency_s: float) -> float:
+    """One all-reduce of ``num_bytes`` among ``ranks``: a small message's latency plus
+    the bytes each link carries in a ring, 2 (N - 1) / N of them (nccl-tests' "bus
+    bandwidth" convention)."""
+    if ranks <= 1:
+        return 0.0
+    return latency_s + 2 * (ranks - 1) / ranks * num_bytes / (link_gbs * 1e9)
+
+
+def collective_seconds(
+    shape: ModelShape, tokens: int, sampled: int, ranks: int, link_gbs: float, latency_s: float
+) -> float:
+    """A tensor-parallel step's collectives: per layer, an all-reduce of the ``tokens``'
+    hidden states after attention and another after the MLP; then the ``sampled``
+    rows' logits gathered from the vocabulary shards (float32)."""
+    if ranks <= 1 or tokens == 0:
+        return 0.0
+    states = tokens * shape.hidden_size * shape.activation_bytes
+    layers = 2 * shape.num_layers * allreduce_seconds(states, ranks, link_gbs, latency_s)
+    logits = sampled * shape.vocab_size * 4
+    gather = latency_s + (ranks - 1) / ranks * logits / (link_gbs * 1e9)
+    return layers + gather
 
 
 def transfer_seconds(num_bytes: float, link_gbs: float, latency_s: float = 0.0) -> float:

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 from tandem.errors import InvalidParameterError
 
+# A small all-reduce between GPUs of one host, as NCCL's tests report it: tens of
+# microseconds (an assumption where a datasheet gives none: `--link-latency-us`).
+DEFAULT_LINK_LATENCY_US = 20.0
+PCIE4_X16_GBS = 32.0  # each way
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -26,6 +31,15 @@ class Hardware:
     # The rate a decode step's attention reads K/V, where measured (this_machine): the
     # kernel's, below the machine's read bandwidth.
     kv_bandwidth_gbs: float | None = None
+    # Between two devices of a tensor-parallel group: GB/s each way (the datasheet's
+    # NVLink or PCIe figure, halved: those count both directions) and one small
+    # all-reduce's latency.
+    link_gbs: float | None = None
+    link_latency_us: float = DEFAULT_LINK_LATENCY_US
+
+    def link(self) -> tuple[float, float]:
+        """(GB/s, seconds) of the link a collective crosses; no figure: PCIe 4.0 x16's."""
+        return self.link_gbs or PCIE4_X16_GBS, self.link_latency_us * 1e-6
 
     def flops_for(self, dtype: str) -> float:
         if dtype in self.tflops:
@@ -41,27 +55,45 @@ PRESETS = {
     "a100-80g": Hardware(
         "NVIDIA A100 80GB SXM", 80, 2039,
         {"fp32": 19.5, "bf16": 312, "fp16": 312, "fp8": 312, "int8": 624},
-        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB column; FP32 without TF32)",
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB column; FP32 without TF32; "
+        "NVLink 600 GB/s)",
+        link_gbs=300,
     ),
     "h100-sxm": Hardware(
         "NVIDIA H100 SXM", 80, 3350,
         {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979},
-        "NVIDIA H100 Tensor Core GPU datasheet (SXM column)",
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM column; NVLink 900 GB/s)",
+        link_gbs=450,
     ),
     "h200": Hardware(
         "NVIDIA H200 SXM", 141, 4800,
         {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979},
-        "NVIDIA H200 Tensor Core GPU datasheet (SXM column)",
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM column; NVLink 900 GB/s)",
+        link_gbs=450,
     ),
     "l4": Hardware(
         "NVIDIA L4", 24, 300,
         {"fp32": 30.3, "bf16": 121, "fp16": 121, "fp8": 242.5, "int8": 242.5},
-        "NVIDIA L4 Tensor Core GPU datasheet",
+        "NVIDIA L4 Tensor Core GPU datasheet (PCIe Gen4 x16, 64 GB/s)",
+        link_gbs=32,
     ),
     "t4": Hardware(
         "NVIDIA T4", 16, 320,
         {"fp32": 8.1, "bf16": 65, "fp16": 65, "fp8": 65, "int8": 130},
-        "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision; no BF16 or FP8 units)",
+        "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision; no BF16 or FP8 units; "
+        "PCIe Gen3 x16, 32 GB/s)",
+        link_gbs=16,
+    ),
+    # A CPU socket as a device: two of them are a 2-socket server, its sockets
+    # tensor-parallel ranks (each its own memory) meeting in shared memory.
+    "epyc-9654": Hardware(
+        "AMD EPYC 9654 socket", 384, 460.8,
+        {"fp32": 7.4, "bf16": 14.7, "int8": 29.5},
+        "AMD EPYC 9654 datasheet: 96 cores at 2.4 GHz, 12 channels of DDR5-4800 "
+        "(460.8 GB/s); peak from Zen 4's two 256-bit FMA pipes (bf16 dot products x2, "
+        "int8 x4); 12 x 32 GB DIMMs; 4 xGMI links to the other socket; the all-reduce "
+        "latency is tandem's shared-memory figure",
+        link_gbs=256, link_latency_us=25,
     ),
 }  # fmt: skip
 

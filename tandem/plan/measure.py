@@ -216,13 +216,22 @@ def this_machine(
         tflops = {dtype: sum(prefill_mix.values()) / seconds_per_flop}
         names = "+".join(code.name for code in mix)
         source = f"measured by tandem plan: the integer-dot kernel on {names}"
-        return Hardware(name, memory_gb, bandwidth, tflops, source, attention, kv_read)
-    tflops = {dtype: matmul_tflops(computed)}
-    read = memory_bandwidth_gbs()
-    source = "measured by tandem plan"
-    return Hardware(name, memory_gb, read, tflops, source, attention, kv_read)
+    else:
+        tflops = {dtype: matmul_tflops(computed)}
+        bandwidth = memory_bandwidth_gbs()
+        source = "measured by tandem plan"
+    # Ranks on this host meet in shared memory: a wait, then a copy at about the rate
+    # memory is read.
+    return Hardware(
+        name, memory_gb, bandwidth, tflops, source, attention, kv_read,
+        link_gbs=bandwidth, link_latency_us=SHARED_MEMORY_ALLREDUCE_US,
+    )  # fmt: skip
 
 
+# One all-reduce of a token's hidden state between two ranks of a host in shared memory
+# (runner/shm_group.py), as benchmarks/tensor_parallel.py measured it on a 2-vCPU EPYC:
+# 15-33 us (`--link-latency-us` for another host's figure).
+SHARED_MEMORY_ALLREDUCE_US = 25.0
 MAX_MEASURED_PARAMS = 2e9  # a random-weight model this size takes minutes to build here
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # what the CPU engine runs in
 
