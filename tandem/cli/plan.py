@@ -8,13 +8,15 @@ HELP = "KV cache and roofline calculator: will it fit, how fast at best?"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.plan.hardware import PRESETS
+
     parser.add_argument(
         "--model", required=True, metavar="PATH",
         help="a folder, a config.json or a GGUF file (priced in its own formats)",
     )  # fmt: skip
     parser.add_argument(
         "--hardware", default="h100-sxm",
-        choices=["a100-80g", "h100-sxm", "h200", "l4", "t4", "cpu", "custom"],
+        choices=[*PRESETS, "cpu", "custom"],
         help="a datasheet preset; cpu: this machine, measured; custom: give the three below",
     )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, metavar="GB/S", help="(custom)")

@@ -23,6 +23,7 @@ records the settings they were made with; a folder of other settings is refused)
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import warnings
@@ -69,6 +70,13 @@ def documents(paths: list[str] | None, heldout: bool) -> list[tuple[str, str]]:
             raise InvalidParameterError("--text", "no paragraph of 40 characters or more")
         # Held out: every 20th paragraph.
         return [d for i, d in enumerate(found) if (i % 20 == 19) == heldout]
+    return list(stdlib_documents(heldout))
+
+
+@functools.cache
+def stdlib_documents(heldout: bool) -> tuple[tuple[str, str], ...]:
+    """The stdlib's docstrings, parsed once a process (seconds: every module's syntax
+    tree is walked)."""
     train, held = split(stdlib_sources())
     found = []
     for source in held if heldout else train:
@@ -87,7 +95,7 @@ def documents(paths: list[str] | None, heldout: bool) -> list[tuple[str, str]]:
                 module = source.path[:-3].replace("/", ".")
                 name = module if isinstance(node, ast.Module) else node.name
                 found.append((name, doc[:DEFAULT_DOCUMENT_CHARS]))
-    return found
+    return tuple(found)
 
 
 def prompts_from(docs: list[tuple[str, str]], count: int, seed: int) -> list[str]:
