@@ -85,12 +85,21 @@ def core_config(config: EngineConfig, size: int) -> EngineConfig:
     return replace(config, cache=replace(cache, kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES // size))
 
 
+def core_cpus(cpus: list[int], size: int, index: int) -> list[int]:
+    """Core ``index``'s own CPUs: a run of them, the first CPU left to the API server
+    (it encodes every stream's chunks). Where there is no CPU to spare, none: pinned
+    cores would stall whenever the server ran on their CPUs (measured on 2 vCPUs:
+    1.21x one core's throughput pinned, 1.33x free; docs/BENCHMARKS.md)."""
+    if len(cpus) <= size:
+        return []
+    return cpu_share(cpus[1:], size, index)
+
+
 def core_options(options: CoreOptions, size: int, index: int, bind: bool) -> CoreOptions:
-    """Core ``index``'s options: its share of this host's CPUs (when ``bind`` and there
-    are enough of them; else the cores share the CPUs, their thread counts split) and
-    its own trace file."""
+    """Core ``index``'s options: its own CPUs (``bind``: core_cpus), else the cores
+    share the CPUs, their thread counts split; and its own trace file."""
     cpus = allowed_cpus()
-    share = cpu_share(cpus, size, index) if bind else []
+    share = core_cpus(cpus, size, index) if bind else []
     threads = options.threads or (0 if share or not cpus else max(1, len(cpus) // size))
     trace = options.trace
     if trace is not None:
@@ -208,8 +217,8 @@ class DataParallelClient(EngineClient):
         return merge_traces(traces) if traces else None
 
     def health(self) -> dict:
-        with self._dead_lock:
-            dead = dict(self._dead)
+        # (A core's own client knows first: its streams fail before on_dead runs.)
+        dead = {i: core.dead_reason for i, core in enumerate(self.cores) if not core.is_alive}
         if not dead:
             return {"status": "ok", "engine_cores": len(self.cores)}
         return {
