@@ -5,8 +5,10 @@ request at once (request rate inf), on the same requests.
 A small model's step does not use many threads well (a 135M model's matrices are too
 small to split over cores without the threads waiting on each other), so two cores,
 each pinned to its own CPUs and running its own batch, can do more than one core
-with both CPUs. The load generator runs in this process, on the same CPUs: it costs
-every layout the same. Medians of interleaved repetitions::
+with both CPUs. The cores are pinned to CPUs of their own where one is left for the
+API server (not on 2 CPUs: server/data_parallel.py). The load generator runs in this
+process, on the same CPUs: it costs every layout the same. Medians of interleaved
+repetitions::
 
     python -m benchmarks.data_parallel [--model FOLDER_OR_GGUF] [--num-prompts 64]
 
@@ -30,7 +32,6 @@ def layouts(cpus: int) -> dict[str, list[str]]:
     return {
         f"1 core x {cpus} threads": ["--threads", str(cpus)],
         f"2 cores x {half} threads": ["--data-parallel-size", "2"],
-        f"2 cores x {half}, unpinned": ["--data-parallel-size", "2", "--cpu-bind", "none"],
     }
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per layout (medians shown)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per layout (medians shown)")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
     cpus = len(os.sched_getaffinity(0))
