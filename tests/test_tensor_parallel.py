@@ -298,7 +298,7 @@ def test_shared_memory_collectives_in_pieces(tmp_path):
         assert payload == (None if rank == 0 else (10_240_000, bytes([0, 1, 2])))
 
 
-def test_two_nodes_on_loopback_equal_one_process(smollm2_like):
+def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch):
     """Two launches as two hosts would run them: node 0 runs the engine (rank 0 here,
     in this process), node 1 `tandem worker` (rank 1), meeting at node 0's TCP store;
     across hosts the ranks talk gloo only."""
@@ -310,6 +310,7 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like):
     folder, hf_model = smollm2_like
     port = free_port()
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    monkeypatch.setenv("TANDEM_DIST_SECRET", "shared by both hosts")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "tandem", "worker", *flags, "--node-rank", "1"],
         stdout=subprocess.PIPE, text=True,
@@ -326,6 +327,45 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like):
     said = node1.stdout.read()
     assert "node 1 of 2, tensor-parallel ranks 1-1 of 2; workers only" in said
     assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)
+
+
+@pytest.mark.parametrize(
+    "worker_flags, worker_secret, named",
+    [
+        (
+            ["--tensor-parallel-size", "4"],
+            "s",
+            "--tensor-parallel-size: 4 on node 1, 2 on node 0",
+        ),
+        ([], "another", "$TANDEM_DIST_SECRET: differs between node 1 and node 0"),
+    ],
+)
+def test_a_host_with_other_settings_is_refused_on_both_sides_by_name(
+    smollm2_like, monkeypatch, worker_flags, worker_secret, named
+):
+    import subprocess
+    import sys
+
+    from tandem.server.launch import free_port
+
+    folder, _ = smollm2_like
+    port = free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "worker", *flags, *worker_flags, "--node-rank", "1"],
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TANDEM_DIST_SECRET": worker_secret},
+    )  # fmt: skip
+    monkeypatch.setenv("TANDEM_DIST_SECRET", "s")
+    try:
+        with pytest.raises(ModelLoadError, match="another host refused to join") as refused:
+            LLM(str(folder), tensor_parallel_size=2, nnodes=2, master_port=port)
+        assert named in str(refused.value)
+        assert node1.wait(30) == 2
+    finally:
+        node1.kill()
+    error = node1.stderr.read().strip()
+    assert named in error and len(error.splitlines()) == 1, error
 
 
 TORCHRUN_SCRIPT = """

@@ -52,18 +52,25 @@ class MultiprocExecutor:
                 "tensor parallelism over %d hosts: waiting for ranks %d-%d at %s:%d",
                 parallel.nnodes, local, size - 1, parallel.master_addr, parallel.master_port,
             )  # fmt: skip
+            if not os.environ.get(ranks.SECRET_ENV):
+                logger.warning(
+                    "%s is not set: any host that reaches port %d can join this group "
+                    "(docs/SECURITY.md)", ranks.SECRET_ENV, parallel.master_port,
+                )  # fmt: skip
         # Shared memory joins ranks of one host only: across hosts everything is gloo.
         shared = parallel.nnodes == 1 and ranks.shared_memory_usable()
         segment = create_segment(size, str(os.getpid())) if shared else NO_SEGMENT
+        meeting = ranks.host_meeting(rendezvous, parallel)
+        env = {**os.environ, **meeting.worker_env}
         self.workers = [
-            subprocess.Popen(ranks.worker_command(rendezvous, rank, size, segment))
+            subprocess.Popen(ranks.worker_command(rendezvous, rank, size, segment), env=env)
             for rank in range(1, local)
         ]
         self.broken: str | None = None
         self.closed = False
         self.host_settings = ranks.HostSettings()
         try:
-            ranks.join_as_driver(rendezvous, size, self._dead_worker, timeout_s)
+            ranks.join_as_driver(meeting, size, self._dead_worker, timeout_s)
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
             self.channel = ranks.StepChannel(shm)
             ranks.send_config(config)

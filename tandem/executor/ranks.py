@@ -18,9 +18,14 @@ tensor_parallel.py times both.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
+import hmac
+import json
 import os
 import pickle
+import secrets
 import socket
 import sys
 import tempfile
@@ -31,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.errors import ModelLoadError
+from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.executor.cpus import allowed_cpus, cpu_share, pin_threads
 from tandem.runner.shm_group import ShmGroup
 
@@ -65,18 +70,88 @@ def _store(rendezvous: str, size: int, is_master: bool) -> dist.Store:
                          timeout=IDLE)  # fmt: skip
 
 
+# -- admission across hosts ------------------------------------------------------------
+#
+# Node 0 posts what its group is (tensor-parallel size, hosts) and a nonce, with a
+# proof that it holds the deployment's secret ($TANDEM_DIST_SECRET, empty if unset).
+# Another host joins only if its settings and its secret agree, else it posts why
+# it refused and node 0 fails with that line. The group itself meets under a store
+# prefix derived from the secret and the nonce: a host without the secret cannot
+# find it. (gloo's traffic is not encrypted: ranks belong on a trusted network.)
+
+SECRET_ENV = "TANDEM_DIST_SECRET"
+GROUP_ENV = "TANDEM_DIST_GROUP"  # the group's store prefix, handed to a host's workers
+ADMISSION, REFUSED = "tandem/admission", "tandem/refused"
+AGREED = (("tensor_parallel_size", "--tensor-parallel-size"), ("nnodes", "--nnodes"))
+
+
+def _proof(purpose: str, nonce: str) -> str:
+    key = hashlib.sha256(b"tandem-dist:" + os.environ.get(SECRET_ENV, "").encode()).digest()
+    return hmac.new(key, f"{purpose}:{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclasses.dataclass
+class Meeting:
+    """Where rank 0 meets the others: ``group`` for the ranks (a file store on one host;
+    node 0's TCP store under the group's prefix across hosts), ``lobby`` where other
+    hosts post refusals, ``worker_env`` what this host's workers need to join."""
+
+    group: dist.Store
+    lobby: dist.Store | None = None
+    worker_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def host_meeting(rendezvous: str, parallel) -> Meeting:
+    """Rank 0's side: the store, and across hosts the admission posted on it."""
+    size = parallel.tensor_parallel_size
+    if not rendezvous.startswith("tcp:"):
+        return Meeting(_store(rendezvous, size, is_master=True))
+    lobby = _store(rendezvous, size, is_master=True)
+    nonce = secrets.token_hex(16)
+    posted = {name: getattr(parallel, name) for name, _ in AGREED}
+    lobby.set(ADMISSION, json.dumps({**posted, "nonce": nonce, "proof": _proof("node0", nonce)}))
+    prefix = "tandem/" + _proof("group", nonce)[:32]
+    return Meeting(dist.PrefixStore(prefix, lobby), lobby, {GROUP_ENV: prefix})
+
+
+def admit_node(parallel) -> dict[str, str]:
+    """Another host's side, before it starts its ranks: node 0's admission checked
+    against this host's settings (InvalidParameterError naming the first that
+    differs, posted for node 0 too); the environment its workers join with."""
+    rendezvous = network_rendezvous(parallel.master_addr, parallel.master_port)
+    lobby = _store(rendezvous, parallel.tensor_parallel_size, is_master=False)
+    admission = json.loads(lobby.get(ADMISSION))
+    here = f"node {parallel.node_rank}"
+    for name, flag in AGREED:
+        if admission[name] != getattr(parallel, name):
+            _refuse(lobby, flag, f"{getattr(parallel, name)} on {here}, {admission[name]} on "
+                                 "node 0 (every host must give the same)")  # fmt: skip
+    if not hmac.compare_digest(admission["proof"], _proof("node0", admission["nonce"])):
+        _refuse(lobby, f"${SECRET_ENV}", f"differs between {here} and node 0")
+    return {GROUP_ENV: "tandem/" + _proof("group", admission["nonce"])[:32]}
+
+
+def _refuse(lobby: dist.Store, setting: str, reason: str) -> None:
+    lobby.set(REFUSED, f"{setting}: {reason}")
+    raise InvalidParameterError(setting, reason)
+
+
 def join_as_driver(
-    rendezvous: str, size: int, alive: Callable[[], str | None], timeout_s: float
+    meeting: Meeting, size: int, alive: Callable[[], str | None], timeout_s: float
 ) -> None:
     """Rank 0: wait for every other rank at the rendezvous (``alive`` says why a
-    worker of this host died, or None), then join the group."""
-    store = _store(rendezvous, size, is_master=True)
+    worker of this host died, or None; another host may refuse to join, saying why),
+    then join the group."""
+    store = meeting.group
     deadline = time.monotonic() + timeout_s
     keys = [f"ready/{rank}" for rank in range(1, size)]
     while not all(store.check([key]) for key in keys):
         problem = alive()
         if problem is not None:
             raise ModelLoadError(f"a tensor-parallel worker did not start: {problem}")
+        if meeting.lobby is not None and meeting.lobby.check([REFUSED]):
+            refusal = meeting.lobby.get(REFUSED).decode()
+            raise ModelLoadError(f"another host refused to join: {refusal}")
         if time.monotonic() > deadline:
             missing = [k.split("/")[1] for k in keys if not store.check([k])]
             raise ModelLoadError(
@@ -88,6 +163,8 @@ def join_as_driver(
 
 def join_as_worker(rendezvous: str, rank: int, size: int) -> None:
     store = _store(rendezvous, size, is_master=False)
+    if rendezvous.startswith("tcp:"):
+        store = dist.PrefixStore(os.environ[GROUP_ENV], store)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE)
 
