@@ -7,7 +7,12 @@ small to split over cores without the threads waiting on each other), so two cor
 each pinned to its own CPUs and running its own batch, can do more than one core
 with both CPUs. The cores are pinned to CPUs of their own where one is left for the
 API server (not on 2 CPUs: server/data_parallel.py). The load generator runs in this
-process, on the same CPUs: it costs every layout the same. Medians of interleaved
+process, on the same CPUs: it costs every layout the same.
+
+Then the engines alone, without HTTP: the same requests split between N processes of
+the offline engine (each on its own CPUs, T threads), started together, against one
+process with all the threads: the most data parallelism can give here, before the API
+server and the clients take their share of the CPUs. Medians of interleaved
 repetitions::
 
     python -m benchmarks.data_parallel [--model FOLDER_OR_GGUF] [--num-prompts 64]
@@ -18,10 +23,16 @@ The model defaults to the bundled SmolLM2-135M-Instruct (float32).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
+import sys
+import time
 
 from benchmarks.common import machine
 from benchmarks.serving import median_run, served
+from tandem.executor.cpus import cpu_share, pin_threads
 from tandem.models.bundled import DEFAULT_MODEL
 from tandem.server.launch import tandem_process
 
@@ -35,6 +46,60 @@ def layouts(cpus: int) -> dict[str, list[str]]:
     }
 
 
+def engine_point(model: str, threads: int, prompts: int, options) -> None:
+    """(``--point``) Load, say ready, wait for "go" on stdin, generate, print the
+    wall-clock start and end of the generation and its tokens."""
+    import torch
+
+    from tandem import LLM, SamplingParams
+    from tandem.bench.datasets import LocalTokenizer, random_requests
+
+    pin_threads([int(cpu) for cpu in options.cpus.split(",")])
+    torch.set_num_threads(threads)
+    requests = random_requests(
+        LocalTokenizer(str(DEFAULT_MODEL)), prompts, options.input_len, options.output_len,
+        0.0, options.seed,
+    )  # fmt: skip
+    llm = LLM(model)
+    params = SamplingParams(temperature=0, max_tokens=options.output_len, ignore_eos=True)
+    batch = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    llm.generate(batch[:2], params, use_tqdm=False)  # the first steps allocate
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.time()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    end = time.time()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(json.dumps({"start": start, "end": end, "tokens": tokens}), flush=True)
+
+
+def engines_alone(options, processes: int, cpus: list[int]) -> float:
+    """Output tokens/s of ``processes`` offline engines splitting the requests, each
+    pinned to its share of ``cpus``, released together."""
+    shares = [cpu_share(cpus, processes, i) or cpus for i in range(processes)]
+    children = []
+    for index, share in enumerate(shares):
+        prompts = len(range(index, options.num_prompts, processes))
+        command = [
+            sys.executable, "-m", "benchmarks.data_parallel", "--point", str(len(share)),
+            str(prompts), "--model", options.model, "--input-len", str(options.input_len),
+            "--output-len", str(options.output_len), "--seed", str(options.seed + index),
+        ]  # fmt: skip
+        command += ["--cpus", ",".join(map(str, share))]
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+        children.append(subprocess.Popen(command, **pipes))
+    for child in children:
+        assert child.stdout.readline().strip() == "ready"
+    for child in children:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    results = [json.loads(child.stdout.readline()) for child in children]
+    for child in children:
+        child.wait()
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return sum(r["tokens"] for r in results) / wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -43,7 +108,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="runs per layout (medians shown)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--point", nargs=2, type=int, metavar=("THREADS", "PROMPTS"),
+                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--cpus", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.point:
+        engine_point(options.model, *options.point, options)
+        return
     cpus = len(os.sched_getaffinity(0))
     print(f"machine: {machine()}; {cpus} CPUs for the server")
     print(
@@ -72,6 +143,19 @@ def main() -> None:
         )
         if row["failed"]:
             print(f"  ({row['failed']} requests failed)")
+    allowed = sorted(os.sched_getaffinity(0))
+    alone: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(options.repeats):
+        for processes in alone:
+            alone[processes].append(engines_alone(options, processes, allowed))
+    one = statistics.median(alone[1])
+    print("\nthe engines alone (offline, no HTTP), output tok/s:")
+    for processes, figures in alone.items():
+        threads = max(1, len(allowed) // processes)
+        print(
+            f"{processes} process(es) x {threads} threads{'':<6}"
+            f"{statistics.median(figures):>10.1f}{statistics.median(figures) / one:>9.2f}x"
+        )
 
 
 if __name__ == "__main__":
