@@ -3,6 +3,7 @@ against one process and against transformers on the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.errors import EngineStepError, InvalidParameterError, ModelLoadError
 from tandem.models.random_gguf import Shape, write_random_gguf
-from tandem.models.sharding import head_ranges, split_evenly
+from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.server.launch import tandem_process
@@ -141,10 +142,12 @@ def smollm2_like(model_dirs):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"])
 def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, arch):
     """Mistral's sliding window, Qwen2's q/k/v biases (cut with their rows), Qwen3's
-    per-head norms, Gemma 3's local and global layers, each on 2 ranks."""
+    per-head norms, Gemma 3's local and global layers, GPT-2's fused c_attn (each
+    rank's q, k and v columns of one Conv1D [in, out] tensor, with their biases),
+    each on 2 ranks."""
     folder, hf_model = smollm2_like if arch == "smollm2-like" else model_dirs(arch)
     ids = prompts([7, 13, 5], seed=4)
     one = LLM(str(folder), max_num_seqs=4)
@@ -208,9 +211,10 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like, model
         LLM(str(folder), tensor_parallel_size=2, speculative_config={"method": "draft"})
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
-    gpt2, _ = model_dirs("gpt2")
-    with pytest.raises(ModelLoadError, match="does not split GPT2LMHeadModel"):
-        LLM(str(gpt2), tensor_parallel_size=2)
+    config = LLM(str(folder)).engine.runner.loaded.config
+    other = dataclasses.replace(config, architecture="PhiForCausalLM")
+    with pytest.raises(ModelLoadError, match="does not split PhiForCausalLM"):
+        ShardPlan(other, 0, 2)
 
 
 def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):

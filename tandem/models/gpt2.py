@@ -22,10 +22,11 @@ class GPT2Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, scale: float) -> None:
         super().__init__()
         e = config.hidden_size
+        width = config.num_heads * config.head_dim  # e, unless a tensor-parallel shard
         self.ln_1 = nn.LayerNorm(e, eps=config.norm_eps)
         self.attn = nn.Module()
-        self.attn.c_attn = Linear(e, 3 * e)
-        self.attn.c_proj = Linear(e, e)
+        self.attn.c_attn = Linear(e, 3 * width)
+        self.attn.c_proj = Linear(width, e)
         self.ln_2 = nn.LayerNorm(e, eps=config.norm_eps)
         self.mlp = nn.Module()
         self.mlp.c_fc = Linear(e, config.intermediate_size)
@@ -120,5 +121,9 @@ class GPT2LMHeadModel(nn.Module):
             name = "transformer." + name
         return name, None
 
+    def stores_transposed(self, name: str) -> bool:
+        """The file holds this matrix as [in, out] (Conv1D)."""
+        return name.endswith(CONV1D_WEIGHTS)
+
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
+        return tensor.t() if self.stores_transposed(name) else tensor

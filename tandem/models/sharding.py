@@ -1,6 +1,7 @@
 """Which slice of every weight one tensor-parallel rank holds (Megatron's layout).
 
-    q/k/v, gate/up   column-parallel: a rank's rows (its heads, its share of the MLP)
+    q/k/v, gate/up   column-parallel: a rank's rows (its heads, its share of the MLP;
+                     of GPT-2's fused c_attn, its rows of each of q, k and v)
     o, down          row-parallel: the matching columns; the ranks' outputs are partial
                      sums, added by an all-reduce (runner/linear/parallel.py)
     embedding, head  vocabulary-parallel: a rank's rows of the vocabulary (lookups
@@ -34,7 +35,9 @@ from tandem.quant.packed import ROWS
 
 COLUMN, ROW, VOCAB = "column", "row", "vocab"
 
-# Module name -> (how it is split, the unit of each fused part's rows or its columns).
+# Module name (its last one or two components) -> (how it is split, the unit of each
+# fused part's rows or its columns). A checkpoint tensor that holds every part at once
+# (GPT-2's c_attn: q, k, v) gives the rank its share of each, in order.
 LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
     "qkv_proj": (COLUMN, ("q", "kv", "kv")),
     "gate_up_proj": (COLUMN, ("mlp", "mlp")),
@@ -42,10 +45,22 @@ LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
     "down_proj": (ROW, ("mlp",)),
     "embed_tokens": (VOCAB, ("vocab",)),
     "lm_head": (VOCAB, ("vocab",)),
+    # GPT-2
+    "c_attn": (COLUMN, ("q", "kv", "kv")),
+    "attn.c_proj": (ROW, ("q",)),
+    "c_fc": (COLUMN, ("mlp",)),
+    "mlp.c_proj": (ROW, ("mlp",)),
+    "wte": (VOCAB, ("vocab",)),
 }
-# Families whose modules LAYOUT names (GPT-2's fused c_attn is not yet split).
+# Families whose modules LAYOUT names.
 SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "Gemma3ForCausalLM")  # fmt: skip
+             "Qwen3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel")  # fmt: skip
+
+
+def layout_of(module_name: str) -> tuple[str, tuple[str, ...]] | None:
+    """How ``module_name`` is split (LAYOUT), or None: whole on every rank."""
+    parts = module_name.split(".")
+    return LAYOUT.get(".".join(parts[-2:])) or LAYOUT.get(parts[-1])
 
 
 def split_evenly(total: int, parts: int, index: int, unit: int = 1) -> range:
@@ -141,21 +156,40 @@ class ShardPlan:
             intermediate_size=len(self.ranges["mlp"]),
         )
 
-    def narrow(self, param_name: str, part: int | None, tensor: CheckpointTensor):
+    def full_width(self, unit: str) -> int:
+        """A unit's rows (or columns) in the whole model."""
+        c = self.full
+        return {
+            "q": c.num_heads * c.head_dim,
+            "kv": c.num_kv_heads * c.head_dim,
+            "mlp": c.intermediate_size,
+            "vocab": c.vocab_size,
+        }[unit]
+
+    def narrow(self, param_name: str, part: int | None, tensor: CheckpointTensor, transposed=False):
         """This rank's slice of a checkpoint tensor bound for ``param_name`` (its fused
-        ``part``); the tensor itself where the rank holds it whole."""
+        ``part``, or all of its parts when ``part`` is None and the layout fuses
+        several); the tensor itself where the rank holds it whole. ``transposed``: the
+        file stores the matrix as [in, out] (GPT-2's Conv1D)."""
         module_name, _, kind = param_name.rpartition(".")
-        layout = LAYOUT.get(module_name.rpartition(".")[2])
+        layout = layout_of(module_name)
         if layout is None:
             return tensor
         how, units = layout
-        unit_name = units[part or 0]
+        if how == ROW and kind == "bias":
+            return tensor  # added once, after the all-reduce (rank 0 keeps it)
+        dim = 1 if how == ROW else 0
+        if transposed and len(tensor.shape) == 2:
+            dim = 1 - dim
         ranges = self.ranges
-        if how == ROW:
-            if kind == "bias":
-                return tensor  # added once, after the all-reduce (rank 0 keeps it)
-            return _narrow(tensor, 1, ranges[unit_name])
-        return _narrow(tensor, 0, ranges[unit_name])
+        if part is not None or len(units) == 1:
+            return _narrow(tensor, dim, ranges[units[part or 0]])
+        spans, offset = [], 0
+        for unit in units:  # the parts lie one after another in the tensor
+            own = ranges[unit]
+            spans.append(range(offset + own.start, offset + own.stop))
+            offset += self.full_width(unit)
+        return tensor.take(dim, spans)
 
 
 def _narrow(tensor: CheckpointTensor, dim: int, span: range) -> CheckpointTensor:
@@ -171,7 +205,7 @@ def _narrow(tensor: CheckpointTensor, dim: int, span: range) -> CheckpointTensor
 
 def parallel_style(module_name: str) -> str | None:
     """COLUMN, ROW or VOCAB for a module LAYOUT splits, else None (whole)."""
-    layout = LAYOUT.get(module_name.rpartition(".")[2])
+    layout = layout_of(module_name)
     return layout[0] if layout else None
 
 

@@ -103,7 +103,8 @@ def load_weights(
         if target[0] not in params:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {tensor.file}")
         if shard is not None:
-            tensor = shard.narrow(*target, tensor)
+            transposed = getattr(model, "stores_transposed", lambda _: False)(tensor.name)
+            tensor = shard.narrow(*target, tensor, transposed)
         targeted.append((tensor, *target))
         by_param[target[0]].append((target[1], tensor))
 

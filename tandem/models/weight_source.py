@@ -83,6 +83,25 @@ class CheckpointTensor:
             part._release = release
         return part
 
+    def take(self, dim: int, spans: list[range]) -> CheckpointTensor:
+        """The parts ``spans`` along ``dim``, one after another (a fused tensor's share
+        of each of its parts: GPT-2's q, k and v in one c_attn)."""
+        if len(spans) == 1:
+            return self.narrow(dim, spans[0].start, len(spans[0]))
+        parts = [self.narrow(dim, span.start, len(span)) for span in spans]
+        shape = list(self.shape)
+        shape[dim] = sum(len(span) for span in spans)
+        view_dim = dim if not self.quantized or dim == 0 else 1
+
+        def read() -> torch.Tensor:
+            return torch.cat([part.read() for part in parts], view_dim)
+
+        def release(start_byte: int, stop_byte: int | None) -> None:
+            for part in parts:  # (the rows of a part are not told apart: all of them)
+                part.release()
+
+        return CheckpointTensor(self.name, tuple(shape), self.file, self.type, read, release)
+
     def release(self, rows: slice | None = None) -> None:
         if self._release is None:
             return
