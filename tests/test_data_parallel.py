@@ -77,11 +77,15 @@ def running(url: str, engine: str) -> float:
     return metric(url, "num_requests_running", engine=engine)
 
 
-def test_two_cores_answer_as_one_engine_and_take_requests_side_by_side(folder):
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_two_cores_answer_as_one_engine_and_take_requests_side_by_side(folder, tensor_parallel):
+    """Each core a whole engine: with --tensor-parallel-size 2, each its own group of
+    two ranks (its own rendezvous and shared segment)."""
     llm = LLM(folder)
     params = SamplingParams(max_tokens=16, temperature=0)
     offline = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with serve(folder, "--data-parallel-size", "2") as url:
+    flags = ("--data-parallel-size", "2", "--tensor-parallel-size", str(tensor_parallel))
+    with serve(folder, *flags) as url:
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "engine_cores": 2}
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         answers: dict[int, str] = {}
