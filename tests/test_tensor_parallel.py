@@ -18,6 +18,7 @@ from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.sampling import StructuredOutputsParams
 from tandem.server.launch import tandem_process
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
@@ -375,6 +376,7 @@ def test_a_host_with_other_settings_is_refused_on_both_sides_by_name(
 TORCHRUN_SCRIPT = """
 import json, os, sys
 from tandem import LLM, SamplingParams
+from tandem.sampling import StructuredOutputsParams
 folder, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(folder, max_num_seqs=2, tensor_parallel_size=2,
           distributed_executor_backend="external_launcher")
@@ -439,3 +441,37 @@ def test_two_ranks_under_chunking_preemption_and_prefix_hits(smollm2_like):
         _close(two)
     assert preempted > 0 and cached > 0  # the situations this test is about happened
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_two_ranks_speculate_and_follow_grammars_as_one_process(smollm2_like):
+    """n-gram and suffix drafts verified on two ranks (every rank runs the draft
+    slots rank 0's proposer filled), and a regex held by the grammar mask on every
+    rank's sampler: the same tokens as one process."""
+    folder, _ = smollm2_like
+    repeating = [{"prompt_token_ids": [5, 9, 17, 33, 2] * 6}, {"prompt_token_ids": [7, 100] * 4}]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for method in ("ngram", "suffix"):
+        spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+        one = LLM(str(folder), speculative_config=spec)
+        reference = one.generate(repeating, params, use_tqdm=False)
+        two = LLM(str(folder), tensor_parallel_size=2, speculative_config=spec)
+        try:
+            ours = two.generate(repeating, params, use_tqdm=False)
+            drafted = two.engine.spec_stats.num_draft_tokens
+        finally:
+            _close(two)
+        assert drafted > 0, method
+        assert [o.outputs[0].token_ids for o in ours] == [
+            o.outputs[0].token_ids for o in reference
+        ], method
+    regex = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+")
+    )
+    reference = LLM(str(folder)).generate(repeating, regex, use_tqdm=False)
+    two = LLM(str(folder), tensor_parallel_size=2)
+    try:
+        ours = two.generate(repeating, regex, use_tqdm=False)
+    finally:
+        _close(two)
+    assert [o.outputs[0].text for o in ours] == [o.outputs[0].text for o in reference]
+    assert all(set(o.outputs[0].text) <= {"a", "b"} for o in ours)
