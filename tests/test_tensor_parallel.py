@@ -208,8 +208,12 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like, model
     folder, _ = smollm2_like
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
         LLM(str(folder), tensor_parallel_size=0)
-    with pytest.raises(InvalidParameterError, match="speculative method 'draft'"):
-        LLM(str(folder), tensor_parallel_size=2, speculative_config={"method": "draft"})
+    with pytest.raises(InvalidParameterError, match="speculative method 'eagle'"):
+        LLM(
+            str(folder),
+            tensor_parallel_size=2,
+            speculative_config={"method": "eagle", "model": str(folder)},
+        )
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
     config = LLM(str(folder)).engine.runner.loaded.config
@@ -444,14 +448,23 @@ def test_two_ranks_under_chunking_preemption_and_prefix_hits(smollm2_like):
 
 
 def test_two_ranks_speculate_and_follow_grammars_as_one_process(smollm2_like):
-    """n-gram and suffix drafts verified on two ranks (every rank runs the draft
-    slots rank 0's proposer filled), and a regex held by the grammar mask on every
-    rank's sampler: the same tokens as one process."""
+    """Drafts verified on two ranks: every rank runs the proposer (n-gram and suffix
+    lookups, a draft model whole on each, layer skipping through the shards together)
+    and all verify rank 0's drafts and their distributions; sampled drafts (seeded)
+    too. And a regex held by the grammar mask on every rank's sampler: the same tokens
+    as one process."""
     folder, _ = smollm2_like
     repeating = [{"prompt_token_ids": [5, 9, 17, 33, 2] * 6}, {"prompt_token_ids": [7, 100] * 4}]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for method in ("ngram", "suffix"):
-        spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    cases = [
+        ({"method": "ngram"}, greedy),
+        ({"method": "suffix"}, greedy),
+        ({"method": "draft", "model": str(folder)}, sampled),
+        ({"method": "layer_skip", "skip_layers": "1"}, sampled),
+    ]
+    for method, params in cases:
+        spec = {**method, "num_speculative_tokens": 3, "adaptive": False}
         one = LLM(str(folder), speculative_config=spec)
         reference = one.generate(repeating, params, use_tqdm=False)
         two = LLM(str(folder), tensor_parallel_size=2, speculative_config=spec)
@@ -463,7 +476,7 @@ def test_two_ranks_speculate_and_follow_grammars_as_one_process(smollm2_like):
         assert drafted > 0, method
         assert [o.outputs[0].token_ids for o in ours] == [
             o.outputs[0].token_ids for o in reference
-        ], method
+        ], (method, params.temperature)
     regex = SamplingParams(
         max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+")
     )

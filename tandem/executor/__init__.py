@@ -54,10 +54,6 @@ def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Mode
     return runner
 
 
-# Speculative methods that work on every rank alike: they read only token ids.
-PARALLEL_SPECULATION = ("ngram", "suffix")
-
-
 def check_parallel(config: EngineConfig) -> None:
     """Refuse, by name, what tensor parallelism does not run (yet), before any rank
     starts."""
@@ -77,6 +73,12 @@ def check_parallel(config: EngineConfig) -> None:
     for rank in range(size):  # a layout that leaves a rank nothing fails here, not in N loads
         _ = ShardPlan(model_config, rank, size).heads
     speculative = config.speculative
+    if speculative is not None and speculative.method == "eagle":
+        raise InvalidParameterError(
+            "tensor_parallel_size", "speculative method 'eagle' runs with one rank for now "
+            "(its head is built for the whole model, beside a shard of it); draft, "
+            "layer_skip, ngram and suffix run on several",
+        )  # fmt: skip
     external = config.parallel.distributed_executor_backend == "external_launcher"
     if external and speculative is not None and speculative.adaptive:
         raise InvalidParameterError(
@@ -84,10 +86,4 @@ def check_parallel(config: EngineConfig) -> None:
             "ranks of an external launcher schedule alone and must make the same "
             "decisions: speculation that switches on measured time cannot run there "
             "(set adaptive to false)",
-        )
-    if speculative is not None and speculative.method not in PARALLEL_SPECULATION:
-        raise InvalidParameterError(
-            "tensor_parallel_size",
-            f"speculative method {speculative.method!r} runs with one rank for now "
-            f"(with several: {', '.join(PARALLEL_SPECULATION)})",
         )

@@ -99,6 +99,7 @@ class ModelRunner:
         def method_for(layer):
             return linear_method_for(layer, loaded.device, loaded.dtype)
 
+        self.tp = tp
         if tp is not None:  # the collectives a shard needs (runner/tensor_parallel.py)
             parallelize_embedding(loaded.model, loaded.shard, tp)
             wrap = method_with_collectives(tp, loaded.config.vocab_size)
@@ -306,6 +307,9 @@ class ModelRunner:
         proposals = self.proposer.propose(
             speculating, RequestState.sampling_row, self.shared_generator
         )
+        if self.tp is not None:  # every rank proposed alike; they verify rank 0's drafts
+            slots = [item.num_spec_tokens for item in speculating]
+            proposals = self.tp.rank0_drafts(proposals, slots)
         drafts = {}
         for item, (guess, guess_probs) in zip(speculating, proposals, strict=True):
             grammar = item.request.grammar

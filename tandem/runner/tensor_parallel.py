@@ -75,6 +75,41 @@ class TensorParallel:
                     raise failure
                 raise ModelLoadError(f"tensor-parallel rank {rank} failed to load: {text}")
 
+    def rank0_drafts(
+        self, proposals: list[tuple[list[int], torch.Tensor | None]], slots: list[int]
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Every rank ran the proposer (a draft model or head on each, layer skipping
+        through the shards together); rank 0's drafts, tokens and distributions, replace
+        each rank's own, so that all verify the same ones even where a rank's float sums
+        came out a bit apart. (Rank 0's values plus the others' zeros, all-reduced: its
+        values exactly.) ``slots``: each request's draft slots, the most it proposes."""
+        width = sum(slots)
+        tokens = torch.full((max(width, 1),), -1, dtype=torch.long)
+        offset = 0
+        for (guess, _), slot in zip(proposals, slots, strict=True):
+            tokens[offset : offset + len(guess)] = torch.tensor(guess, dtype=torch.long)
+            offset += slot
+        sampled = [probs for _, probs in proposals if probs is not None]
+        if self.rank != 0:
+            tokens.zero_()
+        self.comm.all_reduce(tokens)
+        probs = None
+        if sampled:  # (every rank samples its drafts, or none does)
+            probs = torch.zeros(width, sampled[0].shape[-1], dtype=sampled[0].dtype)
+            if self.rank == 0:
+                offset = 0
+                for (guess, guess_probs), slot in zip(proposals, slots, strict=True):
+                    probs[offset : offset + len(guess)] = guess_probs[: len(guess)]
+                    offset += slot
+            self.comm.all_reduce(probs)
+        aligned, offset = [], 0
+        for slot in slots:
+            row = tokens[offset : offset + slot]
+            guess = [int(t) for t in row[row >= 0]]
+            aligned.append((guess, None if probs is None else probs[offset : offset + len(guess)]))
+            offset += slot
+        return aligned
+
     def smallest(self, value: int) -> int:
         """The smallest of every rank's ``value`` (each rank calls it)."""
         t = torch.tensor([value], dtype=torch.long)
