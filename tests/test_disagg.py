@@ -312,3 +312,26 @@ def test_a_colocated_server_ignores_transfer_parameters(tiny_server):
         answer = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60).json()
         assert answer["choices"][0]["text"] == expected and "kv_transfer_params" not in answer
         wait_for(lambda: idle(tiny_server))
+
+
+def test_tensor_parallel_instances_equal_the_colocated_server(llama_folder, tiny_server):
+    """A prefill instance of 2 ranks and decode instances of 2 and of 1: rank 0 of each
+    moves every rank's KV heads (runner/shared_kv.py), so the blocks that cross are
+    whole, whatever either side's rank count."""
+    tp2 = ("--tensor-parallel-size", "2")
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(serve(llama_folder, *kv_role("prefill"), *tp2))
+        decodes = [
+            stack.enter_context(serve(llama_folder, *kv_role("decode"), *flags))
+            for flags in (tp2, ())
+        ]
+        router = stack.enter_context(
+            tandem_process("router", "--prefill", prefill, "--decode", *decodes)
+        )
+        for index, (name, prompt) in enumerate(prompts().items()):
+            expected = complete(tiny_server, prompt, stream=False)
+            stream = index % 2 == 1  # (the router alternates the decode instances)
+            assert complete(router, prompt, stream) == expected, name
+        assert all(metric(d, "kv_transfer_blocks_total") > 0 for d in decodes)
+        wait_for(lambda: idle(prefill))
+        assert metric(prefill, "kv_lease_expiries_total") == 0

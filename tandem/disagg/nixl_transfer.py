@@ -40,11 +40,12 @@ class NixlKVAgent(ZmqKVAgent):
             backends=["UCX"]))  # fmt: skip
         self.memory_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.nixl.register_memory([kv_cache])
+        self.tensor = kv_cache  # (self.kv_cache: the TensorKV the ZeroMQ path reads)
         self.peers: dict[tuple[str, int], tuple[str, _Layout]] = {}
         super().__init__(kv_cache, *args, **kwargs)
 
     def memory_metadata(self) -> bytes:
-        cache = self.kv_cache
+        cache = self.tensor
         return msgspec.msgpack.encode(
             _Layout(
                 self.nixl.get_agent_metadata(), cache.data_ptr(), list(cache.stride()),
@@ -77,7 +78,7 @@ class NixlKVAgent(ZmqKVAgent):
     def _read(self, peer: dict, pairs: list[tuple[int, int]]) -> TransferResult:
         started = time.perf_counter()
         name, remote = self._peer(peer)
-        cache = self.kv_cache
+        cache = self.tensor
         layers = cache.shape[0]
         local_descs = self.nixl.get_xfer_descs(
             self._regions(cache.data_ptr(), list(cache.stride()), cache.element_size(), layers,

@@ -70,19 +70,40 @@ class TransferResult:
     seconds: float
 
 
+class TensorKV:
+    """One process's KV cache as the agents address it (a tensor-parallel instance's
+    ranks give a RankedKVCache instead: runner/shared_kv.py)."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.shape, self.dtype, self.device = tuple(cache.shape), cache.dtype, cache.device
+
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self.cache[:, :, block_ids]
+
+    def write(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.cache[:, :, block_ids] = blocks
+
+
+def kv_view(kv_cache):
+    """A tensor wrapped as TensorKV; a view with ``read``/``write`` as it is."""
+    return TensorKV(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
+
+
 class ZmqKVAgent:
     def __init__(
         self,
-        kv_cache: torch.Tensor,
+        kv_cache,
         host: str = "127.0.0.1",
         port: int = 0,
         on_notify: Callable[[dict], None] | None = None,
         timeout_s: float = 30.0,
         authorize: Callable[[str, str, list[int]], str] | None = None,
     ) -> None:
-        """``authorize(lease_id, token, block_ids)``: why a read may not be served, or
-        "" (None: serve every read; only for tests of the transport itself)."""
-        self.kv_cache = kv_cache
+        """``kv_cache``: a tensor, or every rank's cache as one (RankedKVCache).
+        ``authorize(lease_id, token, block_ids)``: why a read may not be served, or ""
+        (None: serve every read; only for tests of the transport itself)."""
+        self.kv_cache = kv_view(kv_cache)
         self.on_notify = on_notify
         self.authorize = authorize
         self.timeout_ms = int(timeout_s * 1000)
@@ -138,7 +159,7 @@ class ZmqKVAgent:
                 continue
             try:
                 ids = torch.tensor(message.block_ids, dtype=torch.long)
-                blocks = self.kv_cache[:, :, ids.to(self.kv_cache.device)].contiguous().cpu()
+                blocks = self.kv_cache.read(ids.to(self.kv_cache.device)).contiguous().cpu()
                 dtype = torch_dtype_name(blocks.dtype)
                 header = BlocksHeader(list(blocks.shape), dtype)
                 data = blocks.view(torch.uint8).numpy()
@@ -205,7 +226,7 @@ class ZmqKVAgent:
             raw = torch.frombuffer(buffer, dtype=torch.uint8)
         blocks = raw.view(dtype).view(header.shape)
         local = torch.tensor([lo for _, lo in pairs], dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache[:, :, local] = blocks.to(self.kv_cache.device)
+        self.kv_cache.write(local, blocks.to(self.kv_cache.device))
         return TransferResult(len(pairs), len(buffer), time.perf_counter() - started)
 
     def notify(self, peer: dict, message: dict) -> None:
@@ -225,7 +246,7 @@ class ZmqKVAgent:
 
 
 def make_kv_agent(
-    kv_cache: torch.Tensor,
+    kv_cache,
     host: str = "127.0.0.1",
     port: int = 0,
     on_notify: Callable[[dict], None] | None = None,
@@ -233,7 +254,13 @@ def make_kv_agent(
     backend: str = "auto",
     authorize: Callable[[str, str, list[int]], str] | None = None,
 ) -> ZmqKVAgent:
-    """The NIXL backend when ``nixl`` is installed (``auto``) or asked for, else ZeroMQ."""
+    """The NIXL backend when ``nixl`` is installed (``auto``) or asked for, else ZeroMQ
+    (always for a tensor-parallel instance's ranks: NIXL registers one tensor)."""
+    if not isinstance(kv_cache, torch.Tensor):
+        if backend == "nixl":
+            raise KVTransferError("--kv-backend nixl moves one rank's cache: use zmq with "
+                                  "--tensor-parallel-size")  # fmt: skip
+        backend = "zmq"
     if backend in ("auto", "nixl"):
         try:
             from tandem.disagg.nixl_transfer import NixlKVAgent

@@ -62,9 +62,16 @@ def check_parallel(config: EngineConfig) -> None:
             "tensor_parallel_size", "tensor parallelism runs on the CPU (gloo) for now"
         )
     if config.kv_transfer is not None and config.kv_transfer.role != "both":
-        raise InvalidParameterError(
-            "tensor_parallel_size", "disaggregated roles run with one rank for now"
-        )
+        if config.parallel.nnodes > 1:
+            raise InvalidParameterError(
+                "nnodes", "a disaggregated role's ranks share one host (rank 0 moves every "
+                "rank's KV blocks through shared memory)",
+            )  # fmt: skip
+        if config.kv_transfer.backend == "nixl":
+            raise InvalidParameterError(
+                "kv_transfer_config.backend", "nixl moves one rank's cache: use zmq with "
+                "tensor_parallel_size > 1",
+            )  # fmt: skip
     from tandem.models.loader import read_config
     from tandem.models.sharding import ShardPlan
 

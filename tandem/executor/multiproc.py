@@ -31,6 +31,7 @@ from tandem.config import EngineConfig
 from tandem.errors import EngineStepError
 from tandem.executor import ranks
 from tandem.executor.worker import NO_SEGMENT, STOP
+from tandem.runner.shared_kv import RankedKVCache, remove_files
 from tandem.runner.shm_group import ShmGroup, create_segment
 
 logger = logging.getLogger("tandem.executor")
@@ -69,13 +70,23 @@ class MultiprocExecutor:
         self.broken: str | None = None
         self.closed = False
         self.host_settings = ranks.HostSettings()
+        kv_prefix = None
         try:
             ranks.join_as_driver(meeting, size, self._dead_worker, timeout_s)
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
             self.channel = ranks.StepChannel(shm)
             ranks.send_config(config)
-            self.runner = ranks.build_rank(config, 0, shm, local)
+            kv_prefix = ranks.shared_kv_prefix(config, rendezvous)
+            self.runner = ranks.build_rank(config, 0, shm, local, kv_prefix)
+            # A disaggregated role's connector moves every rank's blocks from here.
+            self.kv_cache = self.runner.kv_cache
+            if kv_prefix is not None:
+                self.kv_cache = RankedKVCache.open(
+                    kv_prefix, self.runner.kv_cache, self.runner.loaded.shard.full, size
+                )
         except BaseException:
+            if kv_prefix is not None:
+                remove_files(kv_prefix)
             self._stop_workers(grace_s=2.0)
             self._remove_store()
             self.host_settings.restore()

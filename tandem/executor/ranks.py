@@ -214,16 +214,37 @@ def shared_memory_usable() -> bool:
     return os.environ.get("TANDEM_TP_SHM", "1") != "0" and cpu_kernels.load() is not None
 
 
-def build_rank(config: EngineConfig, rank: int, shm: ShmGroup | None, ranks_on_host: int):
+def build_rank(
+    config: EngineConfig,
+    rank: int,
+    shm: ShmGroup | None,
+    ranks_on_host: int,
+    kv_prefix: str | None = None,
+):
     """This rank's runner, its collectives in shared memory or over gloo, the host's
-    CPUs split between its ``ranks_on_host`` (ranks of a host are numbered in a run)."""
+    CPUs split between its ``ranks_on_host`` (ranks of a host are numbered in a run);
+    ``kv_prefix``: its KV cache in a shared-memory file there (shared_kv_prefix)."""
     from tandem.executor import build_runner
+    from tandem.runner.shared_kv import kv_file
     from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
 
     split_threads(ranks_on_host, rank % ranks_on_host, config.parallel.cpu_bind == "auto")
     comm = shm if shm is not None else GlooCollectives()
     size = config.parallel.tensor_parallel_size
-    return build_runner(config, TensorParallel(rank, size, comm))
+    own = None if kv_prefix is None else kv_file(kv_prefix, rank)
+    return build_runner(config, TensorParallel(rank, size, comm, kv_file=own))
+
+
+def shared_kv_prefix(config: EngineConfig, rendezvous: str) -> str | None:
+    """Where the ranks of a disaggregated role keep their KV caches, so that rank 0
+    moves every rank's blocks (runner/shared_kv.py): files in shared memory named
+    after the group's rendezvous; None for a colocated engine (private memory)."""
+    transfer = config.kv_transfer
+    if transfer is None or transfer.role == "both":
+        return None
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    digest = hashlib.sha256(rendezvous.encode()).hexdigest()[:16]
+    return os.path.join(folder, f"tandem-kv-{digest}")
 
 
 def send_config(config: EngineConfig) -> None:

@@ -37,7 +37,8 @@ def serve(rendezvous: str, rank: int, size: int, segment: str) -> int:
         shm = None if segment == NO_SEGMENT else ShmGroup(segment, rank, size, rank0_gone)
         channel = ranks.StepChannel(shm)
         config = ranks.receive_config()
-        runner = ranks.build_rank(config, rank, shm, config.parallel.ranks_per_node)
+        prefix = ranks.shared_kv_prefix(config, rendezvous)
+        runner = ranks.build_rank(config, rank, shm, config.parallel.ranks_per_node, prefix)
         while True:
             message = channel.receive()
             if message == STOP:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import torch
 
@@ -61,23 +62,46 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    shared_file: str | None = None,
 ) -> torch.Tensor:
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "int8":
         shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
     dtype = STORED_DTYPES.get(kv_cache_dtype, dtype)
     if device.type == "cpu":
-        return zeroed_on_first_touch(shape, dtype)
+        return zeroed_on_first_touch(shape, dtype, shared_file)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeroed_on_first_touch(
+    shape: tuple[int, ...], dtype: torch.dtype, shared_file: str | None = None
+) -> torch.Tensor:
     """A zero CPU tensor whose pages the OS provides as they are first written (an
     anonymous mapping, page-aligned): a 2 GiB cache of which a few blocks are used
     costs those blocks' memory, not 2 GiB of resident memory (torch.zeros writes
-    every page up front)."""
+    every page up front). ``shared_file``: a new file in shared memory (/dev/shm)
+    instead, which another process on the host can map (``map_shared``)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, max(nbytes, 1))
+    if shared_file is None:
+        region = mmap.mmap(-1, max(nbytes, 1))
+    else:
+        fd = os.open(shared_file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            region = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Another process's ``shared_file`` cache, mapped here (writes are seen there)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        region = mmap.mmap(fd, max(nbytes, 1))
+    finally:
+        os.close(fd)
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 

@@ -92,8 +92,9 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
-            loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype
-        )
+            loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype,
+            shared_file=None if tp is None else tp.kv_file,
+        )  # fmt: skip
         self.attention = paged_backend(loaded.device, loaded.dtype)
 
         def method_for(layer):
@@ -205,6 +206,8 @@ class ModelRunner:
         runner = cls(
             loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp
         )
+        if tp is not None and tp.kv_file is not None:
+            tp.smallest(0)  # every rank's cache file exists before rank 0 maps them
         runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
         return runner
 

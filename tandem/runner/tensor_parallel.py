@@ -58,6 +58,10 @@ class TensorParallel:
     size: int
     comm: Collectives = field(default_factory=GlooCollectives)
     group: dist.ProcessGroup | None = None  # None: the default (world) group
+    # Where this rank's KV cache lives in shared memory, for rank 0 to map it (a
+    # disaggregated role moves every rank's blocks from there: shared_kv.py); None:
+    # private memory.
+    kv_file: str | None = None
 
     def vocab_sizes(self, vocab_size: int) -> list[int]:
         """Each rank's vocabulary rows (models/sharding.py splits them so)."""
