@@ -20,6 +20,7 @@ from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.sampling import StructuredOutputsParams
 from tandem.server.launch import tandem_process
+from tandem.spec_decode.eagle_head import EagleHead, save_head
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 # -- the arithmetic ------------------------------------------------------------------
@@ -204,16 +205,10 @@ def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
     _close(llm)
 
 
-def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like, model_dirs):
+def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
     folder, _ = smollm2_like
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
         LLM(str(folder), tensor_parallel_size=0)
-    with pytest.raises(InvalidParameterError, match="speculative method 'eagle'"):
-        LLM(
-            str(folder),
-            tensor_parallel_size=2,
-            speculative_config={"method": "eagle", "model": str(folder)},
-        )
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
     config = LLM(str(folder)).engine.runner.loaded.config
@@ -488,3 +483,35 @@ def test_two_ranks_speculate_and_follow_grammars_as_one_process(smollm2_like):
         _close(two)
     assert [o.outputs[0].text for o in ours] == [o.outputs[0].text for o in reference]
     assert all(set(o.outputs[0].text) <= {"a", "b"} for o in ours)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_eagle_head_on_two_ranks_borrows_the_whole_vocabulary(model_dirs, tmp_path, tied):
+    """The head is whole on every rank: its rows of the target's LM head (or tied
+    embedding) are assembled from the ranks' vocabulary shards, equal to one process's,
+    and the ranks verify rank 0's drafts: the same tokens as one process."""
+    folder, _ = model_dirs(
+        "llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    config = LLM(str(folder)).engine.runner.loaded.config
+    torch.manual_seed(0)
+    head = EagleHead(config, torch.arange(0, config.vocab_size, 3))
+    for parameter in head.parameters():
+        if parameter.dim() > 1:
+            torch.nn.init.normal_(parameter, std=0.05)
+    save_head(head, tmp_path / "head", str(folder), training={})
+    spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
+    ids = prompts([9, 12], seed=6)
+    one = LLM(str(folder), speculative_config=spec)
+    reference = _generate(one, ids)
+    two = LLM(str(folder), tensor_parallel_size=2, speculative_config=spec)
+    try:
+        ours = _generate(two, ids)
+        borrowed = two.engine.runner.runner.proposer.head.lm_head.weight
+        assert torch.allclose(borrowed, one.engine.runner.proposer.head.lm_head.weight)
+        assert two.engine.spec_stats.num_draft_tokens > 0
+    finally:
+        _close(two)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]

@@ -49,7 +49,9 @@ def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Mode
 
     runner = ModelRunner.from_config(config, tp)
     runner.use_proposer(
-        make_proposer(config.speculative, runner.loaded, runner.info.num_blocks, runner.block_size)
+        make_proposer(
+            config.speculative, runner.loaded, runner.info.num_blocks, runner.block_size, tp
+        )
     )
     return runner
 
@@ -80,12 +82,6 @@ def check_parallel(config: EngineConfig) -> None:
     for rank in range(size):  # a layout that leaves a rank nothing fails here, not in N loads
         _ = ShardPlan(model_config, rank, size).heads
     speculative = config.speculative
-    if speculative is not None and speculative.method == "eagle":
-        raise InvalidParameterError(
-            "tensor_parallel_size", "speculative method 'eagle' runs with one rank for now "
-            "(its head is built for the whole model, beside a shard of it); draft, "
-            "layer_skip, ngram and suffix run on several",
-        )  # fmt: skip
     external = config.parallel.distributed_executor_backend == "external_launcher"
     if external and speculative is not None and speculative.adaptive:
         raise InvalidParameterError(

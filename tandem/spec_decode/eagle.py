@@ -60,8 +60,11 @@ class PendingFeatures:
 
 
 class EagleProposer(DraftProposer):
-    def __init__(self, folder: str, target: LoadedModel, num_blocks: int, block_size: int):
-        head = load_head(folder, target.model)
+    def __init__(self, folder: str, target: LoadedModel, num_blocks: int, block_size: int, tp=None):
+        """``tp``: the target is a tensor-parallel rank's shard; the head is whole on
+        every rank (the runner aligns the ranks' drafts to rank 0's)."""
+        full = target.shard.full if target.shard is not None else target.config
+        head = load_head(folder, target.model, full, tp)
         if target.device.type == "cpu":  # int8 weights: a draft step reads a quarter
             quantize_linear_layers(head, "q8_0", target.device)
         loaded = LoadedModel(folder, head.config, head, None, torch.float32, target.device)

@@ -36,6 +36,7 @@ from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.linear import Linear
 from tandem.models.llama import LlamaDecoderLayer
+from tandem.models.sharding import vocab_rows
 
 ARCHITECTURE = "TandemEagleHead"
 FIELD = "speculative_config.model"
@@ -69,11 +70,12 @@ class EagleHead(nn.Module):
         self.features: torch.Tensor | None = None
         self.embed_tokens = None  # the target's lookup (attach)
 
-    def attach(self, target_model: nn.Module) -> None:
-        """Borrow the target's embedding and its LM head's draft-vocabulary rows."""
+    def attach(self, target_model: nn.Module, tp=None) -> None:
+        """Borrow the target's embedding and its LM head's draft-vocabulary rows (``tp``:
+        the target is a tensor-parallel rank's shard; every rank attaches together)."""
         self.embed_tokens = target_model.embed
         with torch.no_grad():
-            rows = lm_head_rows(target_model, self.draft_vocab)
+            rows = lm_head_rows(target_model, self.draft_vocab, tp)
             self.lm_head.weight = nn.Parameter(rows.float(), requires_grad=False)
 
     def forward(
@@ -101,12 +103,27 @@ class EagleHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.")}
 
 
-def lm_head_rows(target_model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def lm_head_rows(target_model: nn.Module, ids: torch.Tensor, tp=None) -> torch.Tensor:
     """Rows ``ids`` of the target's LM head, dequantized: the embedding's rows when
-    they are tied (a quantized embedding dequantizes just those rows)."""
+    they are tied (a quantized embedding dequantizes just those rows). ``tp``: the
+    target holds a tensor-parallel rank's vocabulary rows; each rank gives those it
+    holds, zeros for the others, and an all-reduce assembles them (every rank calls
+    it; a tied embedding's lookup does the same by itself)."""
     if target_model.config.tie_word_embeddings:
         return target_model.embed(ids)
-    head = target_model.lm_head
+    if tp is None:
+        return _own_head_rows(target_model.lm_head, ids)
+    held = vocab_rows(target_model.config.vocab_size, tp.size, tp.rank)
+    local = ids - held.start
+    outside = (local < 0) | (local >= len(held))
+    rows = _own_head_rows(target_model.lm_head, local.masked_fill(outside, 0)).float()
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0).contiguous()
+    tp.comm.all_reduce(rows)
+    return rows
+
+
+def _own_head_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an LM head this process holds whole (packed or float)."""
     parts = getattr(head, "packed_parts", [])
     if parts:
         start, packed = parts[0]
@@ -155,9 +172,14 @@ def head_config(folder: str | Path) -> dict | None:
     return config if is_head else None
 
 
-def load_head(folder: str | Path, target_model: nn.Module) -> EagleHead:
+def load_head(
+    folder: str | Path, target_model: nn.Module, target_config=None, tp=None
+) -> EagleHead:
     """A head folder -> the head, attached to ``target_model`` (float32, on its
-    device). Errors name ``speculative_config.model``."""
+    device). Errors name ``speculative_config.model``. ``target_config``: the whole
+    model's, where ``target_model`` is a tensor-parallel rank's shard (``tp``): the
+    head is built whole on every rank."""
+    target_config = target_config or target_model.config
     folder = Path(folder)
     config = head_config(folder)
     if config is None:
@@ -165,7 +187,7 @@ def load_head(folder: str | Path, target_model: nn.Module) -> EagleHead:
             FIELD, f"{folder} is not an EAGLE head folder (tandem train-draft makes one)"
         )
     expected = {k: v for k, v in config["target"].items() if k != "model"}
-    actual = target_signature(target_model.config)
+    actual = target_signature(target_config)
     if expected != actual:
         raise InvalidParameterError(
             FIELD,
@@ -175,12 +197,12 @@ def load_head(folder: str | Path, target_model: nn.Module) -> EagleHead:
     if not hasattr(target_model, "skipped_layers"):  # the Llama family's marker
         raise InvalidParameterError(FIELD, "EAGLE heads need a Llama-family target")
     state = load_file(str(folder / "model.safetensors"))
-    head = EagleHead(target_model.config, state["draft_vocab"])
+    head = EagleHead(target_config, state["draft_vocab"])
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [name for name in missing if not name.startswith("lm_head.")]
     if missing or unexpected:
         raise ModelLoadError(f"{folder}: missing {missing}, unexpected {unexpected}")
     device = next(target_model.parameters()).device
     head.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    head.attach(target_model)
+    head.attach(target_model, tp)
     return head

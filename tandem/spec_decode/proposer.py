@@ -44,8 +44,10 @@ class Proposer(Protocol):
 
 
 def make_proposer(
-    spec: SpeculativeConfig | None, target, num_blocks: int, block_size: int
+    spec: SpeculativeConfig | None, target, num_blocks: int, block_size: int, tp=None
 ) -> Proposer | None:
+    """``tp``: the target is a tensor-parallel rank's shard (an EAGLE head borrows
+    rows of its vocabulary from every rank)."""
     if spec is None:
         return None
     if spec.method == "ngram":
@@ -63,7 +65,7 @@ def make_proposer(
     if spec.method == "eagle":  # a trained head over the target's hidden states
         from tandem.spec_decode.eagle import EagleProposer
 
-        return EagleProposer(spec.model, target, num_blocks, block_size)
+        return EagleProposer(spec.model, target, num_blocks, block_size, tp)
     from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
 
     return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)
