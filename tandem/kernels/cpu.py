@@ -65,6 +65,8 @@ FUNCTIONS = [
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",
+    "llama_decode_attention",
+    "llama_decode_mlp",
     "shm_post",
     "shm_wait",
 ]

@@ -36,22 +36,18 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts) {
 
 }  // namespace
 
-// h [T, hidden] (the previous layer's output), residual [T, hidden] (the stream, updated
-// in place; empty for the first layer). Returns (this layer's output, the stream).
-// Optional parts, empty tensors when the layer has none: q_norm / k_norm (per head,
-// before rotary: Qwen3, Gemma 3), post_attn_norm / post_mlp_norm (on the attention's
-// and the MLP's output before they join the stream: Gemma 3). ``gelu`` picks
-// gelu_tanh(gate) * up (GeGLU) over silu(gate) * up.
-std::vector<torch::Tensor> llama_decode_layer(
-    torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm,
-    torch::Tensor post_norm, double eps, PackedArgs qkv, PackedArgs o_proj,
-    PackedArgs gate_up, PackedArgs down, int64_t num_heads, int64_t num_kv_heads,
+// The attention half: (add +) RMSNorm, the fused qkv projection, (q/k norms,) rotary,
+// the K/V write, paged attention, the output projection. h [T, hidden] (the previous
+// layer's output), residual [T, hidden] (the stream, updated in place; empty for the
+// first layer). Returns (the output projection's result, the stream): a
+// tensor-parallel rank's o is its partial sum, all-reduced before the MLP half.
+std::vector<torch::Tensor> llama_decode_attention(
+    torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm, double eps,
+    PackedArgs qkv, PackedArgs o_proj, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
-    torch::Tensor q_norm,
-    torch::Tensor k_norm, torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm,
-    bool gelu) {
+    torch::Tensor q_norm, torch::Tensor k_norm) {
   const int64_t T = h.size(0);
   torch::Tensor x = torch::empty_like(h);
   if (residual.numel() == 0) {
@@ -78,26 +74,58 @@ std::vector<torch::Tensor> llama_decode_layer(
   torch::Tensor attn = torch::empty({T, num_heads, head_dim}, h.options());
   paged_attention_rows(attn, q, k_cache, v_cache, block_tables, context_lens, row_starts,
                        scale, window);
-  torch::Tensor o = packed_linear(attn.view({T, q_size}), o_proj);
+  return {packed_linear(attn.view({T, q_size}), o_proj), residual};
+}
+
+// The MLP half: (RMSNorm of the attention's output: Gemma 3,) add + RMSNorm, gate/up,
+// silu or GELU-tanh (``gelu``: GeGLU) * up, down. Returns (down's result, the stream):
+// a tensor-parallel rank's is its partial sum.
+std::vector<torch::Tensor> llama_decode_mlp(
+    torch::Tensor o, torch::Tensor residual, torch::Tensor post_attn_norm,
+    torch::Tensor post_norm, double eps, PackedArgs gate_up, PackedArgs down, bool gelu) {
+  const int64_t T = o.size(0);
   if (post_attn_norm.numel() > 0) {
     torch::Tensor normed = torch::empty_like(o);
     rms_norm(normed, o, c10::nullopt, post_attn_norm, eps);
     o = normed;
   }
-  torch::Tensor x2 = torch::empty_like(h);
+  torch::Tensor x2 = torch::empty_like(o);
   rms_norm(x2, o, residual, post_norm, eps);
   torch::Tensor gu = packed_linear(x2, gate_up);
-  torch::Tensor act = torch::empty({T, gu.size(1) / 2}, h.options());
+  torch::Tensor act = torch::empty({T, gu.size(1) / 2}, o.options());
   if (gelu) {
     gelu_tanh_and_mul(act, gu);
   } else {
     silu_and_mul(act, gu);
   }
-  torch::Tensor out = packed_linear(act, down);
+  return {packed_linear(act, down), residual};
+}
+
+// The whole layer: both halves, then (Gemma 3) the RMSNorm of the MLP's output before
+// it joins the stream. Optional parts are empty tensors where the layer has none:
+// q_norm / k_norm (per head, before rotary: Qwen3, Gemma 3), post_attn_norm /
+// post_mlp_norm. Returns (this layer's output, the stream).
+std::vector<torch::Tensor> llama_decode_layer(
+    torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm,
+    torch::Tensor post_norm, double eps, PackedArgs qkv, PackedArgs o_proj,
+    PackedArgs gate_up, PackedArgs down, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+    torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
+    torch::Tensor q_norm,
+    torch::Tensor k_norm, torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm,
+    bool gelu) {
+  auto attention = llama_decode_attention(
+      h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim,
+      positions, cos_sin, k_cache, v_cache, slots, block_tables, context_lens, row_starts,
+      scale, window, q_norm, k_norm);
+  auto mlp = llama_decode_mlp(attention[0], attention[1], post_attn_norm, post_norm, eps,
+                              gate_up, down, gelu);
+  torch::Tensor out = mlp[0];
   if (post_mlp_norm.numel() > 0) {
     torch::Tensor normed = torch::empty_like(out);
     rms_norm(normed, out, c10::nullopt, post_mlp_norm, eps);
     out = normed;
   }
-  return {out, residual};
+  return {out, mlp[1]};
 }

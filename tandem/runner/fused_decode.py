@@ -11,8 +11,11 @@ and they are the step's tokens in order, and the layer is a shape the kernel kno
 CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
 biases, each linear layer one packed quantized matrix (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
-parts. Anything else runs layer by layer. The attention backend offers it to the
-model as ``attn.decode_layer``; the model file only asks.
+parts. On a tensor-parallel rank the layer runs as two compiled halves, each ending
+in the rank's partial sums of a row-parallel projection (o, down), all-reduced
+between them as the layer-by-layer path does. Anything else runs layer by layer. The
+attention backend offers it to the model as ``attn.decode_layer``; the model file only
+asks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.layers import gelu_tanh_and_mul
+from tandem.runner.linear.parallel import RowParallelLinearMethod
 from tandem.runner.linear.quantized import QuantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -31,9 +35,13 @@ if TYPE_CHECKING:
 
 def _packed(linear) -> list[tuple] | None:
     """The linear layer's packed parts as the kernel takes them, or None when it is
-    not all packed quantized weights without a bias."""
+    not all packed quantized weights without a bias (a row-parallel layer's: its
+    rank's part, the all-reduce left to the caller)."""
     parts = getattr(linear, "packed_parts", None)
-    if not isinstance(linear.method, QuantizedLinearMethod) or not parts:
+    method = linear.method
+    if isinstance(method, RowParallelLinearMethod):
+        method = method.inner
+    if not isinstance(method, QuantizedLinearMethod) or not parts:
         return None
     if linear.bias is not None:
         return None
@@ -74,10 +82,20 @@ def layer_arguments(layer) -> tuple | None:
             args = (
                 input_norm, post_norm, layer.input_layernorm.eps, *packed,
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, *optional,
-                act is gelu_tanh_and_mul,
+                act is gelu_tanh_and_mul, _collectives(attn.o_proj, mlp.down_proj),
             )  # fmt: skip
     layer._fused_decode = args
     return args
+
+
+def _collectives(o_proj, down_proj):
+    """A tensor-parallel rank's all-reduce, where its o and down projections are
+    row-parallel (both or neither); None for one process."""
+    methods = [o_proj.method, down_proj.method]
+    rows = [isinstance(m, RowParallelLinearMethod) for m in methods]
+    if not any(rows):
+        return None
+    return methods[0].comm if all(rows) else False
 
 
 class FusedDecode:
@@ -116,13 +134,32 @@ class FusedDecode:
         k_blocks, v_blocks = self.backend.kv_cache[layer_idx]
         window = self.backend.metadata.window(layer_idx) or 0
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
-         q_norm, k_norm, post_attn_norm, post_mlp_norm, gelu) = args  # fmt: skip
-        empty = h.new_empty(0)
-        out, residual = cpu_kernels.load().llama_decode_layer(
-            h, empty if residual is None else residual, norm1, norm2, eps, qkv, o_proj,
-            gate_up, down, heads, kv_heads, head_dim, rope.positions, rope.cos_sin,
-            k_blocks, v_blocks, self.backend.metadata.slot_mapping, self.block_tables,
-            self.context_lens, self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
-            post_attn_norm, post_mlp_norm, gelu,
+         q_norm, k_norm, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
+        if comm is False:
+            return None
+        kernels = cpu_kernels.load()
+        residual = h.new_empty(0) if residual is None else residual
+        attention = (
+            heads, kv_heads, head_dim, rope.positions, rope.cos_sin, k_blocks, v_blocks,
+            self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
+            self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
         )  # fmt: skip
+        if comm is None:
+            return kernels.llama_decode_layer(
+                h, residual, norm1, norm2, eps, qkv, o_proj, gate_up, down, *attention,
+                post_attn_norm, post_mlp_norm, gelu,
+            )  # fmt: skip
+        # A tensor-parallel rank: each half ends in its partial sums, all-reduced here.
+        o, residual = kernels.llama_decode_attention(
+            h, residual, norm1, eps, qkv, o_proj, *attention
+        )
+        comm.all_reduce(o)
+        out, residual = kernels.llama_decode_mlp(
+            o, residual, post_attn_norm, norm2, eps, gate_up, down, gelu
+        )
+        comm.all_reduce(out)
+        if post_mlp_norm.numel():
+            normed = torch.empty_like(out)
+            kernels.rms_norm(normed, out, None, post_mlp_norm, eps)
+            out = normed
         return out, residual
