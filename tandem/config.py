@@ -109,7 +109,8 @@ class ParallelConfig:
     )  # fmt: skip
     cpu_bind: str = setting(
         "auto", "auto: each rank of a host on its own run of the host's CPUs (every "
-        "thread pinned); none: the ranks share them, only their thread counts split",
+        "thread pinned; a NUMA node each, memory bound there, where the ranks spread "
+        "evenly over several); none: the ranks share them, only their thread counts split",
         "POLICY",
     )  # fmt: skip
     nnodes: int = setting(

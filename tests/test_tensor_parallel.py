@@ -14,6 +14,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.errors import EngineStepError, InvalidParameterError, ModelLoadError
+from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, parse_cpulist, rank_cpus
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
@@ -57,6 +58,26 @@ def test_head_ranges_give_each_query_head_once_with_its_kv_head(heads, kv_heads,
         assert {h // group for h in q} == set(kv)  # its query heads read its KV heads only
     if kv_heads >= size:  # KV heads split, not copied
         assert sorted(h for _, kv in parts for h in kv) == list(range(kv_heads))
+
+
+def test_ranks_spread_over_numa_nodes_with_their_memory(tmp_path):
+    for node, cpulist in ((0, "0-3,8-11"), (1, "4-7,12-15")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpulist + "\n")
+    (tmp_path / "online").write_text("0-1\n")  # (not a node folder)
+    assert parse_cpulist("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+    cpus = list(range(16))
+    nodes = numa_nodes(cpus, tmp_path)
+    assert nodes == {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15]}
+    # Two ranks: a socket each; four: two per socket; three: no even spread, runs of CPUs.
+    assert [rank_cpus(cpus, 2, r, nodes) for r in range(2)] == [(nodes[0], 0), (nodes[1], 1)]
+    assert rank_cpus(cpus, 4, 3, nodes) == ([12, 13, 14, 15], 1)
+    assert rank_cpus(cpus, 3, 0, nodes) == ([0, 1, 2, 3, 4, 5], None)
+    assert numa_nodes([0, 1, 2], tmp_path) == {0: [0, 1, 2]}  # only the allowed CPUs count
+    # The memory policy call itself, on this host's first node, then back to the default.
+    here = numa_nodes(allowed_cpus())
+    if here:
+        assert bind_memory(min(here)) and bind_memory(None)
 
 
 def test_a_quantized_tensor_narrows_on_whole_blocks():

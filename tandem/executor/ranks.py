@@ -23,6 +23,7 @@ import datetime
 import hashlib
 import hmac
 import json
+import logging
 import os
 import pickle
 import secrets
@@ -37,8 +38,10 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError, ModelLoadError
-from tandem.executor.cpus import allowed_cpus, cpu_share, pin_threads
+from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, pin_threads, rank_cpus
 from tandem.runner.shm_group import ShmGroup
+
+logger = logging.getLogger("tandem.executor")
 
 IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
 START_TIMEOUT_S = 120.0  # for every rank on this host to reach the rendezvous
@@ -177,14 +180,20 @@ def worker_command(rendezvous: str, rank: int, size: int, segment: str) -> list[
 def split_threads(ranks_on_host: int, local_rank: int, bind: bool) -> None:
     """This rank's share of the host's CPUs: a disjoint run of them when ``bind`` (every
     thread of the process pinned there, later ones inheriting it) and there are as many
-    CPUs as ranks; torch's threads, one per CPU of the share."""
+    CPUs as ranks, on a NUMA node of its own with its memory bound there where the
+    ranks spread evenly over several (cpus.rank_cpus); torch's threads, one per CPU of
+    the share."""
     cpus = allowed_cpus()
     if not cpus:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
         return
-    share = cpu_share(cpus, ranks_on_host, local_rank) if bind and ranks_on_host > 1 else []
+    share, node = [], None
+    if bind and ranks_on_host > 1:
+        share, node = rank_cpus(cpus, ranks_on_host, local_rank, numa_nodes(cpus))
     if share:
         pin_threads(share)
+        if node is not None and bind_memory(node):
+            logger.info("tensor-parallel rank %d: NUMA node %d, CPUs %s", local_rank, node, share)
         torch.set_num_threads(len(share))
         return
     torch.set_num_threads(max(1, len(cpus) // ranks_on_host))
@@ -203,6 +212,8 @@ class HostSettings:
         torch.set_num_threads(self.threads)
         if self.cpus:
             pin_threads(self.cpus)
+        if len(numa_nodes(self.cpus)) > 1:
+            bind_memory(None)
 
 
 def shared_memory_usable() -> bool:

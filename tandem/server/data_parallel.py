@@ -34,7 +34,7 @@ from tandem.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from tandem.disagg.policy import Instance, least_busy
 from tandem.engine.input_processor import PromptInput
 from tandem.errors import EngineDeadError, InvalidParameterError
-from tandem.executor.cpus import allowed_cpus, cpu_share
+from tandem.executor.cpus import allowed_cpus, numa_nodes, rank_cpus
 from tandem.sampling import SamplingParams
 from tandem.server.core_client import EngineCoreClient
 from tandem.server.engine_client import EngineClient
@@ -92,7 +92,8 @@ def core_cpus(cpus: list[int], size: int, index: int) -> list[int]:
     1.21x one core's throughput pinned, 1.33x free; docs/BENCHMARKS.md)."""
     if len(cpus) <= size:
         return []
-    return cpu_share(cpus[1:], size, index)
+    rest = cpus[1:]
+    return rank_cpus(rest, size, index, numa_nodes(rest))[0]  # (a NUMA node each, where even)
 
 
 def core_options(options: CoreOptions, size: int, index: int, bind: bool) -> CoreOptions:
