@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
+from tandem.disagg.policy import Instance, prefix_affinity
 from tandem.errors import InvalidParameterError
 from tandem.executor.cpus import cpu_share
 from tandem.server.data_parallel import (
@@ -224,3 +225,25 @@ def test_metrics_and_traces_of_the_cores_merge_labelled_by_core():
     assert names == ["core 0: engine", "core 1: engine"]
     assert len({e["pid"] for e in both["traceEvents"]}) == 2
     assert both["otherData"]["dropped"] == {"steps": 2}
+
+
+def test_prefix_routing_keeps_a_prompt_start_on_one_core_within_the_slack(folder):
+    instances = [Instance(str(i)) for i in range(3)]
+    key = b"a block's digest"
+    home = prefix_affinity(instances, key, slack=2)
+    assert all(prefix_affinity(instances, key, slack=2) is home for _ in range(5))
+    home.in_flight = 3  # busier than the others by more than the slack: the least busy
+    assert prefix_affinity(instances, key, slack=2) is not home
+    home.in_flight = 0
+    # Another core going away moves only its own keys: this one stays home.
+    other = next(i for i in instances if i is not home)
+    assert prefix_affinity(instances, key, slack=2, skip={other.url}) is home
+    # Served: prompts that share their first block go to one core, one after another.
+    start = "The same system prompt opens every request. " * 4
+    with serve(folder, "--data-parallel-size", "2", "--data-parallel-routing", "prefix") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        for tail in ("first", "second", "third", "fourth"):
+            client.completions.create(model=MODEL, prompt=start + tail, max_tokens=2)
+        served = [metric(url, "request_success_total", engine=e) for e in ("0", "1")]
+        assert sorted(served) == [0, 4]
+        assert metric(url, "prefix_cache_hits_total") > 0

@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "KV cache and --tensor-parallel-size ranks) on its own share of the CPUs; "
         "requests go to the core with the fewest in flight (default: 1)",
     )  # fmt: skip
+    http.add_argument(
+        "--data-parallel-routing", choices=["least-busy", "prefix"], default="least-busy",
+        help="with --data-parallel-size: least-busy, or prefix: a prompt goes to the core "
+        "its first KV block maps to (whose prefix cache likely holds it) unless that core "
+        "is busier than the least busy by more than 4 requests (default: least-busy)",
+    )  # fmt: skip
     add_limit_arguments(parser, LIMIT_HELP)
     add_engine_arguments(parser, kv_transfer=True)
 
@@ -116,4 +122,5 @@ def run(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser,
         threads=checked_threads(args),
         data_parallel_size=args.data_parallel_size,
+        data_parallel_routing=args.data_parallel_routing,
     )

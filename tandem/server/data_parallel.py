@@ -2,11 +2,14 @@
 
 Each core is a whole engine (core_client.py: its own process, scheduler, KV cache and,
 with ``--tensor-parallel-size``, its own group of ranks) on its own run of this host's
-CPUs. Requests are placed by the router's policy (disagg/policy.py: fewest requests in
-flight, round robin among equals); a request's outputs and its abort go to the core
-that took it. As vLLM does, ``/metrics`` is every core's metrics, each sample
-labelled ``engine="<index>"`` (sum over it for the server's totals), and
-``tandem:engine_cores`` counts the cores alive and dead.
+CPUs. Requests are placed by the router's policies (disagg/policy.py): the fewest
+requests in flight (round robin among equals), or with ``--data-parallel-routing
+prefix`` the core the prompt's first KV block maps to, whose prefix cache likely
+holds it, unless that core is busier than the others by more than AFFINITY_SLACK. A
+request's outputs and its abort go to the core that took it. As vLLM does,
+``/metrics`` is every core's metrics, each sample labelled ``engine="<index>"`` (sum
+over it for the server's totals), and ``tandem:engine_cores`` counts the cores alive
+and dead.
 
 A core that dies fails only its own streams (engine_dead); requests go on to the
 others, ``/health`` says "degraded" and names the dead core, and the server exits
@@ -31,11 +34,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from tandem.disagg.policy import Instance, least_busy
-from tandem.engine.input_processor import PromptInput
+from tandem.disagg.policy import Instance, prefix_affinity
+from tandem.engine.block_pool import block_digest
+from tandem.engine.input_processor import EngineRequest
 from tandem.errors import EngineDeadError, InvalidParameterError
 from tandem.executor.cpus import allowed_cpus, numa_nodes, rank_cpus
-from tandem.sampling import SamplingParams
 from tandem.server.core_client import EngineCoreClient
 from tandem.server.engine_client import EngineClient
 from tandem.server.served_engine import CoreOptions
@@ -43,10 +46,20 @@ from tandem.server.served_engine import CoreOptions
 logger = logging.getLogger("tandem.server")
 
 MAX_DATA_PARALLEL = 64
+ROUTINGS = ("least-busy", "prefix")
+# Prefix routing sends a request to its prompt's core unless that core has this many
+# more requests in flight than the least busy one.
+AFFINITY_SLACK = 4
 
 
-def check_data_parallel(config: EngineConfig, size: int, engine_process: bool) -> None:
+def check_data_parallel(
+    config: EngineConfig, size: int, engine_process: bool, routing: str = "least-busy"
+) -> None:
     """Refuse the layouts data parallelism does not serve, naming the setting."""
+    if routing not in ROUTINGS:
+        raise InvalidParameterError(
+            "--data-parallel-routing", f"{routing!r} is not one of {', '.join(ROUTINGS)}"
+        )
     if not 1 <= size <= MAX_DATA_PARALLEL:
         raise InvalidParameterError(
             "--data-parallel-size", f"must be in [1, {MAX_DATA_PARALLEL}], got {size}"
@@ -116,10 +129,13 @@ class DataParallelClient(EngineClient):
         options: CoreOptions,
         size: int,
         on_dead: Callable[[str], None] | None = None,
+        routing: str = "least-busy",
     ) -> None:
         """Start ``size`` cores at once (they load the model side by side) and wait for
-        all; if one cannot start, the others are stopped and its reason raised."""
+        all; if one cannot start, the others are stopped and its reason raised.
+        ``routing``: least-busy, or prefix (cache affinity)."""
         self.on_dead = on_dead
+        self.routing = routing
         self._size = size
         self._dead: dict[int, str] = {}
         self._dead_lock = threading.Lock()
@@ -157,29 +173,30 @@ class DataParallelClient(EngineClient):
     def owns(self, request_id: str) -> bool:
         return any(core.owns(request_id) for core in self.cores)
 
-    def _pick(self) -> EngineCoreClient:
+    def _pick(self, key: bytes | None = None) -> EngineCoreClient:
         dead = set()
         for core, instance in zip(self.cores, self._instances, strict=True):
             instance.in_flight = core.in_flight
             if not core.is_alive:
                 dead.add(instance.url)
-        choice = least_busy(self._instances, skip=dead)
+        choice = prefix_affinity(self._instances, key, AFFINITY_SLACK, skip=dead)
         if choice is None:
             raise EngineDeadError(self.dead_reason or "every engine core has died")
         return self.cores[int(choice.url)]
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        params: SamplingParams,
-        outputs: asyncio.Queue,
-        kv_transfer_params: dict | None = None,
-    ) -> None:
+    async def submit(self, request: EngineRequest, outputs: asyncio.Queue) -> None:
+        """To the core the routing picks: the least busy, or (``prefix``) the one the
+        prompt's first KV block maps to unless it is busier than the others by more
+        than AFFINITY_SLACK requests."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        core = self._pick()
-        await core.add_request(request_id, prompt, params, outputs, kv_transfer_params)
+        await self._pick(self._affinity_key(request)).submit(request, outputs)
+
+    def _affinity_key(self, request: EngineRequest) -> bytes | None:
+        block = self.info.block_size
+        if self.routing != "prefix" or len(request.prompt_token_ids) < block:
+            return None
+        return block_digest(None, request.prompt_token_ids[:block], request.cache_salt)
 
     def abort(self, request_id: str) -> None:
         for core in self.cores:
@@ -304,8 +321,9 @@ def start_engine(
     options: CoreOptions,
     data_parallel_size: int,
     on_dead: Callable[[str], None] | None,
+    routing: str = "least-busy",
 ) -> EngineClient:
     """One engine core in its own process, or ``data_parallel_size`` of them."""
     if data_parallel_size == 1:
         return EngineCoreClient(config, options, on_dead)
-    return DataParallelClient(config, options, data_parallel_size, on_dead)
+    return DataParallelClient(config, options, data_parallel_size, on_dead, routing)

@@ -71,16 +71,33 @@ class EngineClient:
         """Queue a request whose RequestOutputs (as its ``output_kind`` says, the last
         with ``finished``) go to ``outputs``. Raises the validation error, or the
         core's refusal (QueueFullError...), with nothing queued."""
-        self._loop = asyncio.get_running_loop()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        request = await self.prepare(request_id, prompt, params, kv_transfer_params)
+        await self.submit(request, outputs)
+
+    async def prepare(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> EngineRequest:
+        """The validated, tokenized request (or the validation error)."""
         # Tokenizing a long prompt takes milliseconds: off the event loop, so that other
         # clients' streams keep flowing (the input processor only reads its settings).
-        request = await asyncio.to_thread(
+        return await asyncio.to_thread(
             self.input_processor.process,
             request_id, prompt, params,
             kv_transfer_params=kv_transfer_params if self.transfers_kv else None,
         )  # fmt: skip
+
+    async def submit(self, request: EngineRequest, outputs: asyncio.Queue) -> None:
+        """Hand a processed request to the core; its outputs go to ``outputs``."""
+        self._loop = asyncio.get_running_loop()
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        request_id = request.request_id
         # Registered first: the core may send outputs before its acknowledgement.
         self._streams[request_id] = outputs
         try:

@@ -42,12 +42,13 @@ def run_server(
     threads: int = 0,
     tool_call_parser: str = "hermes",
     data_parallel_size: int = 1,
+    data_parallel_routing: str = "least-busy",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     limits = limits or ServerLimits()
     listener = claim_port(host, port)  # a busy port fails now, not after loading the model
     config = EngineConfig.from_kwargs(model, **engine_options)
-    check_data_parallel(config, data_parallel_size, engine_process)
+    check_data_parallel(config, data_parallel_size, engine_process, data_parallel_routing)
     name = served_model_name or Path(model).name
     options = CoreOptions(name, max_waiting_requests, trace, host, log_level, threads)
     server: uvicorn.Server | None = None
@@ -63,7 +64,9 @@ def run_server(
         threading.Timer(EXIT_GRACE_S, stop).start()
 
     if engine_process:
-        client: EngineClient = start_engine(config, options, data_parallel_size, on_dead)
+        client: EngineClient = start_engine(
+            config, options, data_parallel_size, on_dead, data_parallel_routing
+        )
     else:
         client = _in_process_engine(config, options)
     app = build_app(
