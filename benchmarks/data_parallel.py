@@ -16,6 +16,7 @@ server and the clients take their share of the CPUs. Medians of interleaved
 repetitions::
 
     python -m benchmarks.data_parallel [--model FOLDER_OR_GGUF] [--num-prompts 64]
+    python -m benchmarks.data_parallel --routing   # least-busy against prefix routing
 
 The model defaults to the bundled SmolLM2-135M-Instruct (float32).
 """
@@ -23,6 +24,8 @@ The model defaults to the bundled SmolLM2-135M-Instruct (float32).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -100,6 +103,61 @@ def engines_alone(options, processes: int, cpus: list[int]) -> float:
     return sum(r["tokens"] for r in results) / wall
 
 
+def prefix_hit_rate(url: str) -> tuple[float, float]:
+    """(hits, queries) of every core's prefix cache so far, in tokens."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"tandem:prefix_cache_hits_total": 0.0, "tandem:prefix_cache_queries_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["tandem:prefix_cache_hits_total"], totals["tandem:prefix_cache_queries_total"]
+
+
+def routing(options) -> None:
+    """Two cores, least-busy against prefix routing, on prompts that share their starts
+    (vLLM's prefix-repetition workload) with more distinct starts than one core's
+    cache holds and fewer than two caches hold."""
+    from tandem.bench.serve import add_arguments as bench_arguments
+    from tandem.bench.serve import run as bench_run
+
+    print(
+        f"\nrouting: {options.num_prompts} requests at once, {options.prefixes} prompt starts "
+        f"of {options.prefix_len} tokens (+64 of their own, 32 out), each core's cache "
+        f"{options.cache_blocks} blocks of 16 tokens"
+    )
+    results: dict[str, list[tuple[float, float, float]]] = {"least-busy": [], "prefix": []}
+    for _ in range(options.repeats):
+        for policy in results:
+            flags = ("--data-parallel-size", "2", "--data-parallel-routing", policy,
+                     "--num-blocks", str(options.cache_blocks),
+                     "--log-level", "warning")  # fmt: skip
+            with tandem_process("serve", "--model", options.model, *flags) as url:
+                parser = argparse.ArgumentParser()
+                bench_arguments(parser)
+                args = parser.parse_args([
+                    "--base-url", url, "--tokenizer", str(DEFAULT_MODEL), "--no-progress",
+                    "--dataset", "prefix-repetition", "--num-prompts", str(options.num_prompts),
+                    "--prefix-repetition-prefix-len", str(options.prefix_len),
+                    "--prefix-repetition-suffix-len", "64",
+                    "--prefix-repetition-num-prefixes", str(options.prefixes),
+                    "--prefix-repetition-output-len", "32", "--ignore-eos",
+                    "--seed", str(options.seed),
+                ])  # fmt: skip
+                with contextlib.redirect_stdout(io.StringIO()):
+                    summary = bench_run(args)
+                hits, queries = prefix_hit_rate(url)
+                results[policy].append(
+                    (summary["output_throughput"], summary["median_ttft_ms"], hits / queries)
+                )
+    print(f"{'routing':<12}{'out tok/s':>10}{'TTFT p50 ms':>13}{'prefix hits':>13}")
+    for policy, runs in results.items():
+        throughput, ttft, hit = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(f"{policy:<12}{throughput:>10.1f}{ttft:>13.0f}{hit:>12.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -111,9 +169,20 @@ def main() -> None:
     parser.add_argument("--point", nargs=2, type=int, metavar=("THREADS", "PROMPTS"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--cpus", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--routing", action="store_true",
+        help="only the routing comparison: least-busy against prefix on shared prompt starts",
+    )  # fmt: skip
+    parser.add_argument("--prefixes", type=int, default=12)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--cache-blocks", type=int, default=320)
     options = parser.parse_args()
     if options.point:
         engine_point(options.model, *options.point, options)
+        return
+    if options.routing:
+        print(f"machine: {machine()}")
+        routing(options)
         return
     cpus = len(os.sched_getaffinity(0))
     print(f"machine: {machine()}; {cpus} CPUs for the server")
