@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.errors import EngineStepError, InvalidParameterError, ModelLoadError
+from tandem.errors import EngineDeadError, InvalidParameterError, ModelLoadError
 from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, parse_cpulist, rank_cpus
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.sampling import StructuredOutputsParams
-from tandem.server.launch import tandem_process
+from tandem.server.launch import tandem_server
 from tandem.spec_decode.eagle_head import EagleHead, save_head
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
@@ -220,10 +220,28 @@ def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
     started = time.monotonic()
-    with pytest.raises(EngineStepError, match="rank 1 exited"):
+    with pytest.raises(EngineDeadError, match="rank 1 exited"):
         _generate(llm, prompts([5], seed=0))
     assert time.monotonic() - started < 30
     _close(llm)
+
+
+def test_a_hung_rank_fails_the_step_after_the_hang_timeout(smollm2_like, monkeypatch):
+    from tandem.runner import shm_group
+
+    monkeypatch.setattr(shm_group, "HANG_TIMEOUT_S", 2.0)
+    folder, _ = smollm2_like
+    llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
+    worker = llm.engine.runner.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, and never coming
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank\(s\) 1 did not reach a collective"):
+            _generate(llm, prompts([5], seed=0))
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        _close(llm)
 
 
 def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
@@ -238,22 +256,51 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
         ShardPlan(other, 0, 2)
 
 
+def _cmdline(pid: int) -> bytes:
+    from pathlib import Path
+
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _descendants(pid: int) -> list[int]:
+    from pathlib import Path
+
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return children + [d for child in children for d in _descendants(child)]
+
+
 def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
     """`tandem serve --tensor-parallel-size 2`: the engine core process starts the
-    second rank; the answer equals one process's."""
+    second rank; the answer equals one process's. A killed rank ends the stream in
+    flight with engine_dead, /health turns 503 and the server exits non-zero."""
+    import json
+
+    import httpx
     import openai
 
     folder, _ = smollm2_like
     ids = prompts([9], seed=6)[0]
-    with tandem_process(
-        "serve", "--model", str(folder), "--served-model-name", "tp", "--tensor-parallel-size",
-        "2",
-    ) as url:  # fmt: skip
+    command = ("serve", "--model", str(folder), "--served-model-name", "tp",
+               "--tensor-parallel-size", "2")  # fmt: skip
+    with tandem_server(*command) as server:
+        url = server.url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         done = client.completions.create(
             model="tp", prompt=ids, max_tokens=8, temperature=0.0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
+        (rank1,) = [pid for pid in _descendants(server.process.pid)
+                    if b"tandem.executor.worker" in _cmdline(pid)]  # fmt: skip
+        body = {"model": "tp", "prompt": ids, "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(rank1, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_dead" and "rank 1 exited" in error["message"]
+        assert server.process.wait(timeout=30) == 1
     assert done.choices[0].finish_reason == "length"
     assert done.usage.completion_tokens == 8
     one = LLM(str(folder), max_num_seqs=1)

@@ -93,6 +93,9 @@ class EngineCore:
         self._emit = emit
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Any] | None] = queue.SimpleQueue()
         self._live: dict[str, int] = {}  # requests in flight -> output tokens so far
+        # Why the engine cannot go on (a tensor-parallel rank died or hung): ``run``
+        # returns, and whoever runs the core stops serving.
+        self.dead_reason: str | None = None
 
     # -- any thread ------------------------------------------------------------------
 
@@ -163,6 +166,9 @@ class EngineCore:
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in flight")
             error = EngineStepError(f"the engine failed while running this request: {exc}")
+            if isinstance(exc, EngineDeadError):  # no step can run again: stop serving
+                error, self.dead_reason = exc, str(exc)
+                self.stop()
             failures = [RequestFailure.of(request_id, error) for request_id in self._live]
             for request_id in list(self._live):
                 self._abort(request_id, notify=False)

@@ -20,7 +20,7 @@ import socket
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.errors import EngineStepError, InvalidParameterError
+from tandem.errors import EngineDeadError, InvalidParameterError
 from tandem.executor import ranks
 from tandem.runner.shm_group import ShmGroup, create_segment
 
@@ -78,7 +78,7 @@ class ExternalLauncherExecutor:
         try:
             return self.runner.execute(scheduler_output)
         except RuntimeError as exc:  # a collective failed: a rank went away
-            raise EngineStepError(f"a tensor-parallel collective failed: {exc}") from exc
+            raise EngineDeadError(f"a tensor-parallel collective failed: {exc}") from exc
 
     def close(self) -> None:
         if dist.is_initialized():

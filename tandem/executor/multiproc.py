@@ -28,7 +28,7 @@ import subprocess
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.errors import EngineStepError
+from tandem.errors import EngineDeadError
 from tandem.executor import ranks
 from tandem.executor.worker import NO_SEGMENT, STOP
 from tandem.runner.shared_kv import RankedKVCache, remove_files
@@ -105,13 +105,13 @@ class MultiprocExecutor:
         if self.broken is None:
             self.broken = self._dead_worker()
         if self.broken is not None:
-            raise EngineStepError(self.broken)
+            raise EngineDeadError(self.broken)
         try:
             self.channel.send(scheduler_output)
             return self.runner.execute(scheduler_output)
-        except RuntimeError as exc:  # a rank went away, or failed mid-step: out of step
+        except RuntimeError as exc:  # a rank went away, hung, or failed mid-step
             self.broken = self._dead_worker() or f"a tensor-parallel step failed: {exc}"
-            raise EngineStepError(self.broken) from exc
+            raise EngineDeadError(self.broken) from exc
 
     def _dead_worker(self) -> str | None:
         for rank, worker in enumerate(self.workers, start=1):

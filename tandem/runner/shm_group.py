@@ -18,8 +18,10 @@ the same, each rank reading every slot. Tensors larger than a slot go in pieces.
 
 A wait checks between spins that the ranks it waits for are alive (``alive``: rank 0
 polls its worker processes, a worker checks that rank 0, its parent, is): a dead rank
-raises RuntimeError at once, never a hang. An idle worker waiting for the next step
-backs off to sleeping after a while, so an idle server burns no CPU.
+raises RuntimeError at once, never a hang; a live rank that does not come to a
+collective within HANG_TIMEOUT_S (stopped, deadlocked) raises too. An idle worker
+waiting for the next step backs off to sleeping after a while, so an idle server
+burns no CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ SLOT_BYTES = 4 << 20
 MESSAGE_BYTES = 4 << 20
 SPIN_US = 2000  # between liveness checks
 IDLE_BACKOFF_S = 0.05  # an idle wait spins this long, then sleeps between checks
+# A collective inside a step waits for the other ranks to finish the same layer: far
+# less than this unless one is stopped or stuck.
+HANG_ENV = "TANDEM_TP_HANG_TIMEOUT_S"
+HANG_TIMEOUT_S = float(os.environ.get(HANG_ENV, "300"))
 
 
 def segment_bytes(size: int) -> int:
@@ -75,13 +81,23 @@ class ShmGroup:
     # -- waiting ---------------------------------------------------------------------
 
     def _wait(self, counters: torch.Tensor, count: int, value: int, idle: bool = False) -> None:
+        """Until ``count`` counters reach ``value``; a dead rank raises at once, and
+        outside ``idle`` waits (a worker waiting for the next step) a rank that has not
+        come for HANG_TIMEOUT_S (stopped, deadlocked) raises too."""
         started = time.monotonic()
         while not self.kernels.shm_wait(counters, LINE, count, value, SPIN_US):
             problem = self.alive()
             if problem is not None:
                 raise RuntimeError(problem)
-            if idle and time.monotonic() - started > IDLE_BACKOFF_S:
+            waited = time.monotonic() - started
+            if idle and waited > IDLE_BACKOFF_S:
                 time.sleep(0.001)
+            elif not idle and waited > HANG_TIMEOUT_S:
+                late = [r for r in range(count) if counters[r * LINE] < value]
+                raise RuntimeError(
+                    f"tensor-parallel rank(s) {', '.join(map(str, late))} did not reach a "
+                    f"collective in {HANG_TIMEOUT_S:.0f} s (hung? ${HANG_ENV} sets the limit)"
+                )
 
     def _meet(self) -> int:
         """Post this rank's next collective and wait for every rank's; returns which

@@ -51,6 +51,10 @@ class AsyncEngine(EngineClient):
             logger.exception("the engine thread stopped")
             self.dead_reason = f"the engine thread stopped: {exc}"
             self._on_loop(self._core_died, self.dead_reason)
+            return
+        if self.core.dead_reason is not None:  # its engine cannot go on
+            self.dead_reason = f"the engine stopped: {self.core.dead_reason}"
+            self._on_loop(self._core_died, self.dead_reason)
 
     def _from_core(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> None:
         self._on_loop(self._deliver, outputs, failures)

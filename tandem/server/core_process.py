@@ -81,6 +81,7 @@ class CallResult(msgspec.Struct, tag=True):
 ToCore = AddRequest | AbortRequests | CallCore | Shutdown
 FromCore = StepOutputs | CallResult
 CALLS = ("start_trace", "stop_trace", "metrics")
+DEAD_EXIT_STATUS = 3  # the core stopped itself: its engine cannot go on
 
 
 def run_engine_core(
@@ -115,6 +116,9 @@ def run_engine_core(
         target=_stop_when_closed, args=(pipe, core_process.core), name="parent", daemon=True
     ).start()
     core_process.serve()
+    if core_process.core.dead_reason is not None:  # the server sees this process end
+        logger.error("the engine cannot go on: %s", core_process.core.dead_reason)
+        raise SystemExit(DEAD_EXIT_STATUS)
 
 
 def _stop_when_closed(pipe: Connection, core: EngineCore) -> None:
