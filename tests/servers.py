@@ -1,13 +1,14 @@
 """Helpers for tests of running servers: `tandem serve` of a test model as a real
 process (and the flags of a disaggregated role), uvicorn on a thread of the test
 process (for tests that must reach inside a server), reading /metrics, waiting for a
-condition."""
+condition, finding a server's engine-core and rank processes."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -65,3 +66,23 @@ def wait_for(condition, timeout: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a server's cores, and their tensor-parallel ranks)."""
+    children = child_pids(pid)
+    return children + [d for child in children for d in descendants(child)]
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """A server's engine-core processes (multiprocessing's spawned children)."""
+    return [pid for pid in child_pids(server_pid) if b"spawn_main" in cmdline(pid)]

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -32,7 +31,7 @@ from tandem.server.data_parallel import (
 )
 from tandem.server.launch import tandem_server
 from tandem.server.served_engine import CoreOptions
-from tests.servers import MODEL, metric, serve, wait_for
+from tests.servers import MODEL, core_pids, metric, serve, wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "In 1969, the"]
 LONG = 4000  # tokens: streams that run until the test ends them
@@ -41,17 +40,6 @@ LONG = 4000  # tokens: streams that run until the test ends them
 @pytest.fixture(scope="module")
 def folder(model_dirs):
     return str(model_dirs("llama", max_position_embeddings=LONG + 64)[0])
-
-
-def core_pids(server_pid: int) -> list[int]:
-    """The engine-core processes (multiprocessing's spawned children) of a server."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [
-        int(pid)
-        for pid in children
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
 
 
 def open_stream(http: httpx.Client, prompt: str):

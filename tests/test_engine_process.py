@@ -18,7 +18,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.server.launch import free_port, tandem_server, wait_healthy
-from tests.servers import MODEL, metric, serve, wait_for
+from tests.servers import MODEL, core_pids, metric, serve, wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):"]
 
@@ -31,16 +31,8 @@ def folder(model_dirs):
     return str(model_dirs("llama", max_position_embeddings=LONG + 64)[0])
 
 
-def child_pids(pid: int) -> list[int]:
-    """The processes ``pid`` started (the engine core among them)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(child) for child in children]
-
-
 def core_pid(server_pid: int) -> int:
-    (pid,) = [
-        p for p in child_pids(server_pid) if b"spawn" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
+    (pid,) = core_pids(server_pid)
     return pid
 
 

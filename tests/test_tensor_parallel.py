@@ -23,6 +23,7 @@ from tandem.sampling import StructuredOutputsParams
 from tandem.server.launch import tandem_server
 from tandem.spec_decode.eagle_head import EagleHead, save_head
 from tests.hf_models import VOCAB_SIZE, reference_greedy
+from tests.servers import cmdline, descendants
 
 # -- the arithmetic ------------------------------------------------------------------
 
@@ -256,19 +257,6 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
         ShardPlan(other, 0, 2)
 
 
-def _cmdline(pid: int) -> bytes:
-    from pathlib import Path
-
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def _descendants(pid: int) -> list[int]:
-    from pathlib import Path
-
-    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return children + [d for child in children for d in _descendants(child)]
-
-
 def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
     """`tandem serve --tensor-parallel-size 2`: the engine core process starts the
     second rank; the answer equals one process's. A killed rank ends the stream in
@@ -289,8 +277,8 @@ def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
             model="tp", prompt=ids, max_tokens=8, temperature=0.0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        (rank1,) = [pid for pid in _descendants(server.process.pid)
-                    if b"tandem.executor.worker" in _cmdline(pid)]  # fmt: skip
+        (rank1,) = [pid for pid in descendants(server.process.pid)
+                    if b"tandem.executor.worker" in cmdline(pid)]  # fmt: skip
         body = {"model": "tp", "prompt": ids, "max_tokens": 400, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
