@@ -47,7 +47,7 @@ def test_the_loss_goes_down_and_the_head_folder_loads(trained):
 def test_the_trained_head_beats_ngram_on_heldout_prompts(trained):
     out, _ = trained
     tokenizer = LLM(TARGET).engine.tokenizer
-    heldout = prompts_from(documents(None, heldout=True), 24, seed=1)
+    heldout = prompts_from(documents(None, heldout=True, wanted=24), 24, seed=1)
     prompts = [{"prompt_token_ids": tokenizer.encode_user_prompt(p)} for p in heldout]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}

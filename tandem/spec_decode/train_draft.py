@@ -54,9 +54,10 @@ TEMPLATES = [
 DEFAULT_DOCUMENT_CHARS = 600
 
 
-def documents(paths: list[str] | None, heldout: bool) -> list[tuple[str, str]]:
-    """(name, text) pairs: the given files' paragraphs, or the stdlib's docstrings of
-    modules, classes and functions (its held-out split when ``heldout``)."""
+def documents(paths: list[str] | None, heldout: bool, wanted: int) -> list[tuple[str, str]]:
+    """(name, text) pairs to draw ``wanted`` prompts from: the given files' paragraphs,
+    or the stdlib's docstrings of modules, classes and functions (its held-out split
+    when ``heldout``)."""
     if paths:
         found = []
         for path in paths:
@@ -70,32 +71,51 @@ def documents(paths: list[str] | None, heldout: bool) -> list[tuple[str, str]]:
             raise InvalidParameterError("--text", "no paragraph of 40 characters or more")
         # Held out: every 20th paragraph.
         return [d for i, d in enumerate(found) if (i % 20 == 19) == heldout]
-    return list(stdlib_documents(heldout))
+    return list(stdlib_documents(heldout, DOCUMENTS_PER_PROMPT * wanted))
+
+
+DOCUMENTS_PER_PROMPT = 4  # the pool prompts are drawn from, against their count
 
 
 @functools.cache
-def stdlib_documents(heldout: bool) -> tuple[tuple[str, str], ...]:
-    """The stdlib's docstrings, parsed once a process (seconds: every module's syntax
-    tree is walked)."""
+def stdlib_documents(heldout: bool, enough: int) -> tuple[tuple[str, str], ...]:
+    """Docstrings of the stdlib's files in a fixed shuffled order, until ``enough`` are
+    found (or the split runs out): parsing every file takes tens of seconds, and a
+    small run needs a few dozen files."""
     train, held = split(stdlib_sources())
-    found = []
-    for source in held if heldout else train:
+    files = held if heldout else train
+    random.Random(0).shuffle(files)
+    found: list[tuple[str, str]] = []
+    for source in files:
+        if len(found) >= enough:
+            break
         try:
             with warnings.catch_warnings():  # (old escapes in strings)
                 warnings.simplefilter("ignore")
                 tree = ast.parse(source.text)
         except (SyntaxError, ValueError):
             continue
-        for node in ast.walk(tree):
-            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            if not isinstance(node, kinds):
-                continue
+        module = source.path[:-3].replace("/", ".")
+        found += [(name, doc[:DEFAULT_DOCUMENT_CHARS]) for name, doc in docstrings(tree, module)]
+    return tuple(found)
+
+
+def docstrings(tree: ast.Module, module: str):
+    """(name, docstring) of the module and of every class and function defined in it,
+    nested ones included, 40 characters or longer. Only statement bodies are walked:
+    expressions hold no definitions."""
+    kinds = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, kinds | ast.Module):
             doc = ast.get_docstring(node)
             if doc and len(doc) >= 40:
-                module = source.path[:-3].replace("/", ".")
-                name = module if isinstance(node, ast.Module) else node.name
-                found.append((name, doc[:DEFAULT_DOCUMENT_CHARS]))
-    return tuple(found)
+                yield (module if isinstance(node, ast.Module) else node.name), doc
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            children = getattr(node, field, None) or ()
+            statements = ast.stmt | ast.excepthandler
+            pending += [c for c in reversed(children) if isinstance(c, statements)]
 
 
 def prompts_from(docs: list[tuple[str, str]], count: int, seed: int) -> list[str]:
@@ -145,7 +165,7 @@ def target_features(
 def build_data(llm, text: list[str] | None, settings: DraftTraining, progress: bool = True) -> dict:
     data = {}
     for part, count in (("train", settings.prompts), ("heldout", settings.heldout_prompts)):
-        prompts = prompts_from(documents(text, part == "heldout"), count, settings.seed)
+        prompts = prompts_from(documents(text, part == "heldout", count), count, settings.seed)
         pairs = answered(llm, prompts, settings.max_tokens, progress)
         sequences = [ids[: settings.seq_len] for ids, _ in pairs]
         data[part] = {
