@@ -37,8 +37,8 @@ from benchmarks.scale import NEW_TOKENS, decode_and_prefill
 
 def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     """Runs in its own process (``--point``)."""
-    import tandem.executor.ranks as ranks
     from tandem import LLM
+    from tandem.executor.step_channel import StepChannel
     from tandem.runner.shm_group import ShmGroup
     from tandem.runner.tensor_parallel import GlooCollectives
 
@@ -54,7 +54,7 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
 
         return wrapper
 
-    ranks.StepChannel.send = timed("send", ranks.StepChannel.send)
+    StepChannel.send = timed("send", StepChannel.send)
     for cls in (ShmGroup, GlooCollectives):
         for name in ("all_reduce", "all_gather"):
             setattr(cls, name, timed("collectives", getattr(cls, name)))

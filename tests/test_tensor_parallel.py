@@ -245,6 +245,44 @@ def test_a_hung_rank_fails_the_step_after_the_hang_timeout(smollm2_like, monkeyp
         _close(llm)
 
 
+def test_over_gloo_an_idle_group_lives_and_a_hung_rank_is_found_on_both_sides(
+    smollm2_like, monkeypatch
+):
+    """Without shared memory every wait is gloo's: once loaded, the group's timeout is
+    the hang timeout, and rank 0's beats keep an idle worker's wait short of it."""
+    from tandem.runner import shm_group
+
+    monkeypatch.setenv("TANDEM_TP_SHM", "0")
+    monkeypatch.setenv(shm_group.HANG_ENV, "2")  # the workers'
+    monkeypatch.setattr(shm_group, "HANG_TIMEOUT_S", 2.0)  # rank 0's
+    folder, _ = smollm2_like
+    ids = prompts([5], seed=0)
+    llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
+    worker = llm.engine.runner.workers[0]
+    try:
+        first = [o.outputs[0].token_ids for o in _generate(llm, ids)]
+        time.sleep(3 * 2.0)  # idle past the timeout
+        assert worker.poll() is None
+        assert [o.outputs[0].token_ids for o in _generate(llm, ids)] == first
+        os.kill(worker.pid, signal.SIGSTOP)  # rank 0 finds a hung worker
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"did not answer in 2 s \(hung\?"):
+            _generate(llm, ids)
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        _close(llm)
+    llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
+    worker = llm.engine.runner.workers[0]
+    try:
+        llm.engine.runner.channel.stop_beats()  # as if rank 0 hung: the worker gives up
+        assert worker.wait(timeout=30) == 1
+        with pytest.raises(EngineDeadError, match="rank 1 exited with status 1"):
+            _generate(llm, ids)
+    finally:
+        _close(llm)
+
+
 def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
     folder, _ = smollm2_like
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):

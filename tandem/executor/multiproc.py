@@ -12,8 +12,9 @@
 
 A worker that dies makes the step it was in raise (rank 0's wait in shared memory
 sees the process gone; over gloo its socket closes and the collective fails at
-once); from then on every step raises the same error, naming the rank and its exit
-status, so requests end with an error and never wait.
+once), and one that hangs makes it raise after the hang timeout (step_channel.py);
+from then on every step raises the same error, naming the rank and its exit status
+or the hang, so requests end with an error and never wait.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError
 from tandem.executor import ranks
+from tandem.executor.step_channel import StepChannel
 from tandem.executor.worker import NO_SEGMENT, STOP
 from tandem.runner.shared_kv import RankedKVCache, remove_files
 from tandem.runner.shm_group import ShmGroup, create_segment
@@ -74,7 +77,7 @@ class MultiprocExecutor:
         try:
             ranks.join_as_driver(meeting, size, self._dead_worker, timeout_s)
             shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
-            self.channel = ranks.StepChannel(shm)
+            self.channel = StepChannel(shm, 0)
             ranks.send_config(config)
             kv_prefix = ranks.shared_kv_prefix(config, rendezvous)
             self.runner = ranks.build_rank(config, 0, shm, local, kv_prefix)
@@ -84,6 +87,7 @@ class MultiprocExecutor:
                 self.kv_cache = RankedKVCache.open(
                     kv_prefix, self.runner.kv_cache, self.runner.loaded.shard.full, size
                 )
+            self.channel.arm()
         except BaseException:
             if kv_prefix is not None:
                 remove_files(kv_prefix)
@@ -103,15 +107,22 @@ class MultiprocExecutor:
 
     def execute(self, scheduler_output):
         if self.broken is None:
-            self.broken = self._dead_worker()
+            self.broken = self._dead_worker() or self.channel.failure
         if self.broken is not None:
             raise EngineDeadError(self.broken)
-        try:
-            self.channel.send(scheduler_output)
-            return self.runner.execute(scheduler_output)
-        except RuntimeError as exc:  # a rank went away, hung, or failed mid-step
-            self.broken = self._dead_worker() or f"a tensor-parallel step failed: {exc}"
-            raise EngineDeadError(self.broken) from exc
+        with self.channel.turn():
+            started = time.monotonic()
+            try:
+                self.channel.send(scheduler_output)
+                return self.runner.execute(scheduler_output)
+            except RuntimeError as exc:  # a rank went away, hung, or failed mid-step
+                self.channel.stop_beats()
+                self.broken = (
+                    self._dead_worker()
+                    or self.channel.hung(started)
+                    or f"a tensor-parallel step failed: {exc}"
+                )
+                raise EngineDeadError(self.broken) from exc
 
     def _dead_worker(self) -> str | None:
         for rank, worker in enumerate(self.workers, start=1):
@@ -124,8 +135,9 @@ class MultiprocExecutor:
         if self.closed:
             return
         self.closed = True
-        if self.broken is None and self._dead_worker() is None:
-            with contextlib.suppress(RuntimeError):  # a worker went away meanwhile
+        self.channel.close()
+        if self.broken is None and self.channel.failure is None and self._dead_worker() is None:
+            with contextlib.suppress(RuntimeError), self.channel.turn():  # (one went away)
                 self.channel.send(STOP)
         self.broken = self.broken or "the tensor-parallel ranks were stopped (closed)"
         self._stop_workers()

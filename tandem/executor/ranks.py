@@ -4,10 +4,10 @@ threads, build its runner, and pass each step's message from rank 0 to the other
 The group is torch.distributed's gloo. The ranks meet at a store: a file on one
 host, node 0's TCP store across hosts; each worker writes ``ready/<rank>`` there once
 it is running, so rank 0 can tell a worker that died while starting (it polls its
-processes while it waits) from one that is slow. Collectives then wait without a
-deadline (``IDLE``): a worker waits for the next step for as long as the server is
-idle. A rank that dies breaks the others' sockets: their collective raises at once
-(never a hang), and rank 0 fails the step and every one after it.
+processes while it waits) from one that is slow. Collectives wait without a deadline
+(``IDLE``) while the ranks load, then with the hang timeout (step_channel.py). A rank
+that dies breaks the others' sockets: their collective raises at once (never a hang),
+and rank 0 fails the step and every one after it.
 
 The config goes to the workers once over gloo. The model's collectives and each
 step's message (the SchedulerOutput, pickled) go through a shared-memory segment
@@ -25,7 +25,6 @@ import hmac
 import json
 import logging
 import os
-import pickle
 import secrets
 import socket
 import sys
@@ -43,7 +42,7 @@ from tandem.runner.shm_group import ShmGroup
 
 logger = logging.getLogger("tandem.executor")
 
-IDLE = datetime.timedelta(days=365)  # collectives: a worker idles in the step broadcast
+IDLE = datetime.timedelta(days=365)  # collectives while the ranks load
 START_TIMEOUT_S = 120.0  # for every rank on this host to reach the rendezvous
 REMOTE_START_TIMEOUT_S = 900.0  # ... and for other hosts' ranks (started by hand)
 
@@ -266,24 +265,3 @@ def receive_config() -> EngineConfig:
     box = [None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-class StepChannel:
-    """Rank 0's per-step message to the other ranks: pickled through the shared
-    segment on one host, else ``broadcast_object_list`` over gloo."""
-
-    def __init__(self, shm: ShmGroup | None) -> None:
-        self.shm = shm
-
-    def send(self, message: object) -> None:
-        if self.shm is None:
-            dist.broadcast_object_list([message], src=0)
-        else:
-            self.shm.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def receive(self) -> object:
-        if self.shm is None:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        return pickle.loads(self.shm.receive())

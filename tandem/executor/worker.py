@@ -6,7 +6,8 @@ It joins the group at the rendezvous (ranks.py), maps the shared segment (a path
 ``-``: everything over gloo), receives the engine config from rank 0, loads its
 shard, then runs every step rank 0 sends until told to stop or until rank 0 goes
 away (it is no longer this process's parent, or its socket closes: the wait raises
-and the worker exits).
+and the worker exits) or hangs (step_channel.py: no step or beat within the hang
+timeout).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import torch.distributed as dist
 
 from tandem.executor import ranks
+from tandem.executor.step_channel import StepChannel
 from tandem.runner.shm_group import ShmGroup
 
 logger = logging.getLogger("tandem.executor")
@@ -35,16 +37,17 @@ def serve(rendezvous: str, rank: int, size: int, segment: str) -> int:
     ranks.join_as_worker(rendezvous, rank, size)
     try:
         shm = None if segment == NO_SEGMENT else ShmGroup(segment, rank, size, rank0_gone)
-        channel = ranks.StepChannel(shm)
+        channel = StepChannel(shm, rank)
         config = ranks.receive_config()
         prefix = ranks.shared_kv_prefix(config, rendezvous)
         runner = ranks.build_rank(config, rank, shm, config.parallel.ranks_per_node, prefix)
+        channel.arm()
         while True:
             message = channel.receive()
             if message == STOP:
                 return 0
             runner.execute(message)
-    except Exception as exc:  # rank 0 is gone, or this rank's load failed (rank 0 says why)
+    except Exception as exc:  # rank 0 is gone or hung, or this rank's load failed
         logger.debug("tensor-parallel rank %d ends: %s", rank, exc)
         return 1
     finally:

@@ -45,7 +45,20 @@ IDLE_BACKOFF_S = 0.05  # an idle wait spins this long, then sleeps between check
 # A collective inside a step waits for the other ranks to finish the same layer: far
 # less than this unless one is stopped or stuck.
 HANG_ENV = "TANDEM_TP_HANG_TIMEOUT_S"
-HANG_TIMEOUT_S = float(os.environ.get(HANG_ENV, "300"))
+
+
+def hang_timeout_s() -> float:
+    text = os.environ.get(HANG_ENV, "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e6:
+        raise ValueError(f"${HANG_ENV} must be a number of seconds above 0, not {text!r}")
+    return seconds
+
+
+HANG_TIMEOUT_S = hang_timeout_s()
 
 
 def segment_bytes(size: int) -> int:
