@@ -11,7 +11,9 @@ the slowest rank included), per step. Each with the ranks meeting in shared memo
 (runner/shm_group.py, the default) and over gloo (TANDEM_TP_SHM=0), each rank on its
 own CPUs (--cpu-bind auto, the default) or sharing them (--cpu-binds auto none). And the
 collectives alone: one all-reduce of a token's hidden state between N processes on
-this host, both ways: the latency every row-parallel layer pays twice a layer::
+this host, both ways: the latency every row-parallel layer pays twice a layer; with
+``--hosts``, also among N processes taken as two hosts (runner/host_groups.py: shared
+memory within each, gloo between them) against gloo among all::
 
     python -m benchmarks.tensor_parallel --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf \\
         --sizes 1 2
@@ -98,33 +100,42 @@ def _allreduce_ranks(size: int, hidden: int, repeats: int, transport: str) -> No
     from tandem.server.launch import free_port
 
     port = free_port()
-    segment = create_segment(size, f"bench-{port}") if transport == "shm" else None
+    hosts = 2 if transport == "hosts" else 1  # "hosts": two hosts' worth of ranks
+    segments = [create_segment(size // hosts, f"bench-{port}-{h}") for h in range(hosts)]
+    if transport == "gloo":
+        os.unlink(segments.pop())
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    args = (size, port, hidden, repeats, segment, queue)
+    args = (size, port, hidden, repeats, segments, queue)
     procs = [context.Process(target=_allreduce_rank, args=(r, *args)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
-    if segment is not None:
-        import os
-
+    for segment in segments:
         os.unlink(segment)
     print(queue.get())
 
 
-def _allreduce_rank(rank, size, port, hidden, repeats, segment, queue) -> None:
+def _allreduce_rank(rank, size, port, hidden, repeats, segments, queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from tandem.runner.host_groups import HostGroups
     from tandem.runner.shm_group import ShmGroup
     from tandem.runner.tensor_parallel import GlooCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)  # fmt: skip
-    comm = ShmGroup(segment, rank, size, lambda: None) if segment else GlooCollectives()
+    comm = GlooCollectives()
+    if len(segments) == 1:
+        comm = ShmGroup(segments[0], rank, size, lambda: None)
+    elif len(segments) > 1:
+        per_host = size // len(segments)
+        leaders = dist.new_group(list(range(0, size, per_host)))
+        host = ShmGroup(segments[rank // per_host], rank % per_host, per_host, lambda: None)
+        comm = HostGroups(host, leaders, rank, per_host)
     x = torch.randn(1, hidden)
     for _ in range(100):
         comm.all_reduce(x)
@@ -155,6 +166,10 @@ def main() -> None:
         "--cpu-binds", nargs="+", default=["auto"], help="auto (each rank its own CPUs), none"
     )
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--hosts", action="store_true",
+        help="also the all-reduce of ranks split as two hosts (sizes >= 4, even)",
+    )  # fmt: skip
     args = parser.parse_args()
     from tandem.models.loader import read_config
 
@@ -167,6 +182,16 @@ def main() -> None:
                 f"# all-reduce of one token's hidden state ({config.hidden_size} float32) "
                 f"among {size} processes, {transport}: {us:.1f} us"
             )
+        if size >= 4 and size % 2 == 0 and args.hosts:
+            for transport in ("gloo", "hosts"):
+                us = collective_latency(size, config.hidden_size, transport)
+                way = "gloo between every pair" if transport == "gloo" else (
+                    "shared memory within each, gloo between their first ranks"
+                )  # fmt: skip
+                print(
+                    f"# ... among {size} processes as 2 hosts of {size // 2} on loopback, "
+                    f"{way}: {us:.1f} us"
+                )
     print(
         "| ranks | collectives | CPUs | decode 1 tok/s | decode 16 tok/s | prefill 512 tok/s "
         "| step ms (batch 1) | sending the step ms | collectives ms |"

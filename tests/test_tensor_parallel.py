@@ -396,26 +396,35 @@ def test_shared_memory_collectives_in_pieces(tmp_path):
         assert payload == (None if rank == 0 else (10_240_000, bytes([0, 1, 2])))
 
 
-def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch):
+@pytest.mark.parametrize("size", [2, 4])
+def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch, size):
     """Two launches as two hosts would run them: node 0 runs the engine (rank 0 here,
-    in this process), node 1 `tandem worker` (rank 1), meeting at node 0's TCP store;
-    across hosts the ranks talk gloo only."""
+    in this process), node 1 `tandem worker` (the other half of the ranks), meeting at
+    node 0's TCP store. One rank a host: gloo only; two: each host's ranks meet in
+    its shared memory, and the hosts over gloo (runner/host_groups.py)."""
     import subprocess
     import sys
 
+    from tandem.runner.host_groups import HostGroups
+    from tandem.runner.tensor_parallel import GlooCollectives
     from tandem.server.launch import free_port
 
     folder, hf_model = smollm2_like
     port = free_port()
-    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    flags = ["--tensor-parallel-size", str(size), "--nnodes", "2", "--master-port", str(port)]
     monkeypatch.setenv("TANDEM_DIST_SECRET", "shared by both hosts")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "tandem", "worker", *flags, "--node-rank", "1"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2, nnodes=2, master_port=port)
-        assert llm.engine.runner.workers == []  # no local worker: rank 1 is node 1's
+        llm = LLM(
+            str(folder), max_num_seqs=2, tensor_parallel_size=size, nnodes=2, master_port=port
+        )
+        executor = llm.engine.runner
+        assert len(executor.workers) == size // 2 - 1  # the rest are node 1's
+        comm = executor.runner.tp.comm
+        assert isinstance(comm, HostGroups if size == 4 else GlooCollectives)
         ids = prompts([7, 5], seed=9)
         ours = _generate(llm, ids)
         _close(llm)
@@ -423,8 +432,11 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch):
     finally:
         node1.kill()
     said = node1.stdout.read()
-    assert "node 1 of 2, tensor-parallel ranks 1-1 of 2; workers only" in said
+    half = size // 2
+    assert f"node 1 of 2, tensor-parallel ranks {half}-{size - 1} of {size}; workers only" in said
     assert [o.outputs[0].token_ids for o in ours] == reference_greedy(hf_model, ids, 8)
+    _assert_same(ours, _generate(LLM(str(folder), max_num_seqs=2), ids), atol=1e-4)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("tandem-tp-node1")]
 
 
 @pytest.mark.parametrize(

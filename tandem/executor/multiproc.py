@@ -33,9 +33,9 @@ from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError
 from tandem.executor import ranks
 from tandem.executor.step_channel import StepChannel
-from tandem.executor.worker import NO_SEGMENT, STOP
+from tandem.executor.worker import STOP
 from tandem.runner.shared_kv import RankedKVCache, remove_files
-from tandem.runner.shm_group import ShmGroup, create_segment
+from tandem.runner.shm_group import ShmGroup
 
 logger = logging.getLogger("tandem.executor")
 
@@ -61,9 +61,9 @@ class MultiprocExecutor:
                     "%s is not set: any host that reaches port %d can join this group "
                     "(docs/SECURITY.md)", ranks.SECRET_ENV, parallel.master_port,
                 )  # fmt: skip
-        # Shared memory joins ranks of one host only: across hosts everything is gloo.
-        shared = parallel.nnodes == 1 and ranks.shared_memory_usable()
-        segment = create_segment(size, str(os.getpid())) if shared else NO_SEGMENT
+        # Shared memory joins the ranks of a host; hosts meet over gloo.
+        segment = ranks.host_segment(local, str(os.getpid()))
+        shared = segment != ranks.NO_SEGMENT
         meeting = ranks.host_meeting(rendezvous, parallel)
         env = {**os.environ, **meeting.worker_env}
         self.workers = [
@@ -76,8 +76,8 @@ class MultiprocExecutor:
         kv_prefix = None
         try:
             ranks.join_as_driver(meeting, size, self._dead_worker, timeout_s)
-            shm = ShmGroup(segment, 0, size, self._dead_worker) if shared else None
-            self.channel = StepChannel(shm, 0)
+            shm = ShmGroup(segment, 0, local, self._dead_worker) if shared else None
+            self.channel = StepChannel(shm if parallel.nnodes == 1 else None, 0)
             ranks.send_config(config)
             kv_prefix = ranks.shared_kv_prefix(config, rendezvous)
             self.runner = ranks.build_rank(config, 0, shm, local, kv_prefix)
@@ -87,7 +87,7 @@ class MultiprocExecutor:
                 self.kv_cache = RankedKVCache.open(
                     kv_prefix, self.runner.kv_cache, self.runner.loaded.shard.full, size
                 )
-            self.channel.arm()
+            self.channel.arm(self.runner.tp.comm)
         except BaseException:
             if kv_prefix is not None:
                 remove_files(kv_prefix)

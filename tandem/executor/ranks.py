@@ -38,13 +38,14 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, pin_threads, rank_cpus
-from tandem.runner.shm_group import ShmGroup
+from tandem.runner.shm_group import ShmGroup, create_segment
 
 logger = logging.getLogger("tandem.executor")
 
 IDLE = datetime.timedelta(days=365)  # collectives while the ranks load
 START_TIMEOUT_S = 120.0  # for every rank on this host to reach the rendezvous
 REMOTE_START_TIMEOUT_S = 900.0  # ... and for other hosts' ranks (started by hand)
+NO_SEGMENT = "-"  # a worker's segment argument: its host's ranks meet over gloo
 
 
 def local_rendezvous() -> str:
@@ -236,13 +237,41 @@ def build_rank(
     ``kv_prefix``: its KV cache in a shared-memory file there (shared_kv_prefix)."""
     from tandem.executor import build_runner
     from tandem.runner.shared_kv import kv_file
-    from tandem.runner.tensor_parallel import GlooCollectives, TensorParallel
+    from tandem.runner.tensor_parallel import TensorParallel
 
     split_threads(ranks_on_host, rank % ranks_on_host, config.parallel.cpu_bind == "auto")
-    comm = shm if shm is not None else GlooCollectives()
+    comm = model_collectives(config, rank, shm)
     size = config.parallel.tensor_parallel_size
     own = None if kv_prefix is None else kv_file(kv_prefix, rank)
     return build_runner(config, TensorParallel(rank, size, comm, kv_file=own))
+
+
+def model_collectives(config: EngineConfig, rank: int, shm: ShmGroup | None):
+    """Where the model's collectives go: one host's segment; on several hosts, each
+    host's segment and gloo between them (runner/host_groups.py) where every host has
+    one (several ranks and the compiled kernels); else gloo alone."""
+    from tandem.runner.host_groups import HostGroups
+    from tandem.runner.tensor_parallel import GlooCollectives
+
+    parallel = config.parallel
+    if parallel.nnodes == 1:
+        return shm if shm is not None else GlooCollectives()
+    per_host = parallel.ranks_per_node
+    leaders = list(range(0, parallel.tensor_parallel_size, per_host))
+    group = dist.new_group(leaders, timeout=IDLE)  # (every rank makes every group)
+    everywhere = torch.tensor([int(shm is not None)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if not everywhere.item():
+        return GlooCollectives()
+    return HostGroups(shm, group, rank, per_host)
+
+
+def host_segment(ranks_on_host: int, tag: str) -> str:
+    """The shared segment of a host's ranks (its path), or NO_SEGMENT where they meet
+    over gloo (one rank, or no compiled kernels)."""
+    if ranks_on_host > 1 and shared_memory_usable():
+        return create_segment(ranks_on_host, tag)
+    return NO_SEGMENT
 
 
 def shared_kv_prefix(config: EngineConfig, rendezvous: str) -> str | None:

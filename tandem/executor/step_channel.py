@@ -42,14 +42,18 @@ class StepChannel:
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
 
-    def arm(self) -> None:
+    def arm(self, comm=None) -> None:
         """Every rank, once loaded: meet (without a deadline: loads differ in length),
-        then the gloo group's waits have the hang timeout and rank 0 beats."""
+        then the gloo groups' waits (the world's, and ``comm``'s where it has its own)
+        have the hang timeout and rank 0 beats."""
         if self.shm is not None:
             return
         dist.barrier()
         self.timeout_s = shm_group.HANG_TIMEOUT_S
-        _set_pg_timeout(datetime.timedelta(seconds=self.timeout_s))
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        _set_pg_timeout(timeout)
+        if hasattr(comm, "set_timeout"):
+            comm.set_timeout(timeout)
         if self.rank == 0:
             self._beats = threading.Thread(target=self._beat, name="tandem-tp-beat", daemon=True)
             self._beats.start()

@@ -2,9 +2,9 @@
 
     python -m tandem.executor.worker RENDEZVOUS RANK SIZE SEGMENT
 
-It joins the group at the rendezvous (ranks.py), maps the shared segment (a path, or
-``-``: everything over gloo), receives the engine config from rank 0, loads its
-shard, then runs every step rank 0 sends until told to stop or until rank 0 goes
+It joins the group at the rendezvous (ranks.py), receives the engine config from
+rank 0, maps its host's shared segment (a path, or ``-``: everything over gloo),
+loads its shard, then runs every step rank 0 sends until told to stop or until rank 0 goes
 away (it is no longer this process's parent, or its socket closes: the wait raises
 and the worker exits) or hangs (step_channel.py: no step or beat within the hang
 timeout).
@@ -12,6 +12,7 @@ timeout).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -25,7 +26,6 @@ from tandem.runner.shm_group import ShmGroup
 logger = logging.getLogger("tandem.executor")
 
 STOP = "stop"
-NO_SEGMENT = "-"  # the ranks meet over gloo
 
 
 def serve(rendezvous: str, rank: int, size: int, segment: str) -> int:
@@ -36,12 +36,19 @@ def serve(rendezvous: str, rank: int, size: int, segment: str) -> int:
 
     ranks.join_as_worker(rendezvous, rank, size)
     try:
-        shm = None if segment == NO_SEGMENT else ShmGroup(segment, rank, size, rank0_gone)
-        channel = StepChannel(shm, rank)
         config = ranks.receive_config()
+        per_host = config.parallel.ranks_per_node
+        shm = None
+        if segment != ranks.NO_SEGMENT:  # the first rank of its host removes its name
+            shm = ShmGroup(segment, rank % per_host, per_host, rank0_gone)
+        one_host = config.parallel.nnodes == 1
+        channel = StepChannel(shm if one_host else None, rank)
         prefix = ranks.shared_kv_prefix(config, rendezvous)
-        runner = ranks.build_rank(config, rank, shm, config.parallel.ranks_per_node, prefix)
-        channel.arm()
+        runner = ranks.build_rank(config, rank, shm, per_host, prefix)
+        channel.arm(runner.tp.comm)
+        if shm is not None and rank % per_host == 0:  # every rank of the host has mapped it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment)
         while True:
             message = channel.receive()
             if message == STOP:
