@@ -97,9 +97,9 @@ def test_a_quantized_tensor_narrows_on_whole_blocks():
     assert BLOCK[code][0] == 256
 
 
-def test_a_safetensors_rank_reads_only_its_rows(tmp_path, monkeypatch):
-    """Row shards of a safetensors tensor are read alone (their bytes, by pread);
-    column shards are cut from the whole."""
+def test_a_safetensors_rank_reads_only_its_rows_and_columns(tmp_path, monkeypatch):
+    """Row and column shards of a safetensors tensor are read alone (their bytes, by
+    pread: one read for rows, one a row for columns)."""
     from safetensors.torch import save_file
 
     from tandem.models.weight_source import SafetensorsCheckpoint
@@ -117,7 +117,8 @@ def test_a_safetensors_rank_reads_only_its_rows(tmp_path, monkeypatch):
         first = reads[0]
         columns = tensor.narrow(1, 8, 16)
         assert torch.equal(columns.read(), weight[:, 8:24])
-        assert reads[1] == first - 16 * 32 * 4  # the whole tensor, from its first row
+        start = first - 16 * 32 * 4  # the tensor's first byte
+        assert reads[1:] == [start + (row * 32 + 8) * 4 for row in range(64)]
 
 
 # -- real ranks ------------------------------------------------------------------------

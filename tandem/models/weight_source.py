@@ -40,8 +40,10 @@ class CheckpointTensor:
     type: GGMLType | None  # a GGUF tensor's storage type; None for safetensors
     _read: Callable[[], torch.Tensor]
     _release: Callable[[int, int | None], None] | None = None
-    # Reads rows [start, stop) alone (a file read rather than a mapping: safetensors).
+    # Read rows [start, stop), or a matrix's columns [start, stop), alone (file reads
+    # rather than a mapping: safetensors).
     _read_rows: Callable[[int, int], torch.Tensor] | None = None
+    _read_columns: Callable[[int, int], torch.Tensor] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -63,6 +65,8 @@ class CheckpointTensor:
             view_start, view_length = start // weights * size, length // weights * size
         if dim == 0 and self._read_rows is not None:  # only the part's bytes are read
             read = functools.partial(self._read_rows, start, start + length)
+        elif dim == 1 and len(shape) == 2 and self._read_columns is not None:
+            read = functools.partial(self._read_columns, start, start + length)
         else:
             read = lambda: self._read().narrow(dim, view_start, view_length)  # noqa: E731
         part = CheckpointTensor(self.name, tuple(shape), self.file, self.type, read)
@@ -178,7 +182,7 @@ class SafetensorsCheckpoint:
     dtypes; the bytes are then read with ``pread`` into a fresh tensor rather than
     through the library's memory map, whose pages would stay in the process (the
     whole file beside the model) until the file is closed. A tensor-parallel rank's
-    rows of a tensor are read alone (``narrow``); its columns, from the whole."""
+    rows of a tensor, or its columns of a matrix, are read alone (``narrow``)."""
 
     def __init__(self, folder: Path) -> None:
         self.files = []
@@ -200,7 +204,10 @@ class SafetensorsCheckpoint:
                 dtype = _SAFETENSORS_DTYPES[info.get_dtype()]
                 read = functools.partial(_pread, fd, offsets[name], shape, dtype)
                 rows = functools.partial(_pread_rows, fd, offsets[name], shape, dtype)
-                yield CheckpointTensor(name, shape, path.name, None, read, _read_rows=rows)
+                columns = functools.partial(_pread_columns, fd, offsets[name], shape, dtype)
+                yield CheckpointTensor(
+                    name, shape, path.name, None, read, _read_rows=rows, _read_columns=columns
+                )
 
     def close(self) -> None:
         for _, handle, _, fd in self.files:
@@ -226,16 +233,41 @@ def _pread_rows(
     return _pread(fd, rows, (stop - first, *shape[1:]), dtype)
 
 
+def _pread_columns(
+    fd: int, span: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, first: int,
+    stop: int,
+):  # fmt: skip
+    """Columns [first, stop) of a row-major matrix: each row's piece of them alone (a
+    read a row)."""
+    rows, columns = shape
+    width = torch.empty((), dtype=dtype).element_size()
+    if span[1] - span[0] != rows * columns * width:
+        raise ModelLoadError(
+            f"tensor of {span[1] - span[0]} bytes where {rows * columns * width} were expected"
+        )
+    out = torch.empty((rows, stop - first), dtype=dtype)
+    flat = memoryview(out.view(torch.uint8).numpy().reshape(-1))
+    piece = (stop - first) * width
+    for row in range(rows):
+        at = span[0] + (row * columns + first) * width
+        _read_fully(fd, flat[row * piece : (row + 1) * piece], at)
+    return out
+
+
 def _pread(fd: int, span: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype):
     out = torch.empty(shape, dtype=dtype)
     buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     start, end = span
     if len(buffer) != end - start:
         raise ModelLoadError(f"tensor of {end - start} bytes where {len(buffer)} were expected")
+    _read_fully(fd, buffer, start)
+    return out
+
+
+def _read_fully(fd: int, buffer: memoryview, start: int) -> None:
     done = 0
     while done < len(buffer):  # a read may return less than asked (over 2 GB at once)
         count = os.preadv(fd, [buffer[done:]], start + done)
         if count == 0:
             raise ModelLoadError("the weights file ends before its tensors (truncated?)")
         done += count
-    return out
