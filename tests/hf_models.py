@@ -28,7 +28,7 @@ CORPUS = [
     "def forward(self, input_ids, positions):\n    return self.model(input_ids)",
 ] * 20
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral")
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -70,6 +70,16 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3":
         # head_dim * heads != hidden: the explicit head_dim must be honoured.
         cfg = transformers.Qwen3Config(**{**llama_like, "head_dim": 32, **overrides})
+    elif arch == "qwen3_moe":
+        # 6 experts, 2 a token, renormalized; the middle layer dense (mlp_only_layers).
+        moe = dict(
+            llama_like, head_dim=32, num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+        )  # fmt: skip
+        cfg = transformers.Qwen3MoeConfig(**{**moe, **overrides})
+    elif arch == "mixtral":
+        moe = dict(llama_like, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
+        cfg = transformers.MixtralConfig(**{**moe, **overrides})
     elif arch == "gemma3":
         # Local layers slide over 8 tokens (prompts are longer), with their own rotary
         # base; head_dim * heads != hidden and the score scale is not head_dim's.

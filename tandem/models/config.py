@@ -24,6 +24,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (models/moe.py): ``num_experts`` gated MLPs of
+    ``intermediate_size`` each, of which a router picks ``top_k`` per token by softmax
+    probability, their outputs summed with those probabilities (renormalized to sum
+    to 1 over the picked experts when ``normalize_top_k``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    # Layers with a dense MLP (ModelConfig.intermediate_size) instead (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step).
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -52,6 +68,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Settings only one family reads (e.g. GPT-2's attention scaling switches).
     family_options: dict[str, Any] = field(default_factory=dict)
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: the layer attends its whole context)."""

@@ -1,7 +1,9 @@
 """The Llama decoder: pre-norm blocks, GQA attention with rotary positions, gated MLP.
 
 Mistral is this network with an optional sliding window; Qwen2 and Qwen3 add a flag
-(q/k/v bias, per-head q/k RMSNorm) and their files only parse their config.
+(q/k/v bias, per-head q/k RMSNorm) and their files only parse their config. Mixtral
+and Qwen3-MoE replace the MLP of their sparse layers with a mixture of experts
+(models/moe.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tandem.models.layers import (
     in_row_slices,
 )
 from tandem.models.linear import Linear, MergedLinear
+from tandem.models.moe import SparseMoE
 
 
 def parse_llama_config(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -136,7 +139,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = GatedMLP(config)
+        sparse = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoE(config, GatedMLP) if sparse else GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 

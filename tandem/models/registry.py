@@ -13,8 +13,10 @@ from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.gpt2 import GPT2LMHeadModel
 from tandem.models.layers import AttentionContext
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.models.qwen3 import Qwen3ForCausalLM
+from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class CausalLM(Protocol):
@@ -58,6 +60,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }

@@ -1,0 +1,69 @@
+"""A mixture-of-experts MLP: a router picks each token's experts, only they run.
+
+    route     logits = gate(x) [T, experts]; softmax in float32; the top k experts of
+              each token and their probabilities (renormalized over the k when the
+              family says so), in the model's dtype
+    experts   each a gated MLP (its own Linear layers: a block-quantized file's
+              experts stay in their formats and run on the packed kernels); the
+              batch's token slots are grouped by expert, and each expert that was
+              picked runs once over its tokens, so only picked experts' weights are
+              read: a 128-expert, top-8 layer reads 8 experts' bytes for one token
+    combine   each expert's output times its routing weight, added into its tokens'
+              rows (experts in order: the same sum as transformers')
+
+``expert_load`` is the last forward's token count per expert (the step trace and the
+metrics read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tandem.models.config import ModelConfig
+from tandem.models.linear import Linear
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, make_expert: Callable[[ModelConfig], nn.Module]):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.normalize = moe.normalize_top_k
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        expert = dataclasses.replace(
+            config, intermediate_size=moe.intermediate_size, mlp_bias=False, moe=None
+        )
+        self.experts = nn.ModuleList(make_expert(expert) for _ in range(moe.num_experts))
+        self.expert_load: list[int] = []
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, top_k] routing weights in x's dtype, [T, top_k] expert ids)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        slots = chosen.flatten()
+        order = torch.argsort(slots, stable=True)  # token slots grouped by expert
+        counts = torch.bincount(slots, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        slot_weights = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            y = self.experts[expert](x[rows])
+            out.index_add_(0, rows, y * slot_weights[start : start + count])
+            start += count
+        self.expert_load = counts
+        return out

@@ -1,0 +1,83 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) through the whole engine, against
+transformers on the same random weights; the experts that run are the ones picked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.errors import ModelLoadError
+from tandem.models.loader import load_model
+from tandem.models.moe import SparseMoE
+from tests.hf_models import VOCAB_SIZE, reference_greedy
+
+ARCHS = ["qwen3_moe", "mixtral"]
+MAX_NEW = 8
+
+
+def prompts(lengths, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def greedy():
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_batched_tokens=16, block_size=5, num_blocks=24),  # chunks, preemption
+        dict(enable_prefix_caching=True, block_size=4),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    ],
+    ids=["preempted", "prefix-cached", "speculative"],
+)
+def test_greedy_tokens_equal_transformers(model_dirs, arch, options):
+    folder, hf_model = model_dirs(arch)
+    batch = prompts([23, 5, 31, 12, 17, 9], seed=3)
+    if options.get("enable_prefix_caching"):  # a shared start, so that blocks are reused
+        batch = [batch[0] + p for p in batch]
+    llm = LLM(str(folder), **options)
+    if options.get("enable_prefix_caching"):  # the shared start is computed once, first
+        llm.generate([{"prompt_token_ids": batch[0]}], greedy(), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, batch, MAX_NEW)
+    if "num_blocks" in options:
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    if options.get("enable_prefix_caching"):
+        assert sum(o.num_cached_tokens for o in outputs) > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_the_picked_experts_run_each_over_its_tokens(model_dirs, arch):
+    """Every expert's forward is watched: the ones that run are exactly those the
+    router picked for some token (brute force over the router's own probabilities),
+    each once, over as many rows as tokens picked it."""
+    folder, _ = model_dirs(arch)
+    model = load_model(folder).model
+    layer = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    ran: dict[int, list[int]] = {}
+    for index, expert in enumerate(layer.experts):
+        expert.register_forward_hook(
+            lambda _m, args, _out, i=index: ran.setdefault(i, []).append(args[0].shape[0])
+        )
+    x = torch.randn(5, model.config.hidden_size)
+    layer(x)
+    probs = torch.softmax(layer.gate(x), dim=-1)
+    picked = [sorted(range(layer.num_experts), key=lambda e: -probs[t, e])[: layer.top_k]
+              for t in range(5)]  # fmt: skip
+    want = {e: sum(e in p for p in picked) for e in range(layer.num_experts)}
+    assert {e: rows for e, rows in ran.items()} == {e: [n] for e, n in want.items() if n}
+    assert layer.expert_load == [want[e] for e in range(layer.num_experts)]
+    assert len(ran) < layer.num_experts or layer.num_experts <= layer.top_k * 5
+
+
+def test_tensor_parallelism_refuses_experts_by_name(model_dirs):
+    folder, _ = model_dirs("qwen3_moe")
+    with pytest.raises(ModelLoadError, match="does not split Qwen3MoeForCausalLM"):
+        LLM(str(folder), tensor_parallel_size=2)
