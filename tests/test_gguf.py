@@ -101,12 +101,18 @@ def hf_folders(tmp_path_factory):
             # transformers reads "mistral" in a file's name as its own GGUF type: avoid it
             folder = tmp_path_factory.mktemp(f"hf-{arch[:3]}")
             extra = {"head_dim": 128} if arch == "qwen3" else {}
+            if arch == "qwen3_moe":
+                # Every layer sparse (as llama.cpp's graph); experts of 768, the size
+                # transformers' GGUF config assumes (it does not read the file's).
+                extra = {"head_dim": 128, "mlp_only_layers": [], "moe_intermediate_size": 768}
+            if arch == "mixtral":
+                extra = {"intermediate_size": 256}
             if arch == "gemma3":
                 # The layout llama.cpp's gemma3 assumes (6 layers: 1 global; scores
                 # scaled by head_dim), which transformers' GGUF loader fixes at 256.
                 extra = {"num_hidden_layers": 6, "layer_types": None, "head_dim": 256,
                          "query_pre_attn_scalar": 256}  # fmt: skip
-            save_model(folder, arch, **SHAPE, **extra)
+            save_model(folder, arch, **{**SHAPE, **extra})
             built[arch] = folder
         return built[arch]
 
@@ -165,6 +171,38 @@ def test_logits_equal_transformers_on_the_dequantized_weights(gguf_files, arch, 
     assert (quantized - expected).abs().max() < 0.05 * expected.abs().max()
     agree = (quantized.argmax(-1) == expected.argmax(-1)).float().mean()
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize(
+    "arch, fmt", [("qwen3_moe", f) for f in ("F32", "Q4_K", "Q8_0")] + [("mixtral", "F32"),
+                  ("mixtral", "Q4_0")]
+)  # fmt: skip
+def test_mixtures_of_experts_equal_their_references(gguf_files, hf_folders, arch, fmt):
+    """Experts stacked per layer as llama.cpp writes them, read one expert at a time.
+    Qwen3-MoE against transformers' GGUF loader on the same file; Mixtral (which that
+    loader reads as a dense llama) against transformers on the folder the file was
+    written from, exactly in float32. Weights kept quantized: the same up to the int8
+    activations, except where those move a token's pick of experts (a different
+    expert, a different output: a few positions), so most positions are compared."""
+    path = gguf_files(arch, fmt)
+    ids = list(range(3, 43))
+    exact = tandem_logits(path, ids, "none")
+    if arch == "qwen3_moe":
+        expected = transformers_logits(path, ids)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folders(arch)).eval()
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0]
+    if fmt == "F32" or arch == "qwen3_moe":
+        torch.testing.assert_close(exact, expected, rtol=1e-4, atol=1e-4)
+    quantized = tandem_logits(path, ids, "auto")
+    within = (quantized - exact).abs().max(-1).values < 0.05 * exact.abs().max()
+    assert within.float().mean() >= 0.9
+    assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    file = GGUFFile(path)
+    stacked = [t for t in file.tensors if "_exps" in t.name]
+    file.close()
+    assert stacked and all(len(t.shape) == 3 for t in stacked)
 
 
 @pytest.mark.parametrize("arch, fmt", [("llama", "Q4_K"), ("gemma3", "mixed")])

@@ -21,6 +21,7 @@ The file is read by gguf_file.py (the ``gguf`` package's reader is too slow for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Iterator
@@ -40,8 +41,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
+# llama with experts (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it.
+MIXTURE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 # Architectures whose converter permuted q / k rows for llama.cpp's rotary layout.
 PERMUTED_QK = {"llama", "mistral"}
 # Architectures whose converter wrote norm weights as 1 + weight.
@@ -64,6 +68,14 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+}
+# A mixture's experts, stacked in one tensor each [experts, rows, columns]: each
+# expert is read as a tensor of its own, ``mlp.experts.E.<projection>``.
+EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Gemma's blocks have a norm before and after attention and the MLP.
 GEMMA_LAYER_NAMES = {
@@ -82,6 +94,8 @@ def hf_name(name: str, architecture: str = "llama") -> str | None:
     match = _LAYER_TENSOR.fullmatch(name)
     if match:
         layer, part, kind = match.groups()
+        if part in EXPERT_NAMES:  # {expert} is filled in per expert
+            return f"model.layers.{layer}.mlp.experts.{{expert}}.{EXPERT_NAMES[part]}.{kind}"
         names = ARCHITECTURE_LAYER_NAMES.get(architecture, LAYER_NAMES)
         if part not in names:
             return None
@@ -154,8 +168,12 @@ class GGUFCheckpoint:
         vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab is None:
             raise ModelLoadError(f"{self.path.name} states no vocabulary size")
+        experts = self._arch("expert_count") or 0
+        architecture = ARCHITECTURES[self.architecture]
+        if experts:
+            architecture = MIXTURE_ARCHITECTURES.get(self.architecture, architecture)
         config: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.architecture]],
+            "architectures": [architecture],
             "hidden_size": hidden,
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
@@ -176,6 +194,18 @@ class GGUFCheckpoint:
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
             "sliding_window": self._arch("attention.sliding_window"),
         }
+        if experts:
+            # llama.cpp's graphs for both families renormalize the picked experts'
+            # weights and make every layer sparse.
+            config.update(
+                num_experts=experts,
+                num_local_experts=experts,
+                num_experts_per_tok=self._required("expert_used_count"),
+                moe_intermediate_size=self._arch("expert_feed_forward_length"),
+                norm_topk_prob=True,
+            )
+        elif architecture == "Qwen3MoeForCausalLM":
+            raise ModelLoadError(f"{self.path.name} has no {self.architecture}.expert_count")
         if self.architecture == "gemma3":
             # Not in the file: llama.cpp scales scores by 1/sqrt(head_dim), except for
             # the 27B model (62 layers): 1/sqrt(hidden / heads). Local layers (5 of
@@ -212,11 +242,22 @@ class GGUFCheckpoint:
                 continue
             code = check_supported(info.type, info.name)
             shape = tuple(reversed(info.shape))
-            yield CheckpointTensor(
-                name, shape, self.path.name, code,
-                functools.partial(self._read, info, code, shape, name, heads),
+            if "{expert}" not in name:
+                yield CheckpointTensor(
+                    name, shape, self.path.name, code,
+                    functools.partial(self._read, info, code, shape, name, heads),
+                    functools.partial(self._file.release, info),
+                )  # fmt: skip
+                continue
+            experts, rows, columns = shape
+            stacked = CheckpointTensor(
+                name, (experts * rows, columns), self.path.name, code,
+                functools.partial(self._read, info, code, (experts * rows, columns), name, {}),
                 functools.partial(self._file.release, info),
             )  # fmt: skip
+            for expert in range(experts):
+                part = stacked.narrow(0, expert * rows, rows)
+                yield dataclasses.replace(part, name=name.format(expert=expert))
 
     def _read(
         self, info: TensorInfo, code: GGMLType, shape: tuple[int, ...], name: str, heads: dict

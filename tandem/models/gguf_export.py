@@ -11,6 +11,7 @@ whose rows are not whole blocks of the format is written as float16.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,12 +22,14 @@ from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
 from tandem.models.gguf_checkpoint import (
     ARCHITECTURE_LAYER_NAMES,
+    EXPERT_NAMES,
     GLOBAL_NAMES,
     LAYER_NAMES,
     NORM_PLUS_ONE,
     PERMUTED_QK,
 )
 from tandem.models.loader import read_config
+from tandem.models.mixtral import hf_expert_name
 from tandem.models.weight_source import SafetensorsCheckpoint
 from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.quantize import FORMATS, quantize
@@ -38,12 +41,28 @@ EXPORT_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
 }
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 EXPORT_TYPES.update(FORMATS)
 
 _GGUF_NAMES = {f"{hf}.": f"{gguf}." for gguf, hf in GLOBAL_NAMES.items()}
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_STACKED = {hf: gguf for gguf, hf in EXPERT_NAMES.items()}
+
+
+def expert_of(name: str) -> tuple[str, int] | None:
+    """``model.layers.3.mlp.experts.5.up_proj.weight`` -> (``blk.3.ffn_up_exps.weight``,
+    5): the stacked tensor it goes into and its place there."""
+    match = _EXPERT.fullmatch(name)
+    if match is None or match.group(3) not in _STACKED:
+        return None
+    layer, expert, projection = match.groups()
+    return f"blk.{layer}.{_STACKED[projection]}.weight", int(expert)
 
 
 def gguf_name(name: str, arch: str = "llama") -> str | None:
@@ -146,6 +165,10 @@ def add_shape_keys(writer, config: ModelConfig) -> None:
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.moe is not None:
+        writer.add_expert_count(config.moe.num_experts)
+        writer.add_expert_used_count(config.moe.top_k)
+        writer.add_expert_feed_forward_length(config.moe.intermediate_size)
     if config.rope is not None:
         writer.add_rope_freq_base(config.rope.theta)
         writer.add_rope_dimension_count(config.rope.rotary_dim)
@@ -173,6 +196,19 @@ def _add_gemma3_keys(writer, config) -> None:
             "no logit soft-capping): it cannot be exported faithfully"
         )
     writer.add_sliding_window(config.sliding_window)
+
+
+def _check_moe(config) -> None:
+    """llama.cpp's graphs for Qwen3-MoE and Mixtral make every layer sparse and
+    renormalize the picked experts' weights; a model that differs cannot be written
+    faithfully."""
+    moe = config.moe
+    if moe is not None and (moe.dense_layers or not moe.normalize_top_k):
+        raise ModelLoadError(
+            "this mixture of experts differs from what llama.cpp assumes (every layer "
+            "sparse, the picked experts' weights renormalized): it cannot be exported "
+            "faithfully"
+        )
 
 
 Encoder = Callable[[str, torch.Tensor], "tuple[GGMLType, np.ndarray] | None"]
@@ -206,13 +242,32 @@ def export_gguf(
     add_shape_keys(writer, config)
     if arch == "gemma3":
         _add_gemma3_keys(writer, config)
+    _check_moe(config)
     _add_tokenizer(writer, folder, raw)
 
+    # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
+    # them: each stack is written once its last expert is read.
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
     with SafetensorsCheckpoint(folder) as checkpoint:
         for tensor in checkpoint.tensors():
-            target = gguf_name(tensor.name, arch)
+            name = tensor.name
+            if "MixtralForCausalLM" in raw["architectures"]:
+                name = hf_expert_name(name)
+            expert = expert_of(name)
+            if expert is not None and config.moe is not None:
+                target, index = expert
+                stack = stacks.setdefault(target, {})
+                stack[index] = tensor.read().float()
+                if len(stack) == config.moe.num_experts:
+                    whole = torch.stack([stack[i] for i in range(len(stack))])
+                    _add_tensor(writer, target, whole, arch, config, code, encoder)
+                    del stacks[target]
+                continue
+            target = gguf_name(name, arch)
             if target is not None:
                 _add_tensor(writer, target, tensor.read().float(), arch, config, code, encoder)
+    if stacks:
+        raise ModelLoadError(f"{folder}: experts missing from {', '.join(sorted(stacks))}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -231,18 +286,18 @@ def _add_tensor(writer, target: str, t: torch.Tensor, arch: str, config, code: G
         heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
         t = _permute_rows(t, heads)
     kind = code
-    if t.dim() == 1:
+    if t.dim() == 1 or ".ffn_gate_inp." in target:  # (a router stays float32, as llama.cpp's)
         kind = GGMLType.F32
-    elif code in BLOCK and t.shape[1] % BLOCK[code][0]:
+    elif code in BLOCK and t.shape[-1] % BLOCK[code][0]:
         kind = GGMLType.F16
     chosen = encoder(target, t) if encoder is not None and t.dim() == 2 else None
     if chosen is not None:
         kind, data = chosen
         writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
-    elif kind in BLOCK:
-        writer.add_tensor(
-            target, quantize(t, kind).numpy(), raw_dtype=gguf.GGMLQuantizationType(int(kind))
-        )
+    elif kind in BLOCK:  # (stacked experts: blocks of the rows of every expert)
+        data = quantize(t.reshape(-1, t.shape[-1]), kind).numpy()
+        data = data.reshape(*t.shape[:-1], data.shape[-1])
+        writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
     elif kind == GGMLType.BF16:
         data = t.to(torch.bfloat16).view(torch.uint16).numpy()
         writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType.BF16)

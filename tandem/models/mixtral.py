@@ -17,6 +17,15 @@ from tandem.models.llama import LlamaForCausalLM, parse_llama_config
 EXPERT_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
+def hf_expert_name(name: str) -> str:
+    """Mixtral's checkpoint name in Qwen3-MoE's spelling (``mlp.gate``,
+    ``mlp.experts.E.gate_proj``...): the one the modules and the GGUF names use."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for theirs, ours in EXPERT_NAMES.items():
+        name = name.replace(theirs, ours)
+    return name
+
+
 class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -29,7 +38,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return parse_llama_config(raw, sliding_window=raw.get("sliding_window"), moe=moe)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        for theirs, ours in EXPERT_NAMES.items():
-            name = name.replace(theirs, ours)
-        return super().checkpoint_target(name)
+        return super().checkpoint_target(hf_expert_name(name))
