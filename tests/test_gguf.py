@@ -279,6 +279,35 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
     assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == more_bits
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_random_mixtures_of_experts_load_every_expert(tmp_path, arch):
+    """write_random_gguf of a mixture (Qwen3-MoE's layout, or llama with experts:
+    Mixtral): experts stacked per layer and projection, the router float32, the "more
+    bits" layers' down experts Q6_K; loaded packed one expert at a time, every expert
+    holds exactly the weights that dequantizing its rows of the stack gives."""
+    shape = Shape(256, 8, 4, 2, 512, tied=False, vocab=512, architecture=arch,
+                  head_size=128 if arch == "qwen3moe" else 0, experts=6, experts_used=2,
+                  expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "moe.gguf", shape, "q4_k_m")
+    file = GGUFFile(path)
+    infos = {info.name: info for info in file.tensors}
+    assert list(infos["blk.0.ffn_up_exps.weight"].shape) == [256, 256, 6]
+    assert GGMLType(infos["blk.0.ffn_gate_inp.weight"].type) == GGMLType.F32
+    assert GGMLType(infos["blk.0.ffn_down_exps.weight"].type) == GGMLType.Q6_K
+    assert GGMLType(infos["blk.1.ffn_down_exps.weight"].type) == GGMLType.Q4_K
+    packed = load_model(path, load_tokenizer=False)
+    expected = "Qwen3MoeForCausalLM" if arch == "qwen3moe" else "MixtralForCausalLM"
+    assert type(packed.model).__name__ == expected
+    layer = packed.model.model.layers[1].mlp
+    info = infos["blk.1.ffn_down_exps.weight"]
+    stack = torch.from_numpy(file.data(info).reshape(6 * 256, -1).copy())
+    whole = dequantize(GGMLType(info.type), stack, 256)
+    for expert in range(6):
+        ((_, part),) = packed_parts(layer.experts[expert].down_proj)
+        assert torch.equal(part.dequantize(), whole[expert * 256 : (expert + 1) * 256])
+    file.close()
+
+
 @pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
 def test_random_blocks_of_every_format_are_valid_weights(code):
     """random_gguf.random_blocks (which the benchmarks and `tandem plan --measure` time

@@ -8,7 +8,10 @@ float16 scales set so the weights have a standard deviation of about 0.02 (the u
 initialisation) and the K formats' sub-scale minimums centre them on zero; no float
 matrix is ever made. Norms are float32 ones.
 
-Formats, as llama.cpp's ``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
+Mixtures of experts (``qwen3-30b-a3b``, ``mixtral-mini``) stack each layer's experts
+in one tensor per projection, as llama.cpp does (one stack, a few hundred MB, is the
+most held in memory); the router stays float32 (random normal weights). Formats, as llama.cpp's
+``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
 (every matrix but the output one, Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the output
 matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
@@ -45,10 +48,17 @@ class Shape:
     vocab: int = 128256
     rope_theta: float = 500000.0
     context: int = 131072
+    head_size: int = 0  # when it is not hidden / heads (Qwen3's 128)
+    architecture: str = "llama"  # the GGUF architecture: llama or qwen3moe
+    # A mixture of experts in every layer (0: dense MLPs): ``experts`` of
+    # ``expert_intermediate``, ``experts_used`` a token. llama with experts is Mixtral.
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def config(self) -> ModelConfig:
         """The shape as the model class parses it (a config.json's keys)."""
@@ -58,32 +68,96 @@ class Shape:
             "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
             "vocab_size": self.vocab, "rope_theta": self.rope_theta, "rms_norm_eps": 1e-5,
             "max_position_embeddings": self.context, "tie_word_embeddings": self.tied,
+            "head_dim": self.head_dim,
         }  # fmt: skip
+        if self.experts:
+            raw.update(num_experts=self.experts, num_local_experts=self.experts,
+                       num_experts_per_tok=self.experts_used, norm_topk_prob=True,
+                       moe_intermediate_size=self.expert_intermediate)  # fmt: skip
+            raw["architectures"] = ["MixtralForCausalLM"]
+            if self.architecture == "qwen3moe":
+                raw["architectures"] = ["Qwen3MoeForCausalLM"]
+            else:
+                raw["intermediate_size"] = self.expert_intermediate
         return model_class_for(raw).parse_config(raw)
 
-    def matrices(self) -> list[tuple[str, int, int]]:
-        """(GGUF name, rows, columns) of every matrix, in llama.cpp's file order."""
-        kv = self.kv_heads * self.head_dim
-        out = [("token_embd.weight", self.vocab, self.hidden)]
+    def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(GGUF name, dimensions) of every matrix, in llama.cpp's file order: [rows,
+        columns], or [experts, rows, columns] for a mixture's stacked experts."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
             out += [
-                (f"blk.{i}.attn_q.weight", self.hidden, self.hidden),
-                (f"blk.{i}.attn_k.weight", kv, self.hidden),
-                (f"blk.{i}.attn_v.weight", kv, self.hidden),
-                (f"blk.{i}.attn_output.weight", self.hidden, self.hidden),
-                (f"blk.{i}.ffn_gate.weight", self.intermediate, self.hidden),
-                (f"blk.{i}.ffn_up.weight", self.intermediate, self.hidden),
-                (f"blk.{i}.ffn_down.weight", self.hidden, self.intermediate),
+                (f"blk.{i}.attn_q.weight", (q, self.hidden)),
+                (f"blk.{i}.attn_k.weight", (kv, self.hidden)),
+                (f"blk.{i}.attn_v.weight", (kv, self.hidden)),
+                (f"blk.{i}.attn_output.weight", (self.hidden, q)),
+            ]
+            if self.experts:
+                stack, rows = self.experts, self.expert_intermediate
+                out += [
+                    (f"blk.{i}.ffn_gate_inp.weight", (self.experts, self.hidden)),
+                    (f"blk.{i}.ffn_gate_exps.weight", (stack, rows, self.hidden)),
+                    (f"blk.{i}.ffn_up_exps.weight", (stack, rows, self.hidden)),
+                    (f"blk.{i}.ffn_down_exps.weight", (stack, self.hidden, rows)),
+                ]
+                continue
+            out += [
+                (f"blk.{i}.ffn_gate.weight", (self.intermediate, self.hidden)),
+                (f"blk.{i}.ffn_up.weight", (self.intermediate, self.hidden)),
+                (f"blk.{i}.ffn_down.weight", (self.hidden, self.intermediate)),
             ]
         if not self.tied:
-            out.append(("output.weight", self.vocab, self.hidden))
+            out.append(("output.weight", (self.vocab, self.hidden)))
         return out
+
+    def norms(self) -> list[tuple[str, int]]:
+        """(GGUF name, length) of every norm weight (float32 ones)."""
+        kinds = [("attn_norm", self.hidden), ("ffn_norm", self.hidden)]
+        if self.architecture == "qwen3moe":
+            kinds += [("attn_q_norm", self.head_dim), ("attn_k_norm", self.head_dim)]
+        return [("output_norm.weight", self.hidden)] + [
+            (f"blk.{i}.{kind}.weight", n) for i in range(self.layers) for kind, n in kinds
+        ]
 
 
 SHAPES = {
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 8192, tied=True),
     "llama-3.2-3b": Shape(3072, 28, 24, 8, 8192, tied=True),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, tied=False),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 a token (about 3B of 30B parameters read).
+    "qwen3-30b-a3b": Shape(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        intermediate=6144,
+        tied=False,
+        vocab=151936,
+        rope_theta=1e6,
+        context=40960,
+        head_size=128,
+        architecture="qwen3moe",
+        experts=128,
+        experts_used=8,
+        expert_intermediate=768,
+    ),
+    # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
+    # scaled down to a 1B-class width.
+    "mixtral-mini": Shape(
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        intermediate=5632,
+        tied=False,
+        vocab=32000,
+        rope_theta=1e6,
+        context=32768,
+        experts=8,
+        experts_used=2,
+        expert_intermediate=5632,
+    ),
 }
 FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
 
@@ -97,6 +171,8 @@ def _more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if ".ffn_gate_inp." in name:  # a router: llama.cpp keeps it float32
+        return GGMLType.F32
     if fmt == "q8_0":
         return GGMLType.Q8_0
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
@@ -104,7 +180,7 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
     if fmt == "q4_0":
         return GGMLType.Q4_0
     parts = name.split(".")
-    more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
+    more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps")
     if more_bits and _more_bits(int(parts[1]), shape.layers):
         return GGMLType.Q6_K
     return GGMLType.Q4_K if fmt == "q4_k_m" else GGMLType.Q5_K
@@ -214,7 +290,7 @@ def write_random_gguf(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), shape.architecture)
     writer.add_name(f"random {path.stem}")
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
                   "q5_k_m": "MOSTLY_Q5_K_M"}  # fmt: skip
@@ -222,26 +298,31 @@ def write_random_gguf(
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
 
-    norms = ["output_norm.weight"] + [
-        f"blk.{i}.{kind}.weight" for i in range(shape.layers) for kind in ("attn_norm", "ffn_norm")
-    ]
-    matrices = shape.matrices()
-    for name in norms:
-        writer.add_tensor_info(name, [shape.hidden], np.dtype(np.float32), shape.hidden * 4)
-    for name, rows, columns in matrices:
+    norms, matrices = shape.norms(), shape.matrices()
+    for name, length in norms:
+        writer.add_tensor_info(name, [length], np.dtype(np.float32), length * 4)
+    for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
+        if code == GGMLType.F32:
+            writer.add_tensor_info(name, list(dims), np.dtype(np.float32), int(np.prod(dims)) * 4)
+            continue
         per_block, size = BLOCK[code]
+        row_bytes = dims[-1] // per_block * size
         writer.add_tensor_info(
-            name, [rows, columns // per_block * size], np.dtype(np.uint8),
-            rows * columns // per_block * size, raw_dtype=gguf.GGMLQuantizationType(int(code)),
+            name, [*dims[:-1], row_bytes], np.dtype(np.uint8), int(np.prod(dims[:-1])) * row_bytes,
+            raw_dtype=gguf.GGMLQuantizationType(int(code)),
         )  # fmt: skip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    ones = np.ones(shape.hidden, np.float32)
-    for _ in norms:
-        writer.write_tensor_data(ones)
-    for name, rows, columns in matrices:
-        writer.write_tensor_data(random_blocks(tensor_type(name, fmt, shape), rows, columns, rng))
+    for _, length in norms:
+        writer.write_tensor_data(np.ones(length, np.float32))
+    for name, dims in matrices:
+        code = tensor_type(name, fmt, shape)
+        if code == GGMLType.F32:
+            writer.write_tensor_data((rng.standard_normal(dims) * STD).astype(np.float32))
+            continue
+        rows = int(np.prod(dims[:-1]))  # (a stack of experts: every expert's rows)
+        writer.write_tensor_data(random_blocks(code, rows, dims[-1], rng))
     writer.close()
     return path
