@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from tandem.errors import InvalidParameterError
+from tandem.models.gguf_file import GGUFFile
 from tandem.plan.calculator import (
     attended_pairs,
     attention_flops,
@@ -303,3 +304,49 @@ def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
     config.write_text(json.dumps(LLAMA_70B))
     with pytest.raises(InvalidParameterError, match="needs a GGUF"):
         plan(config, hardware, "gguf")
+
+
+def test_a_mixture_of_experts_is_priced_by_the_experts_a_step_reads(tmp_path):
+    """Qwen3-MoE: the parameter count is transformers'; a token's active parameters
+    are every weight but the experts it did not pick (counted on transformers' model);
+    the distinct experts a batch reads match uniform routing drawn at random; a decode
+    step's weight reads grow with the batch and stop at the whole file."""
+    import random
+
+    from tandem.models.random_gguf import Shape, write_random_gguf
+    from tandem.plan.cost import expected_experts
+
+    raw = {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**raw))
+    hardware = custom_hardware(16, 20, 1.0)
+    planned = plan(tmp_path, hardware, "bf16", batch=1)
+    assert planned["parameters"] == sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    assert planned["active_parameters"] == pytest.approx(
+        planned["parameters"] - experts * (1 - 4 / 16)
+    )
+    rng = random.Random(0)
+    for tokens in (1, 3, 10, 40):
+        drawn = [len({e for _ in range(tokens) for e in rng.sample(range(16), 4)})
+                 for _ in range(4000)]  # fmt: skip
+        assert expected_experts(16, 4, tokens) == pytest.approx(sum(drawn) / 4000, rel=0.02)
+    # The file: reads at batch 1 are all but 12 of 16 experts' bytes; at 64 all of them.
+    shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=1024, context=4096, head_size=64,
+                  architecture="qwen3moe", experts=16, experts_used=4,
+                  expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "moe.gguf", shape, "q4_0")
+    one, many = (plan(path, hardware, "gguf", batch=b) for b in (1, 64))
+    stacks = sum(t.nbytes for t in GGUFFile(path).tensors if "_exps" in t.name)
+    assert one["weight_bytes_read_per_step"] == pytest.approx(
+        many["weight_bytes_read_per_step"] - stacks * (1 - 4 / 16), rel=0.01
+    )
+    assert many["experts_read_per_step"] == pytest.approx(16, rel=0.001)
+    assert "active a token: 4 of 16 experts a layer" in format_plan(one)
+    assert one["crossover_batch"] == many["crossover_batch"]  # (not the planned batch's)

@@ -73,6 +73,15 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
 
+    def expert_parameters(self) -> int:
+        """The weights of every expert of every sparse layer (gate, up and down); a
+        token reads top_k / num_experts of them."""
+        if self.moe is None:
+            return 0
+        layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        per_expert = 3 * self.hidden_size * self.moe.intermediate_size
+        return layers * self.moe.num_experts * per_expert
+
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: the layer attends its whole context)."""
         if self.sliding_window is None:

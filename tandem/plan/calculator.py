@@ -15,6 +15,9 @@ be at best? Back-of-the-envelope numbers from the model's config.json alone.
                    and every sequence's KV
     crossover      the batch where a decode step's compute (2 x params x batch / FLOP/s)
                    catches up with its memory time: above it, decode is compute-bound
+    experts        a mixture of experts: params above are the active ones (a token's
+                   top_k experts a layer), and a step reads the experts its batch
+                   picked: E x (1 - (1 - k/E)^batch) a layer on average (plan/cost.py)
 
 Floors ignore activations and kernel overheads; real systems reach a fraction of them
 (``--measure`` shows which fraction tandem reaches here).
@@ -29,6 +32,7 @@ capacity the engine allocates by default (runner/kv_cache.py's budget, same bloc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,7 @@ from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 from tandem.models.dtypes import DTYPES
 from tandem.models.loader import read_config
-from tandem.plan.cost import ModelShape, collective_seconds
+from tandem.plan.cost import ModelShape, collective_seconds, expected_experts
 from tandem.plan.hardware import Hardware
 from tandem.quant.blocks import BLOCK, GGMLType
 
@@ -102,16 +106,25 @@ def decode_step_seconds(
 
 
 def crossover_batch(
-    params: int, weight_bytes: float, context: float, kv_per_token: float, tflops: float,
-    bandwidth_gbs: float, kv_bandwidth_gbs: float | None = None,
+    params: float, weight_bytes: float | Callable[[float], float], context: float,
+    kv_per_token: float, tflops: float, bandwidth_gbs: float,
+    kv_bandwidth_gbs: float | None = None,
 ) -> float | None:  # fmt: skip
     """Smallest batch whose decode step is compute-bound; None if KV reads grow at least
-    as fast as compute (then decode never turns compute-bound)."""
+    as fast as compute (then decode never turns compute-bound). ``weight_bytes``: a
+    step's weight reads, or a function of the batch (a mixture of experts reads more
+    experts as the batch grows: the batch where both meet, found by iteration)."""
     compute_per_sequence = 2 * params / (tflops * 1e12)
     kv_time_per_sequence = context * kv_per_token / ((kv_bandwidth_gbs or bandwidth_gbs) * 1e9)
     if compute_per_sequence <= kv_time_per_sequence:
         return None
-    return weight_bytes / (bandwidth_gbs * 1e9) / (compute_per_sequence - kv_time_per_sequence)
+    per_sequence = compute_per_sequence - kv_time_per_sequence
+    if not callable(weight_bytes):
+        return weight_bytes / (bandwidth_gbs * 1e9) / per_sequence
+    batch = 1.0
+    for _ in range(100):  # reads grow with the batch and are bounded: this converges
+        batch = weight_bytes(batch) / (bandwidth_gbs * 1e9) / per_sequence
+    return batch
 
 
 FILE_DTYPE = "gguf"  # a GGUF file's own formats, tensor by tensor
@@ -134,6 +147,10 @@ class FileWeights:
     # often another, runs for one token of the prompt only).
     layer_mix: dict[GGMLType, int]
     head_weights: int  # the LM head's: run for the last prompt token only
+    # A mixture's stacked experts (``*_exps``): their bytes in what a step could read,
+    # and their weights in layer_weights (a token reads top_k / experts of both).
+    expert_bytes: int = 0
+    expert_weights: int = 0
 
     @property
     def main_format(self) -> GGMLType | None:
@@ -151,7 +168,7 @@ def file_weights(path: Path) -> FileWeights:
     mix: dict[GGMLType, tuple[int, int]] = {}
     layer_shapes: dict[GGMLType, list[tuple[int, int]]] = {}
     layer_mix: dict[GGMLType, int] = {}
-    layer_weights = head_weights = 0
+    layer_weights = head_weights = expert_bytes = expert_weights = 0
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     for t in tensors:
         columns, rows = t.shape[0], math.prod(t.shape[1:])
@@ -165,6 +182,9 @@ def file_weights(path: Path) -> FileWeights:
         held += size
         if t.name.startswith("blk.") and len(t.shape) > 1:
             layer_weights += rows * columns
+            if "_exps." in t.name:
+                expert_bytes += size
+                expert_weights += rows * columns
             if t.type in BLOCK:
                 layer_mix[code] = layer_mix.get(code, 0) + rows * columns
         if t.name == head:
@@ -177,7 +197,8 @@ def file_weights(path: Path) -> FileWeights:
                 mix[code] = (nbytes + size, weights + rows * columns)
                 if t.name.startswith("blk.0."):
                     layer_shapes.setdefault(code, []).append((rows, columns))
-    return FileWeights(held, read, mix, layer_shapes, layer_weights, layer_mix, head_weights)
+    return FileWeights(held, read, mix, layer_shapes, layer_weights, layer_mix, head_weights,
+                       expert_bytes, expert_weights)  # fmt: skip
 
 
 def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
@@ -279,13 +300,27 @@ def plan(
         model, dtype, kv_dtype, prompt_len, output_len, batch, tp, engine_cpu
     )
     config, params = read_model(model)
+    computed = DTYPES[engine_kv_dtype(dtype, engine_cpu)].bytes
+    shape = ModelShape.of(config, params, 0, computed)
+    active = shape.active_params  # a mixture: the weights one token multiplies
     if gguf is not None:
         weights = file_weights(gguf)
-        weight_bytes, read_bytes = weights.held_bytes, weights.read_per_token
+        weight_bytes = weights.held_bytes
+
+        def read_at(tokens: float) -> float:
+            """A step's weight reads: a mixture's, the experts its tokens picked."""
+            experts = weights.expert_bytes
+            return weights.read_per_token - experts * (1 - _expert_read(shape, tokens))
+
         formats = weights.main_format.name if weights.main_format is not None else "float"
     else:
-        weight_bytes = read_bytes = params * DTYPES[dtype].bytes
+        weight_bytes = params * DTYPES[dtype].bytes
+
+        def read_at(tokens: float) -> float:
+            return weight_bytes * shape.read_share(tokens)
+
         formats = dtype
+    read_bytes = read_at(batch)
     kv_total = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes)
     kv_rank = config.kv_bytes_per_token(DTYPES[kv_dtype].bytes, tp)
     tflops = hardware.flops_for(dtype) * tp
@@ -304,28 +339,30 @@ def plan(
     decode_memory = decode_step_seconds(
         read_bytes, batch, context, kv_all_ranks, bandwidth, kv_bandwidth
     )
-    decode_compute = 2 * params * batch / (tflops * 1e12)
-    prefill = prefill_seconds(params, prompt_len, tflops)
+    decode_compute = 2 * active * batch / (tflops * 1e12)
+    prefill = prefill_seconds(active, prompt_len, tflops)
     if gguf is not None:  # the file's own matrices: the head runs for one token
-        flops = 2 * (weights.layer_weights * prompt_len + weights.head_weights)
+        layer_active = weights.layer_weights - weights.expert_weights * (
+            1 - shape.experts_per_token / shape.experts if shape.experts else 0
+        )
+        flops = 2 * (layer_active * prompt_len + weights.head_weights)
         prefill = flops / (tflops * 1e12)
-        decode_compute = 2 * (weights.layer_weights + weights.head_weights) * batch
+        decode_compute = 2 * (layer_active + weights.head_weights) * batch
         decode_compute /= tflops * 1e12
     # Attention runs in the type the engine computes in, whatever the weights' format.
     attention_tflops = hardware.attention_rate(engine_kv_dtype(dtype, engine_cpu)) * tp
     prefill_attention = attention_flops(config, prompt_len) / (attention_tflops * 1e12)
     prefill += prefill_attention
     link_gbs, latency_s = link or hardware.link()
-    computed = DTYPES[engine_kv_dtype(dtype, engine_cpu)].bytes
-    shape = ModelShape.of(config, params, 0, computed)
     decode_collectives = collective_seconds(shape, batch, batch, tp, link_gbs, latency_s)
     prefill_collectives = collective_seconds(shape, prompt_len, 1, tp, link_gbs, latency_s)
     ttft = max(prefill, read_bytes / (bandwidth * 1e9)) + prefill_collectives
     tpot = max(decode_memory, decode_compute) + decode_collectives
+    reads = read_at if shape.experts else read_bytes
     crossover = crossover_batch(
-        params, read_bytes, context, kv_all_ranks, tflops, bandwidth, kv_bandwidth
+        active, reads, context, kv_all_ranks, tflops, bandwidth, kv_bandwidth
     )
-    weights_only = crossover_batch(params, read_bytes, 0, 0, tflops, bandwidth)
+    weights_only = crossover_batch(active, reads, 0, 0, tflops, bandwidth)
     result = {
         "model": str(model),
         "architecture": config.architecture,
@@ -335,6 +372,13 @@ def plan(
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "parameters": params,
+        "active_parameters": active,
+        "experts": shape.experts,
+        "experts_per_token": shape.experts_per_token,
+        # Distinct experts a layer reads in a decode step of the batch (on average).
+        "experts_read_per_step": expected_experts(shape.experts, shape.experts_per_token, batch)
+        if shape.experts
+        else 0.0,
         "weight_formats": formats,
         "weight_bytes": weight_bytes,
         "weight_bytes_read_per_step": read_bytes,
@@ -415,6 +459,13 @@ def _batch(crossover: float | None) -> str:
     return f"batch {math.ceil(crossover):,}"
 
 
+def _expert_read(shape: ModelShape, tokens: int) -> float:
+    """The share of a mixture's expert weights a step of ``tokens`` reads."""
+    if not shape.experts:
+        return 1.0
+    return expected_experts(shape.experts, shape.experts_per_token, tokens) / shape.experts
+
+
 def format_plan(result: dict[str, Any]) -> str:
     r = result
     fits = "yes" if r["weights_fit"] else "NO: the weights alone exceed the memory"
@@ -424,7 +475,14 @@ def format_plan(result: dict[str, Any]) -> str:
         f"                   {r['bandwidth_gbs']:,.0f} GB/s, {_flops(r['tflops'])} "
         f"({r['dtype']}), {_bytes(r['memory_bytes_per_rank'])} per device",
         "",
-        f"parameters         {_count(r['parameters'])}",
+        f"parameters         {_count(r['parameters'])}"
+        + (
+            f" ({_count(r['active_parameters'])} active a token: {r['experts_per_token']} of "
+            f"{r['experts']} experts a layer; a decode step of batch {r['batch']} reads "
+            f"{r['experts_read_per_step']:.1f} of them on average)"
+            if r["experts"]
+            else ""
+        ),
         f"weights ({r['weight_formats']})     {_bytes(r['weight_bytes'])} "
         f"({_bytes(r['weight_bytes_per_rank'])} per rank); fit: {fits}",
         f"KV per token       {r['kv_bytes_per_token']:,.0f} bytes in {r['kv_dtype']} "
@@ -438,7 +496,7 @@ def format_plan(result: dict[str, Any]) -> str:
         + (
             "(2 x (the layers' matrices x P + the LM head) / FLOP/s"
             if r["dtype"] == FILE_DTYPE
-            else "(2 x params x P / FLOP/s"
+            else "(2 x active params x P / FLOP/s"
         )
         + f" + attention's FLOPs / {_flops(r['attention_tflops'])}: "
         f"{_seconds(r['prefill_attention_s'])})",
@@ -446,7 +504,7 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({_bytes(r['weight_bytes_read_per_step'])} of weights / bandwidth + batch x "
         f"context x KV per token / {r['kv_bandwidth_gbs']:,.1f} GB/s)",
         f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
-        "(2 x params x batch / FLOP/s)",
+        "(2 x active params x batch / FLOP/s)",
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "
         f"{_batch(r['crossover_batch_weights_only'])}",
     ]

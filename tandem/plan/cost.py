@@ -7,6 +7,12 @@ already has in the cache. The model is the roofline with fixed costs:
     bytes  = weights (read once per step) + KV per token x sum(context + new tokens)
     flops  = 2 x params x new tokens  +  attention: 4 x layers x heads x head_dim x
              sum over requests of new x (context + (new + 1) / 2)
+
+A mixture of experts reads, of its experts' weights, the experts its step's tokens
+picked: for T tokens each picking k of E experts, E x (1 - (1 - k / E)^T) of them a
+layer on average (``expected_experts``: uniform routing), so its step's bytes grow
+with the batch until every expert is read; each token's flops are the non-expert
+weights' plus k experts'.
     step   = overhead + layers x layer_overhead + requests x request_overhead
              + tokens x token_overhead + max(bytes / bandwidth, flops / peak)
 
@@ -53,10 +59,16 @@ class ModelShape:
     hidden_size: int = 0  # (the tensor-parallel collectives' message: a token's state)
     vocab_size: int = 0
     activation_bytes: float = 4.0
+    # A mixture of experts: the share of params (and of weight bytes) in experts, and
+    # each layer's experts and how many a token picks.
+    expert_share: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, params: int, bytes_per_weight: float, kv_bytes: float):
         """``kv_bytes``: the element size of the cache and of the activations."""
+        moe = config.moe
         return cls(
             params,
             params * bytes_per_weight,
@@ -66,15 +78,45 @@ class ModelShape:
             config.hidden_size,
             config.vocab_size,
             kv_bytes,
+            config.expert_parameters() / params if params else 0.0,
+            moe.num_experts if moe else 0,
+            moe.top_k if moe else 0,
         )
 
+    def read_share(self, tokens: int) -> float:
+        """The share of the weights a step of ``tokens`` tokens reads (1 for a dense
+        model; a mixture reads the experts its tokens picked)."""
+        if not self.experts:
+            return 1.0
+        picked = expected_experts(self.experts, self.experts_per_token, tokens)
+        return 1 - self.expert_share + self.expert_share * picked / self.experts
+
+    @property
+    def active_params(self) -> float:
+        """The weights one token multiplies."""
+        if not self.experts:
+            return self.params
+        return self.params * (1 - self.expert_share * (1 - self.experts_per_token / self.experts))
+
     def step_bytes(self, shares: list[Share]) -> float:
-        return self.weight_bytes + self.kv_bytes_per_token * sum(n + c for n, c in shares)
+        tokens = sum(n for n, _ in shares)
+        weights = self.weight_bytes * self.read_share(tokens)
+        return weights + self.kv_bytes_per_token * sum(n + c for n, c in shares)
 
     def step_flops(self, shares: list[Share]) -> float:
         tokens = sum(n for n, _ in shares)
         attention = sum(n * (c + (n + 1) / 2) for n, c in shares)
-        return 2 * self.params * tokens + 4 * self.num_layers * self.attention_width * attention
+        dense = 2 * self.active_params * tokens
+        return dense + 4 * self.num_layers * self.attention_width * attention
+
+
+def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+    """The distinct experts a layer reads for ``tokens`` tokens, each picking
+    ``per_token`` of ``experts`` (on average, every expert equally likely):
+    experts x (1 - (1 - per_token / experts)^tokens)."""
+    if tokens <= 0:
+        return 0.0
+    return experts * (1 - (1 - per_token / experts) ** tokens)
 
 
 @dataclass(frozen=True)
