@@ -520,6 +520,8 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
         ("llama", "Q4_1", "int8"),
         ("qwen3", "Q8_0", "auto"),  # q/k norms
         ("gemma3", "mixed", "auto"),  # and post-norms, GeGLU, a qkv of two formats
+        ("qwen3_moe", "Q4_K", "auto"),  # attention compiled, then the experts' kernel
+        ("mixtral", "Q8_0", "auto"),
     ],
 )
 def test_whole_layer_decode_equals_layer_by_layer(

@@ -81,3 +81,32 @@ def test_tensor_parallelism_refuses_experts_by_name(model_dirs):
     folder, _ = model_dirs("qwen3_moe")
     with pytest.raises(ModelLoadError, match="does not split Qwen3MoeForCausalLM"):
         LLM(str(folder), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_fused_experts_kernel_equals_the_loop_over_experts(tmp_path, fmt, tokens):
+    """A random Qwen3-MoE file's packed experts: two kernel calls a layer (every picked
+    expert's gate/up, then every one's down) give the per-expert loop's result bit for
+    bit, for a token alone, a few sharing experts, and many splitting over all; the
+    loop itself is the reference above (transformers)."""
+    from tandem.models.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(256, 2, 4, 2, 512, tied=False, vocab=512, head_size=64,
+                  architecture="qwen3moe", experts=8, experts_used=2,
+                  expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "moe.gguf", shape, fmt)
+    llm = LLM(str(path))
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert layers and all(hasattr(m, "fused_experts") for m in layers)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+    with torch.inference_mode():
+        for layer in layers:
+            fused = layer(x)
+            load = list(layer.expert_load)
+            kernel = layer.__dict__.pop("fused_experts")
+            try:
+                assert torch.equal(fused, layer(x))
+            finally:
+                layer.fused_experts = kernel
+            assert load == layer.expert_load and sum(load) == 2 * tokens

@@ -592,22 +592,41 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
 }
 #endif
 
+// Tile ``index`` of p for tokens [c0, c1), kTokens at a time.
+template <int kBits, int kGroup, int kScales>
+inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1) {
+  int64_t t = c0;
+  for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens>(p, index, t);
+  switch (c1 - t) {
+    case 3: tile<kBits, kGroup, kScales, 3>(p, index, t); break;
+    case 2: tile<kBits, kGroup, kScales, 2>(p, index, t); break;
+    case 1: tile<kBits, kGroup, kScales, 1>(p, index, t); break;
+    default: break;
+  }
+}
+
 template <int kBits, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
       const int64_t c1 = std::min(T, c0 + kTokenChunk);
-      for (int64_t index = begin; index < end; ++index) {
-        int64_t t = c0;
-        for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens>(p, index, t);
-        switch (c1 - t) {
-          case 3: tile<kBits, kGroup, kScales, 3>(p, index, t); break;
-          case 2: tile<kBits, kGroup, kScales, 2>(p, index, t); break;
-          case 1: tile<kBits, kGroup, kScales, 1>(p, index, t); break;
-          default: break;
-        }
-      }
+      for (int64_t index = begin; index < end; ++index) tile_tokens<kBits, kGroup, kScales>(p, index, c0, c1);
+    }
+  });
+}
+
+// Several problems of one layout (a mixture's experts) in one parallel loop over all
+// their tiles: threads go from one expert's tiles to the next without meeting.
+template <int kBits, int kGroup, int kScales>
+void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, int64_t tiles) {
+  const int64_t jobs = static_cast<int64_t>(ps.size()) * tiles;
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const Problem& p = ps[job / tiles];
+      const int64_t T = Ts[job / tiles], index = job % tiles;
+      for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk)
+        tile_tokens<kBits, kGroup, kScales>(p, index, c0, std::min(T, c0 + kTokenChunk));
     }
   });
 }
@@ -704,6 +723,68 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
     case 5: records ? quant::run<5, 32, kRecords>(p, T) : quant::run<5, 32, kHalfScales>(p, T); break;
     case 6: quant::run<6, 16, kRecords>(p, T); break;
     default: quant::run<8, 32, kHalfScales>(p, T); break;
+  }
+}
+
+// Several matrices of one layout at once, each by its own activations: outs[i] [T_i,
+// N] = xs[i] [T_i, K] @ W_i^T for W_i = (values[i], scales[i], corrs[i]: empty for
+// none), packed as quant_linear's. A mixture of experts' projection for every expert
+// its tokens picked, in one call and one parallel loop (the experts of one GGUF
+// stack share a format and shape); each output equals quant_linear's bit for bit.
+void quant_linear_many(std::vector<torch::Tensor> outs, std::vector<torch::Tensor> xs,
+                       std::vector<torch::Tensor> values, std::vector<torch::Tensor> scales,
+                       std::vector<torch::Tensor> corrs, int64_t N, int64_t group,
+                       double offset) {
+  using quant::kRows;
+  const size_t P = xs.size();
+  TORCH_CHECK(outs.size() == P && values.size() == P && scales.size() == P && corrs.size() == P,
+              "one out, x, values, scales and corr per matrix");
+  if (P == 0) return;
+  const int64_t K = xs[0].size(1), tiles = values[0].size(0);
+  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
+  const int bits = quant::value_bits(values[0], K);
+  static thread_local std::vector<quant::Activations> acts;
+  if (acts.size() < P) acts.resize(P);
+  std::vector<quant::Problem> ps(P);
+  std::vector<int64_t> Ts(P);
+  for (size_t i = 0; i < P; ++i) {
+    const torch::Tensor& x = xs[i];
+    const torch::Tensor& out = outs[i];
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat && x.size(1) == K,
+                "xs: float32 rows of K");
+    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
+                out.size(0) == x.size(0) && out.size(1) == N, "outs: float32 [T_i, N]");
+    TORCH_CHECK(values[i].size(0) == tiles && quant::value_bits(values[i], K) == bits &&
+                values[i].scalar_type() == values[0].scalar_type(), "values: one layout for all");
+    quant::Problem& p = ps[i];
+    const c10::optional<torch::Tensor> corr =
+        corrs[i].numel() > 0 ? c10::optional<torch::Tensor>(corrs[i]) : c10::nullopt;
+    p.s = quant::scale_table(scales[i], corr, tiles, K, group);
+    TORCH_CHECK(p.s.record == ps[0].s.record && (p.s.corr == nullptr) == (ps[0].s.corr == nullptr),
+                "scales: one layout for all");
+    p.offset = quant::integer_offset(offset);
+    Ts[i] = x.size(0);
+    quant::quantize_activations(x.data_ptr<float>(), x.stride(0), Ts[i], K, acts[i]);
+    p.values = static_cast<const uint8_t*>(values[i].data_ptr());
+    p.tile_bytes = values[i].size(1);
+    p.bias = nullptr;
+    p.N = N;
+    p.K = K;
+    p.act = &acts[i];
+    p.out = out.data_ptr<float>();
+    p.out_stride = out.stride(0);
+  }
+  using quant::kHalfScales;
+  using quant::kRecords;
+  const bool records = ps[0].s.record != 0;
+  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
+              "no format packs ", bits, "-bit values in groups of ", group,
+              records ? " with records" : " with float16 scales");
+  switch (bits) {
+    case 4: records ? quant::run_many<4, 32, kRecords>(ps, Ts, tiles) : quant::run_many<4, 32, kHalfScales>(ps, Ts, tiles); break;
+    case 5: records ? quant::run_many<5, 32, kRecords>(ps, Ts, tiles) : quant::run_many<5, 32, kHalfScales>(ps, Ts, tiles); break;
+    case 6: quant::run_many<6, 16, kRecords>(ps, Ts, tiles); break;
+    default: quant::run_many<8, 32, kHalfScales>(ps, Ts, tiles); break;
   }
 }
 

@@ -11,11 +11,12 @@ and they are the step's tokens in order, and the layer is a shape the kernel kno
 CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
 biases, each linear layer one packed quantized matrix (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
-parts. On a tensor-parallel rank the layer runs as two compiled halves, each ending
-in the rank's partial sums of a row-parallel projection (o, down), all-reduced
-between them as the layer-by-layer path does. Anything else runs layer by layer. The
-attention backend offers it to the model as ``attn.decode_layer``; the model file only
-asks.
+parts. A mixture-of-experts layer runs its attention half compiled, then its experts'
+own two kernel calls (runner/linear/experts.py). On a tensor-parallel rank the
+layer runs as two compiled halves, each ending in the rank's partial sums of a
+row-parallel projection (o, down), all-reduced between them as the layer-by-layer
+path does. Anything else runs layer by layer. The attention backend offers it to
+the model as ``attn.decode_layer``; the model file only asks.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import torch
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.layers import gelu_tanh_and_mul
+from tandem.models.moe import SparseMoE
 from tandem.runner.linear.parallel import RowParallelLinearMethod
 from tandem.runner.linear.quantized import QuantizedLinearMethod
+
+EXPERTS = "experts"  # in place of a layer's gate/up and down: a mixture's own kernel
 
 if TYPE_CHECKING:
     from tandem.runner.attention.torch_sdpa import TorchPagedAttention
@@ -72,17 +76,26 @@ def layer_arguments(layer) -> tuple | None:
         return cached
     args = None
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    act = getattr(mlp, "act_and_mul", None)
-    norms = _norm_args(layer) if attn is not None and act is not None else None
+    # A mixture's layer: its experts run their own kernel (runner/linear/experts.py)
+    # after the compiled attention half; no gate/up, down or activation here.
+    experts = isinstance(mlp, SparseMoE) and hasattr(mlp, "fused_experts")
+    act = None if experts else getattr(mlp, "act_and_mul", None)
+    ready = attn is not None and (act is not None or experts)
+    norms = _norm_args(layer) if ready else None
     if norms is not None:
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        packed = [_packed(linear) for linear in linears]
+        mlp_linears = [] if experts else [mlp.gate_up_proj, mlp.down_proj]
+        packed = [_packed(linear) for linear in [attn.qkv_proj, attn.o_proj, *mlp_linears]]
         if all(p is not None for p in packed):
             input_norm, post_norm, *optional = norms
+            if experts:
+                packed += [EXPERTS, EXPERTS]
+                comm = None if _collectives(attn.o_proj, attn.o_proj) is None else False
+            else:
+                comm = _collectives(attn.o_proj, mlp.down_proj)
             args = (
                 input_norm, post_norm, layer.input_layernorm.eps, *packed,
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, *optional,
-                act is gelu_tanh_and_mul, _collectives(attn.o_proj, mlp.down_proj),
+                act is gelu_tanh_and_mul, comm,
             )  # fmt: skip
     layer._fused_decode = args
     return args
@@ -139,11 +152,20 @@ class FusedDecode:
             return None
         kernels = cpu_kernels.load()
         residual = h.new_empty(0) if residual is None else residual
+        experts = gate_up is EXPERTS
+        if experts and post_attn_norm.numel():
+            return None  # (no mixture family has a norm after attention)
         attention = (
             heads, kv_heads, head_dim, rope.positions, rope.cos_sin, k_blocks, v_blocks,
             self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
             self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
         )  # fmt: skip
+        if experts:  # attention compiled, then the mixture (its own two kernel calls)
+            o, residual = kernels.llama_decode_attention(
+                h, residual, norm1, eps, qkv, o_proj, *attention
+            )
+            h, residual = layer.post_attention_layernorm(o, residual)
+            return layer.mlp(h), residual
         if comm is None:
             return kernels.llama_decode_layer(
                 h, residual, norm1, norm2, eps, qkv, o_proj, gate_up, down, *attention,

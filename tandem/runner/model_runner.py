@@ -30,6 +30,7 @@ from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
 from tandem.runner.linear import linear_method_for
+from tandem.runner.linear.experts import attach_fused_experts
 from tandem.runner.sampler import sample, scored_tokens
 from tandem.runner.tensor_parallel import (
     TensorParallel,
@@ -108,6 +109,7 @@ class ModelRunner:
         else:
             set_linear_method(loaded.model, method_for)
         if loaded.device.type == "cpu":
+            attach_fused_experts(loaded.model)  # a mixture's packed experts, two calls a layer
             host_memory.give_back()  # the loader's freed temporaries: 55 MB on an 8B file
             host_memory.keep_large_temporaries()
         # Requests with a seed sample from their own generator (input_batch.py); the

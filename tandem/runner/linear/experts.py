@@ -1,0 +1,118 @@
+"""A mixture's experts on the compiled kernels: each projection of every picked expert
+in one call (quant_ops.cpp's quant_linear_many), instead of one call per expert.
+
+At batch 1 a Qwen3-30B-A3B layer runs 8 experts, each a gate/up of 1,536 x 2,048 and
+a down of 2,048 x 768: matrices of 1-2 MB, which one kernel call reads in tens of
+microseconds, about what the call costs around it (Python, dispatch, the threads'
+start and join). Here the layer makes two calls (gate/up of every picked expert, then
+down of every one), and each call's threads go through all its experts' tiles
+without meeting in between.
+
+    slots     the batch's (token, expert) picks, sorted by expert (stable: a token's
+              picks stay in order), the tokens' rows gathered in that order
+    gate/up   one call: expert e's rows x its gate/up matrix, for every picked e
+    act       silu(gate) * up over all rows at once
+    down      one call, the same way
+    combine   each row times its routing weight, added into its token's row in the
+              sorted order: the same sum, in the same order, as models/moe.py's loop,
+              and the same kernels, so the result is the loop's bit for bit
+
+``attach_fused_experts`` gives a SparseMoE layer this path where every expert's
+gate/up and down are each one packed matrix (runner/linear/quantized.py joins a
+gate/up pair of one layout) and all experts of a projection share one layout (the
+experts of a GGUF stack do); otherwise the layer keeps its loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.kernels import cpu as cpu_kernels
+from tandem.models.moe import SparseMoE
+from tandem.quant.packed import PackedWeight
+
+
+def _layout(weight: PackedWeight) -> tuple:
+    return (weight.rows, weight.group, weight.offset, weight.values.dtype, weight.values.shape,
+            weight.scales.dtype, weight.corr is None)  # fmt: skip
+
+
+class _Projection:
+    """One projection (gate/up, or down) of every expert of a layer, as the kernel
+    takes it."""
+
+    def __init__(self, weights: list[PackedWeight]) -> None:
+        self.values = [w.values for w in weights]
+        self.scales = [w.scales for w in weights]
+        empty = torch.empty(0, dtype=torch.float16)
+        self.corrs = [w.corr if w.corr is not None else empty for w in weights]
+        self.rows, self.group, self.offset = weights[0].rows, weights[0].group, weights[0].offset
+
+    def __call__(self, picked: list[int], pieces: list[torch.Tensor], out: torch.Tensor):
+        """Rows ``pieces[i]`` through expert ``picked[i]``'s matrix, into the matching
+        rows of ``out`` [sum of rows, self.rows]."""
+        outs = list(out.split([p.shape[0] for p in pieces]))
+        cpu_kernels.load().quant_linear_many(
+            outs, pieces, [self.values[e] for e in picked], [self.scales[e] for e in picked],
+            [self.corrs[e] for e in picked], self.rows, self.group, self.offset,
+        )  # fmt: skip
+
+
+class FusedExperts:
+    def __init__(self, layer: SparseMoE) -> None:
+        self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in layer.experts])
+        self.down = _Projection([_only_part(e.down_proj) for e in layer.experts])
+        self.act_and_mul = layer.experts[0].act_and_mul
+        self.hidden = self.down.rows
+
+    def __call__(
+        self, layer: SparseMoE, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        slots = chosen.flatten()
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=layer.num_experts)
+        layer.expert_load = counts.tolist()
+        picked = [e for e, n in enumerate(layer.expert_load) if n]
+        sizes = [layer.expert_load[e] for e in picked]
+        tokens = order // layer.top_k
+        rows = x.float()[tokens]  # [slots, hidden], grouped by expert
+        gate_up = torch.empty(rows.shape[0], self.gate_up.rows)
+        self.gate_up(picked, list(rows.split(sizes)), gate_up)
+        acted = self.act_and_mul(gate_up)
+        down = torch.empty(rows.shape[0], self.hidden)
+        self.down(picked, list(acted.split(sizes)), down)
+        down.mul_(weights.flatten()[order, None].float())
+        out = torch.zeros(x.shape[0], self.hidden)
+        out.index_add_(0, tokens, down)
+        return out.to(x.dtype)
+
+
+def _only_part(linear: nn.Module) -> PackedWeight:
+    (start, weight), *rest = getattr(linear, "packed_parts", None) or [(None, None)]
+    if rest or start != 0 or weight is None:
+        raise ValueError("not one packed matrix")
+    return weight
+
+
+def attach_fused_experts(model: nn.Module) -> int:
+    """Every SparseMoE layer of ``model`` whose experts the kernel can run gets
+    ``fused_experts`` (after the linear methods were set); returns how many did."""
+    if cpu_kernels.load() is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, SparseMoE) or module.experts[0].act_and_mul is None:
+            continue
+        try:
+            fused = FusedExperts(module)
+        except ValueError:
+            continue
+        for projection in ("gate_up_proj", "down_proj"):
+            layouts = {_layout(_only_part(getattr(e, projection))) for e in module.experts}
+            if len(layouts) > 1:
+                break
+        else:
+            module.fused_experts = fused
+            count += 1
+    return count
