@@ -290,11 +290,19 @@ def plan_point(path: Path) -> dict[str, float]:
 
 
 def _bytes_per_token(path: Path) -> float:
-    """The bytes a batch-1 decode step reads: every matrix but the embedding (one row)."""
+    """The bytes a batch-1 decode step reads: every matrix but the embedding (one row);
+    of a mixture's stacked experts, the share a token picks (used / count)."""
     from tandem.models.gguf_file import GGUFFile
 
     file = GGUFFile(path)
-    return sum(t.nbytes or 0 for t in file.tensors if t.name != "token_embd.weight") + (
+    arch = file.fields.get("general.architecture", "llama")
+    count = file.fields.get(f"{arch}.expert_count") or 0
+    picked = file.fields.get(f"{arch}.expert_used_count", count) / count if count else 1.0
+
+    def read(t) -> float:
+        return (t.nbytes or 0) * (picked if "_exps." in t.name else 1.0)
+
+    return sum(read(t) for t in file.tensors if t.name != "token_embd.weight") + (
         0 if any(t.name == "output.weight" for t in file.tensors) else
         next(t.nbytes for t in file.tensors if t.name == "token_embd.weight")
     )  # fmt: skip

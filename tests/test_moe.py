@@ -110,3 +110,35 @@ def test_the_fused_experts_kernel_equals_the_loop_over_experts(tmp_path, fmt, to
             finally:
                 layer.fused_experts = kernel
             assert load == layer.expert_load and sum(load) == 2 * tokens
+
+
+def test_the_trace_and_metrics_show_where_tokens_went(model_dirs):
+    """Each step's expert load (tokens per expert of each sparse layer) reaches the
+    observers: the trace's steps say how many experts a layer read and how unevenly,
+    /metrics counts tokens per expert; a decode step of one token reads top_k a layer,
+    and every token is routed top_k times in each sparse layer."""
+    from tandem.server.metrics import ServerMetrics
+    from tandem.trace.recorder import StepTracer
+
+    folder, _ = model_dirs("qwen3_moe")  # 3 layers, the middle one dense; 6 experts, 2 a token
+    llm = LLM(str(folder))
+    tracer, metrics = StepTracer(), ServerMetrics("moe")
+    llm.engine.add_observer(tracer)
+    llm.engine.add_observer(metrics)
+    prompt = prompts([11], seed=4)[0]
+    llm.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)
+    steps = list(tracer.steps)
+    assert len(steps) == MAX_NEW  # the prompt's step, then a decode step a token
+    assert all(s["experts_read"] == 2 and s["expert_imbalance"] == 1.0 for s in steps[1:])
+    assert 2 <= steps[0]["experts_read"] <= 6 and steps[0]["expert_max_tokens"] <= 11
+    routed = sum(
+        sample.value
+        for family in metrics.registry.collect()
+        if family.name == "tandem:moe_expert_tokens"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+    tokens = len(prompt) + MAX_NEW - 1  # (the last token is sampled, never run)
+    assert routed == tokens * 2 * 2  # top 2, in each of the 2 sparse layers
+    text = metrics.render().decode()
+    assert 'tandem:moe_experts_read_per_layer_count{model_name="moe"} 8.0' in text

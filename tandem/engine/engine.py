@@ -99,7 +99,12 @@ class Engine:
             spec=self.spec_stats.copy() if self.config.speculative else None,
             num_speculating=sum(1 for i in out.scheduled if i.num_spec_tokens) if out else 0,
             spec_switches=control.num_switches if control else 0,
+            expert_load=self._expert_load() if out else (),
         )
+
+    def _expert_load(self) -> tuple[tuple[int, ...], ...]:
+        load = getattr(self.runner, "expert_load", None)  # (a runner of a mixture)
+        return load() if load is not None else ()
 
     def notify_changed(self) -> None:
         """Tell the observers that state changed between steps (leases, aborts)."""

@@ -40,6 +40,26 @@ class StepStats:
     spec: SpecDecodeStats | None = None  # speculative decoding, when configured
     num_speculating: int = 0  # this step: requests given draft slots
     spec_switches: int = 0  # times measured speculation flipped on or off (spec_control.py)
+    # A mixture of experts, this step: tokens per expert of each sparse layer (the
+    # step's last forward through it; models/moe.py), empty otherwise.
+    expert_load: tuple[tuple[int, ...], ...] = ()
+
+
+def load_summary(load: tuple[tuple[int, ...], ...]) -> dict[str, float]:
+    """One step's expert load (tokens per expert, per sparse layer) in three numbers:
+    the distinct experts a layer read (the mean over layers: what the step's weight
+    reads grow with), the most tokens any expert took, and the imbalance (that maximum
+    over the mean of the experts that were picked: 1 when the load is even)."""
+    picked = [n for layer in load for n in layer if n]
+    if not picked:
+        return {"experts_read": 0.0, "expert_max_tokens": 0, "expert_imbalance": 0.0}
+    read = sum(sum(1 for n in layer if n) for layer in load) / len(load)
+    top = max(picked)
+    return {
+        "experts_read": round(read, 2),
+        "expert_max_tokens": top,
+        "expert_imbalance": round(top * len(picked) / sum(picked), 3),
+    }
 
 
 class EngineObserver:

@@ -24,6 +24,7 @@ from tandem.grammar import apply_masks, fill_masks, grammar_tokenizer, new_masks
 from tandem.models.dtypes import torch_dtype_name
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
+from tandem.models.moe import SparseMoE
 from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.info import RunnerInfo, RunnerOutput
@@ -112,6 +113,7 @@ class ModelRunner:
             attach_fused_experts(loaded.model)  # a mixture's packed experts, two calls a layer
             host_memory.give_back()  # the loader's freed temporaries: 55 MB on an 8B file
             host_memory.keep_large_temporaries()
+        self.moe_layers = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
         # Requests with a seed sample from their own generator (input_batch.py); the
         # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
@@ -131,6 +133,11 @@ class ModelRunner:
             tokenizer=loaded.tokenizer,
             generation_config=loaded.generation_config,
         )
+
+    def expert_load(self) -> tuple[tuple[int, ...], ...]:
+        """Tokens per expert of each mixture-of-experts layer in its last forward;
+        empty for a dense model."""
+        return tuple(tuple(layer.expert_load) for layer in self.moe_layers)
 
     def use_proposer(self, proposer: Proposer | None) -> None:
         """Speculate with ``proposer`` (the executor builds it: the proposers import

@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tandem.engine.observer import EngineObserver, StepStats
+from tandem.engine.observer import EngineObserver, StepStats, load_summary
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.outputs import RequestMetrics
@@ -165,6 +165,24 @@ class ServerMetrics(EngineObserver):
         )
         self.kv_leases = gauge("kv_leases", "Finished prefills holding blocks for a decode side.")
         self._seen_expiries = 0
+        # A mixture of experts (StepStats.expert_load): where its tokens went.
+        self.expert_tokens = Counter(
+            "tandem:moe_expert_tokens",
+            "Tokens routed to each expert (the expert's index; summed over layers).",
+            [*labels, "expert"],
+            registry=self.registry,
+        )
+        self.experts_read = histogram(
+            "moe_experts_read_per_layer",
+            "Distinct experts a layer read in a step (the mean over layers): what a step's "
+            "weight reads grow with.",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+        )
+        self.expert_imbalance = gauge(
+            "moe_expert_imbalance",
+            "Last step: the most tokens any expert took over the mean of the picked experts "
+            "(1: even).",
+        )
         self._render_lock = threading.Lock()
         self._rendered: bytes | None = None
         self._rendered_at = 0.0
@@ -244,6 +262,8 @@ class ServerMetrics(EngineObserver):
         self.kv_leases.set(stats.num_kv_leases)
         self.kv_lease_expiries.inc(stats.num_lease_expiries - self._seen_expiries)
         self._seen_expiries = stats.num_lease_expiries
+        if stats.expert_load:
+            self._observe_experts(stats.expert_load)
         if stats.spec is None:
             return
         spec = stats.spec.minus(self._seen_spec)
@@ -259,6 +279,16 @@ class ServerMetrics(EngineObserver):
             self.spec_speculating.set(stats.num_speculating)
         self.spec_switches.inc(stats.spec_switches - self._seen_switches)
         self._seen_switches = stats.spec_switches
+
+    def _observe_experts(self, load: tuple[tuple[int, ...], ...]) -> None:
+        summary = load_summary(load)
+        if not summary["expert_max_tokens"]:
+            return
+        for expert, tokens in enumerate(map(sum, zip(*load, strict=True))):
+            if tokens:
+                self.expert_tokens.labels(self._model_name, str(expert)).inc(tokens)
+        self.experts_read.observe(summary["experts_read"])
+        self.expert_imbalance.set(summary["expert_imbalance"])
 
     def transfer_done(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_transfer_blocks.inc(num_blocks)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.engine import clock
-from tandem.engine.observer import EngineObserver, StepStats
+from tandem.engine.observer import EngineObserver, StepStats, load_summary
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
 
@@ -154,6 +154,8 @@ class StepTracer(EngineObserver):
              "shares": [[i.num_new_tokens + i.num_spec_tokens, i.num_computed_tokens]
                         for i in out.scheduled]}
         )  # fmt: skip
+        if stats.expert_load:  # a mixture: how many experts the step read, how evenly
+            self.steps[-1].update(load_summary(stats.expert_load))
         self._count(EVENTS_PER_STEP)
 
     def request_finished(self, request: Request) -> None:
