@@ -44,10 +44,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order: decode_layer.cpp calls the other two.
+# One translation unit, in this order: decode_layer.cpp and moe_ops.cpp call the first two.
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_ops.cpp", "quant_ops.cpp", "pack_ops.cpp", "decode_layer.cpp", "shm_ops.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "quant_ops.cpp",
+        "pack_ops.cpp",
+        "decode_layer.cpp",
+        "moe_ops.cpp",
+        "shm_ops.cpp",
+    )
 ]
 FUNCTIONS = [
     "rms_norm",
@@ -68,6 +75,7 @@ FUNCTIONS = [
     "llama_decode_layer",
     "llama_decode_attention",
     "llama_decode_mlp",
+    "moe_experts",
     "shm_post",
     "shm_wait",
 ]

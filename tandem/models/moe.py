@@ -13,8 +13,8 @@
 
 ``expert_load`` is the last forward's token count per expert (the step trace and the
 metrics read it). On a CPU with the compiled kernels and packed experts, the runner
-gives the layer ``fused_experts``: the same computation in two kernel calls a layer
-(runner/linear/experts.py).
+gives the layer ``fused_experts``: the same computation in one kernel call after the
+router (runner/linear/experts.py).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.route(x)
         fused = getattr(self, "fused_experts", None)  # the runner's (runner/linear/experts.py)
         if fused is not None and not torch.is_grad_enabled():
-            return fused(self, x, weights, chosen)
+            return fused(self, x)
+        weights, chosen = self.route(x)
         slots = chosen.flatten()
         order = torch.argsort(slots, stable=True)  # token slots grouped by expert
         counts = torch.bincount(slots, minlength=self.num_experts).tolist()

@@ -1,18 +1,22 @@
-"""A mixture's experts on the compiled kernels: each projection of every picked expert
-in one call (quant_ops.cpp's quant_linear_many), instead of one call per expert.
+"""A mixture's experts on the compiled kernels: from the router's logits to the layer's
+output in one call (kernels/moe_ops.cpp), each projection of every picked expert in
+one parallel loop (quant_ops.cpp's quant_linear_many), instead of one call per
+expert and the Python between.
 
 At batch 1 a Qwen3-30B-A3B layer runs 8 experts, each a gate/up of 1,536 x 2,048 and
 a down of 2,048 x 768: matrices of 1-2 MB, which one kernel call reads in tens of
 microseconds, about what the call costs around it (Python, dispatch, the threads'
-start and join). Here the layer makes two calls (gate/up of every picked expert, then
-down of every one), and each call's threads go through all its experts' tiles
+start and join). Here the layer makes two passes (gate/up of every picked expert,
+then down of every one), and each pass's threads go through all its experts' tiles
 without meeting in between.
 
+    route     softmax of the router's logits in float32, the top k, renormalized as
+              the family says (the same ATen ops as models/moe.py's route)
     slots     the batch's (token, expert) picks, sorted by expert (stable: a token's
               picks stay in order), the tokens' rows gathered in that order
-    gate/up   one call: expert e's rows x its gate/up matrix, for every picked e
-    act       silu(gate) * up over all rows at once
-    down      one call, the same way
+    gate/up   one pass: expert e's rows x its gate/up matrix, for every picked e
+    act       silu(gate) * up (or GELU-tanh) over all rows at once
+    down      one pass, the same way
     combine   each row times its routing weight, added into its token's row in the
               sorted order: the same sum, in the same order, as models/moe.py's loop,
               and the same kernels, so the result is the loop's bit for bit
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.models.layers import gelu_tanh_and_mul
 from tandem.models.moe import SparseMoE
 from tandem.quant.packed import PackedWeight
 
@@ -43,19 +48,11 @@ class _Projection:
     takes it."""
 
     def __init__(self, weights: list[PackedWeight]) -> None:
-        self.values = [w.values for w in weights]
-        self.scales = [w.scales for w in weights]
         empty = torch.empty(0, dtype=torch.float16)
-        self.corrs = [w.corr if w.corr is not None else empty for w in weights]
-        self.rows, self.group, self.offset = weights[0].rows, weights[0].group, weights[0].offset
-
-    def __call__(self, picked: list[int], pieces: list[torch.Tensor], out: torch.Tensor):
-        """Rows ``pieces[i]`` through expert ``picked[i]``'s matrix, into the matching
-        rows of ``out`` [sum of rows, self.rows]."""
-        outs = list(out.split([p.shape[0] for p in pieces]))
-        cpu_kernels.load().quant_linear_many(
-            outs, pieces, [self.values[e] for e in picked], [self.scales[e] for e in picked],
-            [self.corrs[e] for e in picked], self.rows, self.group, self.offset,
+        self.args = (
+            [w.values for w in weights], [w.scales for w in weights],
+            [w.corr if w.corr is not None else empty for w in weights],
+            weights[0].rows, weights[0].group, weights[0].offset,
         )  # fmt: skip
 
 
@@ -63,28 +60,15 @@ class FusedExperts:
     def __init__(self, layer: SparseMoE) -> None:
         self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in layer.experts])
         self.down = _Projection([_only_part(e.down_proj) for e in layer.experts])
-        self.act_and_mul = layer.experts[0].act_and_mul
-        self.hidden = self.down.rows
+        self.gelu = layer.experts[0].act_and_mul is gelu_tanh_and_mul
 
-    def __call__(
-        self, layer: SparseMoE, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
-    ) -> torch.Tensor:
-        slots = chosen.flatten()
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=layer.num_experts)
+    def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+        logits = layer.gate(x)
+        out, counts = cpu_kernels.load().moe_experts(
+            x.float().contiguous(), logits, layer.top_k, layer.normalize, *self.gate_up.args,
+            *self.down.args, self.gelu,
+        )  # fmt: skip
         layer.expert_load = counts.tolist()
-        picked = [e for e, n in enumerate(layer.expert_load) if n]
-        sizes = [layer.expert_load[e] for e in picked]
-        tokens = order // layer.top_k
-        rows = x.float()[tokens]  # [slots, hidden], grouped by expert
-        gate_up = torch.empty(rows.shape[0], self.gate_up.rows)
-        self.gate_up(picked, list(rows.split(sizes)), gate_up)
-        acted = self.act_and_mul(gate_up)
-        down = torch.empty(rows.shape[0], self.hidden)
-        self.down(picked, list(acted.split(sizes)), down)
-        down.mul_(weights.flatten()[order, None].float())
-        out = torch.zeros(x.shape[0], self.hidden)
-        out.index_add_(0, tokens, down)
         return out.to(x.dtype)
 
 
