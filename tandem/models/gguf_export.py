@@ -149,6 +149,9 @@ def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
     post = json.dumps(spec.get("post_processor"))
     writer.add_add_bos_token(bool(config.get("add_bos_token")) or '"<s>"' in post)
     template = config.get("chat_template")
+    jinja = folder / "chat_template.jinja"  # (where transformers 5 saves it)
+    if not isinstance(template, str) and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
     if isinstance(template, str):
         writer.add_chat_template(template)
 
