@@ -143,7 +143,8 @@ SHAPES = {
         expert_intermediate=768,
     ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
-    # scaled down to a 1B-class width.
+    # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
+    # benchmarks copy it), not Mixtral's 32,000.
     "mixtral-mini": Shape(
         hidden=2048,
         layers=16,
@@ -151,7 +152,7 @@ SHAPES = {
         kv_heads=8,
         intermediate=5632,
         tied=False,
-        vocab=32000,
+        vocab=49152,
         rope_theta=1e6,
         context=32768,
         experts=8,
