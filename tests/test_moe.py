@@ -74,7 +74,6 @@ def test_only_the_picked_experts_run_each_over_its_tokens(model_dirs, arch):
     want = {e: sum(e in p for p in picked) for e in range(layer.num_experts)}
     assert {e: rows for e, rows in ran.items()} == {e: [n] for e, n in want.items() if n}
     assert layer.expert_load == [want[e] for e in range(layer.num_experts)]
-    assert len(ran) < layer.num_experts or layer.num_experts <= layer.top_k * 5
 
 
 def test_tensor_parallelism_refuses_experts_by_name(model_dirs):
