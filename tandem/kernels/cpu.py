@@ -69,7 +69,6 @@ FUNCTIONS = [
     "argmax_rows",
     "mask_rows",
     "quant_linear",
-    "quant_linear_many",
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",

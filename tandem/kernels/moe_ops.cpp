@@ -1,28 +1,34 @@
 // A mixture-of-experts layer's experts in one call, from the router's logits on:
 // runner/linear/experts.py's steps made from C++ (the softmax, top-k and
-// renormalization as ATen ops, the projections by quant_linear_many, the activation
-// by cpu_ops.cpp's kernel), so the result is that Python path's bit for bit; what
-// it saves is the Python and dispatch between them (about 0.3 ms a layer on 2 cores,
-// a fifth of a 30B-A3B decode step).
+// renormalization as ATen ops, the projections by quant_ops.cpp's run_many, the
+// activation by cpu_ops.cpp's kernel), so the result is that Python path's bit for
+// bit; what it saves is the Python and dispatch between them (about 0.3 ms a layer
+// on 2 cores, a fifth of a 30B-A3B decode step).
 //
-// The experts' matrices come as lists, one entry per expert of the layer, in
-// quant_linear's packed layout; an empty corr tensor means none.
+// Each projection's experts come as one example matrix in quant_linear's packed
+// layout (values, scales, corr: empty for none; every expert of the projection is
+// laid out like it) and ``where`` [experts, 3], int64: each expert's addresses of its
+// values, scales and corr (0 for none), as quant::many_matrices describes.
 
 // out [T, hidden] and the tokens each expert took [experts] (int64).
 std::vector<torch::Tensor> moe_experts(
     torch::Tensor x, torch::Tensor logits, int64_t top_k, bool normalize,
-    std::vector<torch::Tensor> gu_values, std::vector<torch::Tensor> gu_scales,
-    std::vector<torch::Tensor> gu_corrs, int64_t gu_rows, int64_t gu_group, double gu_offset,
-    std::vector<torch::Tensor> dn_values, std::vector<torch::Tensor> dn_scales,
-    std::vector<torch::Tensor> dn_corrs, int64_t dn_rows, int64_t dn_group, double dn_offset,
-    bool gelu) {
+    torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
+    int64_t gu_rows, int64_t gu_group, double gu_offset,
+    torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
+    int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x: float32 [T, hidden], contiguous");
   const int64_t T = x.size(0), H = x.size(1), E = logits.size(1);
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T, "logits: [T, experts]");
-  TORCH_CHECK(static_cast<int64_t>(gu_values.size()) == E && static_cast<int64_t>(dn_values.size()) == E,
-              "one gate/up and one down matrix per expert");
+  for (const torch::Tensor* where : {&gu_where, &dn_where})
+    TORCH_CHECK(where->scalar_type() == torch::kLong && where->is_contiguous() && where->dim() == 2 &&
+                where->size(0) == E && where->size(1) == 3, "where: int64 [experts, 3]");
   TORCH_CHECK(dn_rows == H && gu_rows % 2 == 0, "down gives hidden rows; gate/up two halves");
+  const quant::ManyMatrices gate_up_layout =
+      quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset);
+  const quant::ManyMatrices down_layout =
+      quant::many_matrices(dn_values, dn_scales, dn_corr, gu_rows / 2, dn_rows, dn_group, dn_offset);
   torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
   auto picked = torch::topk(probs, top_k, -1);
   torch::Tensor weights = std::get<0>(picked), chosen = std::get<1>(picked).contiguous();
@@ -48,29 +54,22 @@ std::vector<torch::Tensor> moe_experts(
   const float* src = x.data_ptr<float>();
   float* dst = rows.data_ptr<float>();
   for (int64_t i = 0; i < S; ++i) std::memcpy(dst + i * H, src + (order[i] / top_k) * H, H * sizeof(float));
-  // Each picked expert's rows through its gate/up, then its down (one call each).
-  std::vector<int64_t> experts;
+  // Each picked expert's rows through its gate/up, then its down (one loop each).
+  std::vector<int64_t> experts, first, rows_of;
   for (int64_t e = 0; e < E; ++e)
-    if (count[e]) experts.push_back(e);
-  auto project = [&](const torch::Tensor& in, torch::Tensor& out, const std::vector<torch::Tensor>& values,
-                     const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& corrs,
-                     int64_t N, int64_t group, double offset) {
-    std::vector<torch::Tensor> outs, xs, vs, ss, cs;
-    for (int64_t e : experts) {
-      outs.push_back(out.narrow(0, start[e], count[e]));
-      xs.push_back(in.narrow(0, start[e], count[e]));
-      vs.push_back(values[e]);
-      ss.push_back(scales[e]);
-      cs.push_back(corrs[e]);
+    if (count[e]) {
+      experts.push_back(e);
+      first.push_back(start[e]);
+      rows_of.push_back(count[e]);
     }
-    quant_linear_many(outs, xs, vs, ss, cs, N, group, offset);
-  };
   torch::Tensor gate_up = torch::empty({S, gu_rows}, x.options());
-  project(rows, gate_up, gu_values, gu_scales, gu_corrs, gu_rows, gu_group, gu_offset);
+  quant::run_many(gate_up_layout, gu_where.data_ptr<int64_t>(), experts, first, rows_of,
+                  dst, H, gate_up.data_ptr<float>(), gu_rows);
   torch::Tensor acted = torch::empty({S, gu_rows / 2}, x.options());
   if (gelu) gelu_tanh_and_mul(acted, gate_up); else silu_and_mul(acted, gate_up);
   torch::Tensor down = torch::empty({S, H}, x.options());
-  project(acted, down, dn_values, dn_scales, dn_corrs, dn_rows, dn_group, dn_offset);
+  quant::run_many(down_layout, dn_where.data_ptr<int64_t>(), experts, first, rows_of,
+                  acted.data_ptr<float>(), gu_rows / 2, down.data_ptr<float>(), H);
   // Each row times its routing weight, then added into its token's row in slot order
   // (two passes, as the Python path's mul_ and index_add_).
   const float* w = weights.data_ptr<float>();

@@ -671,6 +671,13 @@ int value_bits(const torch::Tensor& values, int64_t K) {
   return static_cast<int>(bits);
 }
 
+// The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
+void check_format(int bits, int64_t group, bool records) {
+  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
+              "no format packs ", bits, "-bit values in groups of ", group,
+              records ? " with records" : " with float16 scales");
+}
+
 // The values' offset: a whole number the kernel takes off in integers.
 int32_t integer_offset(double offset) {
   TORCH_CHECK(offset >= 0 && offset <= 64 && offset == std::floor(offset),
@@ -713,11 +720,8 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   p.out_stride = out.stride(0);
   using quant::kHalfScales;
   using quant::kRecords;
-  // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
   const bool records = p.s.record != 0;
-  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
-              "no format packs ", bits, "-bit values in groups of ", group,
-              records ? " with records" : " with float16 scales");
+  quant::check_format(bits, group, records);
   switch (bits) {
     case 4: records ? quant::run<4, 32, kRecords>(p, T) : quant::run<4, 32, kHalfScales>(p, T); break;
     case 5: records ? quant::run<5, 32, kRecords>(p, T) : quant::run<5, 32, kHalfScales>(p, T); break;
@@ -726,67 +730,76 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   }
 }
 
-// Several matrices of one layout at once, each by its own activations: outs[i] [T_i,
-// N] = xs[i] [T_i, K] @ W_i^T for W_i = (values[i], scales[i], corrs[i]: empty for
-// none), packed as quant_linear's. A mixture of experts' projection for every expert
-// its tokens picked, in one call and one parallel loop (the experts of one GGUF
-// stack share a format and shape); each output equals quant_linear's bit for bit.
-void quant_linear_many(std::vector<torch::Tensor> outs, std::vector<torch::Tensor> xs,
-                       std::vector<torch::Tensor> values, std::vector<torch::Tensor> scales,
-                       std::vector<torch::Tensor> corrs, int64_t N, int64_t group,
-                       double offset) {
-  using quant::kRows;
-  const size_t P = xs.size();
-  TORCH_CHECK(outs.size() == P && values.size() == P && scales.size() == P && corrs.size() == P,
-              "one out, x, values, scales and corr per matrix");
-  if (P == 0) return;
-  const int64_t K = xs[0].size(1), tiles = values[0].size(0);
-  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
-  const int bits = quant::value_bits(values[0], K);
-  static thread_local std::vector<quant::Activations> acts;
+// Several matrices of one packed layout (a mixture's experts: one GGUF stack shares a
+// format and shape), each by its own activations, in one parallel loop over all their
+// tiles; each output equals quant_linear's bit for bit. ``like`` is one of them (its
+// shapes are checked once); the others differ only in where their values, scales and
+// corr are: ``where`` [P, 3] holds those addresses (corr: 0 for none), and the caller
+// keeps the tensors alive and of like's layout (runner/linear/experts.py checks it).
+// Addresses, not lists of tensors, because converting 6 lists of 128 tensors from
+// Python cost 140 us a call, more than a 30B-A3B layer's gate/up pass at batch 1.
+namespace quant {
+
+struct ManyMatrices {
+  int bits;
+  bool records;
+  int64_t tiles, tile_bytes, K, N;
+  int32_t offset;
+  ScaleTable s;  // like's, checked; each matrix's problem takes its own addresses
+};
+
+ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& scales,
+                           const torch::Tensor& corr, int64_t K, int64_t N, int64_t group, double offset) {
+  ManyMatrices m;
+  m.K = K;
+  m.N = N;
+  m.tiles = values.size(0);
+  m.bits = value_bits(values, K);
+  TORCH_CHECK(m.tiles * kRows >= N && (m.tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
+  m.tile_bytes = values.size(1);
+  m.s = scale_table(scales, corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, m.tiles, K, group);
+  m.records = m.s.record != 0;
+  check_format(m.bits, group, m.records);
+  m.offset = integer_offset(offset);
+  return m;
+}
+
+// Matrix which[i] of ``where`` (addresses as above) over rows first[i] ..
+// first[i] + count[i] of x [*, K] into the same rows of out [*, N], all in one loop.
+void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int64_t>& which,
+              const std::vector<int64_t>& first, const std::vector<int64_t>& count,
+              const float* x, int64_t x_stride, float* out, int64_t out_stride) {
+  const size_t P = which.size();
+  static thread_local std::vector<Activations> acts;
   if (acts.size() < P) acts.resize(P);
-  std::vector<quant::Problem> ps(P);
-  std::vector<int64_t> Ts(P);
+  std::vector<Problem> ps(P);
   for (size_t i = 0; i < P; ++i) {
-    const torch::Tensor& x = xs[i];
-    const torch::Tensor& out = outs[i];
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat && x.size(1) == K,
-                "xs: float32 rows of K");
-    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat &&
-                out.size(0) == x.size(0) && out.size(1) == N, "outs: float32 [T_i, N]");
-    TORCH_CHECK(values[i].size(0) == tiles && quant::value_bits(values[i], K) == bits &&
-                values[i].scalar_type() == values[0].scalar_type(), "values: one layout for all");
-    quant::Problem& p = ps[i];
-    const c10::optional<torch::Tensor> corr =
-        corrs[i].numel() > 0 ? c10::optional<torch::Tensor>(corrs[i]) : c10::nullopt;
-    p.s = quant::scale_table(scales[i], corr, tiles, K, group);
-    TORCH_CHECK(p.s.record == ps[0].s.record && (p.s.corr == nullptr) == (ps[0].s.corr == nullptr),
-                "scales: one layout for all");
-    p.offset = quant::integer_offset(offset);
-    Ts[i] = x.size(0);
-    quant::quantize_activations(x.data_ptr<float>(), x.stride(0), Ts[i], K, acts[i]);
-    p.values = static_cast<const uint8_t*>(values[i].data_ptr());
-    p.tile_bytes = values[i].size(1);
+    const int64_t* at = where + 3 * which[i];
+    TORCH_CHECK(at[0] != 0 && at[1] != 0 && (at[2] != 0) == (m.s.corr != nullptr), "where: one layout for all");
+    Problem& p = ps[i];
+    p.s = m.s;
+    p.s.scales = reinterpret_cast<const void*>(at[1]);
+    p.s.corr = reinterpret_cast<const void*>(at[2]);
+    p.values = reinterpret_cast<const uint8_t*>(at[0]);
+    p.tile_bytes = m.tile_bytes;
+    p.offset = m.offset;
     p.bias = nullptr;
-    p.N = N;
-    p.K = K;
+    p.N = m.N;
+    p.K = m.K;
+    quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, acts[i]);
     p.act = &acts[i];
-    p.out = out.data_ptr<float>();
-    p.out_stride = out.stride(0);
+    p.out = out + first[i] * out_stride;
+    p.out_stride = out_stride;
   }
-  using quant::kHalfScales;
-  using quant::kRecords;
-  const bool records = ps[0].s.record != 0;
-  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
-              "no format packs ", bits, "-bit values in groups of ", group,
-              records ? " with records" : " with float16 scales");
-  switch (bits) {
-    case 4: records ? quant::run_many<4, 32, kRecords>(ps, Ts, tiles) : quant::run_many<4, 32, kHalfScales>(ps, Ts, tiles); break;
-    case 5: records ? quant::run_many<5, 32, kRecords>(ps, Ts, tiles) : quant::run_many<5, 32, kHalfScales>(ps, Ts, tiles); break;
-    case 6: quant::run_many<6, 16, kRecords>(ps, Ts, tiles); break;
-    default: quant::run_many<8, 32, kHalfScales>(ps, Ts, tiles); break;
+  switch (m.bits) {
+    case 4: m.records ? run_many<4, 32, kRecords>(ps, count, m.tiles) : run_many<4, 32, kHalfScales>(ps, count, m.tiles); break;
+    case 5: m.records ? run_many<5, 32, kRecords>(ps, count, m.tiles) : run_many<5, 32, kHalfScales>(ps, count, m.tiles); break;
+    case 6: run_many<6, 16, kRecords>(ps, count, m.tiles); break;
+    default: run_many<8, 32, kHalfScales>(ps, count, m.tiles); break;
   }
 }
+
+}  // namespace quant
 
 // out [n, K] float32 = rows ids[0..n) of a packed matrix, dequantized (an embedding
 // lookup): w = scale * (q - offset) + constant, read straight from the tiled layout.
