@@ -15,11 +15,15 @@ without meeting in between.
     slots     the batch's (token, expert) picks, sorted by expert (stable: a token's
               picks stay in order), the tokens' rows gathered in that order
     gate/up   one pass: expert e's rows x its gate/up matrix, for every picked e
-    act       silu(gate) * up (or GELU-tanh) over all rows at once
+    act       silu(gate) * up (or GELU-tanh) over those rows
     down      one pass, the same way
     combine   each row times its routing weight, added into its token's row in the
               sorted order: the same sum, in the same order, as models/moe.py's loop,
               and the same kernels, so the result is the loop's bit for bit
+
+A prompt chunk's slots go through these steps in rounds of at most MLP_ROWS (the
+sorted slots cut between experts, or every MLP_ROWS rows of one), so its temporaries
+stay bounded as the dense MLP's do.
 
 ``attach_fused_experts`` gives a SparseMoE layer this path where every expert's
 gate/up and down are each one packed matrix (runner/linear/quantized.py joins a
@@ -34,6 +38,7 @@ from torch import nn
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.layers import gelu_tanh_and_mul
+from tandem.models.llama import MLP_ROWS
 from tandem.models.moe import SparseMoE
 from tandem.quant.packed import PackedWeight
 
@@ -78,7 +83,7 @@ class FusedExperts:
         logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
             x.float().contiguous(), logits, layer.top_k, layer.normalize, *self.gate_up.args,
-            *self.down.args, self.gelu,
+            *self.down.args, self.gelu, MLP_ROWS,
         )  # fmt: skip
         layer.expert_load = counts.tolist()
         return out.to(x.dtype)
