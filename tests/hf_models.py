@@ -28,7 +28,9 @@ CORPUS = [
     "def forward(self, input_ids, positions):\n    return self.model(input_ids)",
 ] * 20
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral")
+ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
+)  # fmt: skip
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -77,6 +79,14 @@ def hf_config(arch: str, **overrides):
             moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
         )  # fmt: skip
         cfg = transformers.Qwen3MoeConfig(**{**moe, **overrides})
+    elif arch == "qwen2_moe":
+        # 4 experts, 2 a token, not renormalized (the family's default), and a shared
+        # expert; every second layer sparse (decoder_sparse_step).
+        moe = dict(
+            llama_like, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=48, shared_expert_intermediate_size=80, decoder_sparse_step=2,
+        )  # fmt: skip
+        cfg = transformers.Qwen2MoeConfig(**{**moe, **overrides})
     elif arch == "mixtral":
         moe = dict(llama_like, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
         cfg = transformers.MixtralConfig(**{**moe, **overrides})

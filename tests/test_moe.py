@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) through the whole engine, against
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert)
+through the whole engine, against
 transformers on the same random weights; the experts that run are the ones picked."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tandem.models.loader import load_model
 from tandem.models.moe import SparseMoE
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
-ARCHS = ["qwen3_moe", "mixtral"]
+ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 MAX_NEW = 8
 
 

@@ -37,6 +37,10 @@ class MoEConfig:
     # Layers with a dense MLP (ModelConfig.intermediate_size) instead (Qwen3-MoE's
     # mlp_only_layers and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
+    # A shared expert every token runs beside the picked ones, a gated MLP of this
+    # size whose output is scaled by sigmoid(a learned 1-output gate) (Qwen2-MoE's);
+    # 0: none. Its weights are always read, so they count as non-expert weights.
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@
               read: a 128-expert, top-8 layer reads 8 experts' bytes for one token
     combine   each expert's output times its routing weight, added into its tokens'
               rows (experts in order: the same sum as transformers')
+    shared    where the family has one (Qwen2-MoE), a shared expert runs on every
+              token, scaled by sigmoid(shared_expert_gate(x)), added last
 
 ``expert_load`` is the last forward's token count per expert (the step trace and the
 metrics read it). On a CPU with the compiled kernels and packed experts, the runner
@@ -41,6 +43,11 @@ class SparseMoE(nn.Module):
             config, intermediate_size=moe.intermediate_size, mlp_bias=False, moe=None
         )
         self.experts = nn.ModuleList(make_expert(expert) for _ in range(moe.num_experts))
+        self.shared_expert: nn.Module | None = None
+        if moe.shared_intermediate_size:
+            shared = dataclasses.replace(expert, intermediate_size=moe.shared_intermediate_size)
+            self.shared_expert = make_expert(shared)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.expert_load: list[int] = []
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +59,13 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The picked experts' weighted sum (the shared expert apart)."""
         fused = getattr(self, "fused_experts", None)  # the runner's (runner/linear/experts.py)
         if fused is not None and not torch.is_grad_enabled():
             return fused(self, x)

@@ -15,6 +15,7 @@ from tandem.models.layers import AttentionContext
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen2 import Qwen2ForCausalLM
+from tandem.models.qwen2_moe import Qwen2MoeForCausalLM
 from tandem.models.qwen3 import Qwen3ForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -60,6 +61,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
