@@ -107,6 +107,9 @@ def hf_folders(tmp_path_factory):
                 extra = {"head_dim": 128, "mlp_only_layers": [], "moe_intermediate_size": 768}
             if arch == "mixtral":
                 extra = {"intermediate_size": 256}
+            if arch == "qwen2_moe":  # every layer sparse; sizes of whole blocks
+                extra = {"decoder_sparse_step": 1, "moe_intermediate_size": 64,
+                         "shared_expert_intermediate_size": 96}  # fmt: skip
             if arch == "gemma3":
                 # The layout llama.cpp's gemma3 assumes (6 layers: 1 global; scores
                 # scaled by head_dim), which transformers' GGUF loader fixes at 256.
@@ -175,15 +178,16 @@ def test_logits_equal_transformers_on_the_dequantized_weights(gguf_files, arch, 
 
 @pytest.mark.parametrize(
     "arch, fmt", [("qwen3_moe", f) for f in ("F32", "Q4_K", "Q8_0")] + [("mixtral", "F32"),
-                  ("mixtral", "Q4_0")]
+                  ("mixtral", "Q4_0"), ("qwen2_moe", "F32"), ("qwen2_moe", "Q4_0")]
 )  # fmt: skip
 def test_mixtures_of_experts_equal_their_references(gguf_files, hf_folders, arch, fmt):
     """Experts stacked per layer as llama.cpp writes them, read one expert at a time.
     Qwen3-MoE against transformers' GGUF loader on the same file; Mixtral (which that
-    loader reads as a dense llama) against transformers on the folder the file was
-    written from, exactly in float32. Weights kept quantized: the same up to the int8
-    activations, except where those move a token's pick of experts (a different
-    expert, a different output: a few positions), so most positions are compared."""
+    loader reads as a dense llama) and Qwen2-MoE (a shared expert beside the stacks)
+    against transformers on the folder the file was written from, exactly in float32.
+    Weights kept quantized: the same up to the int8 activations, except where those
+    move a token's pick of experts (a different expert, a different output: a few
+    positions), so most positions are compared."""
     path = gguf_files(arch, fmt)
     ids = list(range(3, 43))
     exact = tandem_logits(path, ids, "none")

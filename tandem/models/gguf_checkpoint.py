@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # llama with experts (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it.
@@ -69,6 +70,12 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    # A mixture's shared expert (Qwen2-MoE) and its gate: one row, which the file
+    # keeps as a vector of hidden_size.
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # A mixture's experts, stacked in one tensor each [experts, rows, columns]: each
 # expert is read as a tensor of its own, ``mlp.experts.E.<projection>``.
@@ -195,16 +202,20 @@ class GGUFCheckpoint:
             "sliding_window": self._arch("attention.sliding_window"),
         }
         if experts:
-            # llama.cpp's graphs for both families renormalize the picked experts'
-            # weights and make every layer sparse.
+            # llama.cpp's graphs make every layer sparse; they renormalize the picked
+            # experts' weights for Qwen3-MoE and Mixtral, not for Qwen2-MoE.
             config.update(
                 num_experts=experts,
                 num_local_experts=experts,
                 num_experts_per_tok=self._required("expert_used_count"),
                 moe_intermediate_size=self._arch("expert_feed_forward_length"),
-                norm_topk_prob=True,
+                norm_topk_prob=self.architecture != "qwen2moe",
             )
-        elif architecture == "Qwen3MoeForCausalLM":
+            if self.architecture == "qwen2moe":
+                config["shared_expert_intermediate_size"] = self._required(
+                    "expert_shared_feed_forward_length"
+                )
+        elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             raise ModelLoadError(f"{self.path.name} has no {self.architecture}.expert_count")
         if self.architecture == "gemma3":
             # Not in the file: llama.cpp scales scores by 1/sqrt(head_dim), except for
@@ -242,6 +253,8 @@ class GGUFCheckpoint:
                 continue
             code = check_supported(info.type, info.name)
             shape = tuple(reversed(info.shape))
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+                shape = (1, shape[0])  # the vector of one output row
             if "{expert}" not in name:
                 yield CheckpointTensor(
                     name, shape, self.path.name, code,

@@ -42,6 +42,7 @@ EXPORT_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
     "MixtralForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
 }
@@ -172,6 +173,8 @@ def add_shape_keys(writer, config: ModelConfig) -> None:
         writer.add_expert_count(config.moe.num_experts)
         writer.add_expert_used_count(config.moe.top_k)
         writer.add_expert_feed_forward_length(config.moe.intermediate_size)
+        if config.moe.shared_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(config.moe.shared_intermediate_size)
     if config.rope is not None:
         writer.add_rope_freq_base(config.rope.theta)
         writer.add_rope_dimension_count(config.rope.rotary_dim)
@@ -201,16 +204,20 @@ def _add_gemma3_keys(writer, config) -> None:
     writer.add_sliding_window(config.sliding_window)
 
 
-def _check_moe(config) -> None:
-    """llama.cpp's graphs for Qwen3-MoE and Mixtral make every layer sparse and
-    renormalize the picked experts' weights; a model that differs cannot be written
-    faithfully."""
+def _check_moe(config, arch: str) -> None:
+    """llama.cpp's graphs make every layer of a mixture sparse; they renormalize the
+    picked experts' weights for Qwen3-MoE and Mixtral, not for Qwen2-MoE, and only
+    Qwen2-MoE has a shared expert. A model that differs cannot be written faithfully."""
     moe = config.moe
-    if moe is not None and (moe.dense_layers or not moe.normalize_top_k):
+    if moe is None:
+        return
+    qwen2 = arch == "qwen2moe"
+    shared = bool(moe.shared_intermediate_size)
+    if moe.dense_layers or moe.normalize_top_k == qwen2 or shared != qwen2:
         raise ModelLoadError(
             "this mixture of experts differs from what llama.cpp assumes (every layer "
-            "sparse, the picked experts' weights renormalized): it cannot be exported "
-            "faithfully"
+            "sparse; the picked experts' weights renormalized, except for Qwen2-MoE; a "
+            "shared expert only for Qwen2-MoE): it cannot be exported faithfully"
         )
 
 
@@ -245,7 +252,7 @@ def export_gguf(
     add_shape_keys(writer, config)
     if arch == "gemma3":
         _add_gemma3_keys(writer, config)
-    _check_moe(config)
+    _check_moe(config, arch)
     _add_tokenizer(writer, folder, raw)
 
     # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
@@ -288,6 +295,8 @@ def _add_tensor(writer, target: str, t: torch.Tensor, arch: str, config, code: G
     if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
         heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
         t = _permute_rows(t, heads)
+    if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's
+        t = t.reshape(-1)
     kind = code
     if t.dim() == 1 or ".ffn_gate_inp." in target:  # (a router stays float32, as llama.cpp's)
         kind = GGMLType.F32
