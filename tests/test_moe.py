@@ -120,6 +120,25 @@ def test_the_fused_experts_kernel_equals_the_loop_over_experts(
             assert load == layer.expert_load and sum(load) == 2 * tokens
 
 
+def test_a_random_qwen2_moe_file_runs_its_experts_fused_beside_the_shared_one(tmp_path):
+    """The random-file writer's Qwen2-MoE layout (stacked experts, a shared expert and
+    its gate, q/k/v biases) loads; the routed experts take the fused kernel, the shared
+    one runs beside them; a layout whose rows are not whole K-format blocks is refused."""
+    from tandem.models.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(256, 2, 4, 4, 512, tied=False, vocab=512, architecture="qwen2moe",
+                  experts=4, experts_used=2, expert_intermediate=96,
+                  shared_intermediate=160)  # fmt: skip
+    llm = LLM(str(write_random_gguf(tmp_path / "moe.gguf", shape, "q4_0")))
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert len(layers) == 2 and all(hasattr(m, "fused_experts") for m in layers)
+    assert all(m.shared_expert is not None and not m.normalize for m in layers)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_NEW
+    with pytest.raises(ValueError, match="not whole Q4_K blocks"):
+        write_random_gguf(tmp_path / "k.gguf", shape, "q4_k_m")
+
+
 def test_the_trace_and_metrics_show_where_tokens_went(model_dirs):
     """Each step's expert load (tokens per expert of each sparse layer) reaches the
     observers: the trace's steps say how many experts a layer read and how unevenly,

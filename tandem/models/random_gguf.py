@@ -6,12 +6,13 @@ tensor by tensor (never more than one tensor in memory), as llama.cpp lays it ou
 Each matrix is valid blocks of its format made from random bytes, with every block's
 float16 scales set so the weights have a standard deviation of about 0.02 (the usual
 initialisation) and the K formats' sub-scale minimums centre them on zero; no float
-matrix is ever made. Norms are float32 ones.
+matrix is ever made. Norms (and Qwen2-MoE's q/k/v biases and shared-expert gate) are
+float32 ones.
 
-Mixtures of experts (``qwen3-30b-a3b``, ``mixtral-mini``) stack each layer's experts
-in one tensor per projection, as llama.cpp does (one stack, a few hundred MB, is the
-most held in memory); the router stays float32 (random normal weights). Formats, as llama.cpp's
-``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
+Mixtures of experts (``qwen3-30b-a3b``, ``mixtral-mini``, ``qwen1.5-moe-a2.7b``) stack
+each layer's experts in one tensor per projection, as llama.cpp does (one stack, a few
+hundred MB, is the most held in memory); the router stays float32 (random normal
+weights). Formats, as llama.cpp's ``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
 (every matrix but the output one, Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the output
 matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
@@ -49,12 +50,13 @@ class Shape:
     rope_theta: float = 500000.0
     context: int = 131072
     head_size: int = 0  # when it is not hidden / heads (Qwen3's 128)
-    architecture: str = "llama"  # the GGUF architecture: llama or qwen3moe
+    architecture: str = "llama"  # the GGUF architecture: llama, qwen3moe or qwen2moe
     # A mixture of experts in every layer (0: dense MLPs): ``experts`` of
     # ``expert_intermediate``, ``experts_used`` a token. llama with experts is Mixtral.
     experts: int = 0
     experts_used: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0  # qwen2moe's shared expert
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +79,9 @@ class Shape:
             raw["architectures"] = ["MixtralForCausalLM"]
             if self.architecture == "qwen3moe":
                 raw["architectures"] = ["Qwen3MoeForCausalLM"]
+            elif self.architecture == "qwen2moe":  # (not renormalized, as llama.cpp's graph)
+                raw.update(architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=False,
+                           shared_expert_intermediate_size=self.shared_intermediate)  # fmt: skip
             else:
                 raw["intermediate_size"] = self.expert_intermediate
         return model_class_for(raw).parse_config(raw)
@@ -101,6 +106,13 @@ class Shape:
                     (f"blk.{i}.ffn_up_exps.weight", (stack, rows, self.hidden)),
                     (f"blk.{i}.ffn_down_exps.weight", (stack, self.hidden, rows)),
                 ]
+                if self.shared_intermediate:
+                    shared = self.shared_intermediate
+                    out += [
+                        (f"blk.{i}.ffn_gate_shexp.weight", (shared, self.hidden)),
+                        (f"blk.{i}.ffn_up_shexp.weight", (shared, self.hidden)),
+                        (f"blk.{i}.ffn_down_shexp.weight", (self.hidden, shared)),
+                    ]
                 continue
             out += [
                 (f"blk.{i}.ffn_gate.weight", (self.intermediate, self.hidden)),
@@ -112,12 +124,18 @@ class Shape:
         return out
 
     def norms(self) -> list[tuple[str, int]]:
-        """(GGUF name, length) of every norm weight (float32 ones)."""
-        kinds = [("attn_norm", self.hidden), ("ffn_norm", self.hidden)]
+        """(GGUF name, length) of every vector, written as float32 ones: the norms'
+        weights, and qwen2moe's q/k/v biases and shared-expert gate."""
+        kinds = [("attn_norm.weight", self.hidden), ("ffn_norm.weight", self.hidden)]
         if self.architecture == "qwen3moe":
-            kinds += [("attn_q_norm", self.head_dim), ("attn_k_norm", self.head_dim)]
+            kinds += [("attn_q_norm.weight", self.head_dim), ("attn_k_norm.weight", self.head_dim)]
+        if self.architecture == "qwen2moe":
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            kinds += [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]
+            if self.shared_intermediate:
+                kinds.append(("ffn_gate_inp_shexp.weight", self.hidden))
         return [("output_norm.weight", self.hidden)] + [
-            (f"blk.{i}.{kind}.weight", n) for i in range(self.layers) for kind, n in kinds
+            (f"blk.{i}.{kind}", n) for i in range(self.layers) for kind, n in kinds
         ]
 
 
@@ -141,6 +159,24 @@ SHAPES = {
         experts=128,
         experts_used=8,
         expert_intermediate=768,
+    ),
+    # Qwen1.5-MoE-A2.7B (Qwen2-MoE): 60 experts of 1,408, 4 a token, and a shared
+    # expert of 5,632 every token runs (about 2.7B of 14.3B parameters read).
+    "qwen1.5-moe-a2.7b": Shape(
+        hidden=2048,
+        layers=24,
+        heads=16,
+        kv_heads=16,
+        intermediate=5632,
+        tied=False,
+        vocab=151936,
+        rope_theta=1e6,
+        context=8192,
+        architecture="qwen2moe",
+        experts=60,
+        experts_used=4,
+        expert_intermediate=1408,
+        shared_intermediate=5632,
     ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
@@ -300,6 +336,13 @@ def write_random_gguf(
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
 
     norms, matrices = shape.norms(), shape.matrices()
+    for name, dims in matrices:
+        code = tensor_type(name, fmt, shape)
+        if code != GGMLType.F32 and dims[-1] % BLOCK[code][0]:
+            raise ValueError(
+                f"{name}: {dims[-1]} columns are not whole {code.name} blocks "
+                f"(a {fmt} file of this shape cannot be written; q4_0 or q8_0 can)"
+            )
     for name, length in norms:
         writer.add_tensor_info(name, [length], np.dtype(np.float32), length * 4)
     for name, dims in matrices:
