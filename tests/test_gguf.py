@@ -523,10 +523,12 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
         ("llama", "Q8_0", "auto"),
         ("llama", "Q4_1", "auto"),
         ("llama", "Q4_1", "int8"),
+        ("qwen2", "Q4_1", "auto"),  # q/k/v biases
         ("qwen3", "Q8_0", "auto"),  # q/k norms
         ("gemma3", "mixed", "auto"),  # and post-norms, GeGLU, a qkv of two formats
         ("qwen3_moe", "Q4_K", "auto"),  # attention compiled, then the experts' kernel
         ("mixtral", "Q8_0", "auto"),
+        ("qwen2_moe", "Q4_0", "auto"),  # biases, experts, and the shared expert beside
     ],
 )
 def test_whole_layer_decode_equals_layer_by_layer(

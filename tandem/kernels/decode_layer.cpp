@@ -13,7 +13,9 @@
 // A linear layer is a list of parts (first output column, values, scales, corr or
 // empty, rows, group, offset), each laid out as tandem/quant/packed.py lays it out (a
 // fused projection's parts may have different formats, as in GGUF files that quantize
-// v more finely than q and k); no biases (runner/fused_decode.py checks).
+// v more finely than q and k). Only the qkv projection may have a bias (Qwen2's):
+// float32 [its columns], each part given its slice, as runner/linear/quantized.py
+// does; empty for none (runner/fused_decode.py checks the rest have none).
 
 using PackedPart = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                               int64_t, double>;
@@ -21,15 +23,19 @@ using PackedArgs = std::vector<PackedPart>;
 
 namespace {
 
-torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts) {
+torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts,
+                            const torch::Tensor& bias = torch::Tensor()) {
   int64_t columns = 0;
   for (const auto& part : parts) columns = std::max(columns, std::get<0>(part) + std::get<4>(part));
+  const bool biased = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!biased || bias.numel() == columns, "bias: one value a column");
   torch::Tensor out = torch::empty({x.size(0), columns}, x.options());
   for (const auto& [start, values, scales, corr, rows, group, offset] : parts) {
     torch::Tensor slice = parts.size() == 1 ? out : out.narrow(1, start, rows);
     quant_linear(slice, x, values, scales,
                  corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt,
-                 c10::nullopt, rows, group, offset);
+                 biased ? c10::optional<torch::Tensor>(bias.narrow(0, start, rows)) : c10::nullopt,
+                 rows, group, offset);
   }
   return out;
 }
@@ -47,7 +53,7 @@ std::vector<torch::Tensor> llama_decode_attention(
     int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
-    torch::Tensor q_norm, torch::Tensor k_norm) {
+    torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias) {
   const int64_t T = h.size(0);
   torch::Tensor x = torch::empty_like(h);
   if (residual.numel() == 0) {
@@ -56,7 +62,7 @@ std::vector<torch::Tensor> llama_decode_attention(
   } else {
     rms_norm(x, h, residual, input_norm, eps);
   }
-  torch::Tensor qkv_out = packed_linear(x, qkv);
+  torch::Tensor qkv_out = packed_linear(x, qkv, qkv_bias);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor q = qkv_out.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   torch::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -103,8 +109,8 @@ std::vector<torch::Tensor> llama_decode_mlp(
 
 // The whole layer: both halves, then (Gemma 3) the RMSNorm of the MLP's output before
 // it joins the stream. Optional parts are empty tensors where the layer has none:
-// q_norm / k_norm (per head, before rotary: Qwen3, Gemma 3), post_attn_norm /
-// post_mlp_norm. Returns (this layer's output, the stream).
+// q_norm / k_norm (per head, before rotary: Qwen3, Gemma 3), qkv_bias (Qwen2),
+// post_attn_norm / post_mlp_norm. Returns (this layer's output, the stream).
 std::vector<torch::Tensor> llama_decode_layer(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm,
     torch::Tensor post_norm, double eps, PackedArgs qkv, PackedArgs o_proj,
@@ -112,13 +118,12 @@ std::vector<torch::Tensor> llama_decode_layer(
     int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
-    torch::Tensor q_norm,
-    torch::Tensor k_norm, torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm,
-    bool gelu) {
+    torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias,
+    torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm, bool gelu) {
   auto attention = llama_decode_attention(
       h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim,
       positions, cos_sin, k_cache, v_cache, slots, block_tables, context_lens, row_starts,
-      scale, window, q_norm, k_norm);
+      scale, window, q_norm, k_norm, qkv_bias);
   auto mlp = llama_decode_mlp(attention[0], attention[1], post_attn_norm, post_norm, eps,
                               gate_up, down, gelu);
   torch::Tensor out = mlp[0];

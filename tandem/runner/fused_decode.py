@@ -9,7 +9,8 @@ It applies when every token of the step is a decode, or a decode with its draft
 tokens (speculative verification: a few query rows per sequence, up to ``ROWS_MAX``),
 and they are the step's tokens in order, and the layer is a shape the kernel knows on the
 CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
-biases, each linear layer one packed quantized matrix (runner/linear/quantized.py);
+biases but q/k/v's (Qwen2's), each linear layer one packed quantized matrix
+(runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
 parts. A mixture-of-experts layer runs its attention half compiled, then its experts'
 own two kernel calls (runner/linear/experts.py). On a tensor-parallel rank the
@@ -37,23 +38,33 @@ if TYPE_CHECKING:
     from tandem.runner.attention.torch_sdpa import TorchPagedAttention
 
 
-def _packed(linear) -> list[tuple] | None:
+def _packed(linear, bias_allowed: bool = False) -> list[tuple] | None:
     """The linear layer's packed parts as the kernel takes them, or None when it is
-    not all packed quantized weights without a bias (a row-parallel layer's: its
-    rank's part, the all-reduce left to the caller)."""
+    not all packed quantized weights without a bias (``bias_allowed``: with one, which
+    _bias gives; a row-parallel layer's: its rank's part, the all-reduce left to the
+    caller)."""
     parts = getattr(linear, "packed_parts", None)
     method = linear.method
     if isinstance(method, RowParallelLinearMethod):
         method = method.inner
     if not isinstance(method, QuantizedLinearMethod) or not parts:
         return None
-    if linear.bias is not None:
+    if linear.bias is not None and not (bias_allowed and _bias(linear).numel()):
         return None
     return [
         (start, w.values, w.scales, w.corr if w.corr is not None else w.scales.new_empty(0),
          w.rows, w.group, w.offset)
         for start, w in parts
     ]  # fmt: skip
+
+
+def _bias(linear) -> torch.Tensor:
+    """The bias as the kernel adds it (float32, contiguous, as QuantizedLinearMethod
+    passes it), or empty: none, or one the kernel cannot take."""
+    bias = getattr(linear, "float_bias", linear.bias)
+    if bias is None or bias.dtype != torch.float32 or not bias.is_contiguous():
+        return torch.empty(0)
+    return bias
 
 
 def _norm_args(layer) -> tuple[torch.Tensor, ...] | None:
@@ -84,9 +95,11 @@ def layer_arguments(layer) -> tuple | None:
     norms = _norm_args(layer) if ready else None
     if norms is not None:
         mlp_linears = [] if experts else [mlp.gate_up_proj, mlp.down_proj]
-        packed = [_packed(linear) for linear in [attn.qkv_proj, attn.o_proj, *mlp_linears]]
+        packed = [_packed(attn.qkv_proj, bias_allowed=True)]
+        packed += [_packed(linear) for linear in [attn.o_proj, *mlp_linears]]
         if all(p is not None for p in packed):
-            input_norm, post_norm, *optional = norms
+            input_norm, post_norm, q_norm, k_norm, *post_norms = norms
+            optional = [q_norm, k_norm, _bias(attn.qkv_proj), *post_norms]
             if experts:
                 packed += [EXPERTS, EXPERTS]
                 comm = None if _collectives(attn.o_proj, attn.o_proj) is None else False
@@ -147,7 +160,7 @@ class FusedDecode:
         k_blocks, v_blocks = self.backend.kv_cache[layer_idx]
         window = self.backend.metadata.window(layer_idx) or 0
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
-         q_norm, k_norm, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
+         q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
         if comm is False:
             return None
         kernels = cpu_kernels.load()
@@ -158,7 +171,7 @@ class FusedDecode:
         attention = (
             heads, kv_heads, head_dim, rope.positions, rope.cos_sin, k_blocks, v_blocks,
             self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
-            self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
+            self.row_starts, layer.self_attn.scale, window, q_norm, k_norm, qkv_bias,
         )  # fmt: skip
         if experts:  # attention compiled, then the mixture (its own two kernel calls)
             o, residual = kernels.llama_decode_attention(
