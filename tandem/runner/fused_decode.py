@@ -13,7 +13,7 @@ biases but q/k/v's (Qwen2's), each linear layer one packed quantized matrix
 (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
 parts. A mixture-of-experts layer runs its attention half compiled, then its experts'
-own two kernel calls (runner/linear/experts.py). On a tensor-parallel rank the
+own kernel call (runner/linear/experts.py). On a tensor-parallel rank the
 layer runs as two compiled halves, each ending in the rank's partial sums of a
 row-parallel projection (o, down), all-reduced between them as the layer-by-layer
 path does. Anything else runs layer by layer. The attention backend offers it to
@@ -173,7 +173,7 @@ class FusedDecode:
             self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
             self.row_starts, layer.self_attn.scale, window, q_norm, k_norm, qkv_bias,
         )  # fmt: skip
-        if experts:  # attention compiled, then the mixture (its own two kernel calls)
+        if experts:  # attention compiled, then the mixture (its own kernel call)
             o, residual = kernels.llama_decode_attention(
                 h, residual, norm1, eps, qkv, o_proj, *attention
             )
