@@ -1,7 +1,7 @@
 """A mixture's experts on the compiled kernels: from the router's logits to the layer's
 output in one call (kernels/moe_ops.cpp), each projection of every picked expert in
-one parallel loop (quant_ops.cpp's quant_linear_many), instead of one call per
-expert and the Python between.
+one parallel loop (quant_ops.cpp's run_many), instead of one call per expert and the
+Python between.
 
 At batch 1 a Qwen3-30B-A3B layer runs 8 experts, each a gate/up of 1,536 x 2,048 and
 a down of 2,048 x 768: matrices of 1-2 MB, which one kernel call reads in tens of
@@ -44,12 +44,13 @@ from tandem.quant.packed import PackedWeight
 
 
 def _layout(weight: PackedWeight) -> tuple:
-    """What the kernel assumes every expert of a projection shares with the first
-    (it reads each one's tensors from their addresses alone)."""
+    """What the kernel assumes every expert of a projection shares with the first (it
+    reads each one's tensors from their addresses alone, so they must be contiguous)."""
     tensors = [weight.values, weight.scales] + ([] if weight.corr is None else [weight.corr])
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("not contiguous")
     return (weight.rows, weight.group, weight.offset, weight.values.dtype, weight.values.shape,
-            weight.scales.dtype, weight.scales.shape, weight.corr is None,
-            all(t.is_contiguous() for t in tensors))  # fmt: skip
+            weight.scales.dtype, weight.scales.shape, weight.corr is None)  # fmt: skip
 
 
 class _Projection:
@@ -107,13 +108,13 @@ def attach_fused_experts(model: nn.Module) -> int:
             continue
         try:
             fused = FusedExperts(module)
-        except ValueError:
+            layouts = [
+                {_layout(_only_part(getattr(e, projection))) for e in module.experts}
+                for projection in ("gate_up_proj", "down_proj")
+            ]
+        except ValueError:  # not one packed matrix each, or not contiguous
             continue
-        for projection in ("gate_up_proj", "down_proj"):
-            layouts = {_layout(_only_part(getattr(e, projection))) for e in module.experts}
-            if len(layouts) > 1:
-                break
-        else:
+        if all(len(layout) == 1 for layout in layouts):
             module.fused_experts = fused
             count += 1
     return count
