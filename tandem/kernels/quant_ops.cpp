@@ -732,10 +732,11 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
 
 // Several matrices of one packed layout (a mixture's experts: one GGUF stack shares a
 // format and shape), each by its own activations, in one parallel loop over all their
-// tiles; each output equals quant_linear's bit for bit. ``like`` is one of them (its
-// shapes are checked once); the others differ only in where their values, scales and
-// corr are: ``where`` [P, 3] holds those addresses (corr: 0 for none), and the caller
-// keeps the tensors alive and of like's layout (runner/linear/experts.py checks it).
+// tiles; each output equals quant_linear's bit for bit. many_matrices takes one of
+// them (its shapes are checked once); the others differ only in where their values,
+// scales and corr are: ``where`` [P, 3] holds those addresses (corr: 0 for none), and
+// the caller keeps the tensors alive and of that one's layout
+// (runner/linear/experts.py checks it).
 // Addresses, not lists of tensors, because converting 6 lists of 128 tensors from
 // Python cost 140 us a call, more than a 30B-A3B layer's gate/up pass at batch 1.
 namespace quant {
@@ -745,7 +746,7 @@ struct ManyMatrices {
   bool records;
   int64_t tiles, tile_bytes, K, N;
   int32_t offset;
-  ScaleTable s;  // like's, checked; each matrix's problem takes its own addresses
+  ScaleTable s;  // the example's, checked; each matrix's problem takes its own addresses
 };
 
 ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& scales,

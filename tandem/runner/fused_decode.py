@@ -38,18 +38,15 @@ if TYPE_CHECKING:
     from tandem.runner.attention.torch_sdpa import TorchPagedAttention
 
 
-def _packed(linear, bias_allowed: bool = False) -> list[tuple] | None:
+def _packed(linear) -> list[tuple] | None:
     """The linear layer's packed parts as the kernel takes them, or None when it is
-    not all packed quantized weights without a bias (``bias_allowed``: with one, which
-    _bias gives; a row-parallel layer's: its rank's part, the all-reduce left to the
-    caller)."""
+    not all packed quantized weights (a row-parallel layer's: its rank's part, the
+    all-reduce left to the caller). Its bias is the caller's to check."""
     parts = getattr(linear, "packed_parts", None)
     method = linear.method
     if isinstance(method, RowParallelLinearMethod):
         method = method.inner
     if not isinstance(method, QuantizedLinearMethod) or not parts:
-        return None
-    if linear.bias is not None and not (bias_allowed and _bias(linear).numel()):
         return None
     return [
         (start, w.values, w.scales, w.corr if w.corr is not None else w.scales.new_empty(0),
@@ -94,12 +91,15 @@ def layer_arguments(layer) -> tuple | None:
     ready = attn is not None and (act is not None or experts)
     norms = _norm_args(layer) if ready else None
     if norms is not None:
-        mlp_linears = [] if experts else [mlp.gate_up_proj, mlp.down_proj]
-        packed = [_packed(attn.qkv_proj, bias_allowed=True)]
-        packed += [_packed(linear) for linear in [attn.o_proj, *mlp_linears]]
-        if all(p is not None for p in packed):
+        unbiased = [attn.o_proj] + ([] if experts else [mlp.gate_up_proj, mlp.down_proj])
+        packed = [_packed(linear) for linear in [attn.qkv_proj, *unbiased]]
+        qkv_bias = _bias(attn.qkv_proj)  # the only bias the kernel takes (Qwen2's)
+        biases_fit = all(linear.bias is None for linear in unbiased) and (
+            attn.qkv_proj.bias is None or qkv_bias.numel()
+        )
+        if biases_fit and all(p is not None for p in packed):
             input_norm, post_norm, q_norm, k_norm, *post_norms = norms
-            optional = [q_norm, k_norm, _bias(attn.qkv_proj), *post_norms]
+            optional = [q_norm, k_norm, qkv_bias, *post_norms]
             if experts:
                 packed += [EXPERTS, EXPERTS]
                 comm = None if _collectives(attn.o_proj, attn.o_proj) is None else False
