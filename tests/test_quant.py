@@ -164,17 +164,20 @@ def test_an_activation_exactly_halfway_rounds_to_even():
 
 
 @needs_kernels
-def test_a_token_gets_the_same_result_whatever_its_batch():
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_a_token_gets_the_same_result_whatever_its_batch(code):
     """Each token's activations are quantized alone and its sums run in the same order,
-    so batching (chunked prefill, speculation) cannot change a token's result."""
-    packed = PackedWeight.from_ggml(GGMLType.Q4_1, random_blocks(GGMLType.Q4_1, 64, 512), 512)
+    so batching (chunked prefill, speculation) cannot change a token's result, whichever
+    of the kernel's instances (tokens at a time, rows at a time) computed it."""
+    packed = PackedWeight.from_ggml(code, random_blocks(code, 64, 512), 512)
     x = torch.randn(37, 512)
     whole = torch.empty(37, 64)
     packed.matmul(x, whole)
-    for i in (0, 5, 36):
-        alone = torch.empty(1, 64)
-        packed.matmul(x[i : i + 1].clone(), alone)
-        assert torch.equal(alone[0], whole[i])
+    for i in (0, 5, 33):
+        for batch in (1, 2, 3, 4):
+            part = torch.empty(batch, 64)
+            packed.matmul(x[i : i + batch].clone(), part)
+            assert torch.equal(part[0], whole[i]), (i, batch)
 
 
 @needs_kernels

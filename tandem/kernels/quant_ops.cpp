@@ -234,6 +234,17 @@ inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y
   for (int64_t r = 0; r < rows; ++r) dst[r] = y[r] + (p.bias != nullptr ? p.bias[n0 + r] : 0.f);
 }
 
+// a * b rounded as written: -ffast-math lets the compiler reassociate a product of
+// products (d * sub-scale * dx) differently in each instance of a tile kernel, and a
+// token's result must not depend on how many tokens came with it. The empty asm hides
+// the product from the optimizer; it costs no instruction.
+template <typename Vector>
+inline Vector product(Vector a, Vector b) {
+  Vector p = a * b;
+  asm("" : "+v"(p));
+  return p;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // int32 lane r += dot of row r's 4 weights with the 4 activation bytes broadcast in x
 // (16 rows: one 64-byte load). int8 weights: |w| (unsigned) by x carrying w's sign.
@@ -257,7 +268,7 @@ inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
     const uint8_t* rec = s.record_of(tile, g);
     const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows));
     const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+    return product(d, _mm512_cvtepi32_ps(q));
   } else {
     return halves16(static_cast<const at::Half*>(s.scales) + (tile * s.groups + g) * kRows);
   }
@@ -277,8 +288,8 @@ inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
     const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows));
-    const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));
+    const __m512 minimum = product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(minimum), _mm512_set1_epi32(INT32_MIN)));
   } else {
     return halves16(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows);
   }
@@ -363,7 +374,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     if constexpr (kGroup == 32) {
       const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
       for (int t = 0; t < NT; ++t) {
-        const __m512 s = _mm512_mul_ps(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
+        const __m512 s = product(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
         const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
       }
@@ -372,8 +383,8 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
       const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
       for (int t = 0; t < NT; ++t) {
         const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(w0, dx), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), _mm512_mul_ps(w1, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), product(w0, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), product(w1, dx), acc[t]);
       }
     }
   }
@@ -424,7 +435,7 @@ inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __
     const uint8_t* rec = s.record_of(tile, g);
     const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows + half * 8));
     const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+    return product(d, _mm256_cvtepi32_ps(q));
   } else {
     return halves8(static_cast<const at::Half*>(s.scales) + (tile * s.groups + g) * kRows + half * 8);
   }
@@ -445,8 +456,7 @@ inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g,
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_of(tile, g);
     const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows + half * 8));
-    const __m256 product = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
-    return _mm256_xor_ps(product, _mm256_set1_ps(-0.f));
+    return _mm256_xor_ps(product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))), _mm256_set1_ps(-0.f));
   } else {
     return halves8(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows + half * 8);
   }
@@ -469,94 +479,158 @@ inline __m256i with_high_bits(__m256i low, const __m256i* planes, int s) {
   return _mm256_or_si256(low, _mm256_and_si256(v, _mm256_set1_epi8(((1 << hb) - 1) << 4)));
 }
 
-template <int kBits, int kGroup, int kScales, int NT>
-void half_tile(const Problem& p, int64_t tile_index, int half, int64_t t0) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Without VNNI, vpmaddubsw's int16 pair sums (at most 2 * (2^bits - 1) * 127: each
+// activation byte is within +-127) are added in int16 before one vpmaddwd widens
+// them; this many fit (4 bits: 8, 5: 4, 6: 2), a half-block's 4 at most.
+// int16 lanes a + b, for sums that cannot reach the limits (kInt16Sums): saturating
+// only so that the compiler keeps them in program order. Reassociated (as plain adds
+// are), GCC computed a block's 32 products first and summed them after, spilling them.
+inline __m256i add16(__m256i a, __m256i b) { return _mm256_adds_epi16(a, b); }
+
+template <int kBits>
+constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
+
+// kHalves (1 or 2) halves of a tile's rows from ``first``, NT tokens from t0, in one
+// pass: the halves share each activation broadcast, which is what batch 1 is bound by;
+// with more tokens one half at a time keeps the accumulators in registers.
+template <int kBits, int kGroup, int kScales, int NT, int kHalves>
+void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
-  const uint8_t* vals = p.values + tile_index * p.tile_bytes + half * 32;
+  const uint8_t* vals = p.values + tile_index * p.tile_bytes + first * 32;
   const Activations& a = *p.act;
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  __m256 d = _mm256_setzero_ps();  // records: the super-block's d (8 blocks of 32)
+  __m256 acc[NT][kHalves];
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < kHalves; ++h) acc[t][h] = _mm256_setzero_ps();
+  __m256 d[kHalves];  // records: the super-block's d (8 blocks of 32)
+  for (int h = 0; h < kHalves; ++h) d[h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (kScales == kRecords && b % 8 == 0) d = super8<kScales>(p.s, tile_index, half, b * kBlock / kGroup, 0);
-    __m256i dot[NT][2];
-    for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+    if (kScales == kRecords && b % 8 == 0)
+      for (int h = 0; h < kHalves; ++h) d[h] = super8<kScales>(p.s, tile_index, first + h, b * kBlock / kGroup, 0);
+    // dot[t][h][j]: per row, the int32 dot over the block's first (j = 0) or second 16
+    // values (for groups of 32 without VNNI, all 32 may be in j = 0 and j = 1 zero).
+    __m256i dot[NT][kHalves][2];
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < kHalves; ++h) dot[t][h][0] = dot[t][h][1] = _mm256_setzero_si256();
     const uint8_t* v = vals + b * kBits * 64;
     if constexpr (kBits < 8) {
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      __m256i planes[2];
-      for (int i = 0; i < kBits - 4; ++i)
-        planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (4 + i) * 64));
+      constexpr int kSums = kInt16Sums<kBits> < 4 ? kInt16Sums<kBits> : 4;
+      constexpr bool kJoin = !kVnni && kGroup == 32 && kInt16Sums<kBits> >= 8;  // j = 0 takes all
+      const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+      __m256i planes[kHalves][2];
+      for (int h = 0; h < kHalves; ++h)
+        for (int i = 0; i < kBits - 4; ++i)
+          planes[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (4 + i) * 64 + h * 32));
+      __m256i sum16[NT][kHalves][2];  // int16 sums not yet widened (no VNNI)
+      // Unrolled, so that which sums start, add and widen is known at compile time.
+#pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64));
-        __m256i lo = _mm256_and_si256(packed, low4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-        if constexpr (kBits > 4) {
-          lo = with_high_bits<kBits>(lo, planes, pair);
-          hi = with_high_bits<kBits>(hi, planes, 4 + pair);
+        __m256i lo[kHalves], hi[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64 + h * 32));
+          lo[h] = _mm256_and_si256(packed, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          if constexpr (kBits > 4) {
+            lo[h] = with_high_bits<kBits>(lo[h], planes[h], pair);
+            hi[h] = with_high_bits<kBits>(hi[h], planes[h], 4 + pair);
+          }
         }
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
-          dot[t][0] = dot4<false>(dot[t][0], lo, broadcast4(x + 4 * pair));
-          dot[t][1] = dot4<false>(dot[t][1], hi, broadcast4(x + 16 + 4 * pair));
+          const __m256i xlo = broadcast4(x + 4 * pair), xhi = broadcast4(x + 16 + 4 * pair);
+          for (int h = 0; h < kHalves; ++h) {
+            if constexpr (kVnni) {
+              dot[t][h][0] = dot4<false>(dot[t][h][0], lo[h], xlo);
+              dot[t][h][1] = dot4<false>(dot[t][h][1], hi[h], xhi);
+            } else {
+              const __m256i plo = _mm256_maddubs_epi16(lo[h], xlo), phi = _mm256_maddubs_epi16(hi[h], xhi);
+              if constexpr (kJoin) {
+                const __m256i both = add16(plo, phi);
+                sum16[t][h][0] = pair == 0 ? both : add16(sum16[t][h][0], both);
+              } else {
+                const bool first_sum = pair % kSums == 0;
+                sum16[t][h][0] = first_sum ? plo : add16(sum16[t][h][0], plo);
+                sum16[t][h][1] = first_sum ? phi : add16(sum16[t][h][1], phi);
+                if (pair % kSums == kSums - 1)
+                  for (int j = 0; j < 2; ++j)
+                    dot[t][h][j] = _mm256_add_epi32(dot[t][h][j], _mm256_madd_epi16(sum16[t][h][j], ones));
+              }
+            }
+          }
         }
       }
+      if constexpr (kJoin)
+        for (int t = 0; t < NT; ++t)
+          for (int h = 0; h < kHalves; ++h) dot[t][h][0] = _mm256_madd_epi16(sum16[t][h][0], ones);
     } else {
+#pragma GCC unroll 8
       for (int step = 0; step < 8; ++step) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 64));
+        __m256i w[kHalves];
+        for (int h = 0; h < kHalves; ++h)
+          w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + step * 64 + h * 32));
         for (int t = 0; t < NT; ++t) {
-          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
-          dot[t][step / 4] = dot4<true>(dot[t][step / 4], w, broadcast4(x + 4 * step));
+          const __m256i x = broadcast4(a.q.data() + (t0 + t) * p.K + b * kBlock + 4 * step);
+          for (int h = 0; h < kHalves; ++h) dot[t][h][step / 4] = dot4<true>(dot[t][h][step / 4], w[h], x);
         }
       }
     }
-    if (p.offset) {
-      for (int t = 0; t < NT; ++t) {
-        const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
-        for (int h = 0; h < 2; ++h)
-          dot[t][h] = _mm256_sub_epi32(dot[t][h], _mm256_set1_epi32(p.offset * sums[h]));
-      }
-    }
-    if constexpr (kGroup == 32) {
-      const __m256 w = scales8<kScales, 32>(p.s, tile_index, half, b, d);
-      for (int t = 0; t < NT; ++t) {
-        const __m256 s = _mm256_mul_ps(w, _mm256_set1_ps(a.d[(t0 + t) * nb + b]));
-        const __m256i sum = _mm256_add_epi32(dot[t][0], dot[t][1]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t]);
-      }
-    } else {
-      const __m256 w0 = scales8<kScales, 16>(p.s, tile_index, half, 2 * b, d);
-      const __m256 w1 = scales8<kScales, 16>(p.s, tile_index, half, 2 * b + 1, d);
-      for (int t = 0; t < NT; ++t) {
-        const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][0]), _mm256_mul_ps(w0, dx), acc[t]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][1]), _mm256_mul_ps(w1, dx), acc[t]);
+    for (int t = 0; t < NT; ++t) {
+      const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
+      const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
+      for (int h = 0; h < kHalves; ++h) {
+        if constexpr (kGroup == 32) {
+          __m256i sum = _mm256_add_epi32(dot[t][h][0], dot[t][h][1]);
+          if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(p.offset * (sums[0] + sums[1])));
+          const __m256 s = product(scales8<kScales, 32>(p.s, tile_index, first + h, b, d[h]), dx);
+          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][h]);
+        } else {
+          for (int j = 0; j < 2; ++j) {
+            __m256i sum = dot[t][h][j];
+            if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(p.offset * sums[j]));
+            const __m256 s = product(scales8<kScales, 16>(p.s, tile_index, first + h, 2 * b + j, d[h]), dx);
+            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][h]);
+          }
+        }
       }
     }
   }
   if (kGroup == 32 && p.s.has_constants()) {
-    __m256 dmin = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.s.groups; ++g) {
-      if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, half, g, 1);
-      const __m256 c = constants8<kScales>(p.s, tile_index, half, g, dmin);
-      for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t]);
+    for (int h = 0; h < kHalves; ++h) {
+      __m256 dmin = _mm256_setzero_ps();
+      for (int64_t g = 0; g < p.s.groups; ++g) {
+        if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, first + h, g, 1);
+        const __m256 c = constants8<kScales>(p.s, tile_index, first + h, g, dmin);
+        for (int t = 0; t < NT; ++t)
+          acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t][h]);
       }
     }
   }
-  const int64_t n0 = tile_index * kRows + half * kHalfRows;
-  for (int t = 0; t < NT; ++t) {
-    alignas(32) float y[kHalfRows];
-    _mm256_store_ps(y, acc[t]);
-    store_rows(p, n0, t0 + t, y, kHalfRows);
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t n0 = tile_index * kRows + (first + h) * kHalfRows;
+    for (int t = 0; t < NT; ++t) {
+      alignas(32) float y[kHalfRows];
+      _mm256_store_ps(y, acc[t][h]);
+      store_rows(p, n0, t0 + t, y, kHalfRows);
+    }
   }
 }
 
+// A tile's second half may be wholly padding (N a multiple of 8, not of 16).
 template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
-  half_tile<kBits, kGroup, kScales, NT>(p, tile_index, 0, t0);
-  if (tile_index * kRows + kRows / 2 < p.N) half_tile<kBits, kGroup, kScales, NT>(p, tile_index, 1, t0);
+  const bool second = tile_index * kRows + kRows / 2 < p.N;
+  if (NT <= 2 && second) {
+    tile_rows<kBits, kGroup, kScales, NT, 2>(p, tile_index, 0, t0);
+  } else {
+    tile_rows<kBits, kGroup, kScales, NT, 1>(p, tile_index, 0, t0);
+    if (second) tile_rows<kBits, kGroup, kScales, NT, 1>(p, tile_index, 1, t0);
+  }
 }
 #else
 // Portable: the same layout, one weight at a time.
