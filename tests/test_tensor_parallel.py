@@ -524,6 +524,58 @@ def test_ranks_started_by_torchrun_equal_one_process(smollm2_like, tmp_path):
     assert rank0[1] == drawn[0].outputs[0].token_ids
 
 
+TORCHRUN_HANG_SCRIPT = """
+import json, os, sys, time
+from tandem import LLM, SamplingParams
+from tandem.errors import EngineDeadError
+folder, out = sys.argv[1], sys.argv[2]
+llm = LLM(folder, max_num_seqs=2, tensor_parallel_size=2,
+          distributed_executor_backend="external_launcher")
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+if os.environ["RANK"] == "1":
+    time.sleep(600)  # alive, and never comes to the next step
+started = time.monotonic()
+try:
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    said = "finished"
+except EngineDeadError as exc:
+    said = str(exc)
+with open(out, "w") as f:
+    json.dump([said, time.monotonic() - started], f)
+os._exit(3)
+"""
+
+
+def test_under_torchrun_over_gloo_a_hung_rank_ends_the_run(smollm2_like, tmp_path):
+    """Ranks on several hosts meet over gloo, whose waits end only at the group's
+    timeout: once loaded it is the hang timeout, so a rank that stops coming fails the
+    others' step with the reason, and torchrun ends the run, instead of a hang."""
+    import json
+    import subprocess
+    import sys
+
+    from tandem.runner import shm_group
+    from tandem.server.launch import free_port
+
+    folder, _ = smollm2_like
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_HANG_SCRIPT)
+    out = tmp_path / "said.json"
+    env = {**os.environ, "TANDEM_TP_SHM": "0", shm_group.HANG_ENV: "3"}
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(script), str(folder), str(out)],
+        timeout=240, capture_output=True, env=env,
+    )  # fmt: skip
+    assert run.returncode != 0
+    said, waited = json.loads(out.read_text())
+    assert said.startswith("a tensor-parallel rank did not answer in 3 s (hung?"), said
+    assert 3 <= waited < 30
+    assert time.monotonic() - started < 200  # torchrun ended the sleeping rank
+
+
 def test_two_ranks_under_chunking_preemption_and_prefix_hits(smollm2_like):
     """The ranks' request states stay in step through what the scheduler does to
     requests: prompts cut into chunks, requests preempted for want of blocks and

@@ -9,19 +9,25 @@ requests added in the same order make the same steps), the ranks run the same st
 without a message between them and meet only in the model's collectives; every rank's
 ``generate`` returns the same outputs. So nothing whose decisions depend on time may
 run: adaptive speculation is refused. Ranks on one host meet in shared memory, across
-hosts over gloo; torchrun ends every rank when one fails.
+hosts over gloo; torchrun ends every rank when one fails. A rank that is alive but
+never comes (stopped, deadlocked) is found by the waits: in shared memory as there,
+over gloo by the group's timeout, the hang timeout once every rank has loaded (no
+rank may then keep the others waiting longer than that between two steps; its
+environment variable sets it).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError, InvalidParameterError
 from tandem.executor import ranks
+from tandem.executor.step_channel import hung_after, set_hang_timeout
 from tandem.runner.shm_group import ShmGroup, create_segment
 
 
@@ -69,16 +75,22 @@ class ExternalLauncherExecutor:
         self.host_settings = ranks.HostSettings()
         self.runner = ranks.build_rank(config, rank, shm, local)
         self.info = self.runner.info
+        self.hang_timeout_s: float | None = None
+        if shm is None:
+            dist.barrier()  # every rank has loaded (loads differ in length)
+            self.hang_timeout_s = set_hang_timeout(self.runner.tp.comm)
 
     @property
     def spec_stats(self):
         return self.runner.spec_stats
 
     def execute(self, scheduler_output):
+        started = time.monotonic()
         try:
             return self.runner.execute(scheduler_output)
-        except RuntimeError as exc:  # a collective failed: a rank went away
-            raise EngineDeadError(f"a tensor-parallel collective failed: {exc}") from exc
+        except RuntimeError as exc:  # a collective failed: a rank went away or hung
+            hung = hung_after(started, self.hang_timeout_s)
+            raise EngineDeadError(hung or f"a tensor-parallel collective failed: {exc}") from exc
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -32,6 +32,28 @@ BEAT = "beat"  # rank 0 is idle, and alive
 BEATS_PER_TIMEOUT = 4
 
 
+def set_hang_timeout(comm=None) -> float:
+    """The gloo groups' waits (the world's, and ``comm``'s where it has its own) end
+    after the hang timeout from now on; returns it in seconds."""
+    seconds = shm_group.HANG_TIMEOUT_S
+    timeout = datetime.timedelta(seconds=seconds)
+    _set_pg_timeout(timeout)
+    if hasattr(comm, "set_timeout"):
+        comm.set_timeout(timeout)
+    return seconds
+
+
+def hung_after(started: float, timeout_s: float | None) -> str | None:
+    """What to say of a collective that failed ``started`` (monotonic) after it began:
+    the group's hang timeout (None: none is set) ran out, or None."""
+    if timeout_s is None or time.monotonic() - started < timeout_s:
+        return None
+    return (
+        f"a tensor-parallel rank did not answer in {timeout_s:.0f} s "
+        f"(hung? ${shm_group.HANG_ENV} sets the limit)"
+    )
+
+
 class StepChannel:
     def __init__(self, shm: ShmGroup | None, rank: int) -> None:
         self.shm, self.rank = shm, rank
@@ -49,11 +71,7 @@ class StepChannel:
         if self.shm is not None:
             return
         dist.barrier()
-        self.timeout_s = shm_group.HANG_TIMEOUT_S
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        _set_pg_timeout(timeout)
-        if hasattr(comm, "set_timeout"):
-            comm.set_timeout(timeout)
+        self.timeout_s = set_hang_timeout(comm)
         if self.rank == 0:
             self._beats = threading.Thread(target=self._beat, name="tandem-tp-beat", daemon=True)
             self._beats.start()
@@ -87,12 +105,7 @@ class StepChannel:
     def hung(self, started: float) -> str | None:
         """What to say of a step that failed ``started`` (monotonic) after it began:
         the group's timeout ran out, or None."""
-        if self.timeout_s is None or time.monotonic() - started < self.timeout_s:
-            return None
-        return (
-            f"a tensor-parallel rank did not answer in {self.timeout_s:.0f} s "
-            f"(hung? ${shm_group.HANG_ENV} sets the limit)"
-        )
+        return hung_after(started, self.timeout_s)
 
     def _beat(self) -> None:
         period = self.timeout_s / BEATS_PER_TIMEOUT
