@@ -8,11 +8,20 @@ format and batch size, as GB/s of the packed weights streamed.
 (The K formats need rows of whole 256-weight super-blocks: SmolLM2's 576 is not, the
 1B shape's 2048 is.) Weights are far larger than the caches, so T=1 is a bandwidth
 figure: compare it with the machine's read bandwidth (printed). Medians of 25 passes.
+
+    python -m benchmarks.quantized_kernels --shape llama-3.2-1b --against HEAD~1
+
+compares the working tree's kernel with quant_ops.cpp as it was at a git revision:
+both are built (alone, as their own modules), run alternately in one process, and
+their outputs compared bit for bit; each line gives both medians and the median of
+the rounds' time ratios (old / new: above 1, the working tree is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -49,15 +58,74 @@ def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -
     return median_time(one_pass, 25, warmup=1)
 
 
+def kernel_at(revision: str):
+    """quant_ops.cpp as it was at ``revision``, built alone (a module of its own)."""
+    import hashlib
+    import subprocess
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load_inline
+
+    from tandem.kernels import cpu as cpu_kernels
+
+    source = subprocess.run(
+        ["git", "show", f"{revision}:tandem/kernels/quant_ops.cpp"],
+        cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    name = "tandem_quant_ops_" + hashlib.sha1(source.encode()).hexdigest()[:10]
+    directory = cpu_kernels.build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    return load_inline(
+        name=name,
+        cpp_sources=[source],
+        functions=["quant_linear"],
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+    )
+
+
+def compare(layers, shapes, tokens: int, old, rounds: int = 7) -> str:
+    """The old kernel against the working tree's on the same inputs, alternating."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    new = cpu_kernels.load()
+    inputs = {k: torch.randn(tokens, k) for _, k in shapes}
+    outs = {id(m): [torch.empty(tokens, n) for n, _ in shapes] for m in (old, new)}
+
+    def one_pass(module) -> float:
+        started = time.perf_counter()
+        for layer in layers:
+            for w, (_, k), out in zip(layer, shapes, outs[id(module)], strict=True):
+                module.quant_linear(
+                    out, inputs[k], w.values, w.scales, w.corr, None, w.rows, w.group, w.offset
+                )
+        return time.perf_counter() - started
+
+    one_pass(old), one_pass(new)
+    equal = all(map(torch.equal, outs[id(old)], outs[id(new)]))
+    times = [(one_pass(old), one_pass(new)) for _ in range(rounds)]
+    before = statistics.median(a for a, _ in times)
+    after = statistics.median(b for _, b in times)
+    ratio = statistics.median(a / b for a, b in times)
+    same = "equal" if equal else "NOT equal"
+    return f"{before * 1e3:>9.2f}{after * 1e3:>9.2f}{ratio:>8.2f}x  outputs {same}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["Q4_1", "Q4_0", "Q8_0", "Q5_0"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
     args = parser.parse_args()
     count, shapes = SHAPES[args.shape]
+    old = kernel_at(args.against) if args.against else None
     print(f"machine: {machine()}; read bandwidth {memory_bandwidth_gbs():.1f} GB/s\n")
-    print(f"{'format':<8}{'bits/w':>7}{'tokens':>8}{'ms':>9}{'GB/s':>7}{'tok/s':>9}")
+    if old is not None:
+        print(f"{'format':<8}{'tokens':>8}{'old ms':>9}{'new ms':>9}{'old/new':>8}")
+    else:
+        print(f"{'format':<8}{'bits/w':>7}{'tokens':>8}{'ms':>9}{'GB/s':>7}{'tok/s':>9}")
     rng = np.random.default_rng(0)
     for name in args.formats:
         code = GGMLType[name]
@@ -65,6 +133,9 @@ def main() -> None:
         nbytes = sum(p.nbytes for layer in layers for p in layer)
         weights = count * sum(n * k for n, k in shapes)
         for tokens in args.batch:
+            if old is not None:
+                print(f"{name:<8}{tokens:>8}{compare(layers, shapes, tokens, old)}", flush=True)
+                continue
             seconds = median_pass_seconds(layers, shapes, tokens)
             print(
                 f"{name:<8}{nbytes * 8 / weights:>7.2f}{tokens:>8}{seconds * 1e3:>9.2f}"

@@ -6,7 +6,9 @@
 // the 16 rows; broadcasting 4 activation bytes against it gives, per int32 lane, the
 // partial dot product of one row (the shape of llama.cpp's repacked GEMV kernels). A
 // tile is one sequential stream: the prefetcher sees one stream per thread, not 16.
-// AVX-512 takes a tile in one register; AVX2 in two halves of 8 rows (32 bytes).
+// AVX-512 takes a tile in one register; AVX2 in two halves of 8 rows (32 bytes), both
+// in one pass for one or two tokens (sharing each activation broadcast), one at a
+// time for more (so that the accumulators stay in registers).
 //   values  uint8, 4, 5 or 6 bits a weight (bits - 4 of them in high-bit planes):
 //           per block of 32, ``bits`` vectors of [16 rows, 4] bytes. Vectors 0-3
 //           (p) are the low nibbles: byte (p, r, i) holds those of weights 4p+i (low
@@ -32,9 +34,10 @@
 //                 + corr[n, g] * dx * sum(xq)_g
 // The offset is taken off in integers, one subtraction per group and token.
 // The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it (AVX-512
-// or AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd (values of at most 6 bits times
-// int8 cannot saturate the pairs). int8 weights use llama.cpp's sign trick: |q|
-// (unsigned) by xq carrying q's sign.
+// or AVX-VNNI), else AVX2's vpmaddubsw (values of at most 6 bits times int8 cannot
+// saturate its pairs), whose int16 sums are added as far as int16 holds them (a whole
+// block for 4 bits) before one vpmaddwd widens them. int8 weights use llama.cpp's
+// sign trick: |q| (unsigned) by xq carrying q's sign.
 //
 // Work: threads take disjoint tiles; inside, tokens go in chunks that stay in L2,
 // and up to 4 tokens reuse each unpacked weight vector. The build is -march=native
