@@ -80,17 +80,29 @@ FUNCTIONS = [
 ]
 
 
-def _cpu_tag() -> str:
-    """The build uses -march=native, so the cached module is keyed on the CPU's flags
-    and the source: a cache carried to another machine is never loaded there."""
+def _flags() -> str:
+    """The CPU's flags line (/proc/cpuinfo), or what the platform says of it."""
     try:
-        flags = next(
+        return next(
             line
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("flags")
         )
     except (OSError, StopIteration):
-        flags = platform.processor()
+        return platform.processor()
+
+
+def has_bf16_units() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Without,
+    torch emulates it: a 1024^3 bfloat16 matmul took 2.8 s against 47 ms in float32 on
+    an AVX2-only Zen 3."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(_flags().split()))
+
+
+def _cpu_tag() -> str:
+    """The build uses -march=native, so the cached module is keyed on the CPU's flags
+    and the source: a cache carried to another machine is never loaded there."""
+    flags = _flags()
     sources = b"".join(path.read_bytes() for path in SOURCES)
     return hashlib.sha1(flags.encode() + sources).hexdigest()[:10]
 

@@ -19,6 +19,7 @@ class DraftTraining:
     feature_noise: float = 0.05  # std of the input noise, relative to a feature's RMS
     regression_weight: float = 1.0
     # Matmuls in bfloat16 (autocast; weights and the optimizer stay float32): 1.5-2x
-    # faster on a CPU with AVX-512 bf16 units.
-    bf16: bool = True
+    # faster on a CPU with AVX-512 bf16 units, and tens of times slower on one without
+    # (torch emulates them). None: where the CPU has them (kernels/cpu.py).
+    bf16: bool | None = None
     seed: int = 0

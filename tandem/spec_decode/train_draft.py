@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.errors import InvalidParameterError
+from tandem.kernels import cpu as cpu_kernels
 from tandem.models.random_weights import initialize
 from tandem.runner.attention import CausalAttention
 from tandem.spec_decode.draft_settings import DraftTraining
@@ -339,11 +340,13 @@ def train_draft(
         seed=settings.seed,
     )
 
+    bf16 = settings.bf16 if settings.bf16 is not None else cpu_kernels.has_bf16_units()
+
     def loss(generator: torch.Generator) -> torch.Tensor:
         count = len(batches.sequences)
         indices = torch.randint(0, count, (settings.batch_size,), generator=generator).tolist()
         embeds, features, mask = batches.batch(indices)
-        with torch.autocast("cpu", torch.bfloat16, enabled=settings.bf16):
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             first, second, targets, mask = head_passes(
                 head, embeds, features, mask, settings.feature_noise, generator
             )
