@@ -46,16 +46,23 @@ def random_packed(code: GGMLType, rows: int, columns: int, rng) -> PackedWeight:
     return PackedWeight.from_ggml(code, torch.from_numpy(raw), columns)
 
 
+def model_pass(layers: list[list[PackedWeight]], shapes, inputs, outs, kernels) -> None:
+    """Every layer's matrices in model order, on ``kernels``' quant_linear (a build of
+    quant_ops.cpp)."""
+    for layer in layers:
+        for w, (_, k), out in zip(layer, shapes, outs, strict=True):
+            kernels.quant_linear(
+                out, inputs[k], w.values, w.scales, w.corr, None, w.rows, w.group, w.offset
+            )
+
+
 def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -> float:
+    from tandem.kernels import cpu as cpu_kernels
+
     inputs = {k: torch.randn(tokens, k) for _, k in shapes}
     outs = [torch.empty(tokens, n) for n, _ in shapes]
-
-    def one_pass() -> None:
-        for layer in layers:
-            for packed, (_, k), out in zip(layer, shapes, outs, strict=True):
-                packed.matmul(inputs[k], out)
-
-    return median_time(one_pass, 25, warmup=1)
+    kernels = cpu_kernels.load()
+    return median_time(lambda: model_pass(layers, shapes, inputs, outs, kernels), 25, warmup=1)
 
 
 def kernel_at(revision: str):
@@ -79,8 +86,8 @@ def kernel_at(revision: str):
         name=name,
         cpp_sources=[source],
         functions=["quant_linear"],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=cpu_kernels.COMPILE_FLAGS,
+        extra_ldflags=cpu_kernels.LINK_FLAGS,
         build_directory=str(directory),
     )
 
@@ -95,11 +102,7 @@ def compare(layers, shapes, tokens: int, old, rounds: int = 7) -> str:
 
     def one_pass(module) -> float:
         started = time.perf_counter()
-        for layer in layers:
-            for w, (_, k), out in zip(layer, shapes, outs[id(module)], strict=True):
-                module.quant_linear(
-                    out, inputs[k], w.values, w.scales, w.corr, None, w.rows, w.group, w.offset
-                )
+        model_pass(layers, shapes, inputs, outs[id(module)], module)
         return time.perf_counter() - started
 
     one_pass(old), one_pass(new)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError
 from tandem.executor import ranks
-from tandem.executor.step_channel import StepChannel
+from tandem.executor.step_channel import StepChannel, hung_after
 from tandem.executor.worker import STOP
 from tandem.runner.shared_kv import RankedKVCache, remove_files
 from tandem.runner.shm_group import ShmGroup
@@ -119,7 +119,7 @@ class MultiprocExecutor:
                 self.channel.stop_beats()
                 self.broken = (
                     self._dead_worker()
-                    or self.channel.hung(started)
+                    or hung_after(started, self.channel.timeout_s)
                     or f"a tensor-parallel step failed: {exc}"
                 )
                 raise EngineDeadError(self.broken) from exc

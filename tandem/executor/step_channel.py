@@ -102,11 +102,6 @@ class StepChannel:
             if message != BEAT:
                 return message
 
-    def hung(self, started: float) -> str | None:
-        """What to say of a step that failed ``started`` (monotonic) after it began:
-        the group's timeout ran out, or None."""
-        return hung_after(started, self.timeout_s)
-
     def _beat(self) -> None:
         period = self.timeout_s / BEATS_PER_TIMEOUT
         while not self._stop.wait(period / 4):
@@ -119,7 +114,8 @@ class StepChannel:
                 try:
                     self.send(BEAT)
                 except RuntimeError as exc:  # a rank went away or hung while idle
-                    self.failure = self.hung(started) or f"a tensor-parallel rank is gone: {exc}"
+                    gone = f"a tensor-parallel rank is gone: {exc}"
+                    self.failure = hung_after(started, self.timeout_s) or gone
                     return
 
     def stop_beats(self) -> None:

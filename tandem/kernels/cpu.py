@@ -80,6 +80,12 @@ FUNCTIONS = [
 ]
 
 
+# How the module is compiled (benchmarks/quantized_kernels.py builds an older
+# quant_ops.cpp the same way, to compare).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
+
+
 def _flags() -> str:
     """The CPU's flags line (/proc/cpuinfo), or what the platform says of it."""
     try:
@@ -200,8 +206,8 @@ def load():
                 name=name,
                 cpp_sources=[path.read_text() for path in SOURCES],
                 functions=FUNCTIONS,
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=COMPILE_FLAGS,
+                extra_ldflags=LINK_FLAGS,
                 build_directory=str(directory),
                 verbose=False,
             )
