@@ -176,8 +176,10 @@ class StepCostModel:
     ) -> StepCostModel:
         """The coefficients that best explain measured steps (``samples``: the shares
         of a step and its seconds), minimising the squared relative error with every
-        cost but the fixed one non-negative (a term whose best value would be negative
-        is dropped: noisy served steps can ask for that).
+        cost non-negative (a term whose best value would be negative is dropped: noisy
+        steps can ask for that, and a model that cannot hold a negative cost must not
+        be fitted with one: a negative fixed cost clamped to 0 after the fit once
+        predicted a CI machine's steps at 4x their time).
 
         A step is memory-bound exactly when its FLOPs per byte are below the machine's
         ridge point (peak / bandwidth), so the steps sorted by that ratio split into a
@@ -219,9 +221,7 @@ class StepCostModel:
         # A bound that no measured step reached stays unknown: infinitely fast.
         bandwidth = 1 / per_byte / 1e9 if per_byte > 0 else float("inf")
         tflops = 1 / per_flop / 1e12 if per_flop > 0 else float("inf")
-        return cls(
-            bandwidth, tflops, max(overhead, 0.0), 0.0, per_request, per_token, source=source
-        )
+        return cls(bandwidth, tflops, overhead, 0.0, per_request, per_token, source=source)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -268,12 +268,12 @@ def shares_of(scheduled) -> list[Share]:
 
 
 def _nonnegative_lstsq(columns: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
-    """``_weighted_lstsq`` with the coefficients of every column but the first kept >= 0:
-    the most negative one is dropped (its column zeroed) and the rest solved again."""
+    """``_weighted_lstsq`` with every coefficient kept >= 0: the most negative one is
+    dropped (its column zeroed) and the rest solved again."""
     columns = columns.clone()
     while True:
         solution = _weighted_lstsq(columns, target, weight)
-        worst = int(torch.argmin(solution[1:])) + 1
+        worst = int(torch.argmin(solution))
         if solution[worst] >= 0:
             return solution
         columns[:, worst] = 0
