@@ -86,8 +86,8 @@ def kernel_at(revision: str):
         name=name,
         cpp_sources=[source],
         functions=["quant_linear"],
-        extra_cflags=cpu_kernels.COMPILE_FLAGS,
-        extra_ldflags=cpu_kernels.LINK_FLAGS,
+        extra_cflags=list(cpu_kernels.COMPILE_FLAGS),
+        extra_ldflags=list(cpu_kernels.LINK_FLAGS),
         build_directory=str(directory),
     )
 

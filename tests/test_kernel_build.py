@@ -67,3 +67,17 @@ def test_each_install_builds_in_its_own_folder(monkeypatch):
     first = cpu.build_directory("tandem_cpu_ops_x")
     monkeypatch.setattr(sys, "prefix", "/another/venv")
     assert cpu.build_directory("tandem_cpu_ops_x") != first
+
+
+def test_loading_again_in_one_process_keeps_the_built_module():
+    """A second build in one process (after ``load.cache_clear``, as the test above
+    does) must hash as the first: a changed hash makes torch name the module ..._v1
+    and rewrite the build folder, and every later process compiled it again."""
+    if cpu.load() is None:
+        pytest.skip("no compiler here: nothing is built")
+    name = cpu.load().__name__
+    cpu.load.cache_clear()
+    try:
+        assert cpu.load().__name__ == name == f"tandem_cpu_ops_{cpu._cpu_tag()}"
+    finally:
+        cpu.load.cache_clear()

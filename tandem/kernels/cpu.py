@@ -81,9 +81,13 @@ FUNCTIONS = [
 
 
 # How the module is compiled (benchmarks/quantized_kernels.py builds an older
-# quant_ops.cpp the same way, to compare).
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-LINK_FLAGS = ["-fopenmp"]
+# quant_ops.cpp the same way, to compare). Tuples, passed as fresh lists: torch appends
+# its libraries to the ldflags list it is given, and a second build in one process
+# (after load.cache_clear) then hashed differently, was renamed ..._v1 and rewrote the
+# build folder's ninja file, so that every later process rebuilt the module (about
+# 110 s each on a 2-core VM).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 
 
 def _flags() -> str:
@@ -206,8 +210,8 @@ def load():
                 name=name,
                 cpp_sources=[path.read_text() for path in SOURCES],
                 functions=FUNCTIONS,
-                extra_cflags=COMPILE_FLAGS,
-                extra_ldflags=LINK_FLAGS,
+                extra_cflags=list(COMPILE_FLAGS),
+                extra_ldflags=list(LINK_FLAGS),
                 build_directory=str(directory),
                 verbose=False,
             )
