@@ -108,6 +108,22 @@ def test_generate_on_the_bundled_model_takes_its_recommended_sampling():
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+def test_a_command_builds_only_its_own_arguments():
+    """`tandem router` (or `tandem --help`) does not import what other commands' flags
+    need: the quantizer's formats import torch, 2-3 s of a router's start."""
+    code = (
+        "import sys; from tandem.cli import build_parser; "
+        "argv = sys.argv[1:]; build_parser(argv).parse_args(argv); "
+        "print('torch' in sys.modules)"
+    )
+    router = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    quantize = ["quantize", "in", "out.gguf"]
+    for argv, imports_torch in ((router, False), (quantize, True)):
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                                text=True, timeout=60)  # fmt: skip
+        assert result.stdout.strip() == str(imports_torch), (argv, result.stderr)
+
+
 def test_every_engine_setting_is_a_flag_with_help():
     """The engine flags are generated from the config dataclasses: each setting (every
     field that is not itself a section) has a flag, a help text and a metavar that

@@ -49,7 +49,12 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given ``argv``, only the command it names gets its
+    arguments (the others are listed by name and help). A command's arguments can
+    import what it needs (the quantizer's formats import torch, 2-3 s), and `tandem
+    router` or `tandem --help` should not wait for what another command needs."""
+    chosen = [word for word in (argv or []) if not word.startswith("-")][:2]
     parser = argparse.ArgumentParser(
         prog="tandem",
         description=DESCRIPTION,
@@ -59,10 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(subparsers, name: str, module) -> None:
+    def add(subparsers, name: str, module, group: str | None = None) -> None:
         description = module.__doc__.replace("``", "").strip()
         sub = subparsers.add_parser(name, help=module.HELP, description=description)
-        module.add_arguments(sub)
+        path = [group, name] if group else [name]
+        shared = min(len(path), len(chosen))
+        if argv is None or (chosen and path[:shared] == chosen[:shared]):
+            module.add_arguments(sub)
         sub.set_defaults(func=module.run)
 
     add(commands, "chat", chat)
@@ -73,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", required=True, metavar="BENCHMARK"
     )
-    add(benchmarks, "serve", bench)
+    add(benchmarks, "serve", bench, "bench")
     evals = commands.add_parser("eval", help="quality on a local text").add_subparsers(
         dest="eval_command", required=True, metavar="METRIC"
     )
-    add(evals, "perplexity", eval_perplexity)
-    add(evals, "kld", eval_kld)
+    add(evals, "perplexity", eval_perplexity, "eval")
+    add(evals, "kld", eval_kld, "eval")
     add(commands, "plan", plan)
     add(commands, "simulate", simulate)
     add(commands, "quantize", quantize)
@@ -87,12 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     traces = commands.add_parser("trace", help="step traces").add_subparsers(
         dest="trace_command", required=True, metavar="ACTION"
     )
-    add(traces, "plot", trace)
+    add(traces, "plot", trace, "trace")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         args.func(args)
     except TandemError as exc:
