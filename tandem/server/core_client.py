@@ -192,9 +192,12 @@ class EngineCoreClient(EngineClient):
 
     def _watch(self) -> None:
         wait([self.process.sentinel])
-        self.process.join(timeout=5)  # reaped: exitcode is set only once it is
         if self._closing:
+            # _stop_process reaps it. Two threads joining one process race in
+            # waitpid: the loser's join returned at once with the process "alive",
+            # and a clean shutdown logged "did not stop in 30 s" and terminated it.
             return
+        self.process.join(timeout=5)  # reaped: exitcode is set only once it is
         reason = f"the {self.name} process exited with code {self.process.exitcode}"
         logger.error("%s; failing the requests in flight", reason)
         self.dead_reason = reason
