@@ -23,7 +23,12 @@ KV_SECRET = "test-deployment-secret"  # of the disaggregated test deployments
 
 def serve(folder: str, *flags: str):
     """`tandem serve` of a test model folder (a real process), served as MODEL."""
-    return tandem_process("serve", "--model", folder, "--served-model-name", MODEL, *flags)
+    return tandem_process(*served(folder, *flags))
+
+
+def served(folder: str, *flags: str) -> tuple[str, ...]:
+    """``serve``'s command, for several started together (``tandem_servers``)."""
+    return ("serve", "--model", folder, "--served-model-name", MODEL, *flags)
 
 
 def kv_role(name: str) -> tuple[str, ...]:

@@ -16,9 +16,9 @@ from tandem import LLM, SamplingParams
 from tandem.disagg.auth import KVAuth, prompt_digest
 from tandem.engine.kv_connector import FinishedTransfer
 from tandem.engine.observer import EngineObserver
-from tandem.server.launch import tandem_process, tandem_server
+from tandem.server.launch import tandem_process, tandem_servers
 from tests.hf_models import VOCAB_SIZE
-from tests.servers import KV_SECRET, MODEL, kv_role, metric, serve, wait_for
+from tests.servers import KV_SECRET, MODEL, kv_role, metric, serve, served, wait_for
 
 
 def idle(base_url: str) -> bool:
@@ -32,15 +32,13 @@ def idle(base_url: str) -> bool:
 @pytest.fixture(scope="module")
 def cluster(llama_folder):
     """One prefill instance, two decode instances, a router in front."""
-    with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(
-            serve(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "3")
-        )
-        decodes = [stack.enter_context(serve(llama_folder, *kv_role("decode"))) for _ in range(2)]
-        router = stack.enter_context(
-            tandem_process("router", "--prefill", prefill, "--decode", *decodes)
-        )
-        yield {"prefill": prefill, "decodes": decodes, "router": router}
+    decode = served(llama_folder, *kv_role("decode"))
+    with tandem_servers(
+        served(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "3"), decode, decode
+    ) as (prefill, *decodes):
+        decodes = [d.url for d in decodes]
+        with tandem_process("router", "--prefill", prefill.url, "--decode", *decodes) as router:
+            yield {"prefill": prefill.url, "decodes": decodes, "router": router}
 
 
 def prompts() -> dict[str, list[int]]:
@@ -129,17 +127,16 @@ def test_a_failed_pull_recomputes_or_fails_by_setting(llama_folder, tiny_server)
 
 def test_a_dead_prefill_instance_is_skipped_then_reported(llama_folder, tiny_server):
     prompt = prompts()["block multiple"]
+    prefill = served(llama_folder, *kv_role("prefill"))
     with contextlib.ExitStack() as stack:
-        dying = stack.enter_context(tandem_server("serve", "--model", llama_folder,
-                                    "--served-model-name", MODEL, *kv_role("prefill")))  # fmt: skip
-        alive = stack.enter_context(serve(llama_folder, *kv_role("prefill")))
-        decode = stack.enter_context(serve(llama_folder, *kv_role("decode")))
-        router = stack.enter_context(
-            tandem_process("router", "--prefill", dying.url, alive, "--decode", decode)
+        dying, alive, decode = stack.enter_context(
+            tandem_servers(prefill, prefill, served(llama_folder, *kv_role("decode")))
         )
-        lonely = stack.enter_context(
-            tandem_process("router", "--prefill", dying.url, "--decode", decode)
-        )
+        alive, decode = alive.url, decode.url
+        router, lonely = (server.url for server in stack.enter_context(tandem_servers(
+            ("router", "--prefill", dying.url, alive, "--decode", decode),
+            ("router", "--prefill", dying.url, "--decode", decode),
+        )))  # fmt: skip
         dying.process.kill()
         dying.process.wait()
         expected = complete(tiny_server, prompt, stream=False)
@@ -173,11 +170,11 @@ def test_a_client_hanging_up_frees_everything(cluster):
 
 def test_a_killed_decode_instance_leaves_the_prefill_side_clean(llama_folder):
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(
-            serve(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "2")
-        )
-        decode = stack.enter_context(tandem_server("serve", "--model", llama_folder,
-                                     "--served-model-name", MODEL, *kv_role("decode")))  # fmt: skip
+        prefill, decode = stack.enter_context(tandem_servers(
+            served(llama_folder, *kv_role("prefill"), "--kv-lease-seconds", "2"),
+            served(llama_folder, *kv_role("decode")),
+        ))  # fmt: skip
+        prefill = prefill.url
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", decode.url)
         )
@@ -320,11 +317,11 @@ def test_tensor_parallel_instances_equal_the_colocated_server(llama_folder, tiny
     whole, whatever either side's rank count."""
     tp2 = ("--tensor-parallel-size", "2")
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(llama_folder, *kv_role("prefill"), *tp2))
-        decodes = [
-            stack.enter_context(serve(llama_folder, *kv_role("decode"), *flags))
-            for flags in (tp2, ())
-        ]
+        prefill, *decodes = (server.url for server in stack.enter_context(tandem_servers(
+            served(llama_folder, *kv_role("prefill"), *tp2),
+            served(llama_folder, *kv_role("decode"), *tp2),
+            served(llama_folder, *kv_role("decode")),
+        )))  # fmt: skip
         router = stack.enter_context(
             tandem_process("router", "--prefill", prefill, "--decode", *decodes)
         )

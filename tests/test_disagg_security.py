@@ -18,9 +18,9 @@ import zmq
 
 from tandem.disagg.auth import KVAuth
 from tandem.disagg.transfer import BlocksHeader, Notify, ReadRequest
-from tandem.server.launch import tandem_process, tandem_server
+from tandem.server.launch import tandem_process, tandem_servers
 from tests.hf_models import VOCAB_SIZE
-from tests.servers import KV_SECRET, MODEL, kv_role, metric, serve, wait_for
+from tests.servers import KV_SECRET, MODEL, kv_role, metric, served, wait_for
 
 KEY = "client-key"
 
@@ -35,13 +35,12 @@ SECRET_PROMPT, FILLER = ids(90, 1), ids(90, 2)
 
 @pytest.fixture(scope="module")
 def deployment(llama_folder):
-    with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(
-            serve(llama_folder, *kv_role("prefill"), "--num-blocks", "64",
-                  "--kv-max-leased-fraction", "0.25")
-        )  # fmt: skip
-        decode = stack.enter_context(serve(llama_folder, *kv_role("decode")))
-        yield {"prefill": prefill, "decode": decode}
+    with tandem_servers(
+        served(llama_folder, *kv_role("prefill"), "--num-blocks", "64",
+               "--kv-max-leased-fraction", "0.25"),
+        served(llama_folder, *kv_role("decode")),
+    ) as (prefill, decode):  # fmt: skip
+        yield {"prefill": prefill.url, "decode": decode.url}
 
 
 def prefilled(prefill: str, prompt: list[int], salt: str | None = None) -> dict | None:
@@ -177,10 +176,10 @@ def test_direct_clients_cannot_pin_the_prefill_cache(deployment):
 def keyed(llama_folder):
     """A router and instances sharing a client API key."""
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(
-            llama_folder, *kv_role("prefill"), "--api-key", KEY))  # fmt: skip
-        decode = stack.enter_context(serve(
-            llama_folder, *kv_role("decode"), "--api-key", KEY))  # fmt: skip
+        prefill, decode = (server.url for server in stack.enter_context(tandem_servers(
+            served(llama_folder, *kv_role("prefill"), "--api-key", KEY),
+            served(llama_folder, *kv_role("decode"), "--api-key", KEY),
+        )))  # fmt: skip
         router = stack.enter_context(tandem_process(
             "router", "--prefill", prefill, "--decode", decode, "--api-key", KEY,
             "--max-body-bytes", str(ROUTER_MAX_BODY), "--header-timeout", "1"))  # fmt: skip
@@ -249,16 +248,13 @@ def test_a_clients_transfer_parameters_never_reach_an_instance(keyed):
 
 
 def test_a_dead_decode_instance_is_skipped_and_a_lost_stream_ends_cleanly(llama_folder):
+    decode = served(llama_folder, *kv_role("decode"))
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(serve(llama_folder, *kv_role("prefill")))
-        dead = stack.enter_context(tandem_server(
-            "serve", "--model", llama_folder, "--served-model-name", MODEL,
-            *kv_role("decode")))  # fmt: skip
-        alive = stack.enter_context(tandem_server(
-            "serve", "--model", llama_folder, "--served-model-name", MODEL,
-            *kv_role("decode")))  # fmt: skip
+        prefill, dead, alive = stack.enter_context(
+            tandem_servers(served(llama_folder, *kv_role("prefill")), decode, decode)
+        )
         router = stack.enter_context(tandem_process(
-            "router", "--prefill", prefill, "--decode", dead.url, alive.url))  # fmt: skip
+            "router", "--prefill", prefill.url, "--decode", dead.url, alive.url))  # fmt: skip
         dead.process.kill()
         dead.process.wait()
         body = {"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 2}

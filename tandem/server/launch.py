@@ -48,25 +48,46 @@ def tandem_server(*args: str, launcher: Sequence[str] = ()) -> Iterator[ServerPr
     """``python -m tandem <args> --port P`` as a child process, healthy; stopped on exit
     (tests that kill it on purpose use ``.process``). ``launcher`` prefixes the command,
     e.g. ``("taskset", "-c", "0")`` to pin it to a core."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    # The log goes to a file: an unread pipe would fill up and stall the server.
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "tandem", *args, "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            wait_healthy(base_url, process, log)
-            yield ServerProcess(base_url, process)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    with tandem_servers(args, launcher=launcher) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def tandem_servers(
+    *commands: Sequence[str], launcher: Sequence[str] = ()
+) -> Iterator[list[ServerProcess]]:
+    """Several ``tandem_server``s started together, then waited for: a start is mostly
+    imports and loading, which overlap (three servers are healthy in about the time of
+    two one after another on 2 cores). Stopped together on exit."""
+    ports: set[int] = set()
+    while len(ports) < len(commands):  # distinct, though none is bound yet
+        ports.add(free_port())
+    with contextlib.ExitStack() as stack:
+        started = []
+        for command, port in zip(commands, sorted(ports), strict=True):
+            # The log goes to a file: an unread pipe would fill up and stall the server.
+            log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            process = subprocess.Popen(
+                [*launcher, sys.executable, "-m", "tandem", *command, "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            stack.callback(_stop, process)
+            started.append((ServerProcess(f"http://127.0.0.1:{port}", process), log))
+        stack.callback(lambda: [p.process.terminate() for p, _ in started])  # all at once
+        for server, log in started:
+            wait_healthy(server.url, server.process, log)
+        yield [server for server, _ in started]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextlib.contextmanager
