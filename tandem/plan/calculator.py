@@ -42,7 +42,7 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 from tandem.models.dtypes import DTYPES
-from tandem.models.loader import read_config
+from tandem.models.loader import initializers_skipped, read_config
 from tandem.plan.cost import ModelShape, collective_seconds, expected_experts
 from tandem.plan.hardware import Hardware
 from tandem.quant.blocks import BLOCK, GGMLType
@@ -52,9 +52,10 @@ MEMORY_UTILIZATION = 0.9  # the share of device memory given to weights + KV cac
 
 def read_model(path: str | Path) -> tuple[ModelConfig, int]:
     """A model folder or a config.json file -> (ModelConfig, parameter count). The model
-    is built on the meta device, so no weights are needed and nothing is allocated."""
+    is built on the meta device, so no weights are needed and nothing is allocated (nor
+    initialized: torch's first meta initializer took 2-3 s of a plan's 7 here)."""
     _, config, cls = read_config(path)
-    with torch.device("meta"):
+    with torch.device("meta"), initializers_skipped():
         model = cls(config)
     return config, sum(p.numel() for p in model.parameters())
 
