@@ -7,6 +7,7 @@ model against transformers.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -164,3 +165,25 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> No
     scale = ref.abs().max().item()
     err = (ours - ref).abs().max().item()
     assert err <= rel * scale, f"max abs diff {err:.3g} vs logits scale {scale:.3g}"
+
+
+def from_gguf(path: Path, with_tokenizer: bool = False):
+    """transformers' model of a GGUF file (float32, eval), and its tokenizer if asked
+    (then a pair). transformers parses the file's metadata with gguf's GGUFReader for
+    the config, the weights and the tokenizer, each time: some 25 s a parse on a 2-core
+    VM for Gemma 3's 262,144-token vocabulary. One reader (read-only, memory-mapped)
+    serves all of them here."""
+    import gguf
+    import pytest
+
+    reader = functools.cache(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        if not with_tokenizer:
+            return model
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert reader.cache_info().misses == 1  # (one parse)
+    return model, tokenizer

@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-import transformers
 
 from tandem import LLM, SamplingParams
 from tandem.models.catalog import is_installed, resolve_model
 from tandem.runner.attention import CausalAttention
+from tests.hf_models import from_gguf
 
 pytestmark = pytest.mark.skipif(
     not is_installed("gemma3-270m"),
@@ -39,22 +39,8 @@ def models():
 
 @functools.cache
 def transformers_reference():
-    """transformers' model and tokenizer from the file. Its loader parses the file's
-    metadata with gguf's GGUFReader three times (config, weights, tokenizer), some 25 s
-    each on a 2-core VM for Gemma's 262,144-token vocabulary; the reader (read-only,
-    memory-mapped) is made once and handed to all three."""
-    import gguf
-
-    path = resolve_model("gemma3-270m")
-    made = functools.cache(gguf.GGUFReader)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", made)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    assert made.cache_info().hits >= 2  # (the parses were shared)
-    return model, tokenizer
+    """transformers' model and tokenizer of the file, read once for the module."""
+    return from_gguf(resolve_model("gemma3-270m"), with_tokenizer=True)
 
 
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:

@@ -38,7 +38,7 @@ from tandem.models.tokenizer import Tokenizer
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.runner.attention import CausalAttention
 from tandem.runner.linear import linear_method_for
-from tests.hf_models import save_model
+from tests.hf_models import from_gguf, save_model
 from tests.test_quant import random_blocks
 
 TEXTS = [
@@ -148,11 +148,8 @@ def tandem_logits(path: Path, ids: list[int], quantization: str) -> torch.Tensor
 
 
 def transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
+        return from_gguf(path)(torch.tensor([ids])).logits[0]
 
 
 CASES = [("llama", fmt) for fmt in FORMATS] + [
@@ -599,9 +596,7 @@ def test_smollm2_greedy_tokens_equal_transformers():
     some greedy choices (on "What is the capital of France?" the first one, in
     llama.cpp too: both answer "L'Étoile, la Cité, la Nation", token for token), so
     for them the choices after each prefix must mostly agree."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
-    ).eval()
+    reference = from_gguf(SMOLLM2)
     exact = LLM(str(SMOLLM2), quantization="none")
     quantized = LLM(str(SMOLLM2))
     tokenizer = exact.engine.runner.loaded.tokenizer
