@@ -55,11 +55,14 @@ def test_errors_are_one_line(model_dirs, tmp_path):
         (["--model", str(folder), "hi", "--device", "tpu"], "device 'tpu' is not supported"),
         (["--model", str(folder), "hi", "--threads", "-1"], "--threads"),
     ]
-    for args, message in cases:
-        result = run_cli("generate", *args)
-        assert result.returncode == 2
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+    commands = [[sys.executable, "-m", "tandem", "generate", *args] for args, _ in cases]
+    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for c in commands]  # fmt: skip
+    for process, (_, message) in zip(running, cases, strict=True):  # (side by side: seconds each)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], stderr
 
 
 def test_serve_and_bench_errors_are_one_line(tiny_server, tmp_path):
