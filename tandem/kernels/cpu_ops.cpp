@@ -10,7 +10,7 @@
 // Built with torch.utils.cpp_extension on first use (see cpu.py); -march=native lets
 // gcc vectorise the inner loops for the CPU it runs on (AVX2 or AVX-512).
 
-#include <torch/extension.h>
+#include <torch/python.h>  // not torch/extension.h: its C++ frontend took 25 s of the build
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>

@@ -19,7 +19,7 @@
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>

@@ -44,7 +44,7 @@
 // on the machine that runs it (the module cache is keyed on the CPU's flags), which
 // is how the instruction set is chosen at run time; without AVX2 a scalar loop runs.
 
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
