@@ -202,7 +202,7 @@ def load():
         with build_lock(directory, wait_s):
             if not any(directory.glob(f"{name}*.so")):
                 print(
-                    "tandem: compiling the CPU kernels (first use only, about a minute; "
+                    "tandem: compiling the CPU kernels (first use only, one to two minutes; "
                     "TANDEM_CPU_KERNELS=0 skips them)",
                     file=sys.stderr,
                 )
