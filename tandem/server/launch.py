@@ -63,31 +63,34 @@ def tandem_servers(
     while len(ports) < len(commands):  # distinct, though none is bound yet
         ports.add(free_port())
     with contextlib.ExitStack() as stack:
-        started = []
+        servers: list[ServerProcess] = []
+        logs = []
+        stack.callback(lambda: _stop([server.process for server in servers]))
         for command, port in zip(commands, sorted(ports), strict=True):
             # The log goes to a file: an unread pipe would fill up and stall the server.
-            log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            logs.append(stack.enter_context(tempfile.TemporaryFile(mode="w+")))
             process = subprocess.Popen(
                 [*launcher, sys.executable, "-m", "tandem", *command, "--port", str(port)],
-                stdout=log,
+                stdout=logs[-1],
                 stderr=subprocess.STDOUT,
                 text=True,
             )
-            stack.callback(_stop, process)
-            started.append((ServerProcess(f"http://127.0.0.1:{port}", process), log))
-        stack.callback(lambda: [p.process.terminate() for p, _ in started])  # all at once
-        for server, log in started:
+            servers.append(ServerProcess(f"http://127.0.0.1:{port}", process))
+        for server, log in zip(servers, logs, strict=True):
             wait_healthy(server.url, server.process, log)
-        yield [server for server, _ in started]
+        yield servers
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """Terminate them all, then wait for each (killed after 30 s)."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
