@@ -289,6 +289,9 @@ class EngineConfig:
         "FORMAT",
     )
     seed: int = setting(0, "seed of the engine's shared random generator", "N")
+    enforce_eager: bool = setting(
+        False, "CUDA: run every step eagerly (decode steps otherwise replay CUDA graphs)"
+    )
     max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

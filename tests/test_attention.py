@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
-from tandem.runner.attention import BACKENDS, build_paged_metadata, torch_sdpa
+from tandem.runner.attention import BACKENDS, build_paged_metadata, torch_sdpa, triton_paged
 from tandem.runner.kv_cache import (
     STORED_DTYPES,
     cache_rows,
@@ -31,7 +33,26 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged"])
+def backend_device(backend: str, kv_dtype: str = "auto") -> torch.device:
+    """Where ``backend`` runs in this test session (skips when it cannot run here)."""
+    if backend == "cpu-paged" and cpu_kernels.load() is None:
+        pytest.skip("no compiler for the CPU kernels here")
+    if backend != "triton-paged":
+        return torch.device("cpu")
+    if kv_dtype == "int8":
+        pytest.skip("int8 caches take the torch backend on CUDA")
+    if triton_paged.triton is None:
+        pytest.skip("Triton is not installed")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter, on the CPU
+        if kv_dtype in STORED_DTYPES:
+            pytest.skip("Triton's interpreter does not round float32 to bfloat16 / fp8 as GPUs do")
+        return torch.device("cpu")
+    pytest.skip("no CUDA GPU (TRITON_INTERPRET=1 runs the kernel on the CPU)")
+
+
+@pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged", "triton-paged"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "verify"])
@@ -42,8 +63,7 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     reads the same rows), prompts attended without the cache too. "mixed-split": every
     prompt chunk after a cache takes the long-chunk path (the chunk and its prefix's
     spans attended apart, merged by log-sum-exp)."""
-    if backend == "cpu-paged" and cpu_kernels.load() is None:
-        pytest.skip("no compiler for the CPU kernels here")
+    device = backend_device(backend, kv_dtype)
     if batch == "mixed-split":
         monkeypatch.setattr(torch_sdpa, "SPLIT_MASK_ELEMENTS", 1)
         # Prefixes read in spans of 5 tokens: several per prefix, starting mid-block.
@@ -79,10 +99,11 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     query_lens = [new for _, new in shapes]
     num_computed = [cached for cached, _ in shapes]
     verifying = [batch == "verify" and new > 1 and cached != 5 for cached, new in shapes]
-    metadata = build_paged_metadata(
-        query_lens, num_computed, tables, BLOCK_SIZE, [window], verifying=verifying
+    cls = BACKENDS[backend][0]
+    metadata = getattr(cls, "build_metadata", build_paged_metadata)(
+        query_lens, num_computed, tables, BLOCK_SIZE, [window], device, verifying=verifying
     )
-    if batch == "verify":
+    if batch == "verify" and backend != "triton-paged":
         assert metadata.groups[0].decodes and metadata.groups[0].query_index.shape[1] == 5
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
@@ -93,9 +114,10 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
             part.view(len(qkv), -1, HEAD_DIM)
             for part in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], 1)
         )
-    attention = BACKENDS[backend][0](metadata, kv_cache)
+    attention = cls(metadata, kv_cache.to(device))
     with torch.inference_mode():
-        out = attention.attend(0, q, k, v, HEAD_DIM**-0.5)
+        out = attention.attend(0, q.to(device), k.to(device), v.to(device), HEAD_DIM**-0.5)
+    out = out.cpu()
     # Every token sees its context as the cache holds it, fresh prompts attended over
     # this forward's own K/V included.
     start = 0
@@ -172,6 +194,61 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
         scale, window,
     )  # fmt: skip
     assert torch.equal(alone, out[first_rows])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8"])
+@pytest.mark.parametrize("window", [None, 700])
+def test_triton_decode_splits_match_brute_force(kv_dtype, window):
+    """The Triton kernel splits a small decode batch's keys among programs and merges
+    the splits by their softmax statistics (flash-decoding): contexts ending on, before
+    and after a split's edge, a verification run, a window starting inside a split,
+    and a batch too large to split, against brute force over the cache's rows."""
+    device = backend_device("triton-paged", kv_dtype)
+    torch.manual_seed(0)
+    # (context length, query rows): a row r of a sequence sees length - rows + r + 1 tokens
+    shapes = [(3000, 1), (256, 1), (255, 1), (257, 1), (514, 3), (1, 1)]
+    num_blocks = sum(-(-length // LONG_BLOCK) for length, _ in shapes)
+    cache = _long_cache(kv_dtype, num_blocks)
+    pool = torch.randperm(num_blocks).tolist()
+    tables, contexts = [], []
+    for length, _ in shapes:
+        table = [pool.pop() for _ in range(-(-length // LONG_BLOCK))]
+        kv = torch.randn(2, length, KV_HEADS, LONG_HEAD_DIM)
+        stored = cache_rows(kv, cache.dtype)
+        positions = torch.arange(length)
+        slots = torch.tensor(table)[positions // LONG_BLOCK] * LONG_BLOCK + positions % LONG_BLOCK
+        cache.view(2, -1, KV_HEADS, cache.shape[-1])[:, slots] = stored
+        contexts.append(stored.float())
+        tables.append(table)
+    metadata = triton_paged.build_flat_metadata(
+        [rows for _, rows in shapes], [length - rows for length, rows in shapes], tables,
+        LONG_BLOCK, device=device,
+    )  # fmt: skip
+    q = torch.randn(metadata.num_tokens, HEADS, LONG_HEAD_DIM)
+    scale = LONG_HEAD_DIM**-0.5
+    cache = cache.to(device)
+    out = triton_paged.paged_attention(q.to(device), cache[0], cache[1], metadata, scale, window)
+    out = out.cpu()
+    group, row = HEADS // KV_HEADS, 0
+    for (length, rows), (k_all, v_all) in zip(shapes, contexts, strict=True):
+        for r in range(rows):
+            seen = length - rows + r + 1
+            first = 0 if window is None else max(0, seen - window)
+            k_ctx, v_ctx = (x[first:seen].repeat_interleave(group, 1) for x in (k_all, v_all))
+            scores = torch.einsum("hd,thd->ht", q[row].double(), k_ctx.double()) * scale
+            expected = torch.einsum("ht,thd->hd", scores.softmax(-1), v_ctx.double()).float()
+            torch.testing.assert_close(out[row], expected, atol=2e-5, rtol=1e-4)
+            row += 1
+    # Split or not, the result is the same function: one split per sequence.
+    saved = triton_paged.SPLIT_BELOW_PROGRAMS
+    try:
+        triton_paged.SPLIT_BELOW_PROGRAMS = 0
+        whole = triton_paged.paged_attention(
+            q.to(device), cache[0], cache[1], metadata, scale, window
+        ).cpu()
+    finally:
+        triton_paged.SPLIT_BELOW_PROGRAMS = saved
+    torch.testing.assert_close(whole, out, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,6 +27,8 @@ from tandem.models.loader import LoadedModel, load_model
 from tandem.models.moe import SparseMoE
 from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
+from tandem.runner.attention.triton_paged import TritonPagedAttention
+from tandem.runner.cuda_graphs import DecodeGraphs
 from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
@@ -85,9 +87,12 @@ class ModelRunner:
         proposer: Proposer | None = None,
         kv_cache_dtype: str = "auto",
         tp: TensorParallel | None = None,
+        cuda_graph_batch: int = 0,
     ) -> None:
         """``tp``: this process is one rank of a tensor-parallel group; ``loaded`` holds
-        its shard (load_model's ``tensor_parallel``)."""
+        its shard (load_model's ``tensor_parallel``). ``cuda_graph_batch``: on a CUDA
+        GPU, decode steps of up to this many sequences replay CUDA graphs
+        (cuda_graphs.py; 0: every step runs eagerly)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -97,7 +102,7 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype,
             shared_file=None if tp is None else tp.kv_file,
         )  # fmt: skip
-        self.attention = paged_backend(loaded.device, loaded.dtype)
+        self.attention = paged_backend(loaded.device, loaded.dtype, self.kv_cache.dtype)
 
         def method_for(layer):
             return linear_method_for(layer, loaded.device, loaded.dtype)
@@ -114,6 +119,13 @@ class ModelRunner:
             host_memory.give_back()  # the loader's freed temporaries: 55 MB on an 8B file
             host_memory.keep_large_temporaries()
         self.moe_layers = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
+        self.graphs = None
+        capturable = self.attention is TritonPagedAttention and not self.moe_layers and tp is None
+        if cuda_graph_batch > 0 and capturable and loaded.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                loaded.model, self.kv_cache, block_size, loaded.config.layer_windows(),
+                cuda_graph_batch,
+            )  # fmt: skip
         # Requests with a seed sample from their own generator (input_batch.py); the
         # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
@@ -213,8 +225,9 @@ class ModelRunner:
                 capacity, max_model_len,
             )  # fmt: skip
         runner = cls(
-            loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp
-        )
+            loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp,
+            0 if config.enforce_eager else config.scheduler.max_num_seqs,
+        )  # fmt: skip
         if tp is not None and tp.kv_file is not None:
             tp.smallest(0)  # every rank's cache file exists before rank 0 maps them
         runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
@@ -407,7 +420,17 @@ class ModelRunner:
     def hidden_states(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """The model over the chunks' tokens as one flat batch -> final hidden states
         [T, hidden] (K/V written to the cache)."""
-        metadata = build_paged_metadata(
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(
+            [c.token_ids for c in chunks], [c.verifies for c in chunks]
+        ):
+            return graphs.run(
+                [c.token_ids[0] for c in chunks],
+                [c.num_computed_tokens for c in chunks],
+                [c.block_table for c in chunks],
+            )
+        build = getattr(self.attention, "build_metadata", build_paged_metadata)
+        metadata = build(
             [len(c.token_ids) for c in chunks],
             [c.num_computed_tokens for c in chunks],
             [c.block_table for c in chunks],

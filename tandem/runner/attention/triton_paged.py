@@ -1,0 +1,366 @@
+"""The CUDA backend: one Triton kernel attends the whole flat batch straight from the
+paged cache (decodes, verification rows, prompt chunks after cached tokens and fresh
+prompts alike), with no gather, no mask tensor and no per-group launches.
+
+Per layer one launch writes the new K/V rows at their slots (rounded to the cache's
+type, as the torch backend does, so a prompt's result does not depend on how it was
+chunked; a negative slot, a CUDA graph's padding row, is skipped), then one launch
+runs a grid of
+
+    (sequence, tile of query rows, KV head)
+
+where a tile's rows are (token, query head of this KV head) pairs: a decode's G query
+heads sharing a KV head are the rows of one tile, so each KV block is read once per KV
+head, not once per query head. A program walks its sequence's keys block-table entry
+by entry up to its last query's position (causal), from its first query's window start
+when the layer slides, with an online softmax in float32 (FlashAttention's recurrence).
+K/V may be stored as the model's type, bfloat16 or fp8 (e4m3, widened on load); int8
+rows with scales take the torch backend.
+
+Metadata (``FlatMetadata``) is plain integers built on the host, packed into one
+pinned buffer and copied to the device in one asynchronous copy: building a step's
+metadata never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.runner.attention.torch_sdpa import TorchPagedAttention
+
+try:  # bundled with CUDA builds of torch; TRITON_INTERPRET=1 runs it on the CPU
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+
+@dataclass
+class FlatMetadata:
+    """One forward's sequences as the kernel reads them (all int64 on the device)."""
+
+    positions: torch.Tensor  # [T] each token's position in its sequence
+    slot_mapping: torch.Tensor  # [T] the cache slot its K/V goes to
+    query_starts: torch.Tensor  # [S + 1] flat-batch index of each sequence's first token
+    num_computed: torch.Tensor  # [S] tokens cached before this forward
+    block_tables: torch.Tensor  # [S, Nb] padded with block 0 (never read past context)
+    num_seqs: int
+    max_query_len: int
+    layer_windows: tuple[int | None, ...] = ()
+    num_tokens: int = 0
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
+
+
+def build_flat_metadata(
+    query_lens: Sequence[int],
+    num_computed: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    layer_windows: Sequence[int | None] = (),
+    device: torch.device | str = "cpu",
+    verifying: Sequence[bool] | None = None,  # (verification rows are ordinary rows here)
+) -> FlatMetadata:
+    """Vectorised over tokens with numpy: a step of 10,000 decodes is built in a few
+    milliseconds (one Python pass over the block tables)."""
+    device = torch.device(device)
+    num_seqs = len(query_lens)
+    q_lens = np.fromiter(query_lens, np.int64, num_seqs)
+    computed = np.fromiter(num_computed, np.int64, num_seqs)
+    used = (computed + q_lens + block_size - 1) // block_size
+    width = int(used.max())
+    num_tokens = int(q_lens.sum())
+    # One host buffer: positions, slots, starts, computed, tables, copied in one go.
+    sizes = (num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width)
+    host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    positions, slots, starts, computed_out, tables = (t.numpy() for t in host.split(sizes))
+    tables = tables.reshape(num_seqs, width)
+    starts[0] = 0
+    np.cumsum(q_lens, out=starts[1:])
+    computed_out[:] = computed
+    owner = np.repeat(np.arange(num_seqs), q_lens)  # each token's sequence
+    np.add(computed[owner], np.arange(num_tokens) - starts[owner], out=positions)
+    # Each table's used entries, padded with its last one (never read past context).
+    flat = np.fromiter(
+        itertools.chain.from_iterable(
+            t[:n] for t, n in zip(block_tables, used.tolist(), strict=True)
+        ),
+        np.int64,
+        int(used.sum()),
+    )
+    tables[:] = flat[
+        np.minimum(np.arange(width)[None, :], used[:, None] - 1) + (np.cumsum(used) - used)[:, None]
+    ]
+    np.add(tables[owner, positions // block_size] * block_size, positions % block_size, out=slots)
+    flat_device = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    positions_t, slots_t, starts_t, computed_t, tables_t = flat_device.split(sizes)
+    return FlatMetadata(
+        positions_t,
+        slots_t,
+        starts_t,
+        computed_t,
+        tables_t.view(num_seqs, width),
+        num_seqs,
+        int(q_lens.max()),
+        tuple(layer_windows) if any(w is not None for w in layer_windows) else (),
+        num_tokens,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention(
+        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, computed_ptr,
+        part_acc_ptr, part_top_ptr, part_total_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_table,
+        scale, window, splits, keys_per_split,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (sequence, tile x split, KV head): a tile's rows over the keys of one
+        split of the context (SPLIT: written as partial results for _combine_splits;
+        else one split, normalised and written out)."""
+        seq = tl.program_id(0)
+        tile = tl.program_id(1) // splits
+        split = tl.program_id(1) % splits
+        kv_head = tl.program_id(2)
+        first_token = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - first_token
+        done = tl.load(computed_ptr + seq)
+        local = tl.arange(0, BLOCK_M)
+        rows = tile * BLOCK_M + local
+        tok = rows // G
+        head = kv_head * G + rows % G
+        row_real = tok < q_len
+        dims = tl.arange(0, BLOCK_D)
+        dim_real = dims < HEAD_DIM
+        q_pos = done + tok
+        q = tl.load(
+            q_ptr + (first_token + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+            + dims[None, :],
+            mask=row_real[:, None] & dim_real[None, :], other=0.0,
+        )  # fmt: skip
+        last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+        # keys [start, end) cover every row of the tile; none for a tile past the
+        # sequence's rows (the grid is as tall as the longest sequence needs)
+        end = tl.where(tile * BLOCK_M < q_len * G, done + last_tok + 1, 0)
+        start = done * 0
+        if window > 0:
+            start = tl.maximum(done + tile * BLOCK_M // G - window + 1, 0)
+        start = tl.maximum(start, split * keys_per_split)
+        start = (start // BLOCK_N) * BLOCK_N
+        end = tl.minimum(end, (split + 1) * keys_per_split)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        keys = tl.arange(0, BLOCK_N)
+        for n in range(start, end, BLOCK_N):
+            k_pos = n + keys
+            k_real = (k_pos < end) & (k_pos >= start)
+            block = tl.load(tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_real, other=0)
+            offsets = (
+                block[:, None] * stride_kb + (k_pos % PAGE)[:, None] * stride_ks
+                + kv_head * stride_kh + dims[None, :]
+            )  # fmt: skip
+            kv_mask = k_real[:, None] & dim_real[None, :]
+            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_real[None, :]
+            if window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(s, 1))
+            # Rows with nothing allowed yet keep -inf: exp(-inf - -inf) would be NaN.
+            safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+            p = tl.exp(s - safe_top[:, None])
+            correction = tl.exp(top - safe_top)
+            total = total * correction + tl.sum(p, 1)
+            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            top = new_top
+        if SPLIT:
+            at = ((seq * tl.num_programs(2) + kv_head) * splits + split) * BLOCK_M + local
+            tl.store(part_top_ptr + at, top)
+            tl.store(part_total_ptr + at, total)
+            tl.store(part_acc_ptr + at[:, None] * BLOCK_D + dims[None, :], acc)
+        else:
+            acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(
+                out_ptr + (first_token + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+                + dims[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_real[:, None] & dim_real[None, :],
+            )  # fmt: skip
+
+    @triton.jit
+    def _combine_splits(
+        out_ptr, starts_ptr, part_acc_ptr, part_top_ptr, part_total_ptr,
+        stride_ot, stride_oh, splits,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """A decode tile's splits merged by their maxima and sums (flash-decoding)."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        first_token = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - first_token
+        local = tl.arange(0, BLOCK_M)
+        tok = local // G
+        head = kv_head * G + local % G
+        part = tl.arange(0, SPLITS)
+        at = ((seq * tl.num_programs(1) + kv_head) * splits + part)[:, None] * BLOCK_M + local[
+            None, :
+        ]
+        real = (part < splits)[:, None] & (local >= 0)[None, :]
+        tops = tl.load(part_top_ptr + at, mask=real, other=float("-inf"))
+        totals = tl.load(part_total_ptr + at, mask=real, other=0.0)
+        best = tl.max(tops, 0)
+        safe = tl.where(best == float("-inf"), 0.0, best)
+        weight = tl.exp(tops - safe[None, :])
+        total = tl.sum(weight * totals, 0)
+        dims = tl.arange(0, BLOCK_D)
+        acc = tl.load(part_acc_ptr + at[:, :, None] * BLOCK_D + dims[None, None, :],
+                      mask=real[:, :, None], other=0.0)  # fmt: skip
+        out = tl.sum(weight[:, :, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(
+            out_ptr + (first_token + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(tok < q_len)[:, None] & (dims < HEAD_DIM)[None, :],
+        )  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    ):  # fmt: skip
+        """Token t's K/V rows of one KV head to its slot (none when the slot is < 0: a
+        CUDA graph's padding rows)."""
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            dims = tl.arange(0, BLOCK_D)
+            real = dims < HEAD_DIM
+            k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=real)
+            v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=real)
+            if FP8:  # saturate at e4m3's largest value, as cache_rows does
+                k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+                v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+            at = slot * stride_cs + head * stride_ch + dims
+            tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=real)
+            tl.store(v_cache_ptr + at, v.to(v_cache_ptr.dtype.element_ty), mask=real)
+
+
+def write_kv(k, v, k_blocks, v_blocks, slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] (any strides but the last) to the cache's slots, rounded to
+    its type; tokens whose slot is negative are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv[(num_tokens, num_kv_heads)](
+        k, v, k_blocks, v_blocks, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_blocks.stride(1), k_blocks.stride(2),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_blocks.dtype == torch.float8_e4m3fn, num_warps=1,
+    )  # fmt: skip
+
+
+# A decode batch whose (sequence, KV head) programs are fewer than this splits each
+# sequence's keys among several programs (flash-decoding): a batch of one on a GPU of
+# 132 multiprocessors otherwise runs 8 programs, each walking the whole context.
+SPLIT_BELOW_PROGRAMS = 512
+KEYS_PER_SPLIT_MIN = 128
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    metadata: FlatMetadata,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] (T tokens of ``metadata``'s sequences), k/v_blocks [num_blocks,
+    block_size, Hkv, D] holding every token's K/V already -> [T, H, D]: each token
+    attends its sequence's positions up to its own (within ``window`` when given).
+
+    The launch depends on host-side shapes only (sequences, longest query, block
+    table width), so a CUDA graph replays it for any contents of the metadata."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page = k_blocks.shape[2], k_blocks.shape[1]
+    g = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_seqs = metadata.num_seqs
+    prompt_like = metadata.max_query_len * g > 16
+    block_m = 64 if prompt_like else 16
+    block_n = 64 if prompt_like else 32
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tiles = -(-metadata.max_query_len * g // block_m)
+    capacity = metadata.block_tables.shape[1] * page  # keys a sequence may have
+    splits = 1
+    if tiles == 1 and num_seqs * num_kv_heads < SPLIT_BELOW_PROGRAMS:
+        wanted = -(-SPLIT_BELOW_PROGRAMS // (num_seqs * num_kv_heads))
+        splits = max(1, min(wanted, capacity // KEYS_PER_SPLIT_MIN))
+    keys_per_split = -(-capacity // splits)
+    keys_per_split = -(-keys_per_split // block_n) * block_n
+    parts = (None, None, None)
+    if splits > 1:
+        rows = num_seqs * num_kv_heads * splits * block_m
+        parts = (
+            q.new_empty(rows, block_d, dtype=torch.float32),
+            q.new_empty(rows, dtype=torch.float32),
+            q.new_empty(rows, dtype=torch.float32),
+        )
+    _paged_attention[(num_seqs, tiles * splits, num_kv_heads)](
+        out, q, k_blocks, v_blocks, metadata.block_tables, metadata.query_starts,
+        metadata.num_computed, *(p if p is not None else out for p in parts),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+        metadata.block_tables.stride(0),
+        scale, window or 0, splits, keys_per_split,
+        G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+        num_warps=4 if prompt_like else 2,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits[(num_seqs, num_kv_heads)](
+            out, metadata.query_starts, *parts, out.stride(0), out.stride(1), splits,
+            G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+            SPLITS=triton.next_power_of_2(splits), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D] (see kv_cache.py)."""
+
+    build_metadata = staticmethod(build_flat_metadata)
+
+    def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
+        k_blocks, v_blocks = self.kv_cache[layer_idx]
+        write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)
+        return paged_attention(q, k_blocks, v_blocks, self.metadata, scale,
+                               self.metadata.window(layer_idx))  # fmt: skip
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return triton is not None and device.type == "cuda"
