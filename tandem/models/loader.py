@@ -34,6 +34,7 @@ from tandem.models.sharding import ShardPlan, shard_model
 from tandem.models.tokenizer import Tokenizer
 from tandem.models.weight_loading import load_weights
 from tandem.models.weight_source import SafetensorsCheckpoint, read_json
+from tandem.quant import split_blocks
 from tandem.quant.blocks import BLOCK
 
 
@@ -142,12 +143,13 @@ def load_model(
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
     ``quantization``: ``auto`` keeps a GGUF file's formats (weights stay quantized on
-    a CPU with the compiled kernels; elsewhere every tensor is dequantized to
-    ``dtype``, as transformers' GGUF loader does, which is also the reference the tests
-    compare the kernels with) and a float checkpoint float; ``none`` makes every
-    weight float in ``dtype``; ``q8_0`` / ``q4_0`` / ``q4_k`` quantize every linear
-    layer on load into that llama.cpp format. ``tensor_parallel``: (rank, size): the
-    rank's shard of every weight (models/sharding.py); the config is then the rank's."""
+    a CPU with the compiled kernels, and Q4_0 / Q8_0 matrices on a CUDA GPU with
+    Triton; any other tensor is dequantized to ``dtype``, as transformers' GGUF loader
+    does, which is also the reference the tests compare the kernels with) and a float
+    checkpoint float; ``none`` makes every weight float in ``dtype``; ``q8_0`` /
+    ``q4_0`` / ``q4_k`` quantize every linear layer on load into that llama.cpp format.
+    ``tensor_parallel``: (rank, size): the rank's shard of every weight
+    (models/sharding.py); the config is then the rank's."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(
             f"quantization {quantization!r} is not supported (use {', '.join(QUANTIZATIONS)})"
@@ -167,7 +169,7 @@ def load_model(
     keep = (
         gguf_file is not None
         and quantization == "auto"
-        and cpu_kernels.available(device, torch.float32)
+        and (cpu_kernels.available(device, torch.float32) or split_blocks.runs_on(device))
     )
     with source, torch.no_grad():
         tensors = list(source.tensors())

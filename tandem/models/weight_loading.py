@@ -6,6 +6,9 @@
                         kernels): PackedWeight parts (models/quantized.py), the float
                         weight never allocated; the embedding as QuantizedEmbedding, a
                         tied LM head sharing its PackedWeight
+                split   on a CUDA GPU, Linear matrices whose every part is Q4_0 / Q8_0:
+                        the blocks' values and scales apart (quant/split_blocks.py), on
+                        the device as ``block_parts``
                 half    float16 / bfloat16 matrices of a float32 model, kept at 2 bytes
                 float   everything else: converted to the model's dtype, a GGUF tensor
                         dequantized through float32 1,024 rows at a time
@@ -40,16 +43,26 @@ from tandem.models.sharding import ShardPlan
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import GGMLType, dequantize
 from tandem.quant.packed import ROWS, PackedWeight
+from tandem.quant.split_blocks import FORMATS as SPLIT_FORMATS
+from tandem.quant.split_blocks import BlockWeight, add_block_part
 
-PACKED, HALF, FLOAT = "packed", "half", "float"
+PACKED, HALF, FLOAT, SPLIT = "packed", "half", "float", "split"
 Part = tuple[int | None, CheckpointTensor]
 
 
 def _layout(
-    module: nn.Module | None, kind: str, parts: list[Part], keep: bool, dtype: torch.dtype
+    module: nn.Module | None,
+    kind: str,
+    parts: list[Part],
+    keep: bool,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> str:
     if not keep or kind != "weight":
         return FLOAT
+    if device.type == "cuda":  # Q4_0 / Q8_0 matrices as split blocks; the rest widened
+        split = isinstance(module, Linear) and all(t.type in SPLIT_FORMATS for _, t in parts)
+        return SPLIT if split else FLOAT
     types = {t.type for _, t in parts}
     one_half_type = len(types) == 1 and types <= {GGMLType.F16, GGMLType.BF16}
     if isinstance(module, Linear) and dtype == torch.float32 and one_half_type:
@@ -115,7 +128,7 @@ def load_weights(
     for param_name, parts in by_param.items():
         module_name, _, kind = param_name.rpartition(".")
         module = modules.get(module_name)
-        layout = layouts[param_name] = _layout(module, kind, parts, keep_quantized, dtype)
+        layout = layouts[param_name] = _layout(module, kind, parts, keep_quantized, dtype, device)
         if layout == FLOAT:
             continue
         if layout == PACKED and _joinable(module, parts):
@@ -137,6 +150,10 @@ def load_weights(
             joints[param_name].fill(part, tensor)
         elif layout == PACKED:
             _load_packed(model, modules[module_name], module_name, part, tensor, dtype, tied_head)
+        elif layout == SPLIT:
+            module = modules[module_name]
+            weight = BlockWeight.from_ggml(tensor.type, tensor.read(), device)
+            add_block_part(module, _row_start(module, part), weight)
         elif layout == HALF:
             module = modules[module_name]
             set_half_weight_part(module, _row_start(module, part), tensor.read())

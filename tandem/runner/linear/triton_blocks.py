@@ -1,0 +1,283 @@
+"""GGUF block formats on a CUDA GPU: Q4_0 and Q8_0 matrices stay in their blocks
+(quant/split_blocks.py: values and scales apart) and are dequantized inside the matmul
+(Triton), so the GPU holds the file's bytes and a decode step reads each weight once,
+at 4.5 or 8.5 bits.
+
+``block_matmul`` multiplies activations x [M, K] by such a matrix, each weight byte
+read once per product:
+
+    M <= GEMV_M   a GEMV kernel (no matrix units: each weight widened once, multiplied
+                  with every row, a block's products summed before its scale) or the
+                  tile kernel, whichever is measured faster for the matrix's shape on
+                  this GPU (timed on first use; ``chosen_kernels`` says which)
+    M <= SMALL_M  the tile kernel: blocks widened in registers, then the matrix units
+                  (tl.dot) with float32 accumulation
+    above         the matrix widened to the activations' type a slice of rows at a time
+                  and multiplied by cuBLAS (prefill is compute-bound: the widening pass
+                  is a few percent of the product's time)
+
+Each kernel's tile sizes are tuned per shape on first use (triton.autotune).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.models.linear import Linear
+from tandem.quant.split_blocks import BlockWeight, join
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+SMALL_M = 64  # rows of activations up to which the fused kernels run
+WIDEN_ROWS = 4096  # rows of the matrix widened at a time above it
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_matmul(
+        out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
+        stride_xm, stride_om, stride_vn, stride_sn,
+        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_real, n_real = m < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        groups = tl.arange(0, BLOCK_K // 32)
+        if BITS == 4:
+            # Byte c of a tile: block c // 16, weights (c % 16) and (c % 16) + 16.
+            c = tl.arange(0, BLOCK_K // 2)
+            low_col = (c // 16) * 32 + c % 16
+            for k in range(0, K, BLOCK_K):
+                real = n_real[:, None] & ((k + low_col) < K)[None, :]
+                packed = tl.load(
+                    values_ptr + n[:, None] * stride_vn + (k // 2 + c)[None, :], mask=real, other=0
+                )
+                scale = tl.load(
+                    scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
+                    mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
+                ).to(tl.float32)[:, :, None]  # fmt: skip
+                shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
+                w_low = tl.reshape(tl.reshape((packed & 15).to(tl.float32) - 8.0, shape) * scale,
+                                   (BLOCK_N, BLOCK_K // 2))  # fmt: skip
+                w_high = tl.reshape(tl.reshape((packed >> 4).to(tl.float32) - 8.0, shape) * scale,
+                                    (BLOCK_N, BLOCK_K // 2))  # fmt: skip
+                x_mask = m_real[:, None] & ((k + low_col) < K)[None, :]
+                x_row = x_ptr + m[:, None] * stride_xm + k
+                x_low = tl.load(x_row + low_col[None, :], mask=x_mask, other=0.0)
+                x_high = tl.load(x_row + low_col[None, :] + 16, mask=x_mask, other=0.0)
+                acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
+                acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
+        else:
+            cols = tl.arange(0, BLOCK_K)
+            for k in range(0, K, BLOCK_K):
+                real = n_real[:, None] & ((k + cols) < K)[None, :]
+                q = tl.load(
+                    values_ptr + n[:, None] * stride_vn + (k + cols)[None, :], mask=real, other=0
+                )
+                scale = tl.load(
+                    scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
+                    mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
+                ).to(tl.float32)[:, :, None]  # fmt: skip
+                w = tl.reshape(
+                    tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale,
+                    (BLOCK_N, BLOCK_K),
+                )
+                x = tl.load(
+                    x_ptr + m[:, None] * stride_xm + (k + cols)[None, :],
+                    mask=m_real[:, None] & ((k + cols) < K)[None, :], other=0.0,
+                )  # fmt: skip
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        tl.store(
+            out_ptr + m[:, None] * stride_om + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_real[:, None] & n_real[None, :],
+        )
+
+
+if triton is not None:
+    # Decode-sized products are a pass over the weights: the tile that keeps the most
+    # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
+    # timed once over these on first use (outside any CUDA graph: the runner's warm-up
+    # before capture) and the fastest kept (``_tuned.cache``).
+    _CONFIGS = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for n, k, w, st in (
+            (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
+            (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+        )
+    ]  # fmt: skip
+    _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"])(_block_matmul)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_gemv(
+        out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
+        stride_xm, stride_om, stride_vn, stride_sn,
+        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M, without the matrix units:
+        each weight widened once and multiplied with every row in registers; each
+        32-weight block's products summed before its scale multiplies them."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_real, n_real = m < M, n < N
+        groups = tl.arange(0, BLOCK_K // 32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            scale = tl.load(
+                scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
+                mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
+            ).to(tl.float32)  # fmt: skip
+            if BITS == 4:
+                c = tl.arange(0, BLOCK_K // 2)
+                low_col = (c // 16) * 32 + c % 16
+                real = n_real[:, None] & ((k + low_col) < K)[None, :]
+                packed = tl.load(
+                    values_ptr + n[:, None] * stride_vn + (k // 2 + c)[None, :], mask=real, other=0
+                )
+                w_low = (packed & 15).to(tl.float32) - 8.0
+                w_high = (packed >> 4).to(tl.float32) - 8.0
+                x_mask = m_real[:, None] & ((k + low_col) < K)[None, :]
+                x_row = x_ptr + m[:, None] * stride_xm + k
+                x_low = tl.load(x_row + low_col[None, :], mask=x_mask, other=0.0).to(tl.float32)
+                x_high = tl.load(x_row + low_col[None, :] + 16, mask=x_mask, other=0.0)
+                products = x_low[:, None, :] * w_low[None, :, :]
+                products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
+                per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 16)), 3)
+            else:
+                cols = tl.arange(0, BLOCK_K)
+                real = n_real[:, None] & ((k + cols) < K)[None, :]
+                q = tl.load(
+                    values_ptr + n[:, None] * stride_vn + (k + cols)[None, :], mask=real, other=0
+                ).to(tl.float32)
+                x = tl.load(
+                    x_ptr + m[:, None] * stride_xm + (k + cols)[None, :],
+                    mask=m_real[:, None] & ((k + cols) < K)[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                products = x[:, None, :] * q[None, :, :]
+                per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 32)), 3)
+            acc += tl.sum(per_block * scale[None, :, :], 2)
+        tl.store(
+            out_ptr + m[:, None] * stride_om + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_real[:, None] & n_real[None, :],
+        )
+
+    _GEMV_CONFIGS = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for n, k, w, st in (
+            (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
+            (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
+        )
+    ]  # fmt: skip
+    _tuned_gemv = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "BLOCK_M"])(_block_gemv)
+
+GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
+# (N, K, rows bucket, bits) -> "gemv" or "dot", the kernel measured fastest on this GPU,
+# and (..., "us") -> both candidates' times
+_CHOSEN: dict[tuple, object] = {}
+FORCE: str | None = None  # "gemv" / "dot": that kernel whatever was measured (tests)
+
+
+def chosen_kernels() -> dict[str, str]:
+    """What was measured and chosen per (N, K, rows bucket, bits), for benchmarks."""
+    return {
+        str(key): f"{kernel} (gemv {_CHOSEN[(*key, 'us')][0]:.1f} us, "
+        f"dot {_CHOSEN[(*key, 'us')][1]:.1f} us)"
+        for key, kernel in _CHOSEN.items()
+        if key[-1] != "us"
+    }
+
+
+def block_matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None):
+    """x [M, K] (float16 / bfloat16 / float32, last dim contiguous) -> [M, N] in x's
+    type; ``out`` may be a column slice of a wider matrix."""
+    m = x.shape[0]
+    if out is None:
+        out = x.new_empty(m, weight.rows)
+    if m > SMALL_M or triton is None:
+        for first in range(0, weight.rows, WIDEN_ROWS):
+            rows = slice(first, min(first + WIDEN_ROWS, weight.rows))
+            out[:, rows] = x @ weight.dequantize(x.dtype, rows).t()
+        return out
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    gemv_rows = triton.next_power_of_2(m)  # the GEMV's rows per program
+    args = (
+        out, x, weight.values, weight.scales, m, weight.rows, weight.columns,
+        x.stride(0), out.stride(0), weight.values.stride(0), weight.scales.stride(0),
+    )  # fmt: skip
+    n = weight.rows
+
+    def dot():
+        grid = lambda meta: (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        _tuned[grid](*args, BITS=weight.bits, BLOCK_M=block_m)
+
+    def gemv():
+        grid = lambda meta: (1, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        _tuned_gemv[grid](*args, BITS=weight.bits, BLOCK_M=gemv_rows)
+
+    if not x.is_cuda:  # Triton's interpreter (TRITON_INTERPRET=1), in tests
+        use_gemv = FORCE == "gemv" or (FORCE is None and m <= GEMV_M)
+        kernel = _block_gemv if use_gemv else _block_matmul
+        grid = (1 if use_gemv else triton.cdiv(m, block_m), triton.cdiv(n, 32))
+        kernel[grid](*args, BITS=weight.bits, BLOCK_M=gemv_rows if use_gemv else block_m,
+                     BLOCK_N=32, BLOCK_K=256)  # fmt: skip
+        return out
+    if FORCE is not None or m > GEMV_M:
+        (gemv if FORCE == "gemv" else dot)()
+        return out
+    key = (n, weight.columns, gemv_rows, weight.bits)
+    if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
+        gemv(), dot()  # (the first runs tune each kernel's tiles)
+        times = [1e3 * triton.testing.do_bench(run, warmup=5, rep=20) for run in (gemv, dot)]
+        _CHOSEN[key] = "gemv" if times[0] <= times[1] else "dot"
+        _CHOSEN[(*key, "us")] = times
+    (gemv if _CHOSEN[key] == "gemv" else dot)()
+    return out
+
+
+class BlockLinearMethod:
+    """Linear layers whose matrices are GGUF Q4_0 / Q8_0 blocks on the GPU
+    (``layer.block_parts``: (first output row, BlockWeight), set by the loader)."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        parts = join(sorted(layer.block_parts, key=lambda part: part[0]))
+        covered = sum(weight.rows for _, weight in parts)
+        if covered != layer.out_features:
+            raise ValueError(f"block parts cover {covered} of {layer.out_features} output rows")
+        layer.block_parts = parts
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        parts = layer.block_parts
+        if len(parts) == 1:
+            out = block_matmul(x2, parts[0][1])
+        else:
+            out = x2.new_empty(x2.shape[0], layer.out_features)
+            for start, weight in parts:
+                block_matmul(x2, weight, out[:, start : start + weight.rows])
+        if layer.bias is not None:
+            out += layer.bias
+        return out.reshape(*shape[:-1], layer.out_features)
+
+
+def supported(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
