@@ -18,6 +18,7 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.kernels import cpu as cpu_kernels
+from tandem.kernels import cuda as cuda_kernels
 from tandem.models.config import RopeConfig
 
 
@@ -32,7 +33,7 @@ class AttentionContext(Protocol):
 class RMSNorm(nn.Module):
     """``norm(x)``, or with the residual stream ``norm(x, residual) -> (normed, sum)``
     where ``sum = x + residual``: the pre-norm block's add and norm in one pass. On the
-    CPU kernel path the sum is written into ``residual`` in place."""
+    kernel paths (CPU, CUDA) the sum is written into ``residual`` in place."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -50,6 +51,11 @@ class RMSNorm(nn.Module):
             out = x.new_empty(x.shape)  # per head (q/k norms), strided tokens and heads
             cpu_kernels.load().rms_norm_heads(out, x, self.multiplier(), self.eps)
             return out
+        if cuda_kernels.enabled(x) and x.stride(-1) == 1 and x.dim() in (2, 3):
+            if residual is None:
+                return cuda_kernels.rms_norm(x, self.multiplier(), self.eps)
+            if x.dim() == 2 and residual.stride(-1) == 1:
+                return cuda_kernels.rms_norm(x, self.multiplier(), self.eps, residual), residual
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -84,6 +90,8 @@ def _act_and_mul(x: torch.Tensor, kernel: str, act) -> torch.Tensor:
         out = x.new_empty(x.shape[0], size)
         getattr(cpu_kernels.load(), kernel)(out, x)
         return out
+    if x.dim() == 2 and x.stride(-1) == 1 and cuda_kernels.enabled(x):
+        return cuda_kernels.act_and_mul(x, gelu=kernel != "silu_and_mul")
     return act(x[..., :size]) * x[..., size:]
 
 
@@ -239,7 +247,7 @@ class RotaryEmbedding(nn.Module):
             needed = self.max_position_embeddings
         table = self._table(needed, positions.device)
         prepared = RotaryPositions(positions, table)
-        if not cpu_kernels.enabled(positions.device, dtype):
+        if not cpu_kernels.enabled(positions.device, dtype) and not cuda_kernels.enabled(table):
             half = self.rotary_dim // 2
             rows = table[positions]
             cos, sin = rows[:, :half], rows[:, half:]
@@ -250,9 +258,12 @@ class RotaryEmbedding(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, rope: RotaryPositions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] -> rotated (in place on the kernel path)."""
+        """q [T, H, D], k [T, Hkv, D] -> rotated (in place on the kernel paths)."""
         if rope.cos is None:
-            cpu_kernels.load().rotary(q, k, rope.positions, rope.cos_sin)
+            if q.is_cuda:
+                cuda_kernels.rotary(q, k, rope.positions, rope.cos_sin)
+            else:
+                cpu_kernels.load().rotary(q, k, rope.positions, rope.cos_sin)
             return q, k
         return self._rotated(q, rope.cos, rope.sin), self._rotated(k, rope.cos, rope.sin)
 
