@@ -66,7 +66,7 @@ def main() -> None:
     generate_recompute(loaded, prompts[:8], 4)
     generate_with_cache(loaded, prompt_lists[:8], 4)
 
-    naive_times, cached_times = [], []
+    naive_times, cached_times, same = [], [], []
     for _ in range(args.repeats):
         t, naive = timed(lambda: generate_recompute(loaded, prompts, args.new_tokens), device)
         naive_times.append(t)
@@ -75,13 +75,16 @@ def main() -> None:
             device,
         )
         cached_times.append(t)
-        assert torch.equal(naive.cpu(), cached.cpu()), "cached and naive greedy outputs differ"
+        # Equal token for token on the CPU; on a GPU the two paths' attention kernels
+        # round differently, and a near-tie between two logits may go either way.
+        same.append((naive == cached).all(dim=1).float().mean().item())
+        assert device.type != "cpu" or same[-1] == 1.0, "cached and naive greedy outputs differ"
     naive_s, cached_s = statistics.median(naive_times), statistics.median(cached_times)
     tokens = args.batch * args.new_tokens
     where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     print(f"device: {device.type} ({where}), threads {torch.get_num_threads()}, dtype {args.dtype}")
     print(f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} greedy tokens")
-    print(f"median of {args.repeats} runs; outputs identical token for token\n")
+    print(f"median of {args.repeats} runs; {100 * min(same):.2f}% of sequences identical\n")
     print(f"{'path':<24}{'seconds':>10}{'tokens/s':>14}")
     print(f"{'naive (recompute)':<24}{naive_s:>10.3f}{tokens / naive_s:>14.0f}")
     print(f"{'tandem paged KV cache':<24}{cached_s:>10.3f}{tokens / cached_s:>14.0f}")

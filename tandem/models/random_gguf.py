@@ -63,7 +63,12 @@ class Shape:
         return self.head_size or self.hidden // self.heads
 
     def config(self) -> ModelConfig:
-        """The shape as the model class parses it (a config.json's keys)."""
+        """The shape as the model class parses it."""
+        raw = self.raw_config()
+        return model_class_for(raw).parse_config(raw)
+
+    def raw_config(self) -> dict:
+        """The shape as a config.json's keys."""
         raw = {
             "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
@@ -84,7 +89,7 @@ class Shape:
                            shared_expert_intermediate_size=self.shared_intermediate)  # fmt: skip
             else:
                 raw["intermediate_size"] = self.expert_intermediate
-        return model_class_for(raw).parse_config(raw)
+        return raw
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """(GGUF name, dimensions) of every matrix, in llama.cpp's file order: [rows,
@@ -140,6 +145,9 @@ class Shape:
 
 
 SHAPES = {
+    "smollm2-135m": Shape(
+        576, 30, 9, 3, 1536, tied=True, vocab=49152, rope_theta=100000.0, context=8192
+    ),
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 8192, tied=True),
     "llama-3.2-3b": Shape(3072, 28, 24, 8, 8192, tied=True),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, tied=False),

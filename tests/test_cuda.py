@@ -1,0 +1,262 @@
+"""The CUDA path against its references: transformers on the same weights on the same
+GPU (float32 and bfloat16), the engine's greedy output under chunking, preemption,
+prefix caching and speculation, and the split-block GGUF matmul against
+dequantize-then-matmul. Every test skips without a CUDA GPU, except the block matmul,
+which also runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.llm import LLM
+from tandem.models.loader import load_model
+from tandem.quant.blocks import GGMLType, dequantize
+from tandem.quant.quantize import quantize
+from tandem.quant.split_blocks import BlockWeight
+from tandem.runner.linear import triton_blocks
+from tandem.runner.model_runner import ModelRunner, SequenceChunk
+from tandem.sampling import SamplingParams
+from tests.hf_models import ARCHITECTURES, VOCAB_SIZE, reference_greedy
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU")
+
+
+def kernel_device() -> torch.device:
+    if triton_blocks.triton is None:
+        pytest.skip("Triton is not installed")
+    if CUDA:
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    pytest.skip("no CUDA GPU (TRITON_INTERPRET=1 runs the kernel on the CPU)")
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double().cpu(), ref.double().cpu()
+    assert not ours.isnan().any(), "NaN in the output"
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize(
+    ("rows", "kernel"),
+    [(1, "gemv"), (5, "gemv"), (1, "dot"), (5, "dot"), (16, None), (40, None), (80, None)],
+)
+def test_block_matmul_matches_dequantize_then_matmul(fmt, rows, kernel, monkeypatch):
+    """Every output written (the output starts as NaN), from fresh random inputs, as
+    the file's blocks mean (the CPU's GGUF dequantizer is the reference): the GEMV and
+    the tile kernel for a few rows, the tile kernel for 16 and 40, and 80 rows the
+    widen-then-cuBLAS path. 320 columns: a tile runs past the end of a row."""
+    device = kernel_device()
+    monkeypatch.setattr(triton_blocks, "FORCE", kernel)
+    code = {"q4_0": GGMLType.Q4_0, "q8_0": GGMLType.Q8_0}[fmt]
+    generator = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 320, generator=generator)
+    raw = quantize(w, code)
+    weight = BlockWeight.from_ggml(code, raw, device)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(rows, 320, generator=generator).to(device, dtype)
+    out = torch.full((rows, 96), float("nan"), device=device, dtype=dtype)
+    triton_blocks.block_matmul(x, weight, out)
+    expected = x.double().cpu() @ dequantize(code, raw, 320).double().t()
+    assert relative_error(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # A column slice of a wider output (how a layer's parts write their rows).
+    wide = torch.full((rows, 200), float("nan"), device=device, dtype=dtype)
+    triton_blocks.block_matmul(x, weight, wide[:, 50:146])
+    assert relative_error(wide[:, 50:146], expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert wide[:, :50].isnan().all() and wide[:, 146:].isnan().all()
+
+
+def kernel_dtypes() -> list[torch.dtype]:
+    # Triton's interpreter does not round float32 to bfloat16 as GPUs (and torch) do
+    return [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to the order of float32 operations; in bfloat16, within one ulp of the
+    values' scale (seen on an H100: 8 of 960 rotary outputs 2^-9 apart, where two
+    rounded products cancel)."""
+    if ours.dtype == torch.float32:
+        rtol, atol = 1e-5, 1e-5
+    else:
+        rtol, atol = 8e-3, 2**-8 * ref.float().abs().max().item()
+    torch.testing.assert_close(ours.cpu().float(), ref.cpu().float(), rtol=rtol, atol=atol)
+
+
+def test_norm_rotary_and_activation_kernels_match_the_torch_path():
+    """The per-token kernels (tandem/kernels/cuda.py) against the torch ops they
+    replace (which follow transformers): RMS norm alone, with the residual added in
+    place, and per head on strided views; rotary embedding over part of each head, in
+    place; SiLU and GELU-tanh gates."""
+    device = kernel_device()
+    from tandem.kernels import cuda as cuda_kernels
+    from tandem.models.config import RopeConfig
+    from tandem.models.layers import RMSNorm, RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in kernel_dtypes():
+
+        def randn(*shape, dtype=dtype):
+            return torch.randn(*shape, generator=generator).to(device, dtype)
+
+        norm = RMSNorm(96, 1e-6).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(randn(96))
+        x, residual = randn(7, 96), randn(7, 96)
+        close(cuda_kernels.rms_norm(x, norm.weight, 1e-6), norm._norm(x))
+        stream = residual.clone()
+        normed = cuda_kernels.rms_norm(x, norm.weight, 1e-6, stream)
+        close(stream, x + residual)
+        close(normed, norm._norm(x + residual))
+        heads = randn(5, 3 * 96)[:, 96:].view(5, 2, 96)  # strided tokens, as q of qkv
+        close(cuda_kernels.rms_norm(heads, norm.weight, 1e-6), norm._norm(heads))
+        rope = RopeConfig(theta=10000.0, rotary_dim=32)
+        rotary = RotaryEmbedding(rope, 512)
+        positions = torch.tensor([0, 3, 511, 17, 2], device=device)
+        table = rotary._table(512, torch.device(device))
+        qkv = randn(5, (4 + 2 + 2) * 48)
+        q, k = qkv[:, : 4 * 48].view(5, 4, 48), qkv[:, 4 * 48 : 6 * 48].view(5, 2, 48)
+        half = 16
+        rows = table[positions]
+        cos = torch.cat((rows[:, :half], rows[:, :half]), -1).to(dtype)[:, None, :]
+        sin = torch.cat((rows[:, half:], rows[:, half:]), -1).to(dtype)[:, None, :]
+        want_q, want_k = rotary._rotated(q, cos, sin), rotary._rotated(k, cos, sin)
+        cuda_kernels.rotary(q, k, positions, table)
+        close(q, want_q)
+        close(k, want_k)
+        gates = randn(6, 2 * 300) * 3
+        for gelu in (False, True):
+            act = (lambda g: F.gelu(g, approximate="tanh")) if gelu else F.silu
+            close(cuda_kernels.act_and_mul(gates, gelu), act(gates[:, :300]) * gates[:, 300:])
+
+
+def prompts(lengths, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_flat_batch_matches_transformers_on_cuda(model_dirs, arch, dtype):
+    """Prompts of several lengths in one flat batch, then a decode step for each, through
+    the paged cache and the Triton attention kernel, against transformers on the same
+    GPU in the same dtype (float32: 1e-4 of the logits' scale; bfloat16: 2e-2 relative,
+    as two bfloat16 implementations of one model differ by rounding)."""
+    folder, hf_model = model_dirs(arch)
+    hf_model = hf_model.to("cuda", dtype)
+    try:
+        loaded = load_model(folder, dtype=dtype, device="cuda")
+        runner = ModelRunner(loaded, 64, 16)
+        assert type(runner.kv_cache) is torch.Tensor and runner.kv_cache.is_cuda
+        assert runner.attention.__name__ == "TritonPagedAttention"
+        batch = prompts([37, 5, 1, 64, 19])
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(batch))]
+        chunks = [SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)]
+        logits = runner.forward(chunks, all_logits=True)
+        next_ids = [random.Random(i).randrange(VOCAB_SIZE) for i in range(len(batch))]
+        steps = [SequenceChunk([t], len(p), table)
+                 for p, t, table in zip(batch, next_ids, tables, strict=True)]  # fmt: skip
+        decoded = runner.forward(steps)
+        start = 0
+        bound = 1e-4 if dtype == torch.float32 else 2e-2
+        for i, ids in enumerate(batch):
+            with torch.no_grad():
+                ref = hf_model(torch.tensor([[*ids, next_ids[i]]], device="cuda")).logits[0].float()
+            ours = torch.cat([logits[start : start + len(ids)], decoded[i : i + 1]]).float()
+            assert relative_error(ours, ref) < bound
+            start += len(ids)
+    finally:
+        hf_model.to("cpu", torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_graph_replay_equals_eager(model_dirs, arch, dtype):
+    """A decode step replayed from a CUDA graph (5 sequences padded to a bucket of 8)
+    gives the eager step's logits, steps after steps, the graph's K/V writes included."""
+    folder, _ = model_dirs(arch)
+    loaded = load_model(folder, dtype=dtype, device="cuda")
+    runner = ModelRunner(loaded, 128, 16, cuda_graph_batch=16)
+    batch = prompts([37, 5, 1, 64, 19], seed=5)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(batch))]
+    runner.forward([SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)])
+    tokens = [7] * len(batch)
+    for step in range(3):
+        chunks = [SequenceChunk([tokens[i]], len(p) + step, tables[i])
+                  for i, p in enumerate(batch)]  # fmt: skip
+        graphed = runner.forward(chunks).clone()
+        graphs, runner.graphs = runner.graphs, None
+        eager = runner.forward(chunks)  # writes the same K/V at the same slots again
+        runner.graphs = graphs
+        assert (8, 8) in graphs.graphs  # replayed: 5 sequences in the bucket of 8
+        bound = 1e-5 if dtype == torch.float32 else 1e-2
+        assert relative_error(graphed, eager) < bound
+        tokens = eager.argmax(-1).tolist()
+        if dtype == torch.float32:  # (bfloat16: cuBLAS's tiles for 5 and 8 rows may differ)
+            assert graphed.argmax(-1).tolist() == tokens
+
+
+SETTINGS = {
+    "eager": dict(enforce_eager=True, max_num_batched_tokens=16, block_size=5, num_blocks=30),
+    "chunked-pressure": dict(max_num_batched_tokens=16, block_size=5, num_blocks=30),
+    "prefix-caching": dict(max_num_batched_tokens=64, block_size=4, num_blocks=200),
+    "no-chunking": dict(max_num_batched_tokens=512, block_size=16, num_blocks=200),
+    "ngram-speculation": dict(
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": None,
+        }
+    ),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_engine_greedy_matches_transformers_on_cuda(model_dirs, setting):
+    """float32 on the GPU: the engine's greedy tokens are transformers' (on the CPU),
+    whatever the chunking, preemption, prefix hits and speculation."""
+    folder, hf_model = model_dirs("llama")
+    batch = prompts([30, 11, 45, 8, 26, 17], seed=3)
+    batch += [batch[0][:24] + batch[3], batch[2][:36] + batch[1][:5]]  # prefix hits
+    expected = reference_greedy(hf_model, batch, 12)
+    llm = LLM(str(folder), device="cuda", dtype="float32", **SETTINGS[setting])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.kv_manager.check_no_leaks()
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_a_gguf_file_runs_on_cuda_in_its_blocks(model_dirs, tmp_path, fmt):
+    """The same Q4_0 / Q8_0 file on the GPU keeps its matrices as split blocks (no
+    float copy) and gives the logits of its dequantized weights (the CPU's float32
+    path over the same file)."""
+    from tandem.models.gguf_export import export_gguf
+
+    folder, _ = model_dirs("llama")
+    path = export_gguf(folder, tmp_path / "model.gguf", fmt)
+    on_gpu = load_model(path, dtype="bfloat16", device="cuda")
+    layer = on_gpu.model.model.layers[0].mlp.gate_up_proj
+    assert layer.block_parts and layer.weight.numel() == 0
+    reference = load_model(path, dtype="float32", device="cpu", quantization="none")
+    batch = prompts([21, 6])
+    tables = [[0, 1], [2]]
+    got = ModelRunner(on_gpu, 8, 16).forward(
+        [SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)], all_logits=True
+    )
+    want = ModelRunner(reference, 8, 16).forward(
+        [SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)], all_logits=True
+    )
+    assert relative_error(got, want) < 2e-2
