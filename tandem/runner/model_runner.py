@@ -421,8 +421,11 @@ class ModelRunner:
         """The model over the chunks' tokens as one flat batch -> final hidden states
         [T, hidden] (K/V written to the cache)."""
         graphs = self.graphs
-        if graphs is not None and graphs.fits(
-            [c.token_ids for c in chunks], [c.verifies for c in chunks]
+        # (a layer-skipping draft runs the model with layers left out: not the graph's)
+        if (
+            graphs is not None
+            and not getattr(self.model, "skipped_layers", ())
+            and graphs.fits([c.token_ids for c in chunks], [c.verifies for c in chunks])
         ):
             return graphs.run(
                 [c.token_ids[0] for c in chunks],
