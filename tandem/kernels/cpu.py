@@ -144,7 +144,12 @@ def build_lock(directory: Path, wait_s: float):
     on a lock its holder left when it was killed). Ours records the holder's pid: a
     lock whose process is gone is stale and removed, a live one is waited for at most
     ``wait_s`` seconds (TimeoutError: the caller falls back to torch ops). Holding
-    ours, any ``lock`` of torch's in the folder is a dead builder's and is removed."""
+    ours, any ``lock`` of torch's in the folder is a dead builder's and is removed.
+
+    Yields ``building()``, which the holder calls when it is about to compile (the
+    lock then reads "<pid> building"): a waiter says it waits for a build only then,
+    not while the holder merely loads a module already built (a second or so, as
+    when several tandem processes start at once)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tandem.lock"
     deadline = time.monotonic() + wait_s
@@ -154,12 +159,13 @@ def build_lock(directory: Path, wait_s: float):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             try:
-                holder = int(path.read_text() or "0")
+                text = path.read_text()
+                holder = int(text.split()[0]) if text.strip() else 0
                 age = time.time() - path.stat().st_mtime
             except FileNotFoundError:
                 continue  # released between our two looks
             except (OSError, ValueError):
-                holder, age = 0, 0.0
+                text, holder, age = "", 0, 0.0
             # No pid yet: being created (wait) or its creator died at once (old).
             stale = not _alive(holder) if holder else age > 10
             if stale:
@@ -169,10 +175,10 @@ def build_lock(directory: Path, wait_s: float):
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"another process (pid {holder}) has been building the CPU kernels in "
-                    f"{directory} for over {wait_s:.0f} s"
+                    f"another process (pid {holder}) has held the lock on building the CPU "
+                    f"kernels in {directory} for over {wait_s:.0f} s"
                 ) from None
-            if not announced:
+            if not announced and text.endswith("building"):
                 print(f"tandem: waiting for process {holder} to finish building the CPU "
                       "kernels", file=sys.stderr)  # fmt: skip
                 announced = True
@@ -181,9 +187,13 @@ def build_lock(directory: Path, wait_s: float):
         with os.fdopen(fd, "w") as handle:
             handle.write(str(os.getpid()))
         break
+
+    def building() -> None:
+        path.write_text(f"{os.getpid()} building")
+
     try:
         (directory / "lock").unlink(missing_ok=True)
-        yield
+        yield building
     finally:
         path.unlink(missing_ok=True)
 
@@ -199,8 +209,9 @@ def load():
         name = f"tandem_cpu_ops_{_cpu_tag()}"
         directory = build_directory(name)
         wait_s = float(os.environ.get("TANDEM_KERNEL_BUILD_WAIT", "600"))
-        with build_lock(directory, wait_s):
+        with build_lock(directory, wait_s) as building:
             if not any(directory.glob(f"{name}*.so")):
+                building()
                 print(
                     "tandem: compiling the CPU kernels (first use only, one to two minutes; "
                     "TANDEM_CPU_KERNELS=0 skips them)",
