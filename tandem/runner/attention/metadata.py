@@ -102,19 +102,30 @@ class FreshPromptGroup:
         return self._masks[window]
 
 
-@dataclass
-class PagedAttentionMetadata:
+def sliding_windows(layer_windows: Sequence[int | None]) -> tuple[int | None, ...]:
+    """Per-layer windows as metadata keeps them: empty when no layer slides."""
+    return tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
+
+
+@dataclass(kw_only=True)
+class StepMetadata:
+    """What every backend's metadata holds (each backend adds who attends to what)."""
+
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    groups: list[AttentionGroup]  # decodes; prompt chunks that continue after the cache
-    fresh_prompts: list[FreshPromptGroup]
     # Per layer: keys more than this many positions back are not attended (None: all
-    # are). Empty when no layer slides.
+    # are). Empty when no layer slides (``sliding_windows``).
     layer_windows: tuple[int | None, ...] = ()
     num_tokens: int = 0
 
     def window(self, layer_idx: int) -> int | None:
         return self.layer_windows[layer_idx] if self.layer_windows else None
+
+
+@dataclass(kw_only=True)
+class PagedAttentionMetadata(StepMetadata):
+    groups: list[AttentionGroup]  # decodes; prompt chunks that continue after the cache
+    fresh_prompts: list[FreshPromptGroup]
 
 
 def build_paged_metadata(
@@ -160,12 +171,12 @@ def build_paged_metadata(
         for length, members in fresh.items()
     ]
     return PagedAttentionMetadata(
-        _long(positions, device),
-        _long(slots, device),
-        groups,
-        fresh_prompts,
-        tuple(layer_windows) if any(w is not None for w in layer_windows) else (),
-        len(positions),
+        positions=_long(positions, device),
+        slot_mapping=_long(slots, device),
+        groups=groups,
+        fresh_prompts=fresh_prompts,
+        layer_windows=sliding_windows(layer_windows),
+        num_tokens=len(positions),
     )
 
 

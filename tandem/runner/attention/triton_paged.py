@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.runner.attention.torch_sdpa import TorchPagedAttention
+from tandem.runner.attention.metadata import StepMetadata, sliding_windows
 
 try:  # bundled with CUDA builds of torch; TRITON_INTERPRET=1 runs it on the CPU
     import triton
@@ -40,22 +40,15 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 
-@dataclass
-class FlatMetadata:
+@dataclass(kw_only=True)
+class FlatMetadata(StepMetadata):
     """One forward's sequences as the kernel reads them (all int64 on the device)."""
 
-    positions: torch.Tensor  # [T] each token's position in its sequence
-    slot_mapping: torch.Tensor  # [T] the cache slot its K/V goes to
     query_starts: torch.Tensor  # [S + 1] flat-batch index of each sequence's first token
     num_computed: torch.Tensor  # [S] tokens cached before this forward
-    block_tables: torch.Tensor  # [S, Nb] padded with block 0 (never read past context)
+    block_tables: torch.Tensor  # [S, Nb] padded with the last used entry (never read)
     num_seqs: int
     max_query_len: int
-    layer_windows: tuple[int | None, ...] = ()
-    num_tokens: int = 0
-
-    def window(self, layer_idx: int) -> int | None:
-        return self.layer_windows[layer_idx] if self.layer_windows else None
 
 
 def build_flat_metadata(
@@ -67,8 +60,9 @@ def build_flat_metadata(
     device: torch.device | str = "cpu",
     verifying: Sequence[bool] | None = None,  # (verification rows are ordinary rows here)
 ) -> FlatMetadata:
-    """Vectorised over tokens with numpy: a step of 10,000 decodes is built in a few
-    milliseconds (one Python pass over the block tables)."""
+    """The metadata of ``build_paged_metadata``'s arguments, in one pinned host buffer
+    copied to ``device`` in one asynchronous copy. Vectorised over tokens with numpy:
+    10,000 decodes take a few milliseconds (one Python pass over the block tables)."""
     device = torch.device(device)
     num_seqs = len(query_lens)
     q_lens = np.fromiter(query_lens, np.int64, num_seqs)
@@ -76,7 +70,6 @@ def build_flat_metadata(
     used = (computed + q_lens + block_size - 1) // block_size
     width = int(used.max())
     num_tokens = int(q_lens.sum())
-    # One host buffer: positions, slots, starts, computed, tables, copied in one go.
     sizes = (num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width)
     host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
     positions, slots, starts, computed_out, tables = (t.numpy() for t in host.split(sizes))
@@ -94,22 +87,21 @@ def build_flat_metadata(
         np.int64,
         int(used.sum()),
     )
-    tables[:] = flat[
-        np.minimum(np.arange(width)[None, :], used[:, None] - 1) + (np.cumsum(used) - used)[:, None]
-    ]
+    first = np.cumsum(used) - used  # each sequence's first entry in ``flat``
+    tables[:] = flat[np.minimum(np.arange(width)[None, :], used[:, None] - 1) + first[:, None]]
     np.add(tables[owner, positions // block_size] * block_size, positions % block_size, out=slots)
-    flat_device = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    positions_t, slots_t, starts_t, computed_t, tables_t = flat_device.split(sizes)
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    positions, slots, starts, done, tables = flat.split(sizes)
     return FlatMetadata(
-        positions_t,
-        slots_t,
-        starts_t,
-        computed_t,
-        tables_t.view(num_seqs, width),
-        num_seqs,
-        int(q_lens.max()),
-        tuple(layer_windows) if any(w is not None for w in layer_windows) else (),
-        num_tokens,
+        positions=positions,
+        slot_mapping=slots,
+        query_starts=starts,
+        num_computed=done,
+        block_tables=tables.view(num_seqs, width),
+        num_seqs=num_seqs,
+        max_query_len=int(q_lens.max()),
+        layer_windows=sliding_windows(layer_windows),
+        num_tokens=num_tokens,
     )
 
 
@@ -238,9 +230,6 @@ if triton is not None:
             mask=(tok < q_len)[:, None] & (dims < HEAD_DIM)[None, :],
         )  # fmt: skip
 
-
-if triton is not None:
-
     @triton.jit
     def _write_kv(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
@@ -350,10 +339,14 @@ def paged_attention(
     return out
 
 
-class TritonPagedAttention(TorchPagedAttention):
+class TritonPagedAttention:
     """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D] (see kv_cache.py)."""
 
     build_metadata = staticmethod(build_flat_metadata)
+
+    def __init__(self, metadata: FlatMetadata, kv_cache: torch.Tensor) -> None:
+        self.metadata = metadata
+        self.kv_cache = kv_cache
 
     def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
         k_blocks, v_blocks = self.kv_cache[layer_idx]
