@@ -49,13 +49,12 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ("rows", "kernel"),
     [(1, "gemv"), (5, "gemv"), (1, "dot"), (5, "dot"), (16, None), (40, None), (80, None)],
 )
-def test_block_matmul_matches_dequantize_then_matmul(fmt, rows, kernel, monkeypatch):
+def test_block_matmul_matches_dequantize_then_matmul(fmt, rows, kernel):
     """Every output written (the output starts as NaN), from fresh random inputs, as
     the file's blocks mean (the CPU's GGUF dequantizer is the reference): the GEMV and
     the tile kernel for a few rows, the tile kernel for 16 and 40, and 80 rows the
     widen-then-cuBLAS path. 320 columns: a tile runs past the end of a row."""
     device = kernel_device()
-    monkeypatch.setattr(triton_blocks, "FORCE", kernel)
     code = {"q4_0": GGMLType.Q4_0, "q8_0": GGMLType.Q8_0}[fmt]
     generator = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 320, generator=generator)
@@ -64,12 +63,12 @@ def test_block_matmul_matches_dequantize_then_matmul(fmt, rows, kernel, monkeypa
     dtype = torch.bfloat16 if CUDA else torch.float32
     x = torch.randn(rows, 320, generator=generator).to(device, dtype)
     out = torch.full((rows, 96), float("nan"), device=device, dtype=dtype)
-    triton_blocks.block_matmul(x, weight, out)
+    triton_blocks.block_matmul(x, weight, out, kernel)
     expected = x.double().cpu() @ dequantize(code, raw, 320).double().t()
     assert relative_error(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     # A column slice of a wider output (how a layer's parts write their rows).
     wide = torch.full((rows, 200), float("nan"), device=device, dtype=dtype)
-    triton_blocks.block_matmul(x, weight, wide[:, 50:146])
+    triton_blocks.block_matmul(x, weight, wide[:, 50:146], kernel)
     assert relative_error(wide[:, 50:146], expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert wide[:, :50].isnan().all() and wide[:, 146:].isnan().all()
 

@@ -39,87 +39,90 @@ WIDEN_ROWS = 4096  # rows of the matrix widened at a time above it
 if triton is not None:
 
     @triton.jit
+    def _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K: tl.constexpr):
+        """The scales [BLOCK_N, BLOCK_K / 32] of a tile's blocks, as float32."""
+        groups = tl.arange(0, BLOCK_K // 32)
+        return tl.load(
+            scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
+            mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+
+    @triton.jit
+    def _q4_tile(
+        values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A Q4_0 tile's values - 8 as float32, low and high nibbles [BLOCK_N, BLOCK_K/2]
+        (byte c: block c // 16, weights c % 16 and c % 16 + 16), and the rows of x at
+        those columns."""
+        c = tl.arange(0, BLOCK_K // 2)
+        low_col = (c // 16) * 32 + c % 16
+        cols_real = ((k + low_col) < K)[None, :]
+        packed = tl.load(
+            values_ptr + n[:, None] * stride_vn + (k // 2 + c)[None, :],
+            mask=n_real[:, None] & cols_real, other=0,
+        )  # fmt: skip
+        x_at = x_ptr + m[:, None] * stride_xm + k + low_col[None, :]
+        x_low = tl.load(x_at, mask=m_real[:, None] & cols_real, other=0.0)
+        x_high = tl.load(x_at + 16, mask=m_real[:, None] & cols_real, other=0.0)
+        low = (packed & 15).to(tl.float32) - 8.0
+        high = (packed >> 4).to(tl.float32) - 8.0
+        return low, high, x_low, x_high
+
+    @triton.jit
+    def _q8_tile(
+        values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A Q8_0 tile's values as float32 [BLOCK_N, BLOCK_K], and the rows of x."""
+        cols = k + tl.arange(0, BLOCK_K)
+        q = tl.load(
+            values_ptr + n[:, None] * stride_vn + cols[None, :],
+            mask=n_real[:, None] & (cols < K)[None, :], other=0,
+        )  # fmt: skip
+        x = tl.load(
+            x_ptr + m[:, None] * stride_xm + cols[None, :],
+            mask=m_real[:, None] & (cols < K)[None, :], other=0.0,
+        )  # fmt: skip
+        return q.to(tl.float32), x
+
+    @triton.jit
     def _block_matmul(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
         stride_xm, stride_om, stride_vn, stride_sn,
         BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers, then the
+        matrix units (tl.dot)."""
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        groups = tl.arange(0, BLOCK_K // 32)
-        if BITS == 4:
-            # Byte c of a tile: block c // 16, weights (c % 16) and (c % 16) + 16.
-            c = tl.arange(0, BLOCK_K // 2)
-            low_col = (c // 16) * 32 + c % 16
-            for k in range(0, K, BLOCK_K):
-                real = n_real[:, None] & ((k + low_col) < K)[None, :]
-                packed = tl.load(
-                    values_ptr + n[:, None] * stride_vn + (k // 2 + c)[None, :], mask=real, other=0
+        for k in range(0, K, BLOCK_K):
+            scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
+            if BITS == 4:
+                low, high, x_low, x_high = _q4_tile(
+                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
                 )
-                scale = tl.load(
-                    scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
-                    mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
-                ).to(tl.float32)[:, :, None]  # fmt: skip
                 shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
-                w_low = tl.reshape(tl.reshape((packed & 15).to(tl.float32) - 8.0, shape) * scale,
-                                   (BLOCK_N, BLOCK_K // 2))  # fmt: skip
-                w_high = tl.reshape(tl.reshape((packed >> 4).to(tl.float32) - 8.0, shape) * scale,
-                                    (BLOCK_N, BLOCK_K // 2))  # fmt: skip
-                x_mask = m_real[:, None] & ((k + low_col) < K)[None, :]
-                x_row = x_ptr + m[:, None] * stride_xm + k
-                x_low = tl.load(x_row + low_col[None, :], mask=x_mask, other=0.0)
-                x_high = tl.load(x_row + low_col[None, :] + 16, mask=x_mask, other=0.0)
+                w_low = tl.reshape(tl.reshape(low, shape) * scale, (BLOCK_N, BLOCK_K // 2))
+                w_high = tl.reshape(tl.reshape(high, shape) * scale, (BLOCK_N, BLOCK_K // 2))
                 acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
                 acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
-        else:
-            cols = tl.arange(0, BLOCK_K)
-            for k in range(0, K, BLOCK_K):
-                real = n_real[:, None] & ((k + cols) < K)[None, :]
-                q = tl.load(
-                    values_ptr + n[:, None] * stride_vn + (k + cols)[None, :], mask=real, other=0
+            else:
+                q, x = _q8_tile(
+                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
                 )
-                scale = tl.load(
-                    scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
-                    mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
-                ).to(tl.float32)[:, :, None]  # fmt: skip
                 w = tl.reshape(
-                    tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale,
-                    (BLOCK_N, BLOCK_K),
+                    tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)) * scale, (BLOCK_N, BLOCK_K)
                 )
-                x = tl.load(
-                    x_ptr + m[:, None] * stride_xm + (k + cols)[None, :],
-                    mask=m_real[:, None] & ((k + cols) < K)[None, :], other=0.0,
-                )  # fmt: skip
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         tl.store(
             out_ptr + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=m_real[:, None] & n_real[None, :],
         )
-
-
-if triton is not None:
-    # Decode-sized products are a pass over the weights: the tile that keeps the most
-    # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
-    # timed once over these on first use (outside any CUDA graph: the runner's warm-up
-    # before capture) and the fastest kept (``_tuned.cache``).
-    _CONFIGS = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-        for n, k, w, st in (
-            (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
-            (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-        )
-    ]  # fmt: skip
-    _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"])(_block_matmul)
-
-
-if triton is not None:
 
     @triton.jit
     def _block_gemv(
@@ -131,45 +134,24 @@ if triton is not None:
         """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M, without the matrix units:
         each weight widened once and multiplied with every row in registers; each
         32-weight block's products summed before its scale multiplies them."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
-        groups = tl.arange(0, BLOCK_K // 32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
-            scale = tl.load(
-                scales_ptr + n[:, None] * stride_sn + (k // 32 + groups)[None, :],
-                mask=n_real[:, None] & ((k + groups * 32) < K)[None, :], other=0.0,
-            ).to(tl.float32)  # fmt: skip
+            scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)
             if BITS == 4:
-                c = tl.arange(0, BLOCK_K // 2)
-                low_col = (c // 16) * 32 + c % 16
-                real = n_real[:, None] & ((k + low_col) < K)[None, :]
-                packed = tl.load(
-                    values_ptr + n[:, None] * stride_vn + (k // 2 + c)[None, :], mask=real, other=0
+                low, high, x_low, x_high = _q4_tile(
+                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
                 )
-                w_low = (packed & 15).to(tl.float32) - 8.0
-                w_high = (packed >> 4).to(tl.float32) - 8.0
-                x_mask = m_real[:, None] & ((k + low_col) < K)[None, :]
-                x_row = x_ptr + m[:, None] * stride_xm + k
-                x_low = tl.load(x_row + low_col[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                x_high = tl.load(x_row + low_col[None, :] + 16, mask=x_mask, other=0.0)
-                products = x_low[:, None, :] * w_low[None, :, :]
-                products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
+                products = x_low.to(tl.float32)[:, None, :] * low[None, :, :]
+                products += x_high.to(tl.float32)[:, None, :] * high[None, :, :]
                 per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 16)), 3)
             else:
-                cols = tl.arange(0, BLOCK_K)
-                real = n_real[:, None] & ((k + cols) < K)[None, :]
-                q = tl.load(
-                    values_ptr + n[:, None] * stride_vn + (k + cols)[None, :], mask=real, other=0
-                ).to(tl.float32)
-                x = tl.load(
-                    x_ptr + m[:, None] * stride_xm + (k + cols)[None, :],
-                    mask=m_real[:, None] & ((k + cols) < K)[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
-                products = x[:, None, :] * q[None, :, :]
+                q, x = _q8_tile(
+                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
+                )
+                products = x.to(tl.float32)[:, None, :] * q[None, :, :]
                 per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 32)), 3)
             acc += tl.sum(per_block * scale[None, :, :], 2)
         tl.store(
@@ -178,35 +160,54 @@ if triton is not None:
             mask=m_real[:, None] & n_real[None, :],
         )
 
-    _GEMV_CONFIGS = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-        for n, k, w, st in (
+    # A product of a few rows is a pass over the weights: the tile that keeps the most
+    # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
+    # timed once over these on first use (outside any CUDA graph: the runner's warm-up
+    # before capture) and the fastest kept (``.cache``).
+    def _configs(shapes):
+        return [
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+            for n, k, w, st in shapes
+        ]
+
+    _tuned = triton.autotune(
+        configs=_configs([
+            (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
+            (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+        ]),
+        key=["N", "K", "BLOCK_M"],
+    )(_block_matmul)  # fmt: skip
+    _tuned_gemv = triton.autotune(
+        configs=_configs([
             (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
             (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
-        )
-    ]  # fmt: skip
-    _tuned_gemv = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "BLOCK_M"])(_block_gemv)
+        ]),
+        key=["N", "K", "BLOCK_M"],
+    )(_block_gemv)  # fmt: skip
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
-# (N, K, rows bucket, bits) -> "gemv" or "dot", the kernel measured fastest on this GPU,
-# and (..., "us") -> both candidates' times
-_CHOSEN: dict[tuple, object] = {}
-FORCE: str | None = None  # "gemv" / "dot": that kernel whatever was measured (tests)
+# (N, K, GEMV rows, bits) -> ("gemv" or "dot", the two kernels' times in us), measured
+# on this GPU on first use
+_CHOSEN: dict[tuple[int, int, int, int], tuple[str, tuple[float, float]]] = {}
 
 
 def chosen_kernels() -> dict[str, str]:
-    """What was measured and chosen per (N, K, rows bucket, bits), for benchmarks."""
+    """What was measured and chosen per (N, K, GEMV rows, bits), for benchmarks."""
     return {
-        str(key): f"{kernel} (gemv {_CHOSEN[(*key, 'us')][0]:.1f} us, "
-        f"dot {_CHOSEN[(*key, 'us')][1]:.1f} us)"
-        for key, kernel in _CHOSEN.items()
-        if key[-1] != "us"
+        str(key): f"{kernel} (gemv {gemv_us:.1f} us, dot {dot_us:.1f} us)"
+        for key, (kernel, (gemv_us, dot_us)) in _CHOSEN.items()
     }
 
 
-def block_matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None):
+def block_matmul(
+    x: torch.Tensor,
+    weight: BlockWeight,
+    out: torch.Tensor | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """x [M, K] (float16 / bfloat16 / float32, last dim contiguous) -> [M, N] in x's
-    type; ``out`` may be a column slice of a wider matrix."""
+    type; ``out`` may be a column slice of a wider matrix. ``kernel``: "gemv" or "dot"
+    whatever was measured (tests)."""
     m = x.shape[0]
     if out is None:
         out = x.new_empty(m, weight.rows)
@@ -217,37 +218,38 @@ def block_matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None 
         return out
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     gemv_rows = triton.next_power_of_2(m)  # the GEMV's rows per program
+    n = weight.rows
     args = (
-        out, x, weight.values, weight.scales, m, weight.rows, weight.columns,
+        out, x, weight.values, weight.scales, m, n, weight.columns,
         x.stride(0), out.stride(0), weight.values.stride(0), weight.scales.stride(0),
     )  # fmt: skip
-    n = weight.rows
-
-    def dot():
-        grid = lambda meta: (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        _tuned[grid](*args, BITS=weight.bits, BLOCK_M=block_m)
-
-    def gemv():
-        grid = lambda meta: (1, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        _tuned_gemv[grid](*args, BITS=weight.bits, BLOCK_M=gemv_rows)
-
-    if not x.is_cuda:  # Triton's interpreter (TRITON_INTERPRET=1), in tests
-        use_gemv = FORCE == "gemv" or (FORCE is None and m <= GEMV_M)
-        kernel = _block_gemv if use_gemv else _block_matmul
-        grid = (1 if use_gemv else triton.cdiv(m, block_m), triton.cdiv(n, 32))
-        kernel[grid](*args, BITS=weight.bits, BLOCK_M=gemv_rows if use_gemv else block_m,
-                     BLOCK_N=32, BLOCK_K=256)  # fmt: skip
+    if kernel is None and m > GEMV_M:
+        kernel = "dot"
+    if not x.is_cuda:  # Triton's interpreter (TRITON_INTERPRET=1), in tests: fixed tiles
+        gemv = kernel == "gemv" or kernel is None
+        rows = gemv_rows if gemv else block_m
+        grid = (triton.cdiv(m, rows), triton.cdiv(n, 32))
+        (_block_gemv if gemv else _block_matmul)[grid](
+            *args, BITS=weight.bits, BLOCK_M=rows, BLOCK_N=32, BLOCK_K=256
+        )
         return out
-    if FORCE is not None or m > GEMV_M:
-        (gemv if FORCE == "gemv" else dot)()
-        return out
-    key = (n, weight.columns, gemv_rows, weight.bits)
-    if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
-        gemv(), dot()  # (the first runs tune each kernel's tiles)
-        times = [1e3 * triton.testing.do_bench(run, warmup=5, rep=20) for run in (gemv, dot)]
-        _CHOSEN[key] = "gemv" if times[0] <= times[1] else "dot"
-        _CHOSEN[(*key, "us")] = times
-    (gemv if _CHOSEN[key] == "gemv" else dot)()
+
+    def run(name: str) -> None:
+        tuned, rows = (_tuned_gemv, gemv_rows) if name == "gemv" else (_tuned, block_m)
+        grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        tuned[grid](*args, BITS=weight.bits, BLOCK_M=rows)
+
+    if kernel is None:
+        key = (n, weight.columns, gemv_rows, weight.bits)
+        if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
+            run("gemv"), run("dot")  # (the first runs tune each kernel's tiles)
+            gemv_us, dot_us = (
+                1e3 * triton.testing.do_bench(lambda name=name: run(name), warmup=5, rep=20)
+                for name in ("gemv", "dot")
+            )
+            _CHOSEN[key] = ("gemv" if gemv_us <= dot_us else "dot", (gemv_us, dot_us))
+        kernel = _CHOSEN[key][0]
+    run(kernel)
     return out
 
 
@@ -277,7 +279,3 @@ class BlockLinearMethod:
         if layer.bias is not None:
             out += layer.bias
         return out.reshape(*shape[:-1], layer.out_features)
-
-
-def supported(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
