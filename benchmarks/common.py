@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.models.random_gguf import SHAPES
+
 BENCH_DIR = Path("/tmp/tandem-bench")
 
 # The ~125M-parameter Llama the issue specifies (random weights).
@@ -24,19 +26,12 @@ LLAMA_125M = dict(
 
 
 # A random-weight Llama of SmolLM2-135M's shape (30 layers, hidden 576, tied): deep and
-# narrow, where per-layer overheads show.
-SMOLLM2_SHAPE = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+# narrow, where per-layer overheads show. The shape is random_gguf's; these benchmarks'
+# folders were made with a 2,048-token context.
+SMOLLM2_SHAPE = {
+    **SHAPES["smollm2-135m"].raw_config(),
+    "max_position_embeddings": 2048,
+}
 
 
 def random_llama_folder(name: str, config: dict) -> Path:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import machine
 from tandem.models.loader import load_model
 from tandem.models.random_gguf import SHAPES, write_random_gguf
 from tandem.models.random_weights import random_model
@@ -186,8 +187,14 @@ def main() -> None:
     ).stdout.strip()  # fmt: skip
     import triton
 
-    info = {"gpu": name, "driver": driver, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__}  # fmt: skip
+    info = {
+        "gpu": name,
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "host": machine(),
+    }  # (host: "host" times depend on the CPU that launches the kernels)
     print(json.dumps(info))
     ceiling = ceilings()
     sheet = next((v for k, v in DATASHEET_TBS.items() if k in name), None)
