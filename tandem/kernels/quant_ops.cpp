@@ -1,6 +1,5 @@
 // Quantized linear layers on the CPU: weights kept in llama.cpp's block formats,
-// activations quantized to 8 bits on the fly (one scale per block of 32; per super-block
-// of 256 against the K formats, as llama.cpp's Q8_K), integer dot products.
+// activations quantized to 8 bits per block of 32 on the fly, integer dot products.
 //
 // Layout (built by tandem/quant/packed.py from any GGML format): weight rows in tiles
 // of 16, interleaved so that one 64-byte load holds 4 consecutive weights of each of
@@ -30,17 +29,14 @@
 //   offset  an integer the values are stored above (Q4_0: 8, Q5_0: 16, Q6_K: 32)
 // so that w[n, k] = scales[n, g] * (q[n, k] - offset) + corr[n, g] with g = k / group.
 //
-// With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32, the same for the 8
-// blocks of a super-block against the K formats):
+// With x[k] ~= dx_b * xq[k] (xq int8, one dx per block b of 32):
 //   y[n] = sum_g  scales[n, g] * dx * (dot(q, xq)_g - offset * sum(xq)_g)
 //                 + corr[n, g] * dx * sum(xq)_g
 // The offset is taken off in integers, one subtraction per group and token.
 // The dot is unsigned-by-signed bytes: VNNI's vpdpbusd where the CPU has it (AVX-512
 // or AVX-VNNI), else AVX2's vpmaddubsw (values of at most 6 bits times int8 cannot
 // saturate its pairs), whose int16 sums are added as far as int16 holds them (a whole
-// block for 4 bits) before one vpmaddwd widens them; for the K formats that vpmaddwd
-// is against the rows' integer sub-scales, so a super-block's dot stays in int32 and
-// meets its float scale (d x dx) once per 256 weights. int8 weights use llama.cpp's
+// block for 4 bits) before one vpmaddwd widens them. int8 weights use llama.cpp's
 // sign trick: |q| (unsigned) by xq carrying q's sign.
 //
 // Work: threads take disjoint tiles; inside, tokens go in chunks that stay in L2,
@@ -65,37 +61,31 @@ constexpr int64_t kTokenChunk = 64;  // tokens whose quantized activations stay 
 
 struct Activations {
   std::vector<int8_t> q;   // [T, K]
-  std::vector<float> d;    // [T, K/32]: each block's scale (a span's blocks share one)
+  std::vector<float> d;    // [T, K/32]
   std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block (for the constants)
   std::vector<int32_t> i16;  // [T, K/16]: sum(q) over each 16 values (for the offset)
 };
 
-// max|x| over n floats (a multiple of 32). Exact in any order.
-inline float abs_max(const float* src, int64_t n) {
+// One block of 32: q = round-half-even(x * (1 / d)), d = max|x| * (1 / 127). Written
+// with intrinsics where the CPU has AVX2, so that -ffast-math cannot reassociate the
+// rounding (tandem/quant/packed.py's reference reproduces it bit for bit).
+inline float quantize_block(const float* src, int8_t* q, int32_t sum[2]) {
 #if defined(__AVX2__)
+  __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
   const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-#else
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
-  return amax;
-#endif
-}
-
-// One block of 32 at the scale 1 / id: q = round-half-even(x * id), and its two sums of
-// 16. Written with intrinsics (SSE's scalar ones without AVX2: x86-64's baseline) so
-// that -ffast-math cannot reassociate the rounding: plain C++ let it round x * (1 / d)
-// otherwise, and a product of exactly k + 0.5 became k + 1 where the reference
-// (tandem/quant/packed.py, bit for bit) rounds it to even.
-inline void quantize_block(const float* src, float id, int8_t* q, int32_t sum[2]) {
-#if defined(__AVX2__)
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(_mm_mul_ss(m, _mm_set_ss(1.f / 127.f)));
+  const float id = d > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.f), _mm_set_ss(d))) : 0.f;
   const __m256 scale = _mm256_set1_ps(id);
   __m256i n[4];
-  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), scale));
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
   // int32 -> int8 in order: packs interleave 128-bit lanes, the permute undoes it.
   const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
   const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
@@ -110,41 +100,40 @@ inline void quantize_block(const float* src, float id, int8_t* q, int32_t sum[2]
     sum[0] += lanes[i];
     sum[1] += lanes[8 + i];
   }
+  return d;
 #else
+  // SSE's scalar instructions (x86-64's baseline), for the same reason: plain C++ let
+  // -ffast-math round x * (1 / d) otherwise, and a product of exactly k + 0.5 became
+  // k + 1 where the reference (and the AVX2 path) rounds it to even.
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(src[i]));
+  const float d = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(amax), _mm_set_ss(1.f / 127.f)));
+  const float id = d > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.f), _mm_set_ss(d))) : 0.f;
   sum[0] = sum[1] = 0;
   for (int i = 0; i < kBlock; ++i) {
     // cvtss2si rounds by MXCSR's mode: to nearest, ties to even.
     q[i] = static_cast<int8_t>(_mm_cvtss_si32(_mm_mul_ss(_mm_set_ss(src[i]), _mm_set_ss(id))));
     sum[i / 16] += q[i];
   }
+  return d;
 #endif
 }
 
-// Activations to int8, one scale d = max|x| * (1 / 127) per ``span`` values: 32 (a
-// block) for the formats with a float16 scale per block; 256 for the K formats, whose
-// sub-scales are then applied in integers over a whole super-block (llama.cpp's Q8_K).
-void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t span,
-                          Activations& a) {
-  const int64_t nb = K / kBlock, per_span = span / kBlock;
+void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K, Activations& a) {
+  const int64_t nb = K / kBlock;
   a.q.resize(T * K);
   a.d.resize(T * nb);
   a.s32.resize(T * nb);
   a.i16.resize(T * 2 * nb);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t b0 = 0; b0 < nb; b0 += per_span) {
-        const float* src = x + t * x_stride + b0 * kBlock;
-        const float amax = abs_max(src, span);
-        const float d = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(amax), _mm_set_ss(1.f / 127.f)));
-        const float id = d > 0.f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.f), _mm_set_ss(d))) : 0.f;
-        for (int64_t b = b0; b < b0 + per_span; ++b) {
-          int32_t sum[2];
-          quantize_block(x + t * x_stride + b * kBlock, id, a.q.data() + t * K + b * kBlock, sum);
-          a.d[t * nb + b] = d;
-          a.s32[t * nb + b] = d * (sum[0] + sum[1]);
-          a.i16[t * 2 * nb + 2 * b] = sum[0];
-          a.i16[t * 2 * nb + 2 * b + 1] = sum[1];
-        }
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum[2];
+        const float d = quantize_block(x + t * x_stride + b * kBlock, a.q.data() + t * K + b * kBlock, sum);
+        a.d[t * nb + b] = d;
+        a.s32[t * nb + b] = d * (sum[0] + sum[1]);
+        a.i16[t * 2 * nb + 2 * b] = sum[0];
+        a.i16[t * 2 * nb + 2 * b + 1] = sum[1];
       }
     }
   });
@@ -192,10 +181,6 @@ struct ScaleTable {
     return static_cast<const uint8_t*>(scales) + (tile * supers + g / (256 / group)) * record;
   }
 };
-
-// The activations' quantization span for a matrix (quantize_activations): the K
-// formats' super-block, else a block.
-inline int64_t activation_span(const ScaleTable& s) { return s.record ? 256 : kBlock; }
 
 inline float half_at(const void* base, int64_t i) {
   return static_cast<float>(static_cast<const at::Half*>(base)[i]);
@@ -514,31 +499,12 @@ inline __m256i add16(__m256i a, __m256i b) { return _mm256_adds_epi16(a, b); }
 template <int kBits>
 constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
 
-// Records without VNNI: group g's sub-scales for rows half*8 .. half*8+7 as int16 pairs
-// (s, s), one pair a row's int32 lane, so that one vpmaddwd both widens a row's two
-// int16 sums and multiplies them by its sub-scale.
-template <int kGroup>
-inline __m256i sub_scale_pairs(const ScaleTable& s, int64_t tile, int half, int64_t g) {
-  const uint8_t* rec = s.record_of(tile, g);
-  const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows + half * 8));
-  const __m128i twice = _mm_unpacklo_epi8(sub, sub);
-  return kGroup == 32 ? _mm256_cvtepu8_epi16(twice) : _mm256_cvtepi8_epi16(twice);
-}
-
 // kHalves (1 or 2) halves of a tile's rows from ``first``, NT tokens from t0, in one
 // pass: the halves share each activation broadcast, which is what batch 1 is bound by;
 // with more tokens one half at a time keeps the accumulators in registers.
-//
-// The K formats without VNNI (kIntegerScales): vpmaddwd widens the int16 sums against
-// the rows' sub-scales instead of ones, so a super-block's sum over its groups of
-// sub-scale x dot stays in int32 and meets floats once per 256 weights (d x the
-// activations' one scale for those 256); the offset (Q6_K's 32) comes off in int32.
-// With VNNI the dot is int32 already, and each block's float scale (d x sub-scale) is
-// applied as for the others.
 template <int kBits, int kGroup, int kScales, int NT, int kHalves>
 void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
-  constexpr bool kIntegerScales = !kVnni && kScales == kRecords;
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes + first * 32;
   const Activations& a = *p.act;
@@ -547,67 +513,56 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
     for (int h = 0; h < kHalves; ++h) acc[t][h] = _mm256_setzero_ps();
   __m256 d[kHalves];  // records: the super-block's d (8 blocks of 32)
   for (int h = 0; h < kHalves; ++h) d[h] = _mm256_setzero_ps();
-  // dot[t][h][j]: per row, the int32 dot over the block's first (j = 0) or second 16
-  // values (for groups of 32 without VNNI, all 32 may be in j = 0 and j = 1 zero);
-  // kIntegerScales: the super-block's scaled sum, in j = 0.
-  __m256i dot[NT][kHalves][2];
   for (int64_t b = 0; b < nb; ++b) {
     if (kScales == kRecords && b % 8 == 0)
       for (int h = 0; h < kHalves; ++h) d[h] = super8<kScales>(p.s, tile_index, first + h, b * kBlock / kGroup, 0);
-    if (!kIntegerScales || b % 8 == 0)
-      for (int t = 0; t < NT; ++t)
-        for (int h = 0; h < kHalves; ++h) dot[t][h][0] = dot[t][h][1] = _mm256_setzero_si256();
+    // dot[t][h][j]: per row, the int32 dot over the block's first (j = 0) or second 16
+    // values (for groups of 32 without VNNI, all 32 may be in j = 0 and j = 1 zero).
+    __m256i dot[NT][kHalves][2];
+    for (int t = 0; t < NT; ++t)
+      for (int h = 0; h < kHalves; ++h) dot[t][h][0] = dot[t][h][1] = _mm256_setzero_si256();
     const uint8_t* v = vals + b * kBits * 64;
     if constexpr (kBits < 8) {
       constexpr int kSums = kInt16Sums<kBits> < 4 ? kInt16Sums<kBits> : 4;
       constexpr bool kJoin = !kVnni && kGroup == 32 && kInt16Sums<kBits> >= 8;  // j = 0 takes all
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      // What widens the int16 sums of half j (kIntegerScales: its group's sub-scales).
-      __m256i widen[kHalves][2];
-      for (int h = 0; h < kHalves; ++h) {
-        if constexpr (kIntegerScales) {
-          widen[h][0] = sub_scale_pairs<kGroup>(p.s, tile_index, first + h, kGroup == 32 ? b : 2 * b);
-          widen[h][1] = kGroup == 32 ? widen[h][0] : sub_scale_pairs<kGroup>(p.s, tile_index, first + h, 2 * b + 1);
-        } else {
-          widen[h][0] = widen[h][1] = _mm256_set1_epi16(1);
-        }
-      }
-      // The int16 sums of half j, widened into the int32 dot.
-      auto widened = [&](int t, int h, int j, __m256i sum16) {
-        __m256i& into = dot[t][h][kIntegerScales ? 0 : j];
-        into = _mm256_add_epi32(into, _mm256_madd_epi16(sum16, widen[h][j]));
-      };
+      const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
       __m256i planes[kHalves][2];
       for (int h = 0; h < kHalves; ++h)
         for (int i = 0; i < kBits - 4; ++i)
           planes[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (4 + i) * 64 + h * 32));
-      __m256i sum16[NT][kHalves];  // int16 sums not yet widened (no VNNI)
-      // The block's first 16 values (j = 0: the low nibbles), then its second: only one
-      // int16 sum per token and half is live. Unrolled, so that which sums start, add
-      // and widen is known at compile time.
-#pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) {
+      __m256i sum16[NT][kHalves][2];  // int16 sums not yet widened (no VNNI)
+      // Unrolled, so that which sums start, add and widen is known at compile time.
 #pragma GCC unroll 4
-        for (int pair = 0; pair < 4; ++pair) {
-          __m256i w[kHalves];
-          for (int h = 0; h < kHalves; ++h) {
-            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64 + h * 32));
-            w[h] = _mm256_and_si256(j == 0 ? packed : _mm256_srli_epi16(packed, 4), low4);
-            if constexpr (kBits > 4) w[h] = with_high_bits<kBits>(w[h], planes[h], 4 * j + pair);
+      for (int pair = 0; pair < 4; ++pair) {
+        __m256i lo[kHalves], hi[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64 + h * 32));
+          lo[h] = _mm256_and_si256(packed, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          if constexpr (kBits > 4) {
+            lo[h] = with_high_bits<kBits>(lo[h], planes[h], pair);
+            hi[h] = with_high_bits<kBits>(hi[h], planes[h], 4 + pair);
           }
-          for (int t = 0; t < NT; ++t) {
-            const __m256i x = broadcast4(a.q.data() + (t0 + t) * p.K + b * kBlock + 16 * j + 4 * pair);
-            for (int h = 0; h < kHalves; ++h) {
-              if constexpr (kVnni) {
-                dot[t][h][j] = dot4<false>(dot[t][h][j], w[h], x);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
+          const __m256i xlo = broadcast4(x + 4 * pair), xhi = broadcast4(x + 16 + 4 * pair);
+          for (int h = 0; h < kHalves; ++h) {
+            if constexpr (kVnni) {
+              dot[t][h][0] = dot4<false>(dot[t][h][0], lo[h], xlo);
+              dot[t][h][1] = dot4<false>(dot[t][h][1], hi[h], xhi);
+            } else {
+              const __m256i plo = _mm256_maddubs_epi16(lo[h], xlo), phi = _mm256_maddubs_epi16(hi[h], xhi);
+              if constexpr (kJoin) {
+                const __m256i both = add16(plo, phi);
+                sum16[t][h][0] = pair == 0 ? both : add16(sum16[t][h][0], both);
               } else {
-                const __m256i product16 = _mm256_maddubs_epi16(w[h], x);
-                if constexpr (kJoin) {
-                  sum16[t][h] = j == 0 && pair == 0 ? product16 : add16(sum16[t][h], product16);
-                } else {
-                  sum16[t][h] = pair % kSums == 0 ? product16 : add16(sum16[t][h], product16);
-                  if (pair % kSums == kSums - 1) widened(t, h, j, sum16[t][h]);
-                }
+                const bool first_sum = pair % kSums == 0;
+                sum16[t][h][0] = first_sum ? plo : add16(sum16[t][h][0], plo);
+                sum16[t][h][1] = first_sum ? phi : add16(sum16[t][h][1], phi);
+                if (pair % kSums == kSums - 1)
+                  for (int j = 0; j < 2; ++j)
+                    dot[t][h][j] = _mm256_add_epi32(dot[t][h][j], _mm256_madd_epi16(sum16[t][h][j], ones));
               }
             }
           }
@@ -615,25 +570,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
       }
       if constexpr (kJoin)
         for (int t = 0; t < NT; ++t)
-          for (int h = 0; h < kHalves; ++h) widened(t, h, 0, sum16[t][h]);
-      if constexpr (kIntegerScales) {
-        // The offset: offset x sub-scale x the activations' sum over each 16 values,
-        // by vpmaddwd of (offset x sub-scale, 0) pairs against the sum's int32 (its low
-        // int16 is the sum: it is within +-16 x 127).
-        if (p.offset) {
-          const __m256i offset = _mm256_set1_epi32(p.offset);
-          for (int h = 0; h < kHalves; ++h) {
-            const __m256i o0 = _mm256_mullo_epi16(widen[h][0], offset);
-            const __m256i o1 = kGroup == 32 ? o0 : _mm256_mullo_epi16(widen[h][1], offset);
-            for (int t = 0; t < NT; ++t) {
-              const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
-              __m256i off = _mm256_madd_epi16(o0, _mm256_set1_epi32(sums[0]));
-              off = _mm256_add_epi32(off, _mm256_madd_epi16(o1, _mm256_set1_epi32(sums[1])));
-              dot[t][h][0] = _mm256_sub_epi32(dot[t][h][0], off);
-            }
-          }
-        }
-      }
+          for (int h = 0; h < kHalves; ++h) dot[t][h][0] = _mm256_madd_epi16(sum16[t][h][0], ones);
     } else {
 #pragma GCC unroll 8
       for (int step = 0; step < 8; ++step) {
@@ -645,16 +582,6 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
           for (int h = 0; h < kHalves; ++h) dot[t][h][step / 4] = dot4<true>(dot[t][h][step / 4], w[h], x);
         }
       }
-    }
-    if constexpr (kIntegerScales) {
-      if (b % 8 == 7) {
-        for (int t = 0; t < NT; ++t) {
-          const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
-          for (int h = 0; h < kHalves; ++h)
-            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h][0]), product(d[h], dx), acc[t][h]);
-        }
-      }
-      continue;
     }
     for (int t = 0; t < NT; ++t) {
       const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
@@ -855,7 +782,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
-  quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, quant::activation_span(p.s), act);
+  quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
   p.values = static_cast<const uint8_t*>(values.data_ptr());
   p.tile_bytes = values.size(1);
   p.bias = nullptr;
@@ -937,7 +864,7 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
     p.bias = nullptr;
     p.N = m.N;
     p.K = m.K;
-    quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, activation_span(m.s), acts[i]);
+    quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, acts[i]);
     p.act = &acts[i];
     p.out = out + first[i] * out_stride;
     p.out_stride = out_stride;

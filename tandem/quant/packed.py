@@ -20,9 +20,8 @@ which documents the layout) serves every format:
   (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file.)
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
-reproduce: the activations quantized to int8 as the kernel does (one scale per block
-of 32, or per super-block of 256 for the K formats: ``activation_span``), times the
-dequantized weights, in float64.
+reproduce: the activations quantized to int8 per block of 32 as the kernel does,
+times the dequantized weights, in float64.
 """
 
 from __future__ import annotations
@@ -317,18 +316,11 @@ def compiled_packer(raw: torch.Tensor) -> bool:
     return cpu_kernels.available(raw.device, torch.float32) and raw.stride(-1) == 1
 
 
-def activation_span(weight: PackedWeight) -> int:
-    """How many activations share one int8 scale in ``weight``'s kernel: a super-block
-    of 256 for the K formats (their sub-scales are then applied in integers, as
-    llama.cpp's Q8_K activations allow), a block of 32 for the others."""
-    return SUPER if weight.records else BLOCK
-
-
-def quantize_activations(x: torch.Tensor, span: int = BLOCK) -> torch.Tensor:
-    """x [T, K] -> the values the kernel multiplies: per ``span`` values, q * d with
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> the values the kernel multiplies: per block of 32, q * d with
     d = max|x| * (1 / 127) and q = round(x * (1 / d)), computed in float32 exactly as
     the kernel does (another rounding of d moves a few halfway values of q)."""
-    blocks = x.float().reshape(x.shape[0], -1, span)
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
     inverse = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     q = torch.round(blocks * inverse)
@@ -337,4 +329,4 @@ def quantize_activations(x: torch.Tensor, span: int = BLOCK) -> torch.Tensor:
 
 def reference(weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     """What ``matmul`` computes, in float64 from the dequantized weights."""
-    return quantize_activations(x, activation_span(weight)) @ weight.dequantize().double().T
+    return quantize_activations(x) @ weight.dequantize().double().T
