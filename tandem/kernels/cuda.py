@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # bundled with CUDA builds of torch
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from tandem.kernels.triton_support import tl, triton
 
 
 def enabled(x: torch.Tensor) -> bool:

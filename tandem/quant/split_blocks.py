@@ -76,13 +76,9 @@ def join(parts: list[tuple[int, BlockWeight]]) -> list[tuple[int, BlockWeight]]:
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels for split blocks (Triton, on CUDA) run on ``device``."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401  (bundled with CUDA builds of torch)
-    except ImportError:
-        return False
-    return True
+    from tandem.kernels.triton_support import triton
+
+    return device.type == "cuda" and triton is not None
 
 
 def add_block_part(layer: nn.Module, row_start: int, weight: BlockWeight) -> None:

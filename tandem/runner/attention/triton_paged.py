@@ -31,13 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.kernels.triton_support import tl, triton
 from tandem.runner.attention.metadata import StepMetadata, sliding_windows
-
-try:  # bundled with CUDA builds of torch; TRITON_INTERPRET=1 runs it on the CPU
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
 
 
 @dataclass(kw_only=True)

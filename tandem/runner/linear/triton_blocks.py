@@ -23,14 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels.triton_support import tl, triton
 from tandem.models.linear import Linear
 from tandem.quant.split_blocks import BlockWeight, join
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
 
 SMALL_M = 64  # rows of activations up to which the fused kernels run
 WIDEN_ROWS = 4096  # rows of the matrix widened at a time above it
