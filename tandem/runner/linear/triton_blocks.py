@@ -159,26 +159,23 @@ if triton is not None:
     # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
     # timed once over these on first use (outside any CUDA graph: the runner's warm-up
     # before capture) and the fastest kept (``.cache``).
-    def _configs(shapes):
-        return [
+    def _autotuned(kernel, shapes):
+        """``kernel`` timed on first use per (N, K, BLOCK_M) over these (BLOCK_N,
+        BLOCK_K, warps, stages)."""
+        configs = [
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in shapes
         ]
+        return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M"])(kernel)
 
-    _tuned = triton.autotune(
-        configs=_configs([
-            (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
-            (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-        ]),
-        key=["N", "K", "BLOCK_M"],
-    )(_block_matmul)  # fmt: skip
-    _tuned_gemv = triton.autotune(
-        configs=_configs([
-            (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
-            (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
-        ]),
-        key=["N", "K", "BLOCK_M"],
-    )(_block_gemv)  # fmt: skip
+    _tuned = _autotuned(_block_matmul, [
+        (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
+        (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+    ])  # fmt: skip
+    _tuned_gemv = _autotuned(_block_gemv, [
+        (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
+        (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
+    ])  # fmt: skip
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
 # (N, K, GEMV rows, bits) -> ("gemv" or "dot", the two kernels' times in us), measured
