@@ -305,7 +305,7 @@ def test_random_mixtures_of_experts_load_every_expert(tmp_path, arch):
     stack = torch.from_numpy(file.data(info).reshape(6 * 256, -1).copy())
     whole = dequantize(GGMLType(info.type), stack, 256)
     for expert in range(6):
-        ((_, part),) = packed_parts(layer.experts[expert].down_proj)
+        ((_, part),) = packed_parts(layer.experts[str(expert)].down_proj)
         assert torch.equal(part.dequantize(), whole[expert * 256 : (expert + 1) * 256])
     file.close()
 

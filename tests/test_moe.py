@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.errors import ModelLoadError
 from tandem.models.loader import load_model
 from tandem.models.moe import SparseMoE
 from tests.hf_models import VOCAB_SIZE, reference_greedy
@@ -63,9 +62,9 @@ def test_only_the_picked_experts_run_each_over_its_tokens(model_dirs, arch):
     model = load_model(folder).model
     layer = next(m for m in model.modules() if isinstance(m, SparseMoE))
     ran: dict[int, list[int]] = {}
-    for index, expert in enumerate(layer.experts):
+    for index, expert in layer.experts.items():
         expert.register_forward_hook(
-            lambda _m, args, _out, i=index: ran.setdefault(i, []).append(args[0].shape[0])
+            lambda _m, args, _out, i=int(index): ran.setdefault(i, []).append(args[0].shape[0])
         )
     x = torch.randn(5, model.config.hidden_size)
     layer(x)
@@ -77,10 +76,86 @@ def test_only_the_picked_experts_run_each_over_its_tokens(model_dirs, arch):
     assert layer.expert_load == [want[e] for e in range(layer.num_experts)]
 
 
-def test_tensor_parallelism_refuses_experts_by_name(model_dirs):
-    folder, _ = model_dirs("qwen3_moe")
-    with pytest.raises(ModelLoadError, match="does not split Qwen3MoeForCausalLM"):
-        LLM(str(folder), tensor_parallel_size=2)
+def _rank_layers(path, size: int) -> list[list[SparseMoE]]:
+    """Each rank's mixtures, loaded as that rank of ``size`` loads them (no group:
+    each layer's output stays the rank's part of the sum)."""
+    ranks = []
+    for rank in range(size):
+        llm_model = load_model(path, load_tokenizer=False, tensor_parallel=(rank, size)).model
+        ranks.append([m for m in llm_model.modules() if isinstance(m, SparseMoE)])
+    return ranks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_experts_split_across_ranks_add_up_to_the_whole_layer(model_dirs, arch):
+    """Expert parallelism's arithmetic: each rank holds a run of whole experts (and
+    its share of a shared expert's columns) and routes over all of them; the ranks'
+    outputs of a mixture add up to the whole layer's (float sums in another order),
+    and its expert load is the whole router's on every rank."""
+    folder, _ = model_dirs(arch)
+    whole = [m for m in load_model(folder).model.modules() if isinstance(m, SparseMoE)]
+    size = 2
+    ranks = _rank_layers(folder, size)
+    x = torch.randn(9, whole[0].gate.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for index, layer in enumerate(whole):
+            parts = [layers[index] for layers in ranks]
+            held = [sorted(int(e) for e in part.experts) for part in parts]
+            assert [e for run in held for e in run] == list(range(layer.num_experts))  # once
+            assert [list(p.held) for p in parts] == held
+            total = sum(part(x) for part in parts)
+            torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-6)
+            assert all(part.expert_load == layer.expert_load for part in parts)
+            if layer.shared_expert is not None:
+                widths = [p.shared_expert.down_proj.in_features for p in parts]
+                assert sum(widths) == layer.shared_expert.down_proj.in_features
+
+
+def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(tmp_path):
+    """A Qwen3-MoE file's packed experts on 2 and 3 ranks: each rank's fused kernel
+    runs only the experts it holds (the router's picks of others left out), and the
+    ranks' outputs add up to one process's; a rank never reads another's experts
+    from the file."""
+    import re
+
+    from tandem.models.random_gguf import Shape, write_random_gguf
+    from tandem.models.weight_source import CheckpointTensor
+    from tandem.runner.linear.experts import attach_fused_experts
+
+    shape = Shape(256, 2, 4, 2, 512, tied=False, vocab=512, head_size=64,
+                  architecture="qwen3moe", experts=8, experts_used=3,
+                  expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "moe.gguf", shape, "q4_0")
+    whole_model = load_model(path, load_tokenizer=False).model
+    attach_fused_experts(whole_model)
+    whole = [m for m in whole_model.modules() if isinstance(m, SparseMoE)]
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+    read_experts: set[int] = set()
+    read = CheckpointTensor.read
+
+    def watched(self):
+        found = re.search(r"\.experts\.(\d+)\.", self.name)
+        if found:
+            read_experts.add(int(found.group(1)))
+        return read(self)
+
+    for size in (2, 3):
+        ranks = []
+        for rank in range(size):
+            read_experts.clear()
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(CheckpointTensor, "read", watched)
+                model = load_model(path, load_tokenizer=False, tensor_parallel=(rank, size)).model
+            assert attach_fused_experts(model) == len(whole)
+            layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+            ranks.append(layers)
+            held = set(layers[0].held)
+            assert read_experts == held and len(held) < shape.experts
+            assert {int(e) for e in layers[0].experts} == held
+        with torch.inference_mode():
+            for index, layer in enumerate(whole):
+                total = sum(layers[index](x) for layers in ranks)
+                torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0"])

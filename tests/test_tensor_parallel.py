@@ -22,6 +22,7 @@ from tandem.quant.blocks import BLOCK, GGMLType, dequantize
 from tandem.sampling import StructuredOutputsParams
 from tandem.server.launch import tandem_server
 from tandem.spec_decode.eagle_head import EagleHead, save_head
+from tandem.trace.recorder import StepTracer
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 from tests.servers import cmdline, descendants
 
@@ -167,12 +168,14 @@ def smollm2_like(model_dirs):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3", "gpt2",
+                                  "qwen3_moe", "mixtral", "qwen2_moe"])  # fmt: skip
 def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, arch):
     """Mistral's sliding window, Qwen2's q/k/v biases (cut with their rows), Qwen3's
     per-head norms, Gemma 3's local and global layers, GPT-2's fused c_attn (each
     rank's q, k and v columns of one Conv1D [in, out] tensor, with their biases),
-    each on 2 ranks."""
+    mixtures of experts (each rank holding half the experts; Qwen3-MoE's dense layer
+    and Qwen2-MoE's shared expert split as MLPs), each on 2 ranks."""
     folder, hf_model = smollm2_like if arch == "smollm2-like" else model_dirs(arch)
     ids = prompts([7, 13, 5], seed=4)
     one = LLM(str(folder), max_num_seqs=4)
@@ -193,26 +196,34 @@ def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, 
 @pytest.mark.parametrize("fmt,shape", [
     ("q8_0", Shape(576, 2, 9, 3, 1536, tied=True, vocab=2048, context=512)),
     ("q4_k_m", Shape(512, 2, 8, 2, 1024, tied=False, vocab=1024, context=512)),
+    ("q4_0", Shape(256, 2, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512,
+                   architecture="qwen3moe", experts=8, experts_used=2, expert_intermediate=256)),
 ])  # fmt: skip
 def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
     """Each rank reads its blocks of the file (row shards on whole tiles, column shards
-    on whole blocks: Q4_K's 256 weights). The only difference from one process is the
-    order of a float sum (1e-7), but the kernels quantize activations to int8 per block
-    of 32: where that moves a value across a rounding boundary, the token and those
-    after it (through its K/V) move by up to 1e-2, so most positions agree to 1e-5
-    and all to 3e-2 (a wrong shard is off by far more; the same file dequantized to
-    float agrees to 2e-6 everywhere)."""
+    on whole blocks: Q4_K's 256 weights; a mixture's experts whole, on the rank that
+    holds them, through the fused experts kernel and the whole-layer decode). The only
+    difference from one process is the order of a float sum (1e-7), but the kernels
+    quantize activations to int8 per block of 32: where that moves a value across a
+    rounding boundary, the token and those after it (through its K/V) move by up to
+    1e-2, so most positions agree to 1e-5 and all to 3e-2 (a wrong shard is off by
+    far more; the same file dequantized to float agrees to 2e-6 everywhere)."""
     path = write_random_gguf(tmp_path / f"random-{fmt}.gguf", shape, fmt)
     ids = prompts([11, 6], seed=5, vocab=shape.vocab)
     one = LLM(str(path), max_num_seqs=2, max_model_len=64)
     reference = _generate(one, ids)
     size = 3 if shape.kv_heads == 3 else 2
     many = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=size)
+    tracer = StepTracer()
+    many.engine.add_observer(tracer)
     try:
         ours = _generate(many, ids)
     finally:
         _close(many)
     _assert_same(ours, reference, atol=3e-2, most_within=1e-5)
+    if shape.experts:  # the whole router's load reaches the trace from rank 0
+        steps = list(tracer.steps)
+        assert all(shape.experts_used <= s["experts_read"] <= shape.experts for s in steps)
 
 
 def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):

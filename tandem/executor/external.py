@@ -84,6 +84,11 @@ class ExternalLauncherExecutor:
     def spec_stats(self):
         return self.runner.spec_stats
 
+    def expert_load(self) -> tuple[tuple[int, ...], ...]:
+        """A mixture's last step, tokens per expert (every rank routes over all the
+        experts, so this rank's counts are the whole model's)."""
+        return self.runner.expert_load()
+
     def execute(self, scheduler_output):
         started = time.monotonic()
         try:

@@ -105,6 +105,11 @@ class MultiprocExecutor:
     def spec_stats(self):
         return self.runner.spec_stats
 
+    def expert_load(self) -> tuple[tuple[int, ...], ...]:
+        """A mixture's last step, tokens per expert (every rank routes over all the
+        experts, so this rank's counts are the whole model's)."""
+        return self.runner.expert_load()
+
     def execute(self, scheduler_output):
         if self.broken is None:
             self.broken = self._dead_worker() or self.channel.failure

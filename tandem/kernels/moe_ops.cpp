@@ -7,8 +7,11 @@
 //
 // Each projection's experts come as one example matrix in quant_linear's packed
 // layout (values, scales, corr: empty for none; every expert of the projection is
-// laid out like it) and ``where`` [experts, 3], int64: each expert's addresses of its
-// values, scales and corr (0 for none), as quant::many_matrices describes.
+// laid out like it) and ``where`` [held, 3], int64: the addresses of the values,
+// scales and corr (0 for none) of each expert this process holds, experts
+// ``first_expert`` .. + held of the router's (a tensor-parallel rank holds a run of
+// them: models/sharding.py), as quant::many_matrices describes. The router's picks
+// of other experts are left out: the output is this process's part of the sum.
 
 // out [T, hidden] and the tokens each expert took [experts] (int64).
 std::vector<torch::Tensor> moe_experts(
@@ -16,14 +19,17 @@ std::vector<torch::Tensor> moe_experts(
     torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
     int64_t gu_rows, int64_t gu_group, double gu_offset,
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
-    int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu, int64_t round_rows) {
+    int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu, int64_t round_rows,
+    int64_t first_expert) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x: float32 [T, hidden], contiguous");
   const int64_t T = x.size(0), H = x.size(1), E = logits.size(1);
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T, "logits: [T, experts]");
+  const int64_t held = gu_where.size(0);
+  TORCH_CHECK(first_expert >= 0 && held > 0 && first_expert + held <= E, "held experts out of range");
   for (const torch::Tensor* where : {&gu_where, &dn_where})
     TORCH_CHECK(where->scalar_type() == torch::kLong && where->is_contiguous() && where->dim() == 2 &&
-                where->size(0) == E && where->size(1) == 3, "where: int64 [experts, 3]");
+                where->size(0) == held && where->size(1) == 3, "where: int64 [held experts, 3]");
   TORCH_CHECK(dn_rows == H && gu_rows % 2 == 0, "down gives hidden rows; gate/up two halves");
   const quant::ManyMatrices gate_up_layout =
       quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset);
@@ -60,9 +66,9 @@ std::vector<torch::Tensor> moe_experts(
               "round_rows: a positive multiple of ", quant::kTokenChunk);
   struct Piece { int64_t expert, first, count; };
   std::vector<Piece> pieces;  // in slot order, each slot in one
-  for (int64_t e = 0; e < E; ++e)
+  for (int64_t e = first_expert; e < first_expert + held; ++e)
     for (int64_t off = 0; off < count[e]; off += round_rows)
-      pieces.push_back({e, start[e] + off, std::min(round_rows, count[e] - off)});
+      pieces.push_back({e - first_expert, start[e] + off, std::min(round_rows, count[e] - off)});
   const int64_t R = std::min(S, round_rows), I = gu_rows / 2;
   torch::Tensor rows = torch::empty({R, H}, x.options()), gate_up = torch::empty({R, gu_rows}, x.options());
   torch::Tensor acted = torch::empty({R, I}, x.options()), down = torch::empty({R, H}, x.options());
@@ -73,7 +79,8 @@ std::vector<torch::Tensor> moe_experts(
   const float* src = x.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   for (size_t p0 = 0; p0 < pieces.size();) {
-    // A round: whole pieces, contiguous slots s0 .. s0 + n.
+    // A round: whole pieces, contiguous slots s0 .. s0 + n (the held experts' slots
+    // are contiguous: sorted by expert).
     const int64_t s0 = pieces[p0].first;
     int64_t n = 0;
     std::vector<int64_t> experts, first, rows_of;

@@ -41,6 +41,14 @@ class MoEConfig:
     # size whose output is scaled by sigmoid(a learned 1-output gate) (Qwen2-MoE's);
     # 0: none. Its weights are always read, so they count as non-expert weights.
     shared_intermediate_size: int = 0
+    # The experts this process holds, [start, stop) of ``num_experts`` (a
+    # tensor-parallel rank's: models/sharding.py); None: every one. The router still
+    # scores all of them.
+    held_experts: tuple[int, int] | None = None
+
+    @property
+    def held(self) -> range:
+        return range(*(self.held_experts or (0, self.num_experts)))
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,18 @@
               token, scaled by sigmoid(shared_expert_gate(x)), added last
 
 ``expert_load`` is the last forward's token count per expert (the step trace and the
-metrics read it). On a CPU with the compiled kernels and packed experts, the runner
-gives the layer ``fused_experts``: the same computation in one kernel call after the
-router (runner/linear/experts.py).
+metrics read it).
+
+Expert parallelism: a tensor-parallel rank holds a run of whole experts
+(``moe.held``: models/sharding.py) and the shared expert's share of columns, but
+routes over all of them. Its output is then a partial sum (the picked experts it
+holds, its part of the shared one), and ``all_reduce`` (the runner's collective)
+completes it, as after a row-parallel layer. ``experts`` is keyed by the expert's
+number in the whole model, so a parameter's name is the checkpoint's on every rank.
+
+On a CPU with the compiled kernels and packed experts, the runner gives the layer
+``fused_experts``: the same computation in one kernel call after the router
+(runner/linear/experts.py).
 """
 
 from __future__ import annotations
@@ -42,13 +51,17 @@ class SparseMoE(nn.Module):
         expert = dataclasses.replace(
             config, intermediate_size=moe.intermediate_size, mlp_bias=False, moe=None
         )
-        self.experts = nn.ModuleList(make_expert(expert) for _ in range(moe.num_experts))
+        self.held = moe.held
+        self.experts = nn.ModuleDict({str(e): make_expert(expert) for e in self.held})
         self.shared_expert: nn.Module | None = None
         if moe.shared_intermediate_size:
             shared = dataclasses.replace(expert, intermediate_size=moe.shared_intermediate_size)
             self.shared_expert = make_expert(shared)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.expert_load: list[int] = []
+        # The sum over a tensor-parallel group's ranks, in place (the runner sets it);
+        # None: this process holds every expert.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, top_k] routing weights in x's dtype, [T, top_k] expert ids)."""
@@ -62,10 +75,13 @@ class SparseMoE(nn.Module):
         out = self.routed(x)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
         return out
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The picked experts' weighted sum (the shared expert apart)."""
+        """The picked experts' weighted sum (the shared expert apart), of the experts
+        this process holds."""
         fused = getattr(self, "fused_experts", None)  # the runner's (runner/linear/experts.py)
         if fused is not None and not torch.is_grad_enabled():
             return fused(self, x)
@@ -78,11 +94,11 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = tokens[start : start + count]
-            y = self.experts[expert](x[rows])
-            out.index_add_(0, rows, y * slot_weights[start : start + count])
-            start += count
+            stop = start + count
+            if count and expert in self.held:
+                rows = tokens[start:stop]
+                y = self.experts[str(expert)](x[rows])
+                out.index_add_(0, rows, y * slot_weights[start:stop])
+            start = stop
         self.expert_load = counts
         return out

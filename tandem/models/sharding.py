@@ -6,7 +6,12 @@
                      sums, added by an all-reduce (runner/linear/parallel.py)
     embedding, head  vocabulary-parallel: a rank's rows of the vocabulary (lookups
                      all-reduced, logits gathered)
-    everything else  (norms, biases of row-parallel layers) whole on every rank
+    experts          expert-parallel: a rank holds a run of whole experts (their
+                     matrices whole, in their formats); a mixture's shared expert is
+                     split as an MLP (its down projection's partial sums added to
+                     the experts'), and the mixture's output all-reduced once
+                     (models/moe.py)
+    everything else  (norms, routers, biases of row-parallel layers) whole on every rank
 
 Heads are split by KV groups, so that a rank's query heads read only its own KV
 heads: with at least as many KV heads as ranks each rank takes a run of whole groups
@@ -23,6 +28,7 @@ from ``ShardPlan.config``, and the runner adds the collectives.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -34,6 +40,9 @@ from tandem.quant.blocks import BLOCK
 from tandem.quant.packed import ROWS
 
 COLUMN, ROW, VOCAB = "column", "row", "vocab"
+# Row-parallel whose partial sums a later collective completes (a shared expert's
+# down projection: its mixture all-reduces once, models/moe.py), so none of its own.
+PARTIAL = "partial"
 
 # Module name (its last one or two components) -> (how it is split, the unit of each
 # fused part's rows or its columns). A checkpoint tensor that holds every part at once
@@ -43,6 +52,8 @@ LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
     "gate_up_proj": (COLUMN, ("mlp", "mlp")),
     "o_proj": (ROW, ("q",)),
     "down_proj": (ROW, ("mlp",)),
+    "shared_expert.gate_up_proj": (COLUMN, ("shared", "shared")),
+    "shared_expert.down_proj": (PARTIAL, ("shared",)),
     "embed_tokens": (VOCAB, ("vocab",)),
     "lm_head": (VOCAB, ("vocab",)),
     # GPT-2
@@ -54,11 +65,16 @@ LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # Families whose modules LAYOUT names.
 SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel")  # fmt: skip
+             "Qwen3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # fmt: skip
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's module, by its number
 
 
 def layout_of(module_name: str) -> tuple[str, tuple[str, ...]] | None:
-    """How ``module_name`` is split (LAYOUT), or None: whole on every rank."""
+    """How ``module_name`` is split (LAYOUT), or None: whole on every rank (a
+    routed expert's matrices: a rank holds whole experts)."""
+    if _EXPERT.search(module_name):
+        return None
     parts = module_name.split(".")
     return LAYOUT.get(".".join(parts[-2:])) or LAYOUT.get(parts[-1])
 
@@ -116,10 +132,19 @@ class ShardPlan:
                 f"tensor parallelism does not split {self.full.architecture} yet "
                 f"(it splits {', '.join(SHARDABLE)})"
             )
-        if -(-self.full.intermediate_size // self.block) < self.size:
+        full, moe = self.full, self.full.moe
+        dense = any(not full.is_moe_layer(i) for i in range(full.num_layers))
+        mlps = [full.intermediate_size] * dense + ([moe.shared_intermediate_size] if moe else [])
+        for columns in mlps:
+            if columns and -(-columns // self.block) < self.size:
+                raise ModelLoadError(
+                    f"an MLP of {columns} columns in blocks of {self.block} "
+                    f"cannot be split across {self.size} tensor-parallel ranks"
+                )
+        if moe is not None and moe.num_experts < self.size:
             raise ModelLoadError(
-                f"an MLP of {self.full.intermediate_size} columns in blocks of {self.block} "
-                f"cannot be split across {self.size} tensor-parallel ranks"
+                f"{moe.num_experts} experts cannot be split across {self.size} "
+                "tensor-parallel ranks (each rank holds whole experts)"
             )
 
     @property
@@ -130,15 +155,21 @@ class ShardPlan:
     def ranges(self) -> dict[str, range]:
         """Each unit's range in a weight's rows or columns: the rank's query and KV
         heads' rows, its MLP columns (whole blocks of the file: ``block``) and its vocabulary
-        rows (whole packed tiles)."""
+        rows (whole packed tiles); of a mixture, its shared expert's columns (as the
+        MLP's) and its run of experts."""
         q, kv = self.heads
-        d = self.full.head_dim
-        return {
+        d, moe = self.full.head_dim, self.full.moe
+        ranges = {
             "q": range(q.start * d, q.stop * d),
             "kv": range(kv.start * d, kv.stop * d),
             "mlp": split_evenly(self.full.intermediate_size, self.size, self.rank, self.block),
             "vocab": vocab_rows(self.full.vocab_size, self.size, self.rank),
         }
+        if moe is not None:
+            shared = moe.shared_intermediate_size
+            ranges["shared"] = split_evenly(shared, self.size, self.rank, self.block)
+            ranges["experts"] = split_evenly(moe.num_experts, self.size, self.rank)
+        return ranges
 
     @property
     def vocab(self) -> range:
@@ -147,14 +178,30 @@ class ShardPlan:
     @property
     def config(self) -> ModelConfig:
         """The rank's model: its heads and MLP columns (the vocabulary stays whole in
-        the config; the embedding and head are cut by ``shard_model``)."""
+        the config; the embedding and head are cut by ``shard_model``); of a mixture,
+        its experts and its shared expert's columns."""
         q, kv = self.heads
+        ranges, moe = self.ranges, self.full.moe
+        if moe is not None:
+            experts = ranges["experts"]
+            moe = dataclasses.replace(
+                moe,
+                held_experts=(experts.start, experts.stop),
+                shared_intermediate_size=len(ranges["shared"]),
+            )
         return dataclasses.replace(
             self.full,
             num_heads=len(q),
             num_kv_heads=len(kv),
-            intermediate_size=len(self.ranges["mlp"]),
+            intermediate_size=len(ranges["mlp"]),
+            moe=moe,
         )
+
+    def holds(self, param_name: str) -> bool:
+        """Whether this rank has ``param_name`` at all (a routed expert's weights only
+        on the rank that holds the expert; everything else on every rank)."""
+        found = _EXPERT.search(param_name)
+        return found is None or int(found.group(1)) in self.ranges["experts"]
 
     def full_width(self, unit: str) -> int:
         """A unit's rows (or columns) in the whole model."""
@@ -164,6 +211,7 @@ class ShardPlan:
             "kv": c.num_kv_heads * c.head_dim,
             "mlp": c.intermediate_size,
             "vocab": c.vocab_size,
+            "shared": c.moe.shared_intermediate_size if c.moe else 0,
         }[unit]
 
     def narrow(self, param_name: str, part: int | None, tensor: CheckpointTensor, transposed=False):
@@ -178,7 +226,7 @@ class ShardPlan:
         how, units = layout
         if how == ROW and kind == "bias":
             return tensor  # added once, after the all-reduce (rank 0 keeps it)
-        dim = 1 if how == ROW else 0
+        dim = 1 if how in (ROW, PARTIAL) else 0
         if transposed and len(tensor.shape) == 2:
             dim = 1 - dim
         ranges = self.ranges
@@ -204,7 +252,7 @@ def _narrow(tensor: CheckpointTensor, dim: int, span: range) -> CheckpointTensor
 
 
 def parallel_style(module_name: str) -> str | None:
-    """COLUMN, ROW or VOCAB for a module LAYOUT splits, else None (whole)."""
+    """COLUMN, ROW, PARTIAL or VOCAB for a module LAYOUT splits, else None (whole)."""
     layout = layout_of(module_name)
     return layout[0] if layout else None
 

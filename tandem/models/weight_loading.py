@@ -111,8 +111,8 @@ def load_weights(
     by_param: dict[str, list[Part]] = defaultdict(list)
     for tensor in tensors:
         target = model.checkpoint_target(tensor.name)
-        if target is None:
-            continue
+        if target is None or (shard is not None and not shard.holds(target[0])):
+            continue  # (another rank's expert: never read here)
         if target[0] not in params:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {tensor.file}")
         if shard is not None:

@@ -13,7 +13,8 @@ biases but q/k/v's (Qwen2's), each linear layer one packed quantized matrix
 (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
 parts. A mixture-of-experts layer runs its attention half compiled, then its experts'
-own kernel call (runner/linear/experts.py). On a tensor-parallel rank the
+own kernel call (runner/linear/experts.py; on a tensor-parallel rank, the
+experts it holds, all-reduced by the mixture). On a tensor-parallel rank the
 layer runs as two compiled halves, each ending in the rank's partial sums of a
 row-parallel projection (o, down), all-reduced between them as the layer-by-layer
 path does. Anything else runs layer by layer. The attention backend offers it to
@@ -102,7 +103,7 @@ def layer_arguments(layer) -> tuple | None:
             optional = [q_norm, k_norm, qkv_bias, *post_norms]
             if experts:
                 packed += [EXPERTS, EXPERTS]
-                comm = None if _collectives(attn.o_proj, attn.o_proj) is None else False
+                comm = _collectives(attn.o_proj, attn.o_proj)  # (the mixture reduces itself)
             else:
                 comm = _collectives(attn.o_proj, mlp.down_proj)
             args = (
@@ -177,6 +178,8 @@ class FusedDecode:
             o, residual = kernels.llama_decode_attention(
                 h, residual, norm1, eps, qkv, o_proj, *attention
             )
+            if comm is not None:
+                comm.all_reduce(o)
             h, residual = layer.post_attention_layernorm(o, residual)
             return layer.mlp(h), residual
         if comm is None:

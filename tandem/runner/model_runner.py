@@ -39,6 +39,7 @@ from tandem.runner.tensor_parallel import (
     TensorParallel,
     method_with_collectives,
     parallelize_embedding,
+    parallelize_mixtures,
 )
 from tandem.spec_decode.rejection import verify
 from tandem.spec_decode.stats import SpecDecodeStats
@@ -110,6 +111,7 @@ class ModelRunner:
         self.tp = tp
         if tp is not None:  # the collectives a shard needs (runner/tensor_parallel.py)
             parallelize_embedding(loaded.model, loaded.shard, tp)
+            parallelize_mixtures(loaded.model, tp)
             wrap = method_with_collectives(tp, loaded.config.vocab_size)
             set_linear_method(loaded.model, lambda layer: wrap(layer, method_for(layer)))
         else:

@@ -8,6 +8,9 @@ adds what a shard needs to compute the whole model's numbers:
     the LM head                     all-gather of the ranks' logits
     the token embedding             each rank looks up the ids in its rows, zeros for the
                                     others; an all-reduce assembles the rows
+    a mixture of experts            each rank runs the picked experts it holds (and its
+                                    part of a shared expert); an all-reduce of the
+                                    layer's output adds the ranks' (models/moe.py)
     the KV cache                    the rank's KV heads only; every rank holds the same
                                     number of blocks (the smallest any rank can afford),
                                     since one scheduler counts them for all
@@ -27,6 +30,7 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.linear import Linear, LinearMethod
+from tandem.models.moe import SparseMoE
 from tandem.models.quantized import replace_module
 from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, vocab_rows
 from tandem.runner.linear.parallel import Collectives, parallel_linear_method
@@ -143,6 +147,14 @@ def parallelize_embedding(model: nn.Module, shard: ShardPlan, tp: TensorParallel
     for name, module in list(model.named_modules()):
         if parallel_style(name) == VOCAB and not isinstance(module, Linear):
             replace_module(model, name, VocabParallelEmbedding(module, shard.vocab, tp.comm))
+
+
+def parallelize_mixtures(model: nn.Module, tp: TensorParallel) -> None:
+    """Each mixture-of-experts layer of a rank's shard sums its partial output over
+    the ranks (each holds some of the experts: models/sharding.py)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.all_reduce = tp.comm.all_reduce
 
 
 def method_with_collectives(tp: TensorParallel, vocab_size: int):

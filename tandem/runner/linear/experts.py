@@ -76,15 +76,16 @@ class _Projection:
 
 class FusedExperts:
     def __init__(self, layer: SparseMoE) -> None:
-        self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in layer.experts])
-        self.down = _Projection([_only_part(e.down_proj) for e in layer.experts])
-        self.gelu = layer.experts[0].act_and_mul is gelu_tanh_and_mul
+        experts = list(layer.experts.values())  # the held ones, in order (models/moe.py)
+        self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in experts])
+        self.down = _Projection([_only_part(e.down_proj) for e in experts])
+        self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
             x.float().contiguous(), logits, layer.top_k, layer.normalize, *self.gate_up.args,
-            *self.down.args, self.gelu, MLP_ROWS,
+            *self.down.args, self.gelu, MLP_ROWS, layer.held.start,
         )  # fmt: skip
         layer.expert_load = counts.tolist()
         return out.to(x.dtype)
@@ -104,12 +105,15 @@ def attach_fused_experts(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if not isinstance(module, SparseMoE) or module.experts[0].act_and_mul is None:
+        if not isinstance(module, SparseMoE):
+            continue
+        experts = list(module.experts.values())
+        if experts[0].act_and_mul is None:
             continue
         try:
             fused = FusedExperts(module)
             layouts = [
-                {_layout(_only_part(getattr(e, projection))) for e in module.experts}
+                {_layout(_only_part(getattr(e, projection))) for e in experts}
                 for projection in ("gate_up_proj", "down_proj")
             ]
         except ValueError:  # not one packed matrix each, or not contiguous
