@@ -350,3 +350,60 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_step_reads(tmp_path):
     assert many["experts_read_per_step"] == pytest.approx(16, rel=0.001)
     assert "active a token: 4 of 16 experts a layer" in format_plan(one)
     assert one["crossover_batch"] == many["crossover_batch"]  # (not the planned batch's)
+
+
+def test_expert_parallel_ranks_are_priced_by_the_busiest_one(tmp_path):
+    """Each of N ranks holds a run of the experts (models/sharding.py's split): the
+    distinct experts the busiest rank reads a layer, by brute force over every way a
+    token picks (exact), and by drawing batches at random; one rank is
+    expected_experts; and under --tp the plan reads as if every rank read as much as
+    the busiest (the others wait for it at the all-reduce), so TP 2's decode reads
+    more than an even split of one device's."""
+    import itertools
+    import random
+
+    from tandem.models.sharding import split_evenly
+    from tandem.plan.cost import busiest_rank_experts, expected_experts
+
+    def exact(experts, k, ranks):  # one token: every k-subset equally likely
+        owner = {e: r for r in range(ranks) for e in split_evenly(experts, ranks, r)}
+        picks = list(itertools.combinations(range(experts), k))
+        return sum(max(sum(owner[e] == r for e in p) for r in range(ranks)) for p in picks) / len(
+            picks
+        )
+
+    for experts, k, ranks in ((4, 2, 2), (8, 2, 2), (10, 3, 3), (16, 4, 4)):
+        assert busiest_rank_experts(experts, k, 1, ranks) == pytest.approx(
+            exact(experts, k, ranks), rel=0.02
+        )
+    rng, experts, k = random.Random(0), 16, 4
+    for tokens in (3, 10):
+        owner = {e: r for r in range(2) for e in split_evenly(experts, 2, r)}
+        drawn = []
+        for _ in range(4000):
+            read = {e for _ in range(tokens) for e in rng.sample(range(experts), k)}
+            drawn.append(max(sum(owner[e] == r for e in read) for r in range(2)))
+        assert busiest_rank_experts(experts, k, tokens, 2) == pytest.approx(
+            sum(drawn) / 4000, rel=0.02
+        )
+    assert busiest_rank_experts(16, 4, 5, 1) == expected_experts(16, 4, 5)
+    assert busiest_rank_experts(16, 4, 500, 4) == 4  # every expert, on every rank
+
+    raw = {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }  # fmt: skip
+    hardware = custom_hardware(16, 20, 1.0)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    one, two = (plan(tmp_path, hardware, "bf16", batch=1, tp=tp) for tp in (1, 2))
+    busiest = busiest_rank_experts(16, 4, 1, 2)
+    assert 2 < busiest < 4 and two["experts_read_busiest_rank"] == busiest
+    expert_bytes = 3 * 16 * (3 * 256 * 128) * 2  # layers x experts x (gate, up, down), bf16
+    extra = expert_bytes * (busiest * 2 - 4) / 16  # the busiest rank's, times 2 ranks
+    assert two["weight_bytes_read_per_step"] == pytest.approx(
+        one["weight_bytes_read_per_step"] + extra, rel=1e-6
+    )
+    assert f"busiest rank reads {busiest:.1f} a layer" in format_plan(two)

@@ -43,7 +43,13 @@ from tandem.errors import InvalidParameterError
 from tandem.models.config import ModelConfig
 from tandem.models.dtypes import DTYPES
 from tandem.models.loader import initializers_skipped, read_config
-from tandem.plan.cost import ModelShape, collective_seconds, expected_experts
+from tandem.plan.cost import (
+    ModelShape,
+    busiest_rank_experts,
+    collective_seconds,
+    expected_experts,
+    expert_read_share,
+)
 from tandem.plan.hardware import Hardware
 from tandem.quant.blocks import BLOCK, GGMLType
 
@@ -311,14 +317,14 @@ def plan(
         def read_at(tokens: float) -> float:
             """A step's weight reads: a mixture's, the experts its tokens picked."""
             experts = weights.expert_bytes
-            return weights.read_per_token - experts * (1 - _expert_read(shape, tokens))
+            return weights.read_per_token - experts * (1 - _expert_read(shape, tokens, tp))
 
         formats = weights.main_format.name if weights.main_format is not None else "float"
     else:
         weight_bytes = params * DTYPES[dtype].bytes
 
         def read_at(tokens: float) -> float:
-            return weight_bytes * shape.read_share(tokens)
+            return weight_bytes * shape.read_share(tokens, tp)
 
         formats = dtype
     read_bytes = read_at(batch)
@@ -378,6 +384,12 @@ def plan(
         "experts_per_token": shape.experts_per_token,
         # Distinct experts a layer reads in a decode step of the batch (on average).
         "experts_read_per_step": expected_experts(shape.experts, shape.experts_per_token, batch)
+        if shape.experts
+        else 0.0,
+        # Of those, what the busiest of the ranks reads (each holds a run of the experts).
+        "experts_read_busiest_rank": busiest_rank_experts(
+            shape.experts, shape.experts_per_token, batch, tp
+        )
         if shape.experts
         else 0.0,
         "weight_formats": formats,
@@ -460,11 +472,12 @@ def _batch(crossover: float | None) -> str:
     return f"batch {math.ceil(crossover):,}"
 
 
-def _expert_read(shape: ModelShape, tokens: int) -> float:
-    """The share of a mixture's expert weights a step of ``tokens`` reads."""
+def _expert_read(shape: ModelShape, tokens: float, tp: int = 1) -> float:
+    """The share of a mixture's expert weights a step of ``tokens`` reads on ``tp``
+    ranks (cost.expert_read_share)."""
     if not shape.experts:
         return 1.0
-    return expected_experts(shape.experts, shape.experts_per_token, tokens) / shape.experts
+    return expert_read_share(shape.experts, shape.experts_per_token, tokens, tp)
 
 
 def format_plan(result: dict[str, Any]) -> str:
@@ -510,6 +523,12 @@ def format_plan(result: dict[str, Any]) -> str:
         f"{_batch(r['crossover_batch_weights_only'])}",
     ]
     if r["tp"] > 1:
+        if r["experts"]:
+            lines.append(
+                f"experts per rank   {r['experts'] / r['tp']:g} each; a decode step's busiest "
+                f"rank reads {r['experts_read_busiest_rank']:.1f} a layer (the mean rank "
+                f"{r['experts_read_per_step'] / r['tp']:.1f}), and the others wait for it"
+            )
         lines += [
             f"collectives        {_seconds(r['decode_collectives_s'])} a decode step, "
             f"{_seconds(r['prefill_collectives_s'])} a prefill (2 all-reduces a layer, each "
