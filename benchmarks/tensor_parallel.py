@@ -13,7 +13,10 @@ own CPUs (--cpu-bind auto, the default) or sharing them (--cpu-binds auto none).
 collectives alone: one all-reduce of a token's hidden state between N processes on
 this host, both ways: the latency every row-parallel layer pays twice a layer; with
 ``--hosts``, also among N processes taken as two hosts (runner/host_groups.py: shared
-memory within each, gloo between them) against gloo among all::
+memory within each, gloo between them) against gloo among all. For a mixture of
+experts (each rank holds a run of the experts), the distinct experts a layer read
+at batch 1 and 16, and how many of them the busiest rank held (the ranks wait for it
+at the layer's all-reduce)::
 
     python -m benchmarks.tensor_parallel --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf \\
         --sizes 1 2
@@ -64,6 +67,8 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     llm = LLM(
         model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind
     )
+    experts = experts_read(size)
+    llm.engine.add_observer(experts)
     shares: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -78,9 +83,50 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
         shares["step_ms"] = elapsed / steps * 1e3
 
     result = {**decode_and_prefill(llm, warm=True, around_batch_1=timing_batch_1()), **shares}
+    result.update(experts.summary())
     if size > 1:
         llm.engine.runner.close()
     return result
+
+
+def experts_read(size: int):
+    """An engine observer of a mixture's decode steps at batch 1 and 16: the distinct
+    experts a layer read, and those the busiest of ``size`` ranks read (each holds a
+    run of the experts: models/sharding.py), means over the steps' layers (``summary``).
+    The routing is the file's; rank 0 routes over every expert, so its counts are the
+    whole model's."""
+    from tandem.engine.observer import EngineObserver
+    from tandem.models.sharding import split_evenly
+
+    class ExpertsRead(EngineObserver):
+        def __init__(self) -> None:
+            self.steps: dict[int, list[tuple[float, float]]] = {1: [], 16: []}
+
+        def step_done(self, out, stats) -> None:
+            batch = stats.num_batched_tokens
+            if not stats.expert_load or batch not in self.steps:
+                return
+            if batch != stats.num_generated_tokens:
+                return  # (a step with a prompt in it)
+            read = busiest = 0
+            for load in stats.expert_load:
+                picked = {e for e, n in enumerate(load) if n}
+                read += len(picked)
+                busiest += max(
+                    len(picked.intersection(split_evenly(len(load), size, r))) for r in range(size)
+                )
+            layers = len(stats.expert_load)
+            self.steps[batch].append((read / layers, busiest / layers))
+
+        def summary(self) -> dict[str, float]:
+            out = {}
+            for batch, steps in self.steps.items():
+                if steps:
+                    out[f"experts_read_{batch}"] = statistics.mean(r for r, _ in steps)
+                    out[f"experts_busiest_{batch}"] = statistics.mean(b for _, b in steps)
+            return out
+
+    return ExpertsRead()
 
 
 def collective_latency(size: int, hidden: int, transport: str, repeats: int = 2000) -> float:
@@ -218,6 +264,13 @@ def main() -> None:
                 f"{med['decode_16']:.1f} | {med['prefill_512']:.1f} | {med['step_ms']:.2f} | "
                 f"{med['send_ms_per_step']:.3f} | {med['collectives_ms_per_step']:.2f} |"
             )
+            if "experts_read_1" in med:  # a mixture: how evenly its experts' reads split
+                print(
+                    "|   | experts a layer, batch 1 / 16: read "
+                    f"{med['experts_read_1']:.2f} / {med.get('experts_read_16', 0):.2f}, "
+                    f"by the busiest rank {med['experts_busiest_1']:.2f} / "
+                    f"{med.get('experts_busiest_16', 0):.2f} |"
+                )
 
 
 if __name__ == "__main__":
