@@ -306,6 +306,16 @@ def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
         plan(config, hardware, "gguf")
 
 
+# A Qwen3-MoE config.json small enough to build: 3 layers of 16 experts, 4 a token.
+SMALL_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
 def test_a_mixture_of_experts_is_priced_by_the_experts_a_step_reads(tmp_path):
     """Qwen3-MoE: the parameter count is transformers'; a token's active parameters
     are every weight but the experts it did not pick (counted on transformers' model);
@@ -316,13 +326,7 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_step_reads(tmp_path):
     from tandem.models.random_gguf import Shape, write_random_gguf
     from tandem.plan.cost import expected_experts
 
-    raw = {
-        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
-        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    }  # fmt: skip
+    raw = SMALL_QWEN3_MOE
     (tmp_path / "config.json").write_text(json.dumps(raw))
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**raw))
     hardware = custom_hardware(16, 20, 1.0)
@@ -389,13 +393,7 @@ def test_expert_parallel_ranks_are_priced_by_the_busiest_one(tmp_path):
     assert busiest_rank_experts(16, 4, 5, 1) == expected_experts(16, 4, 5)
     assert busiest_rank_experts(16, 4, 500, 4) == 4  # every expert, on every rank
 
-    raw = {
-        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
-        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    }  # fmt: skip
+    raw = SMALL_QWEN3_MOE
     hardware = custom_hardware(16, 20, 1.0)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     one, two = (plan(tmp_path, hardware, "bf16", batch=1, tp=tp) for tp in (1, 2))

@@ -143,7 +143,9 @@ def busiest_rank_experts(experts: int, per_token: int, tokens: int, ranks: int) 
         return 0.0
     if ranks <= 1:
         return expected_experts(experts, per_token, tokens)
-    held = [len(range(*_split(experts, ranks, r))) for r in range(ranks)]
+    from tandem.models.sharding import split_evenly
+
+    held = [len(split_evenly(experts, ranks, r)) for r in range(ranks)]
     if tokens >= 4:
         p = 1 - (1 - per_token / experts) ** tokens
 
@@ -179,13 +181,6 @@ def expert_read_share(experts: int, per_token: int, tokens: float, ranks: int = 
     at = [busiest_rank_experts(experts, per_token, n, ranks) for n in (low, low + 1)]
     busiest = at[0] + (at[1] - at[0]) * min(1.0, max(0.0, tokens - low))
     return min(1.0, busiest * ranks / experts)
-
-
-def _split(total: int, parts: int, index: int) -> tuple[int, int]:
-    from tandem.models.sharding import split_evenly
-
-    span = split_evenly(total, parts, index)
-    return span.start, span.stop
 
 
 @dataclass(frozen=True)
