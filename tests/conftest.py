@@ -1,12 +1,39 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tandem.server.launch import tandem_process
 from tests.hf_models import save_model
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# The suite runs in pytest-xdist workers (README: `-n auto`, whole files to a worker),
+# which share the cores: a worker's torch threads take its share, so that none spins
+# on a core another worker's test is using (OpenMP waits by spinning; two workers of
+# two threads on 2 cores ran the suite 1.3x slower than one thread each).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
+WORKER_MEMORY = 4 << 30  # a worker's peak (a model, its transformers reference, servers)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, at most 4 (each test may start servers and ranks of
+    its own) and as many as the memory holds."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, 4, memory // WORKER_MEMORY))
+
+
+@pytest.fixture
+def two_threads():
+    """The compiled kernels' parallel splits (at::parallel_for) run on two threads,
+    whatever share of the cores the worker has: the kernel tests use it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
 
 # Test tiers (pytest -m unit | model | system), by module: a module is in the tier of
 # its slowest tests.

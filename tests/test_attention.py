@@ -16,6 +16,8 @@ from tandem.runner.kv_cache import (
     quantize_kv_rows,
 )
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # (conftest.py)
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
 

@@ -13,7 +13,10 @@ from tandem.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from tandem.models.linear import Linear
 from tandem.runner.linear.cpu_small_batch import CpuSmallBatchLinearMethod
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler here")
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels.load() is None, reason="no compiler here"),
+    pytest.mark.usefixtures("two_threads"),
+]
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bfloat16: the kernels round where torch rounds, so they differ only where float32

@@ -14,6 +14,8 @@ from tandem.models.loader import load_model
 from tandem.models.moe import SparseMoE
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # (conftest.py)
+
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 MAX_NEW = 8
 

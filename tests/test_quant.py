@@ -19,6 +19,8 @@ from tandem.quant.packed import PackedWeight, quantize_activations, reference
 from tandem.quant.quantize import FORMATS, quantize
 from tandem.runner.linear.quantized import QuantizedLinearMethod
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # (conftest.py)
+
 # The fp16 fields of each block (offsets in bytes), and the largest factor the rest of
 # the block multiplies them by (|q - offset| times a sub-block scale): random blocks
 # get scales that keep every weight within about +-0.1.

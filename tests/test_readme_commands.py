@@ -51,7 +51,7 @@ def test_readme_has_the_two_commands():
     commands = readme_commands.readme_commands((CHECKOUT / "README.md").read_text())
     main, test = commands["main"], commands["test"]
     assert main.startswith("pip install torch==") and "tandem chat" in main
-    assert test.startswith("pip install torch==") and test.endswith("python -m pytest")
+    assert test.startswith("pip install torch==") and test.endswith("python -m pytest -n auto")
     assert f"-c {readme_commands.TEST_CONSTRAINTS}" in test
     for command in (main, test):
         steps = readme_commands.steps(command)
