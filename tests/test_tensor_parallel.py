@@ -369,19 +369,26 @@ def _shm_rank(rank: int, size: int, segment: str, results) -> None:
     group.all_reduce(big)
     strided = torch.full((4, 6), float(rank)).t()  # not contiguous
     group.all_reduce(strided)
+    if rank == size - 1:
+        time.sleep(0.05)  # late: the others' spin runs out, they wait, then sum
+    late = torch.full((5,), float(rank + 1))
+    group.all_reduce(late)
+    halves = torch.full((7,), float(rank + 1), dtype=torch.bfloat16)  # summed by torch
+    group.all_reduce(halves)
     sizes = [3, 5, 2][:size]
     local = torch.full((700_000, sizes[rank]), float(rank))  # several pieces of rows
     gathered = group.all_gather(local, sizes)
     payload = group.receive() if rank else None
     if rank == 0:
         group.send(bytes(range(256)) * 40_000)  # 10 MB: three parts
-    results.put((rank, big[-1].item(), strided.sum().item(), gathered[-1].tolist(),
-                 None if payload is None else (len(payload), payload[:3])))  # fmt: skip
+    results.put((rank, big[-1].item(), strided.sum().item(), late.tolist(), halves.tolist(),
+                 gathered[-1].tolist(), None if payload is None else (len(payload), payload[:3])))  # fmt: skip
 
 
 def test_shared_memory_collectives_in_pieces(tmp_path):
     """The shared-memory group on 3 processes: sums and gathers larger than a slot,
-    a strided tensor, a message in parts; every rank gets the exact result."""
+    a strided tensor, a rank arriving late, a dtype the compiled sum does not take, a
+    message in parts; every rank gets the exact result."""
     import torch.multiprocessing as mp
 
     from tandem.runner.shm_group import create_segment
@@ -401,9 +408,10 @@ def test_shared_memory_collectives_in_pieces(tmp_path):
     os.unlink(segment)
     assert all(p.exitcode == 0 for p in procs)
     got = sorted(results.get() for _ in range(size))
-    for rank, last, strided, row, payload in got:
+    for rank, last, strided, late, halves, row, payload in got:
         assert last == 1_499_999 * 6  # (1 + 2 + 3) x the last value
         assert strided == 24 * 3  # 0 + 1 + 2 in each of 24 places
+        assert late == [6.0] * 5 and halves == [6.0] * 7
         assert row == [0.0] * 3 + [1.0] * 5 + [2.0] * 2
         assert payload == (None if rank == 0 else (10_240_000, bytes([0, 1, 2])))
 

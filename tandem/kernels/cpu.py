@@ -77,6 +77,7 @@ FUNCTIONS = [
     "moe_experts",
     "shm_post",
     "shm_wait",
+    "shm_all_reduce",
 ]
 
 

@@ -2,8 +2,9 @@
 // (tandem/runner/shm_group.py): each rank publishes a counter in a shared segment; a
 // rank writes its data, then posts its counter (a full fence, then a release store);
 // a waiter reads the counters with acquire loads until every one has reached the
-// value, then fences again before it reads the data. The data itself is copied and
-// summed by torch on the segment's tensors.
+// value, then fences again before it reads the data. shm_all_reduce does a float32
+// all-reduce's copy, post, wait and sum in one call; other dtypes are copied and summed
+// by torch on the segment's tensors.
 
 #include <atomic>
 #include <chrono>
@@ -42,4 +43,32 @@ bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t val
     _mm_pause();
 #endif
   }
+}
+
+// One piece of a float32 all-reduce: ``data`` (n values) into this rank's slot of
+// ``slots`` ([ranks, n], rows apart by their stride: the segment's current buffer), posted as collective ``value``;
+// once every rank's counter has reached it (within spin_us), the slots are summed in
+// rank order into ``data`` (every rank the same bits) and true is returned. false: the
+// wait ran out; the caller checks that its peers are alive and calls again with
+// post=false (no copy, no post: wait, then sum). In one call, a token's all-reduce
+// costs no Python between its copy and its sum (shm_group.py).
+bool shm_all_reduce(torch::Tensor data, torch::Tensor slots, torch::Tensor counters,
+                    int64_t stride, int64_t rank, int64_t value, int64_t spin_us, bool post) {
+  TORCH_CHECK(data.scalar_type() == torch::kFloat && data.is_contiguous());
+  TORCH_CHECK(slots.scalar_type() == torch::kFloat && slots.dim() == 2 && slots.stride(1) == 1);
+  const int64_t ranks = slots.size(0), n = data.numel(), row = slots.stride(0);
+  TORCH_CHECK(slots.size(1) == n && 0 <= rank && rank < ranks);
+  float* out = data.data_ptr<float>();
+  float* base = slots.data_ptr<float>();
+  if (post) {
+    std::memcpy(base + rank * row, out, n * sizeof(float));
+    shm_post(counters, rank * stride, value);
+  }
+  if (!shm_wait(counters, stride, ranks, value, spin_us)) return false;
+  for (int64_t i = 0; i < n; ++i) {
+    float sum = base[i];
+    for (int64_t r = 1; r < ranks; ++r) sum += base[r * row + i];
+    out[i] = sum;
+  }
+  return true;
 }
