@@ -381,8 +381,9 @@ def _shm_rank(rank: int, size: int, segment: str, results) -> None:
     payload = group.receive() if rank else None
     if rank == 0:
         group.send(bytes(range(256)) * 40_000)  # 10 MB: three parts
+    message = None if payload is None else (len(payload), payload[:3])
     results.put((rank, big[-1].item(), strided.sum().item(), late.tolist(), halves.tolist(),
-                 gathered[-1].tolist(), None if payload is None else (len(payload), payload[:3])))  # fmt: skip
+                 gathered[-1].tolist(), message))  # fmt: skip
 
 
 def test_shared_memory_collectives_in_pieces(tmp_path):
