@@ -54,11 +54,11 @@ SYSTEM = {
 }  # fmt: skip
 
 
-# The files that take longest (a clean 2-core run's figures, seconds), run first: the
+# The files that take longest (seconds in a clean 2-core run), run first: the
 # workers take whole files in collection order, so a long file left to the end keeps one
 # worker busy while the others have finished (longest first is the classic schedule).
 LONGEST_FIRST = [
-    "test_train_draft",  # 165: the draft head's training fixture
+    "test_train_draft",  # 170 on a worker's one thread: the draft head's training
     "test_tensor_parallel",  # 175
     "test_disagg",  # 165
     "test_gemma3_file",  # 150

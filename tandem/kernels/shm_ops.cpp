@@ -46,12 +46,12 @@ bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t val
 }
 
 // One piece of a float32 all-reduce: ``data`` (n values) into this rank's slot of
-// ``slots`` ([ranks, n], rows apart by their stride: the segment's current buffer), posted as collective ``value``;
-// once every rank's counter has reached it (within spin_us), the slots are summed in
-// rank order into ``data`` (every rank the same bits) and true is returned. false: the
-// wait ran out; the caller checks that its peers are alive and calls again with
-// post=false (no copy, no post: wait, then sum). In one call, a token's all-reduce
-// costs no Python between its copy and its sum (shm_group.py).
+// ``slots`` ([ranks, n], rows apart by their stride: the segment's current buffer),
+// posted as collective ``value``; once every rank's counter has reached it (within
+// spin_us), the slots are summed in rank order into ``data`` (every rank the same
+// bits) and true is returned. false: the wait ran out; the caller checks that its
+// peers are alive and calls again with post=false (no copy, no post: wait, then sum).
+// In one call, a token's all-reduce costs no Python between its copy and its sum.
 bool shm_all_reduce(torch::Tensor data, torch::Tensor slots, torch::Tensor counters,
                     int64_t stride, int64_t rank, int64_t value, int64_t spin_us, bool post) {
   TORCH_CHECK(data.scalar_type() == torch::kFloat && data.is_contiguous());

@@ -14,9 +14,9 @@ memory copies and counters (kernels/shm_ops.cpp: fences and acquire/release, spi
 
 all_reduce: each rank copies its tensor into its slot, posts, waits for every rank,
 then sums the slots in rank order (every rank the same sum, bit for bit); for float32,
-all in one compiled call (a token's all-reduce paid ~10 us of Python and dispatch
-between those steps). all_gather:
-the same, each rank reading every slot. Tensors larger than a slot go in pieces.
+all in one compiled call (through torch and Python, a token's all-reduce took 1.6x as
+long). all_gather: the same, each rank reading every slot. Tensors larger than a slot
+go in pieces.
 
 A wait checks between spins that the ranks it waits for are alive (``alive``: rank 0
 polls its worker processes, a worker checks that rank 0, its parent, is): a dead rank
