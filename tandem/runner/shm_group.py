@@ -139,10 +139,10 @@ class ShmGroup:
                 if not self.kernels.shm_all_reduce(*args, True):
                     self._wait(self.counters, self.size, self.sequence)
                     self.kernels.shm_all_reduce(*args, False)
-                continue
-            slots[self.rank].copy_(piece)
-            self._meet()
-            torch.sum(slots, dim=0, out=piece)
+            else:
+                slots[self.rank].copy_(piece)
+                self._meet()
+                torch.sum(slots, dim=0, out=piece)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
 
