@@ -56,21 +56,41 @@ struct Out {
 inline uint8_t* at(uint8_t* tile, int bits, int64_t b, int64_t v, int64_t r) {
   return tile + quant::values::offset(bits, b, v, r);
 }
-// Values q[0..32) (of ``bits`` bits) of row r, 32-block b, into its tile.
-inline void put_values(uint8_t* tile, int bits, int64_t b, int64_t r, const uint8_t* q) {
-  if (bits == 8) {
-    for (int s = 0; s < 8; ++s) std::memcpy(at(tile, 8, b, s, r), q + 4 * s, 4);
-    return;
+// Four consecutive bytes as one little-endian word: the packer moves values four at
+// a time, as the layout keeps them (4 weights of a row side by side).
+inline uint32_t word(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline void put_word(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+constexpr uint32_t kNibbles = 0x0F0F0F0Fu;
+
+// The 32 values of row r, 32-block b, into its tile, as words: quad(k) holds weights
+// 4k..4k+3 of the block, a byte each (a value of ``bits`` bits, bits above it zero).
+template <int bits, typename Quad>
+inline void put_values(uint8_t* tile, int64_t b, int64_t r, Quad quad) {
+  uint32_t q[8];
+  for (int k = 0; k < 8; ++k) q[k] = quad(k);
+  if constexpr (bits == 8) {
+    for (int s = 0; s < 8; ++s) put_word(at(tile, 8, b, s, r), q[s]);
+  } else {
+    // Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high nibble).
+    for (int p = 0; p < 4; ++p)
+      put_word(at(tile, bits, b, p, r), (q[p] & kNibbles) | ((q[p + 4] & kNibbles) << 4));
+    constexpr int hb = bits - 4;
+    if constexpr (hb > 0) {
+      // Nibble vector s = 4h + p (weights 4s..4s+3) keeps its high bits in plane
+      // vector high_vector(hb, s) from bit high_bit(hb, s) of each byte.
+      constexpr uint32_t high = (1u << hb) - 1;
+      uint32_t planes[2] = {0, 0};
+      for (int s = 0; s < 8; ++s)
+        planes[quant::values::high_vector(hb, s) - 4] |=
+            ((q[s] >> 4) & (high * 0x01010101u)) << quant::values::high_bit(hb, s);
+      for (int v = 0; v < hb; ++v) put_word(at(tile, bits, b, 4 + v, r), planes[v]);
+    }
   }
-  for (int p = 0; p < 4; ++p)
-    for (int i = 0; i < 4; ++i)
-      at(tile, bits, b, p, r)[i] = (q[4 * p + i] & 0x0F) | ((q[16 + 4 * p + i] & 0x0F) << 4);
-  const int hb = bits - 4;
-  for (int v = 0; v < hb; ++v) std::memset(at(tile, bits, b, 4 + v, r), 0, 4);
-  for (int s = 0; s < 8 && hb; ++s)  // nibble vector s = 4h + p: weights 16h + 4p + i
-    for (int i = 0; i < 4; ++i)
-      at(tile, bits, b, quant::values::high_vector(hb, s), r)[i] |=
-          (q[4 * s + i] >> 4) << quant::values::high_bit(hb, s);
+}
+
+// Bits 0..3 of x as bit 0 of bytes 0..3.
+inline uint32_t spread4(uint32_t x) {
+  return (x & 1) | ((x & 2) << 7) | ((x & 4) << 14) | ((x & 8) << 21);
 }
 inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t bits, void* dst) {
   static_cast<uint16_t*>(dst)[(tile * o.groups + g) * kRows + r] = bits;
@@ -96,7 +116,6 @@ inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
 // One row's blocks -> tile row r.
 void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
-  uint8_t q[32];
   switch (code) {
     case Q4_0:
     case Q4_1: {
@@ -113,7 +132,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
     case Q8_0:
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 34;
-        put_values(dst, 8, b, r, blk + 2);
+        put_values<8>(dst, b, r, [&](int k) { return word(blk + 2 + 4 * k); });
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;
@@ -122,14 +141,13 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       const int64_t size = code == Q5_0 ? 22 : 24, start = code == Q5_0 ? 2 : 4;
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * size;
-        uint32_t qh;
-        std::memcpy(&qh, blk + start, 4);
+        const uint32_t qh = word(blk + start);
         const uint8_t* qs = blk + start + 4;
-        for (int j = 0; j < 16; ++j) {
-          q[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
-          q[16 + j] = (qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4);
-        }
-        put_values(dst, 5, b, r, q);
+        // Weights 0..15: low nibbles of qs, high bit j of qh; 16..31: high nibbles, bit 16 + j.
+        put_values<5>(dst, b, r, [&](int k) {
+          const uint32_t low = k < 4 ? word(qs + 4 * k) : word(qs + 4 * (k - 4)) >> 4;
+          return (low & kNibbles) | (spread4((qh >> (4 * k)) & 0x0F) << 4);
+        });
         put_scale(o, tile, b, r, u16(blk), o.scales);
         if (code == Q5_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
@@ -149,11 +167,15 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           // Group g: nibble g % 2 of the 32 bytes of chunk g / 2.
           const uint8_t* chunk = qs + (g / 2) * 32;
           const int shift = (g % 2) * 4;
-          for (int j = 0; j < 32; ++j) q[j] = (chunk[j] >> shift) & 0x0F;
           const int64_t b = sb * 8 + g;
-          if (code == Q5_K)
-            for (int j = 0; j < 32; ++j) q[j] |= ((qh[j] >> g) & 1) << 4;
-          put_values(dst, code == Q4_K ? 4 : 5, b, r, q);
+          if (code == Q4_K) {
+            put_values<4>(dst, b, r, [&](int k) { return (word(chunk + 4 * k) >> shift) & kNibbles; });
+          } else {  // the fifth bit of weight j is bit g of qh[j]
+            put_values<5>(dst, b, r, [&](int k) {
+              return ((word(chunk + 4 * k) >> shift) & kNibbles) |
+                     (((word(qh + 4 * k) >> g) & 0x01010101u) << 4);
+            });
+          }
           scale_min_k4(g, blk + 4, rec[quant::record::sub_unit(32, g) * kRows + r],
                        rec[quant::record::min_unit(g) * kRows + r]);
         }
@@ -173,9 +195,11 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
             const uint8_t* low = ql + h * 64 + (part % 2) * 32;
             const int low_shift = (part / 2) * 4, high_shift = part * 2;
-            for (int j = 0; j < 32; ++j)
-              q[j] = ((low[j] >> low_shift) & 0x0F) | (((qh[h * 32 + j] >> high_shift) & 3) << 4);
-            put_values(dst, 6, sb * 8 + h * 4 + part, r, q);
+            const uint8_t* high = qh + h * 32;
+            put_values<6>(dst, sb * 8 + h * 4 + part, r, [&](int k) {
+              return ((word(low + 4 * k) >> low_shift) & kNibbles) |
+                     (((word(high + 4 * k) >> high_shift) & 0x03030303u) << 4);
+            });
           }
         }
       }
