@@ -152,3 +152,14 @@ def test_a_long_chunks_mlp_in_row_slices_equals_it_whole():
     x = torch.randn(2 * MLP_ROWS + 37, 64)
     sliced, whole = both_paths(lambda: mlp(x))
     torch.testing.assert_close(sliced, whole, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("lines", [1, 3, 40_000])  # one thread's share, and several
+def test_the_read_probe_reads_every_word(lines):
+    words = torch.randint(-(2**62), 2**62, (lines * 8,), dtype=torch.int64)
+    expected = 0
+    for word in words.tolist():
+        expected ^= word
+    assert cpu_kernels.load().read_stream(words) == expected
+    with pytest.raises(RuntimeError, match="whole lines"):
+        cpu_kernels.load().read_stream(words[:7])

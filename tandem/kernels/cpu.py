@@ -17,6 +17,8 @@ decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tok
 above made from C++ (runner/fused_decode.py decides when).
 shm_ops.cpp: the counters through which tensor-parallel ranks on one host wait for each
 other in shared memory (runner/shm_group.py).
+read_probe.cpp: every byte of a tensor read once, as the kernels stream: the machine's
+read bandwidth that decode is measured against (plan/measure.py).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -54,6 +56,7 @@ SOURCES = [
         "decode_layer.cpp",
         "moe_ops.cpp",
         "shm_ops.cpp",
+        "read_probe.cpp",
     )
 ]
 FUNCTIONS = [
@@ -78,6 +81,7 @@ FUNCTIONS = [
     "shm_post",
     "shm_wait",
     "shm_all_reduce",
+    "read_stream",
 ]
 
 
