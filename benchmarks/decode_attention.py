@@ -1,9 +1,9 @@
 """The CPU decode-attention kernel against the memory-bandwidth floor: one sequence at
 several depths, the K/V of every layer read once per step, for a model's head shape.
 Bytes read over time is the kernel's achieved bandwidth; beside it, the machine's read
-bandwidth (tandem.plan.measure, a 1 GiB sum). Blocks are scattered in a pool twice as
-large as the context (as in a serving cache), so nothing stays in cache between
-layers.
+bandwidth (tandem.plan.measure: the faster of a 1 GiB sum and the read probe). Blocks
+are scattered in a pool twice as large as the context (as in a serving cache), so
+nothing stays in cache between layers.
 
     python -m benchmarks.decode_attention [--depths 2048 8192 32768] [--threads 1 2]
 """
@@ -33,7 +33,7 @@ def main() -> None:
     if cpu_kernels.load() is None:
         raise SystemExit("the CPU kernels could not be built here")
     floor = memory_bandwidth_gbs()
-    print(f"# {machine()}\n# read bandwidth {floor:.1f} GB/s (1 GiB sum)")
+    print(f"# {machine()}\n# read bandwidth {floor:.1f} GB/s (tandem.plan.measure)")
     print("| shape | KV | depth | threads | ms / step (all layers) | GB/s | of the floor |")
     print("|---|---|---|---|---|---|---|")
     for name, (heads, kv_heads, head_dim, layers) in SHAPES.items():

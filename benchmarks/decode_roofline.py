@@ -2,10 +2,10 @@
 
 A decode step must read every weight once and do 2 x params FLOPs per sequence, so its
 floor is ``max(weight bytes / bandwidth, 2 x params x batch / peak FLOP/s)``. Both
-roofs are measured in the same run (summing a 1 GiB tensor; a 1024^3 matmul in the
-model's dtype). We report per-step time, tokens/s, achieved GB/s (weight bytes read
-per second, as gpt-fast prints) and the fraction of the floor reached; transformers'
-generate on the same weights runs in the same process.
+roofs are measured in the same run (reading a 1 GiB tensor: memory_bandwidth_gbs; a
+1024^3 matmul in the model's dtype). We report per-step time, tokens/s, achieved GB/s
+(weight bytes read per second, as gpt-fast prints) and the fraction of the floor
+reached; transformers' generate on the same weights runs in the same process.
 
     python benchmarks/decode_roofline.py [--batch 1 16] [--dtype float32 bfloat16]
 """

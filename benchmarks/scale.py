@@ -340,7 +340,7 @@ def main() -> None:
         parser.add_argument(
             "--bandwidth", type=float, default=None,
             help="read bandwidth in bytes/s for the decode floor (default: measured beside "
-            "each file, a 1 GiB sum)",
+            "each file: tandem.plan.measure.memory_bandwidth_gbs)",
         )  # fmt: skip
         files_table(parser.parse_args())
         return
