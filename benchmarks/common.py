@@ -74,3 +74,31 @@ def machine() -> str:
     cpu = cpu or platform.processor() or platform.machine()
     isa = " ".join(flags or []) or "flags unknown"
     return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def kernel_at(revision: str, source: str, functions: list[str]):
+    """tandem/kernels/``source`` as it was at a git ``revision``, built alone (a module
+    of its own, exposing ``functions``): the old kernel of an A/B against the working
+    tree's (``--against`` in the kernel benchmarks)."""
+    import hashlib
+    import subprocess
+
+    from torch.utils.cpp_extension import load_inline
+
+    from tandem.kernels import cpu as cpu_kernels
+
+    text = subprocess.run(
+        ["git", "show", f"{revision}:tandem/kernels/{source}"],
+        cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    name = f"tandem_{Path(source).stem}_" + hashlib.sha1(text.encode()).hexdigest()[:10]
+    directory = cpu_kernels.build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    return load_inline(
+        name=name,
+        cpp_sources=[text],
+        functions=functions,
+        extra_cflags=list(cpu_kernels.COMPILE_FLAGS),
+        extra_ldflags=list(cpu_kernels.LINK_FLAGS),
+        build_directory=str(directory),
+    )

@@ -6,15 +6,22 @@ are scattered in a pool twice as large as the context (as in a serving cache), s
 nothing stays in cache between layers.
 
     python -m benchmarks.decode_attention [--depths 2048 8192 32768] [--threads 1 2]
+
+``--against REVISION`` times cpu_ops.cpp as it was at a git revision (built alone, as
+a module of its own) against the working tree's, alternating on the same caches: each
+line gives both medians and the median of the rounds' ratios (old / new: above 1, the
+working tree is faster), and whether the outputs agree to float32 rounding.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import kernel_at, machine
 from tandem.kernels import cpu as cpu_kernels
 from tandem.plan.measure import decode_attention_seconds, memory_bandwidth_gbs, paged_caches
 
@@ -29,13 +36,18 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
+    parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
     args = parser.parse_args()
     if cpu_kernels.load() is None:
         raise SystemExit("the CPU kernels could not be built here")
+    old = kernel_at(args.against, "cpu_ops.cpp", ["decode_attention"]) if args.against else None
     floor = memory_bandwidth_gbs()
     print(f"# {machine()}\n# read bandwidth {floor:.1f} GB/s (tandem.plan.measure)")
-    print("| shape | KV | depth | threads | ms / step (all layers) | GB/s | of the floor |")
-    print("|---|---|---|---|---|---|---|")
+    if old is not None:
+        print("| shape | KV | depth | threads | old ms | new ms | old / new | outputs |")
+    else:
+        print("| shape | KV | depth | threads | ms / step (all layers) | GB/s | of the floor |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if old is not None else ""))
     for name, (heads, kv_heads, head_dim, layers) in SHAPES.items():
         q = torch.randn(1, heads, head_dim)
         for kv_dtype in args.kv_dtypes:
@@ -46,6 +58,10 @@ def main() -> None:
                 lens = torch.tensor([depth])
                 for threads in args.threads:
                     torch.set_num_threads(threads)
+                    if old is not None:
+                        figures = compare(old, caches, q, table, lens, head_dim**-0.5)
+                        print(f"| {name} | {kv_dtype} | {depth} | {threads} | {figures} |")
+                        continue
                     seconds = decode_attention_seconds(caches, q, table, lens, head_dim**-0.5)
                     rate = layer_bytes * layers / seconds / 1e9
                     print(
@@ -53,6 +69,29 @@ def main() -> None:
                         f"| {rate:.1f} | {rate / floor:.0%} |",
                         flush=True,
                     )
+
+
+def compare(old, caches, q, table, lens, scale: float, rounds: int = 15) -> str:
+    """The old kernel against the working tree's on the same caches, alternating: a
+    step (every layer's call) of each per round."""
+    new = cpu_kernels.load()
+    outs = {id(old): torch.empty_like(q), id(new): torch.empty_like(q)}
+
+    def step(module) -> float:
+        started = time.perf_counter()
+        for cache in caches:
+            module.decode_attention(outs[id(module)], q, cache[0], cache[1], table, lens, scale, 0)
+        return time.perf_counter() - started
+
+    step(old), step(new)
+    agree = torch.allclose(outs[id(old)], outs[id(new)], rtol=1e-4, atol=1e-6)
+    times = [(step(old), step(new)) for _ in range(rounds)]
+    before = statistics.median(a for a, _ in times)
+    after = statistics.median(b for _, b in times)
+    ratio = statistics.median(a / b for a, b in times)
+    return f"{before * 1e3:.2f} | {after * 1e3:.2f} | {ratio:.2f}x | " + (
+        "agree" if agree else "DIFFER"
+    )
 
 
 if __name__ == "__main__":

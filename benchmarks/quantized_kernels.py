@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import kernel_at, machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
 from tandem.quant.blocks import GGMLType
@@ -65,33 +65,6 @@ def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -
     return median_time(lambda: model_pass(layers, shapes, inputs, outs, kernels), 25, warmup=1)
 
 
-def kernel_at(revision: str):
-    """quant_ops.cpp as it was at ``revision``, built alone (a module of its own)."""
-    import hashlib
-    import subprocess
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load_inline
-
-    from tandem.kernels import cpu as cpu_kernels
-
-    source = subprocess.run(
-        ["git", "show", f"{revision}:tandem/kernels/quant_ops.cpp"],
-        cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    name = "tandem_quant_ops_" + hashlib.sha1(source.encode()).hexdigest()[:10]
-    directory = cpu_kernels.build_directory(name)
-    directory.mkdir(parents=True, exist_ok=True)
-    return load_inline(
-        name=name,
-        cpp_sources=[source],
-        functions=["quant_linear"],
-        extra_cflags=list(cpu_kernels.COMPILE_FLAGS),
-        extra_ldflags=list(cpu_kernels.LINK_FLAGS),
-        build_directory=str(directory),
-    )
-
-
 def compare(layers, shapes, tokens: int, old, rounds: int = 7) -> str:
     """The old kernel against the working tree's on the same inputs, alternating."""
     from tandem.kernels import cpu as cpu_kernels
@@ -123,7 +96,7 @@ def main() -> None:
     parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
     args = parser.parse_args()
     count, shapes = SHAPES[args.shape]
-    old = kernel_at(args.against) if args.against else None
+    old = kernel_at(args.against, "quant_ops.cpp", ["quant_linear"]) if args.against else None
     print(f"machine: {machine()}; read bandwidth {memory_bandwidth_gbs():.1f} GB/s\n")
     if old is not None:
         print(f"{'format':<8}{'tokens':>8}{'old ms':>9}{'new ms':>9}{'old/new':>8}")
