@@ -4,6 +4,7 @@ and matmul measurements live in tandem.plan.measure, which `tandem plan --measur
 from __future__ import annotations
 
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -76,10 +77,13 @@ def machine() -> str:
     return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def kernel_at(revision: str, source: str, functions: list[str]):
-    """tandem/kernels/``source`` as it was at a git ``revision``, built alone (a module
-    of its own, exposing ``functions``): the old kernel of an A/B against the working
-    tree's (``--against`` in the kernel benchmarks)."""
+def kernel_at(
+    revision: str | None, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()
+):
+    """tandem/kernels/``source`` as it was at a git ``revision`` (None: the working
+    tree's), built alone (a module of its own, exposing ``functions``) with the
+    project's flags and ``extra_cflags`` (``-mno-avx512f -mno-avxvnni``: the AVX2 path
+    on an AVX-512 machine): a side of an A/B (``--against`` in the kernel benchmarks)."""
     import hashlib
     import subprocess
 
@@ -87,18 +91,56 @@ def kernel_at(revision: str, source: str, functions: list[str]):
 
     from tandem.kernels import cpu as cpu_kernels
 
-    text = subprocess.run(
-        ["git", "show", f"{revision}:tandem/kernels/{source}"],
-        cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    name = f"tandem_{Path(source).stem}_" + hashlib.sha1(text.encode()).hexdigest()[:10]
+    if revision is None:
+        text = (Path(cpu_kernels.__file__).parent / source).read_text()
+    else:
+        text = subprocess.run(
+            ["git", "show", f"{revision}:tandem/kernels/{source}"],
+            cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    key = hashlib.sha1((text + " ".join(extra_cflags)).encode()).hexdigest()[:10]
+    name = f"tandem_{Path(source).stem}_{key}"
     directory = cpu_kernels.build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
     return load_inline(
         name=name,
         cpp_sources=[text],
         functions=functions,
-        extra_cflags=list(cpu_kernels.COMPILE_FLAGS),
+        extra_cflags=[*cpu_kernels.COMPILE_FLAGS, *extra_cflags],
         extra_ldflags=list(cpu_kernels.LINK_FLAGS),
         build_directory=str(directory),
+    )
+
+
+def kernel_sides(args, source: str, functions: list[str]):
+    """(old, new) kernel modules for ``--against REVISION`` (and ``--cflags``): the
+    revision's build and the working tree's, both with the extra flags; (None, None)
+    without --against."""
+    if not args.against:
+        return None, None
+    from tandem.kernels import cpu as cpu_kernels
+
+    flags = tuple(args.cflags.split())
+    old = kernel_at(args.against, source, functions, flags)
+    new = kernel_at(None, source, functions, flags) if flags else cpu_kernels.load()
+    return old, new
+
+
+def add_against_arguments(parser) -> None:
+    parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
+    parser.add_argument(
+        "--cflags", default="", metavar="FLAGS",
+        help="extra compiler flags for both sides of --against (\"-mno-avx512f -mno-avxvnni\": "
+        "the AVX2 path on an AVX-512 machine)",
+    )  # fmt: skip
+
+
+def alternating(run_old, run_new, rounds: int) -> tuple[float, float, float]:
+    """Seconds of the old and the new side (each a call returning its seconds), run in
+    turn ``rounds`` times: (old median, new median, median of the rounds' old / new)."""
+    times = [(run_old(), run_new()) for _ in range(rounds)]
+    return (
+        statistics.median(a for a, _ in times),
+        statistics.median(b for _, b in times),
+        statistics.median(a / b for a, b in times),
     )

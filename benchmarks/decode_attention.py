@@ -11,17 +11,18 @@ nothing stays in cache between layers.
 a module of its own) against the working tree's, alternating on the same caches: each
 line gives both medians and the median of the rounds' ratios (old / new: above 1, the
 working tree is faster), and whether the outputs agree to float32 rounding.
+``--cflags "-mno-avx512f -mno-avxvnni"`` builds both sides with those flags too (the
+AVX2 path, on a machine that has AVX-512).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from benchmarks.common import kernel_at, machine
+from benchmarks.common import add_against_arguments, alternating, kernel_sides, machine
 from tandem.kernels import cpu as cpu_kernels
 from tandem.plan.measure import decode_attention_seconds, memory_bandwidth_gbs, paged_caches
 
@@ -36,11 +37,11 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
-    parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
+    add_against_arguments(parser)
     args = parser.parse_args()
     if cpu_kernels.load() is None:
         raise SystemExit("the CPU kernels could not be built here")
-    old = kernel_at(args.against, "cpu_ops.cpp", ["decode_attention"]) if args.against else None
+    old, new = kernel_sides(args, "cpu_ops.cpp", ["decode_attention"])
     floor = memory_bandwidth_gbs()
     print(f"# {machine()}\n# read bandwidth {floor:.1f} GB/s (tandem.plan.measure)")
     if old is not None:
@@ -59,7 +60,7 @@ def main() -> None:
                 for threads in args.threads:
                     torch.set_num_threads(threads)
                     if old is not None:
-                        figures = compare(old, caches, q, table, lens, head_dim**-0.5)
+                        figures = compare(old, new, caches, q, table, lens, head_dim**-0.5)
                         print(f"| {name} | {kv_dtype} | {depth} | {threads} | {figures} |")
                         continue
                     seconds = decode_attention_seconds(caches, q, table, lens, head_dim**-0.5)
@@ -71,10 +72,9 @@ def main() -> None:
                     )
 
 
-def compare(old, caches, q, table, lens, scale: float, rounds: int = 15) -> str:
-    """The old kernel against the working tree's on the same caches, alternating: a
-    step (every layer's call) of each per round."""
-    new = cpu_kernels.load()
+def compare(old, new, caches, q, table, lens, scale: float, rounds: int = 15) -> str:
+    """The old kernel against the new on the same caches, alternating: a step (every
+    layer's call) of each per round."""
     outs = {id(old): torch.empty_like(q), id(new): torch.empty_like(q)}
 
     def step(module) -> float:
@@ -85,13 +85,9 @@ def compare(old, caches, q, table, lens, scale: float, rounds: int = 15) -> str:
 
     step(old), step(new)
     agree = torch.allclose(outs[id(old)], outs[id(new)], rtol=1e-4, atol=1e-6)
-    times = [(step(old), step(new)) for _ in range(rounds)]
-    before = statistics.median(a for a, _ in times)
-    after = statistics.median(b for _, b in times)
-    ratio = statistics.median(a / b for a, b in times)
-    return f"{before * 1e3:.2f} | {after * 1e3:.2f} | {ratio:.2f}x | " + (
-        "agree" if agree else "DIFFER"
-    )
+    before, after, ratio = alternating(lambda: step(old), lambda: step(new), rounds)
+    outputs = "agree" if agree else "DIFFER"
+    return f"{before * 1e3:.2f} | {after * 1e3:.2f} | {ratio:.2f}x | {outputs}"
 
 
 if __name__ == "__main__":

@@ -15,18 +15,19 @@ compares the working tree's kernel with quant_ops.cpp as it was at a git revisio
 both are built (alone, as their own modules), run alternately in one process, and
 their outputs compared bit for bit; each line gives both medians and the median of
 the rounds' time ratios (old / new: above 1, the working tree is faster).
+``--cflags "-mno-avx512f -mno-avxvnni"`` builds both sides with those flags too (the
+AVX2 path, on a machine that has AVX-512).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 import torch
 
-from benchmarks.common import kernel_at, machine
+from benchmarks.common import add_against_arguments, alternating, kernel_sides, machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
 from tandem.quant.blocks import GGMLType
@@ -65,11 +66,8 @@ def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -
     return median_time(lambda: model_pass(layers, shapes, inputs, outs, kernels), 25, warmup=1)
 
 
-def compare(layers, shapes, tokens: int, old, rounds: int = 7) -> str:
-    """The old kernel against the working tree's on the same inputs, alternating."""
-    from tandem.kernels import cpu as cpu_kernels
-
-    new = cpu_kernels.load()
+def compare(layers, shapes, tokens: int, old, new, rounds: int = 7) -> str:
+    """The old kernel against the new on the same inputs, alternating."""
     inputs = {k: torch.randn(tokens, k) for _, k in shapes}
     outs = {id(m): [torch.empty(tokens, n) for n, _ in shapes] for m in (old, new)}
 
@@ -80,10 +78,7 @@ def compare(layers, shapes, tokens: int, old, rounds: int = 7) -> str:
 
     one_pass(old), one_pass(new)
     equal = all(map(torch.equal, outs[id(old)], outs[id(new)]))
-    times = [(one_pass(old), one_pass(new)) for _ in range(rounds)]
-    before = statistics.median(a for a, _ in times)
-    after = statistics.median(b for _, b in times)
-    ratio = statistics.median(a / b for a, b in times)
+    before, after, ratio = alternating(lambda: one_pass(old), lambda: one_pass(new), rounds)
     same = "equal" if equal else "NOT equal"
     return f"{before * 1e3:>9.2f}{after * 1e3:>9.2f}{ratio:>8.2f}x  outputs {same}"
 
@@ -93,10 +88,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["Q4_1", "Q4_0", "Q8_0", "Q5_0"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    parser.add_argument("--against", metavar="REVISION", help="the kernel at a git revision")
+    add_against_arguments(parser)
     args = parser.parse_args()
     count, shapes = SHAPES[args.shape]
-    old = kernel_at(args.against, "quant_ops.cpp", ["quant_linear"]) if args.against else None
+    old, new = kernel_sides(args, "quant_ops.cpp", ["quant_linear"])
     print(f"machine: {machine()}; read bandwidth {memory_bandwidth_gbs():.1f} GB/s\n")
     if old is not None:
         print(f"{'format':<8}{'tokens':>8}{'old ms':>9}{'new ms':>9}{'old/new':>8}")
@@ -110,7 +105,9 @@ def main() -> None:
         weights = count * sum(n * k for n, k in shapes)
         for tokens in args.batch:
             if old is not None:
-                print(f"{name:<8}{tokens:>8}{compare(layers, shapes, tokens, old)}", flush=True)
+                print(
+                    f"{name:<8}{tokens:>8}{compare(layers, shapes, tokens, old, new)}", flush=True
+                )
                 continue
             seconds = median_pass_seconds(layers, shapes, tokens)
             print(
