@@ -284,6 +284,27 @@ def test_a_kv_cache_that_cannot_fit_is_refused_at_start(llama_folder, monkeypatc
     assert llm.engine.runner.info.num_blocks == int((1 << 20) * 0.8 // per_block)
 
 
+def test_the_default_pool_holds_a_full_batch_of_full_length_sequences(llama_folder):
+    """Capped by what the settings can use, the pool still holds max_num_seqs sequences
+    of max_model_len tokens when that length is not a whole number of blocks (each
+    sequence takes whole blocks): they all run together, none preempted."""
+    llm = LLM(llama_folder, max_model_len=38, max_num_seqs=4, max_num_batched_tokens=256)
+    assert llm.engine.runner.info.num_blocks == 4 * 3  # 38 tokens: 3 blocks of 16
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        preempted.extend(out.preempted_ids)
+        return out
+
+    llm.engine.scheduler.schedule = watched
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i] * 30} for i in range(4)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert preempted == []
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_a_prompt_of_thousands_of_tokens_decodes_as_transformers(model_dirs, arch):
     """5,000 prompt tokens in chunks of 2,048 (the later ones attend to a long prefix

@@ -218,9 +218,9 @@ def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str
     block_size = CacheConfig().block_size
     available = host_available_bytes()
     budget = default_cpu_budget(None if available is None else max(0, available - weight_bytes))
-    needed = SchedulerConfig().max_num_seqs * config.max_position_embeddings
     blocks = num_blocks_for(
-        config, block_size, torch.float32, torch.device("cpu"), None, max(budget, 1), 0.9, needed,
+        config, block_size, torch.float32, torch.device("cpu"), None, max(budget, 1), 0.9,
+        SchedulerConfig().max_num_seqs, config.max_position_embeddings,
         engine_cache_dtype(kv_dtype),
     )  # fmt: skip
     return blocks * block_size

@@ -145,14 +145,17 @@ def num_blocks_for(
     num_blocks: int | None,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
-    max_tokens_needed: int,
+    max_num_seqs: int,
+    max_model_len: int,
     kv_cache_dtype: str = "auto",
 ) -> int:
     """Blocks in the pool: ``num_blocks`` if given, else what the memory budget holds:
     ``kv_cache_memory`` bytes; on CUDA the part of ``gpu_memory_utilization`` x total
     memory still free after the weights; on CPU 2 GiB, or 80% of the memory still
     available after the weights when that is less. A budget is never spent on more
-    blocks than ``max_tokens_needed`` (max_num_seqs x max_model_len) can use. On a CPU,
+    blocks than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use (each
+    in whole blocks: capping at their tokens / block size left a full batch of
+    full-length sequences a few blocks short, and one of them preempted). On a CPU,
     a pool that the host's available memory cannot hold is refused here, at start
     (InvalidParameterError naming the setting), not met later by the OOM killer."""
     per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
@@ -166,7 +169,7 @@ def num_blocks_for(
             budget = free - (1 - gpu_memory_utilization) * total
         else:
             budget = default_cpu_budget(available)
-        useful = -(-max_tokens_needed // block_size)
+        useful = max_num_seqs * -(-max_model_len // block_size)
         num_blocks = max(1, min(int(budget // per_block), useful))
     if available is not None and num_blocks * per_block > available:
         raise InvalidParameterError(

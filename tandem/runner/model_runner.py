@@ -204,7 +204,8 @@ class ModelRunner:
             cache.num_blocks,
             cache.kv_cache_memory,
             cache.gpu_memory_utilization,
-            config.scheduler.max_num_seqs * max_model_len,
+            config.scheduler.max_num_seqs,
+            max_model_len,
             cache.kv_cache_dtype,
         )
         if tp is not None:
