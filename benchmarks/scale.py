@@ -276,11 +276,11 @@ def _warm_page_cache(path: Path) -> None:
 def plan_point(path: Path) -> dict[str, float]:
     """What ``tandem plan --hardware cpu`` predicts for the file (its rates measured
     now): batch-1 decode after a 128-token prompt, and the prefill of 512 tokens."""
-    from tandem.plan.calculator import FILE_DTYPE, file_weights, plan, read_model
+    from tandem.plan.calculator import FILE_DTYPE, plan, read_model
     from tandem.plan.measure import this_machine
 
     config, _ = read_model(path)
-    hardware = this_machine(FILE_DTYPE, file_weights(path), config, 512)
+    hardware = this_machine(FILE_DTYPE, path, config, 512)
     decode = plan(path, hardware, FILE_DTYPE, None, 128, 32, 1, engine_cpu=True)
     prefill = plan(path, hardware, FILE_DTYPE, None, 512, 1, 1, engine_cpu=True)
     return {

@@ -308,6 +308,55 @@ def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
         plan(config, hardware, "gguf")
 
 
+def test_a_step_overhead_is_the_measured_batchs_or_the_line_between_two():
+    hardware = Hardware("m", 16, 20, {"fp32": 1.0}, step_overheads={1: 0.002, 16: 0.011})
+    assert hardware.step_overhead(1) == 0.002 and hardware.step_overhead(16) == 0.011
+    assert hardware.step_overhead(4) == pytest.approx(0.002 + 0.009 * 3 / 15)
+    assert hardware.step_overhead(64) == 0.011  # beyond the last: the last
+    assert custom_hardware(16, 20, 1.0).step_overhead(8) == 0.0  # a floor: none
+
+
+def test_the_estimates_add_the_engines_fixed_cost_and_the_floors_do_not(tmp_path):
+    """The overhead measured for a step is added to TPOT (at the batch) and to TTFT (a
+    prompt's step: batch 1's); the floors stay floors."""
+    from tandem.models.random_gguf import Shape, write_random_gguf
+
+    path = write_random_gguf(tmp_path / "f.gguf", Shape(256, 2, 4, 2, 512, False, 1024), "q4_0")
+    bare = custom_hardware(16, 20, 1.0)
+    timed = Hardware(bare.name, 16, 20, bare.tflops, step_overheads={1: 0.002, 8: 0.009})
+    a, b = (plan(path, h, "gguf", batch=4) for h in (bare, timed))
+    assert b["tpot_estimate_s"] - a["tpot_estimate_s"] == pytest.approx(0.002 + 0.007 * 3 / 7)
+    assert b["ttft_estimate_s"] - a["ttft_estimate_s"] == pytest.approx(0.002)
+    assert b["decode_step_floor_s"] == a["decode_step_floor_s"]
+    assert b["prefill_floor_s"] == a["prefill_floor_s"]
+    assert "engine fixed cost" in format_plan(b) and "engine fixed cost" not in format_plan(a)
+
+
+def test_the_engines_fixed_cost_is_timed_on_a_tiny_twin_of_the_file(tmp_path):
+    """The twin keeps what sets the fixed cost (architecture, layers, head dimension,
+    attention grouping, vocabulary, experts) and is TINY_WIDTH wide; the engine runs it
+    and a step's cost beyond its weights is positive at each batch asked. A head
+    dimension the width cannot hold has no twin: nothing is measured."""
+    from tandem.models.random_gguf import Shape, write_random_gguf
+    from tandem.plan.fixed_cost import TINY_WIDTH, step_overheads, tiny_shape
+
+    shape = Shape(1024, 3, 16, 4, 2048, tied=True, vocab=3000, head_size=64)
+    path = write_random_gguf(tmp_path / "dense.gguf", shape, "q8_0")
+    twin, fmt = tiny_shape(path)
+    assert fmt == "q8_0" and twin.hidden == TINY_WIDTH and twin.layers == 3
+    assert (twin.head_dim, twin.heads, twin.kv_heads, twin.vocab) == (64, 4, 1, 3000)
+    measured = step_overheads(path, [1, 4], 32, bandwidth_gbs=20.0, tflops=0.5)
+    assert set(measured) == {1, 4} and all(0 < s < 1 for s in measured.values())
+    moe = Shape(512, 2, 8, 2, 0, tied=False, vocab=1000, head_size=64,
+                architecture="qwen3moe", experts=16, experts_used=4,
+                expert_intermediate=128)  # fmt: skip
+    twin, fmt = tiny_shape(write_random_gguf(tmp_path / "moe.gguf", moe, "q4_0"))
+    assert (twin.experts, twin.experts_used, twin.architecture, fmt) == (16, 4, "qwen3moe", "q4_0")
+    odd = Shape(480, 2, 5, 1, 512, tied=True, vocab=1000, head_size=96)
+    path = write_random_gguf(tmp_path / "odd.gguf", odd, "q8_0")
+    assert tiny_shape(path) is None and step_overheads(path, [1], 16, 20.0, 0.5) is None
+
+
 # A Qwen3-MoE config.json small enough to build: 3 layers of 16 experts, 4 a token.
 SMALL_QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256,

@@ -100,7 +100,6 @@ def run(args: argparse.Namespace) -> None:
     from tandem.plan.calculator import (
         FILE_DTYPE,
         engine_kv_dtype,
-        file_weights,
         format_plan,
         plan,
         plan_arguments,
@@ -128,9 +127,11 @@ def run(args: argparse.Namespace) -> None:
     if args.measure:
         check_measurable(args.model, dtype)
     if on_this_machine:
-        weights = file_weights(gguf) if dtype == FILE_DTYPE else None
         config, _ = read_model(args.model)
-        hardware = this_machine(dtype, weights, config, args.prompt_len, kv_dtype)
+        hardware = this_machine(
+            dtype, gguf if dtype == FILE_DTYPE else None, config, args.prompt_len, kv_dtype,
+            args.batch,
+        )  # fmt: skip
     elif args.hardware == "custom":
         hardware = custom_hardware(args.memory, args.bandwidth, args.flops)
     else:

@@ -363,8 +363,12 @@ def plan(
     link_gbs, latency_s = link or hardware.link()
     decode_collectives = collective_seconds(shape, batch, batch, tp, link_gbs, latency_s)
     prefill_collectives = collective_seconds(shape, prompt_len, 1, tp, link_gbs, latency_s)
-    ttft = max(prefill, read_bytes / (bandwidth * 1e9)) + prefill_collectives
-    tpot = max(decode_memory, decode_compute) + decode_collectives
+    # The engine's own fixed cost of a step where measured (0 for a datasheet): a
+    # prompt's step pays it once, as a decode step of one sequence does.
+    step_overhead = hardware.step_overhead(batch)
+    prefill_overhead = hardware.step_overhead(1)
+    ttft = max(prefill, read_bytes / (bandwidth * 1e9)) + prefill_collectives + prefill_overhead
+    tpot = max(decode_memory, decode_compute) + decode_collectives + step_overhead
     reads = read_at if shape.experts else read_bytes
     crossover = crossover_batch(
         active, reads, context, kv_all_ranks, tflops, bandwidth, kv_bandwidth
@@ -418,6 +422,8 @@ def plan(
         "prefill_attention_s": prefill_attention,
         "decode_step_floor_s": decode_memory,
         "decode_step_compute_s": decode_compute,
+        "step_overhead_s": step_overhead,
+        "prefill_overhead_s": prefill_overhead,
         "crossover_batch": crossover,
         "crossover_batch_weights_only": weights_only,
         "ttft_estimate_s": ttft,
@@ -522,6 +528,13 @@ def format_plan(result: dict[str, Any]) -> str:
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "
         f"{_batch(r['crossover_batch_weights_only'])}",
     ]
+    if r["step_overhead_s"] or r["prefill_overhead_s"]:
+        at_one = "" if r["batch"] == 1 else f", {_seconds(r['prefill_overhead_s'])} at batch 1"
+        lines.append(
+            f"engine fixed cost  {_seconds(r['step_overhead_s'])} a decode step at batch "
+            f"{r['batch']}{at_one} (the host and each layer's calls, timed on a tiny model "
+            "of this architecture; in the estimates below, not in the floors)"
+        )
     if r["tp"] > 1:
         if r["experts"]:
             lines.append(

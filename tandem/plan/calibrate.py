@@ -40,7 +40,7 @@ PREFILL_LENGTHS = (16, 64, 256, 1024)
 DECODE_STEPS = 6  # timed per decode setting, after its prefill
 
 
-class _Shares(EngineObserver):
+class StepShares(EngineObserver):
     """The composition of the step that just ran."""
 
     def __init__(self) -> None:
@@ -83,7 +83,7 @@ def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len
             max_num_seqs=max(DECODE_BATCHES), enable_prefix_caching=False,
         )
     )  # fmt: skip
-    observer = _Shares()
+    observer = StepShares()
     engine.add_observer(observer)
     vocab = engine.model_info.vocab_size
     samples: list[tuple[list[Share], float]] = []

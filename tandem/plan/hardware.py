@@ -36,6 +36,10 @@ class Hardware:
     # all-reduce's latency.
     link_gbs: float | None = None
     link_latency_us: float = DEFAULT_LINK_LATENCY_US
+    # The engine's fixed cost of a decode step, by batch, where measured (this_machine
+    # on a GGUF file: plan/fixed_cost.py): the host's work and every layer's calls
+    # beyond the weights' and KV's reads. None measured: 0, a floor.
+    step_overheads: dict[int, float] = field(default_factory=dict)
 
     def link(self) -> tuple[float, float]:
         """(GB/s, seconds) of the link a collective crosses; no figure: PCIe 4.0 x16's."""
@@ -45,6 +49,18 @@ class Hardware:
         if dtype in self.tflops:
             return self.tflops[dtype]
         return self.tflops.get("bf16") or next(iter(self.tflops.values()))
+
+    def step_overhead(self, batch: float) -> float:
+        """Seconds a step of ``batch`` sequences spends beyond its reads and FLOPs: the
+        measured batch's, between two measured batches the straight line through them,
+        beyond them the nearest one's; 0 where nothing was measured."""
+        if not self.step_overheads:
+            return 0.0
+        points = sorted(self.step_overheads.items())
+        below = [p for p in points if p[0] <= batch] or points[:1]
+        above = [p for p in points if p[0] >= batch] or points[-1:]
+        (b0, s0), (b1, s1) = below[-1], above[0]
+        return s0 if b1 == b0 else s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
     def attention_rate(self, dtype: str) -> float:
         """TFLOP/s of attention computed in ``dtype``: measured, else the matmul rate."""

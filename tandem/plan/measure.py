@@ -20,7 +20,6 @@ from tandem.plan.hardware import Hardware
 
 if TYPE_CHECKING:
     from tandem.models.config import ModelConfig
-    from tandem.plan.calculator import FileWeights
 from tandem.quant.blocks import GGMLType
 from tandem.quant.packed import packed_nbytes
 from tandem.runner.static_batch import stream_with_cache
@@ -184,10 +183,11 @@ def decode_attention_read_gbs(
 
 def this_machine(
     dtype: str = "fp32",
-    weights: FileWeights | None = None,
+    gguf: Path | None = None,
     config: ModelConfig | None = None,
     prompt_len: int = 512,
     kv_dtype: str | None = None,
+    batch: int = 1,
 ) -> Hardware:
     """The CPU this runs on, measured (memory: physical RAM). Matmul throughput is
     measured in the dtype the engine computes a ``dtype`` model in (``engine_dtype``)
@@ -202,9 +202,12 @@ def this_machine(
     attention's own rates too, on its heads: a prompt's at ``prompt_len`` tokens
     (attention_tflops), and the rate decode attention reads a cache of ``kv_dtype``
     (a short name, as plan_arguments gives it; the engine's default if None:
-    decode_attention_read_gbs)."""
+    decode_attention_read_gbs). For a GGUF file (``gguf``, its weights as
+    calculator.file_weights reads them), the engine's fixed cost of a step as well, at
+    batch 1 and ``batch`` (fixed_cost.step_overheads)."""
     from tandem.kernels import cpu as cpu_kernels
-    from tandem.plan.calculator import engine_cache_dtype
+    from tandem.plan.calculator import engine_cache_dtype, file_weights
+    from tandem.plan.fixed_cost import step_overheads
 
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     name = f"this machine ({torch.get_num_threads()} threads, measured)"
@@ -215,7 +218,9 @@ def this_machine(
         if cpu_kernels.available(torch.device("cpu"), computed):
             cache = engine_cache_dtype(kv_dtype) if kv_dtype is not None else "auto"
             kv_read = decode_attention_read_gbs(config, cache, computed)
+    weights = file_weights(gguf) if gguf is not None else None
     mix = weights.mix if weights is not None else {}
+    overheads = {}
     if mix and cpu_kernels.load() is not None:
         seconds_per_byte = sum(b / quant_kernel_read_gbs(code) for code, (b, _) in mix.items())
         shapes = weights.layer_shapes
@@ -227,6 +232,8 @@ def this_machine(
         tflops = {dtype: sum(prefill_mix.values()) / seconds_per_flop}
         names = "+".join(code.name for code in mix)
         source = f"measured by tandem plan: the integer-dot kernel on {names}"
+        measured = step_overheads(gguf, sorted({1, batch}), prompt_len, bandwidth, tflops[dtype])
+        overheads = measured or {}
     else:
         tflops = {dtype: matmul_tflops(computed)}
         bandwidth = memory_bandwidth_gbs()
@@ -236,6 +243,7 @@ def this_machine(
     return Hardware(
         name, memory_gb, bandwidth, tflops, source, attention, kv_read,
         link_gbs=bandwidth, link_latency_us=SHARED_MEMORY_ALLREDUCE_US,
+        step_overheads=overheads,
     )  # fmt: skip
 
 
