@@ -30,7 +30,7 @@ import torch
 from benchmarks.common import add_against_arguments, alternating, kernel_sides, machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
-from tandem.quant.blocks import GGMLType
+from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.packed import PackedWeight
 
 # Layers, and (out, in) of each linear layer of one layer: qkv, o, gate_up, down.
@@ -91,6 +91,13 @@ def main() -> None:
     add_against_arguments(parser)
     args = parser.parse_args()
     count, shapes = SHAPES[args.shape]
+    for name in args.formats:  # named before anything is built or compiled
+        if name not in GGMLType.__members__ or GGMLType[name] not in BLOCK:
+            parser.error(f"--formats: {name} is not a block format")
+        per_block = BLOCK[GGMLType[name]][0]
+        if any(k % per_block for _, k in shapes):
+            parser.error(f"--formats: {name} needs rows of whole {per_block}-weight blocks; "
+                         f"{args.shape}'s {sorted({k for _, k in shapes})} are not")  # fmt: skip
     old, new = kernel_sides(args, "quant_ops.cpp", ["quant_linear"])
     print(f"machine: {machine()}; read bandwidth {memory_bandwidth_gbs():.1f} GB/s\n")
     if old is not None:
