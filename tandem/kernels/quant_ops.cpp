@@ -711,8 +711,11 @@ inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1)
   constexpr int64_t kTokens = tokens_per_pass<kBits>();
   int64_t t = c0;
   for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens>(p, index, t);
-  if constexpr (kTokens > 4) {
-    for (; t + 4 <= c1; t += 4) tile<kBits, kGroup, kScales, 4>(p, index, t);
+  if constexpr (kTokens > 4) {  // (at most once: fewer than kTokens are left)
+    if (t + 4 <= c1) {
+      tile<kBits, kGroup, kScales, 4>(p, index, t);
+      t += 4;
+    }
   }
   switch (c1 - t) {
     case 3: tile<kBits, kGroup, kScales, 3>(p, index, t); break;

@@ -40,7 +40,7 @@ PREFILL_LENGTHS = (16, 64, 256, 1024)
 DECODE_STEPS = 6  # timed per decode setting, after its prefill
 
 
-class StepShares(EngineObserver):
+class _Shares(EngineObserver):
     """The composition of the step that just ran."""
 
     def __init__(self) -> None:
@@ -49,6 +49,41 @@ class StepShares(EngineObserver):
     def step_done(self, out, stats) -> None:
         if out is not None:
             self.last = shares_of(out.scheduled)
+
+
+class TimedSteps:
+    """An engine driven to the end of what it is given, each step timed with its
+    composition: distinct synthetic prompts of token ids (no prefix shared), greedy,
+    sampled as a server samples for the model (its generation config: penalties cost
+    time per request). The calibration sweep and the plan's fixed cost of a step
+    (fixed_cost.py) both time steps this way."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.shares = _Shares()
+        engine.add_observer(self.shares)
+        self.vocab = engine.model_info.vocab_size
+        self.defaults = model_sampling_defaults(engine.model_info.generation_config)
+        self.ids = iter(range(10**9))
+
+    def prompt(self, length: int) -> list[int]:
+        start = next(self.ids)
+        return [(start * 31 + 7 * i) % self.vocab for i in range(length)]
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[Share], float]]:
+        """Run the prompts to the end: every step's shares and seconds."""
+        params = SamplingParams(**{
+            **self.defaults, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+            "output_kind": RequestOutputKind.FINAL_ONLY,
+        })  # fmt: skip
+        for p in prompts:
+            self.engine.add_request(f"c{next(self.ids)}", p, params)
+        timed = []
+        while self.engine.has_unfinished_requests():
+            start = time.perf_counter()
+            self.engine.step()
+            timed.append((self.shares.last, time.perf_counter() - start))
+        return timed
 
 
 def calibrate(
@@ -83,35 +118,15 @@ def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len
             max_num_seqs=max(DECODE_BATCHES), enable_prefix_caching=False,
         )
     )  # fmt: skip
-    observer = StepShares()
-    engine.add_observer(observer)
-    vocab = engine.model_info.vocab_size
+    steps = TimedSteps(engine)
     samples: list[tuple[list[Share], float]] = []
-    ids = iter(range(10**9))
-
-    def prompt(length: int) -> list[int]:
-        start = next(ids)
-        return [(start * 31 + 7 * i) % vocab for i in range(length)]
-
-    # Sampled as a server samples for this model (its generation config: penalties cost
-    # time per request), greedy.
-    defaults = model_sampling_defaults(engine.model_info.generation_config)
 
     def run(prompts: list[list[int]], max_tokens: int, keep: int | None = None) -> None:
         """Run the prompts to the end; record every step (or the last ``keep``)."""
-        params = SamplingParams(**{
-            **defaults, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-            "output_kind": RequestOutputKind.FINAL_ONLY,
-        })  # fmt: skip
-        for p in prompts:
-            engine.add_request(f"c{next(ids)}", p, params)
-        timed = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            timed.append((observer.last, time.perf_counter() - start))
+        timed = steps.run(prompts, max_tokens)
         samples.extend(timed if keep is None else timed[-keep:])
 
+    prompt = steps.prompt
     run([prompt(64)], 4, keep=0)  # warm up: page faults, kernel caches
     for length in PREFILL_LENGTHS:
         if length < context:  # (a short context leaves the longest out)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from tandem.quant.blocks import GGMLType
@@ -79,9 +78,8 @@ def step_overheads(
     from tandem.engine.engine import Engine
     from tandem.models.random_gguf import write_random_gguf
     from tandem.plan.calculator import file_weights
-    from tandem.plan.calibrate import StepShares
+    from tandem.plan.calibrate import TimedSteps
     from tandem.plan.cost import expert_read_share
-    from tandem.sampling import RequestOutputKind, SamplingParams
 
     twin = tiny_shape(path)
     if twin is None:
@@ -91,42 +89,26 @@ def step_overheads(
     with tempfile.TemporaryDirectory(prefix="tandem-plan-") as scratch:
         tiny = write_random_gguf(Path(scratch) / "tiny.gguf", shape, fmt)
         weights = file_weights(tiny)
-        engine = Engine(EngineConfig.from_kwargs(
+        steps = TimedSteps(Engine(EngineConfig.from_kwargs(
             str(tiny), max_model_len=depth + DECODE_STEPS + 2,
             max_num_seqs=max(batches), enable_prefix_caching=False,
             # Every prompt in one step, so that the batch decodes together after it.
             max_num_batched_tokens=max(batches) * (depth + 1),
-        ))  # fmt: skip
-        shares = StepShares()
-        engine.add_observer(shares)
-        vocab = engine.model_info.vocab_size
-        ids = iter(range(10**9))
+        )))  # fmt: skip
 
-        def decode_steps(batch: int, length: int, steps: int) -> list[float]:
-            """Seconds of each step of ``batch`` fresh prompts that decoded all of them
-            (at most ``steps``): a pool too small for all at once would stagger them."""
-            params = SamplingParams(
-                temperature=0, max_tokens=steps + 1, ignore_eos=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )  # fmt: skip
-            for _ in range(batch):
-                start = next(ids)
-                prompt = [(start * 31 + 7 * i) % vocab for i in range(length)]
-                engine.add_request(f"overhead-{start}", prompt, params)
-            times = []
-            while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                engine.step()
-                seconds = time.perf_counter() - start
-                if len(shares.last) == batch and all(n == 1 for n, _ in shares.last):
-                    times.append(seconds)
-            return times
+        def decoding(batch: int) -> list[float]:
+            """Seconds of each step that decoded all of ``batch`` fresh prompts (a pool
+            too small for all at once would stagger them)."""
+            timed = steps.run([steps.prompt(depth) for _ in range(batch)], DECODE_STEPS + 1)
+            return [
+                seconds for shares, seconds in timed
+                if len(shares) == batch and all(n == 1 for n, _ in shares)
+            ]  # fmt: skip
 
-        decode_steps(1, 16, 2)  # page faults, kernel caches
+        steps.run([steps.prompt(16)], 2)  # page faults, kernel caches
         measured = {}
         for batch in batches:
-            rounds = [statistics.median(decode_steps(batch, depth, DECODE_STEPS))
-                      for _ in range(ROUNDS)]  # fmt: skip
+            rounds = [statistics.median(decoding(batch)) for _ in range(ROUNDS)]
             # The twin's own weights: its matrices (a mixture's picked experts, at most
             # all of them) and its LM head at the real vocabulary.
             unread = (
