@@ -137,8 +137,8 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
 LONG_HEAD_DIM, LONG_BLOCK = 64, 16
 
 
-def _long_cache(kv_dtype: str, num_blocks: int) -> torch.Tensor:
-    width = LONG_HEAD_DIM + (4 if kv_dtype == "int8" else 0)
+def _cache(kv_dtype: str, num_blocks: int, head_dim: int) -> torch.Tensor:
+    width = head_dim + (4 if kv_dtype == "int8" else 0)
     dtype = torch.uint8 if kv_dtype == "int8" else STORED_DTYPES.get(kv_dtype, torch.float32)
     return torch.zeros(2, num_blocks, LONG_BLOCK, KV_HEADS, width, dtype=dtype)
 
@@ -151,14 +151,29 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
     before and just after a span's edge, a verification run crossing one, and a window
     that starts inside a span. Against brute force over the rows read back from the
     cache; and a decode row equals itself bit for bit alone and with draft rows."""
+    shapes = [(32768, 1), (256, 1), (255, 1), (257, 1), (3000, 4), (514, 3), (1, 1)]
+    _check_decode_kernel(kv_dtype, window, shapes, LONG_HEAD_DIM)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_every_head_size_path_matches_brute_force(kv_dtype, head_dim):
+    """The kernel's other compiled head size (128: Llama-3-8B's, Qwen3's) and the
+    generic path (80: not one of them), over contexts that end inside, on and past a
+    tile of keys, with verification runs: against brute force as above."""
+    shapes = [(1, 1), (7, 1), (8, 1), (9, 1), (300, 1), (61, 3), (700, 4)]
+    _check_decode_kernel(kv_dtype, 500, shapes, head_dim)
+
+
+def _check_decode_kernel(kv_dtype: str, window: int | None, shapes, head_dim: int) -> None:
+    """``shapes``: (context length, query rows) per sequence; a row r of a sequence
+    sees length - rows + r + 1 tokens."""
     if cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     torch.manual_seed(0)
     store = quantize_kv_rows if kv_dtype == "int8" else None
-    # (context length, query rows): a row r of a sequence sees length - rows + r + 1 tokens
-    shapes = [(32768, 1), (256, 1), (255, 1), (257, 1), (3000, 4), (514, 3), (1, 1)]
     num_blocks = sum(-(-length // LONG_BLOCK) for length, _ in shapes)
-    cache = _long_cache(kv_dtype, num_blocks)
+    cache = _cache(kv_dtype, num_blocks, head_dim)
     pool = torch.randperm(num_blocks).tolist()
     width = max(-(-length // LONG_BLOCK) for length, _ in shapes)
     tables = torch.zeros(len(shapes), width, dtype=torch.long)
@@ -166,7 +181,7 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
     for s, (length, rows) in enumerate(shapes):
         count = -(-length // LONG_BLOCK)
         tables[s, :count] = torch.tensor([pool.pop() for _ in range(count)])
-        kv = torch.randn(2, length, KV_HEADS, LONG_HEAD_DIM)
+        kv = torch.randn(2, length, KV_HEADS, head_dim)
         stored = store(kv) if store else cache_rows(kv, cache.dtype)
         positions = torch.arange(length)
         slots = tables[s, positions // LONG_BLOCK] * LONG_BLOCK + positions % LONG_BLOCK
@@ -175,8 +190,8 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
         contexts.append(read_back)
         row_lens += [length - rows + r + 1 for r in range(rows)]
     row_starts = torch.tensor([0, *torch.tensor([r for _, r in shapes]).cumsum(0).tolist()])
-    q = torch.randn(len(row_lens), HEADS, LONG_HEAD_DIM)
-    scale = LONG_HEAD_DIM**-0.5
+    q = torch.randn(len(row_lens), HEADS, head_dim)
+    scale = head_dim**-0.5
     out = cpu_kernels.paged_attention_rows(
         q, cache[0], cache[1], tables, torch.tensor(row_lens), row_starts, scale, window
     )
@@ -210,7 +225,7 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     # (context length, query rows): a row r of a sequence sees length - rows + r + 1 tokens
     shapes = [(3000, 1), (256, 1), (255, 1), (257, 1), (514, 3), (1, 1)]
     num_blocks = sum(-(-length // LONG_BLOCK) for length, _ in shapes)
-    cache = _long_cache(kv_dtype, num_blocks)
+    cache = _cache(kv_dtype, num_blocks, LONG_HEAD_DIM)
     pool = torch.randperm(num_blocks).tolist()
     tables, contexts = [], []
     for length, _ in shapes:
