@@ -312,7 +312,8 @@ def test_a_step_overhead_is_the_measured_batchs_or_the_line_between_two():
     hardware = Hardware("m", 16, 20, {"fp32": 1.0}, step_overheads={1: 0.002, 16: 0.011})
     assert hardware.step_overhead(1) == 0.002 and hardware.step_overhead(16) == 0.011
     assert hardware.step_overhead(4) == pytest.approx(0.002 + 0.009 * 3 / 15)
-    assert hardware.step_overhead(64) == 0.011  # beyond the last: the last
+    assert hardware.step_overhead(64) == pytest.approx(0.002 + 0.009 * 63 / 15)  # the line
+    assert Hardware("m", 16, 20, {"fp32": 1.0}, step_overheads={1: 0.002}).step_overhead(8) == 0.002
     assert custom_hardware(16, 20, 1.0).step_overhead(8) == 0.0  # a floor: none
 
 
@@ -332,12 +333,14 @@ def test_the_estimates_add_the_engines_fixed_cost_and_the_floors_do_not(tmp_path
     assert "engine fixed cost" in format_plan(b) and "engine fixed cost" not in format_plan(a)
 
 
-def test_the_engines_fixed_cost_is_timed_on_a_tiny_twin_of_the_file(tmp_path):
+def test_the_engines_fixed_cost_is_timed_on_a_tiny_twin_of_the_file(tmp_path, monkeypatch):
     """The twin keeps what sets the fixed cost (architecture, layers, head dimension,
     attention grouping, vocabulary, experts) and is TINY_WIDTH wide; the engine runs it
     and a step's cost beyond its weights is positive at each batch asked. A head
-    dimension the width cannot hold has no twin: nothing is measured."""
+    dimension the width cannot hold has no twin: nothing is measured. A batch beyond
+    MAX_BATCH is measured at MAX_BATCH (the plan extends the line beyond it)."""
     from tandem.models.random_gguf import Shape, write_random_gguf
+    from tandem.plan import fixed_cost
     from tandem.plan.fixed_cost import TINY_WIDTH, step_overheads, tiny_shape
 
     shape = Shape(1024, 3, 16, 4, 2048, tied=True, vocab=3000, head_size=64)
@@ -352,6 +355,8 @@ def test_the_engines_fixed_cost_is_timed_on_a_tiny_twin_of_the_file(tmp_path):
                 expert_intermediate=128)  # fmt: skip
     twin, fmt = tiny_shape(write_random_gguf(tmp_path / "moe.gguf", moe, "q4_0"))
     assert (twin.experts, twin.experts_used, twin.architecture, fmt) == (16, 4, "qwen3moe", "q4_0")
+    monkeypatch.setattr(fixed_cost, "MAX_BATCH", 3)  # a user's batch: the twin runs at most
+    assert set(step_overheads(path, [1, 100], 32, 20.0, 0.5)) == {1, 3}
     odd = Shape(480, 2, 5, 1, 512, tied=True, vocab=1000, head_size=96)
     path = write_random_gguf(tmp_path / "odd.gguf", odd, "q8_0")
     assert tiny_shape(path) is None and step_overheads(path, [1], 16, 20.0, 0.5) is None

@@ -33,6 +33,10 @@ DECODE_STEPS = 8  # timed, after a prefill
 # attention kernel's rate), and a whole batch of long prompts prefilled in one step
 # would take memory for nothing.
 MAX_DEPTH = 512
+# The largest batch the twin runs: a plan's --batch is the user's to choose, and the
+# twin prefills a whole batch in one step. Beyond it the plan extends the line through
+# the measured batches (Hardware.step_overhead): the per-sequence cost is linear.
+MAX_BATCH = 64
 ROUNDS = 3  # medians over rounds of DECODE_STEPS steps each
 
 
@@ -68,12 +72,13 @@ def tiny_shape(path: Path):
 def step_overheads(
     path: Path, batches: list[int], prompt_len: int, bandwidth_gbs: float, tflops: float
 ) -> dict[int, float] | None:
-    """The engine's fixed cost of a decode step at each of ``batches`` (sequences
-    ``prompt_len`` tokens deep, at most MAX_DEPTH), in seconds, for the GGUF file at
-    ``path``: the tiny twin's step time less what the plan prices its weights at,
-    reading them at ``bandwidth_gbs`` or multiplying them at ``tflops``, whichever is
-    slower (its LM head at the real vocabulary is 2 x 128k x 256 FLOPs a token: at
-    batch 16 it computes longer than it reads). None where no twin can be written (tiny_shape)."""
+    """The engine's fixed cost of a decode step at each of ``batches`` (at most
+    MAX_BATCH sequences, ``prompt_len`` tokens deep, at most MAX_DEPTH), in seconds,
+    for the GGUF file at ``path``: the tiny twin's step time less what the plan prices
+    its weights at, reading them at ``bandwidth_gbs`` or multiplying them at
+    ``tflops``, whichever is slower (its LM head at the real vocabulary is 2 x 128k x
+    256 FLOPs a token: at batch 16 it computes longer than it reads). None where no
+    twin can be written (tiny_shape)."""
     from tandem.config import EngineConfig
     from tandem.engine.engine import Engine
     from tandem.models.random_gguf import write_random_gguf
@@ -86,6 +91,7 @@ def step_overheads(
         return None
     shape, fmt = twin
     depth = min(prompt_len, MAX_DEPTH)
+    batches = sorted({min(batch, MAX_BATCH) for batch in batches})
     with tempfile.TemporaryDirectory(prefix="tandem-plan-") as scratch:
         tiny = write_random_gguf(Path(scratch) / "tiny.gguf", shape, fmt)
         weights = file_weights(tiny)

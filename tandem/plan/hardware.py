@@ -52,15 +52,17 @@ class Hardware:
 
     def step_overhead(self, batch: float) -> float:
         """Seconds a step of ``batch`` sequences spends beyond its reads and FLOPs: the
-        measured batch's, between two measured batches the straight line through them,
-        beyond them the nearest one's; 0 where nothing was measured."""
+        measured batch's; between two measured batches, or beyond the largest (the
+        twin runs at most fixed_cost.MAX_BATCH), the straight line through the nearest
+        two; below the smallest, the smallest's; 0 where nothing was measured."""
         if not self.step_overheads:
             return 0.0
         points = sorted(self.step_overheads.items())
-        below = [p for p in points if p[0] <= batch] or points[:1]
-        above = [p for p in points if p[0] >= batch] or points[-1:]
-        (b0, s0), (b1, s1) = below[-1], above[0]
-        return s0 if b1 == b0 else s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+        if len(points) == 1 or batch <= points[0][0]:
+            return points[0][1]
+        above = next((i for i, (b, _) in enumerate(points) if b >= batch), len(points) - 1)
+        (b0, s0), (b1, s1) = points[above - 1], points[above]
+        return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
     def attention_rate(self, dtype: str) -> float:
         """TFLOP/s of attention computed in ``dtype``: measured, else the matmul rate."""
