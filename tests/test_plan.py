@@ -274,6 +274,26 @@ def test_calibrate_fits_the_cost_model_to_real_steps(model_dirs, tmp_path):
     assert without.returncode == 2 and "needs --measure" in without.stderr
 
 
+def test_calibration_fits_the_sweep_and_not_its_warm_up(model_dirs):
+    """The sweep's samples: one step per prompt length that fits the context, and the
+    last DECODE_STEPS of each decode setting; the warm-up's steps (page faults, first
+    calls) are not among them."""
+    from tandem.plan import calibrate as sweep
+    from tandem.plan.cost import ModelShape
+
+    folder, _ = model_dirs("llama")
+    config, params = read_model(folder)
+    shape = ModelShape.of(config, params, 4, 4)
+    context = 300
+    _, samples = sweep.calibrate(folder, shape, "float32", context)
+    prefills = sum(length < context for length in sweep.PREFILL_LENGTHS)
+    settings = sum(
+        cached + sweep.DECODE_STEPS + 1 <= context
+        for cached in sweep.DECODE_CONTEXTS for _ in sweep.DECODE_BATCHES
+    )  # fmt: skip
+    assert len(samples) == prefills + settings * sweep.DECODE_STEPS
+
+
 def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
     """A GGUF file planned for this machine: its weights at the bytes the engine holds
     them in (each tensor's packed layout: Q4_K takes a little more than in the file),

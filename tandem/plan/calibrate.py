@@ -124,7 +124,7 @@ def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len
     def run(prompts: list[list[int]], max_tokens: int, keep: int | None = None) -> None:
         """Run the prompts to the end; record every step (or the last ``keep``)."""
         timed = steps.run(prompts, max_tokens)
-        samples.extend(timed if keep is None else timed[-keep:])
+        samples.extend(timed if keep is None else timed[len(timed) - keep :])
 
     prompt = steps.prompt
     run([prompt(64)], 4, keep=0)  # warm up: page faults, kernel caches
