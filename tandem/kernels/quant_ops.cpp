@@ -205,10 +205,16 @@ struct ScaleTable {
   // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms;
   // groups of 32 only (scale_table and quant_linear admit no others with them).
   bool has_constants() const { return corr != nullptr || (record && group == 32); }
-  // The record of tile ``tile`` holding group g.
-  const uint8_t* record_of(int64_t tile, int64_t g) const {
-    return static_cast<const uint8_t*>(scales) + (tile * supers + g / (256 / group)) * record;
+  // The record of tile ``tile`` and super-block ``super`` (of 256 weights).
+  const uint8_t* record_at(int64_t tile, int64_t super) const {
+    return static_cast<const uint8_t*>(scales) + (tile * supers + super) * record;
   }
+  // The record of tile ``tile`` holding group g. The vector paths below name their
+  // group at compile time instead (record_for): a division by the run-time group is an
+  // idiv, three of them a block in the tile loop (Q4_K at batch 1 ran 1.4x Q4_0's time).
+  const uint8_t* record_of(int64_t tile, int64_t g) const { return record_at(tile, g / (256 / group)); }
+  template <int kGroup>
+  const uint8_t* record_for(int64_t tile, int64_t g) const { return record_at(tile, g / (256 / kGroup)); }
 };
 
 inline float half_at(const void* base, int64_t i) {
@@ -297,8 +303,8 @@ inline __m512 halves16(const void* p) {
 template <int kScales, int kGroup>
 inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_of(tile, g);
-    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows));
+    const uint8_t* rec = s.record_for<kGroup>(tile, g);
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, g) * kRows));
     const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
     return product(d, _mm512_cvtepi32_ps(q));
   } else {
@@ -306,10 +312,10 @@ inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   }
 }
 
-// Records: the float16 item (0: d, 1: dmin) of the super-block holding group g.
+// Records: the float16 item (0: d, 1: dmin) of super-block ``super``.
 template <int kScales>
-inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t g, int item) {
-  if constexpr (kScales == kRecords) return halves16(s.record_of(tile, g) + item * 2 * kRows);
+inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t super, int item) {
+  if constexpr (kScales == kRecords) return halves16(s.record_at(tile, super) + item * 2 * kRows);
   else return _mm512_setzero_ps();
 }
 
@@ -318,7 +324,7 @@ inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t g, int item) {
 template <int kScales>
 inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_of(tile, g);
+    const uint8_t* rec = s.record_for<32>(tile, g);
     const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows));
     const __m512 minimum = product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(minimum), _mm512_set1_epi32(INT32_MIN)));
@@ -357,7 +363,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps();  // records: the super-block's d (8 blocks of 32)
   for (int64_t b = 0; b < nb; ++b) {
-    if (kScales == kRecords && b % 8 == 0) d = super16<kScales>(p.s, tile_index, b * kBlock / kGroup, 0);
+    if (kScales == kRecords && b % 8 == 0) d = super16<kScales>(p.s, tile_index, b / 8, 0);
     // dot[t][h]: per row, over the block's first (h = 0) or second 16 values. With
     // fewer than four tokens each is the sum of two chains (c) so that consecutive
     // vpdpbusd do not wait on each other; with more, the tokens' own chains are
@@ -429,7 +435,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   if (kGroup == 32 && p.s.has_constants()) {
     __m512 dmin = _mm512_setzero_ps();
     for (int64_t g = 0; g < p.s.groups; ++g) {
-      if (kScales == kRecords && g % 8 == 0) dmin = super16<kScales>(p.s, tile_index, g, 1);
+      if (kScales == kRecords && g % 8 == 0) dmin = super16<kScales>(p.s, tile_index, g / 8, 1);
       const __m512 c = constants16<kScales>(p.s, tile_index, g, dmin);
       for (int t = 0; t < NT; ++t) {
         acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t]);
@@ -470,8 +476,8 @@ inline __m256 halves8(const void* p) {
 template <int kScales, int kGroup>
 inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 d) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_of(tile, g);
-    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(s.group, g) * kRows + half * 8));
+    const uint8_t* rec = s.record_for<kGroup>(tile, g);
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, g) * kRows + half * 8));
     const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
     return product(d, _mm256_cvtepi32_ps(q));
   } else {
@@ -479,11 +485,10 @@ inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __
   }
 }
 
-// Records: the float16 item (0: d, 1: dmin) of the super-block holding group g, for
-// those rows.
+// Records: the float16 item (0: d, 1: dmin) of super-block ``super``, for those rows.
 template <int kScales>
-inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t g, int item) {
-  if constexpr (kScales == kRecords) return halves8(s.record_of(tile, g) + item * 2 * kRows + half * 16);
+inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t super, int item) {
+  if constexpr (kScales == kRecords) return halves8(s.record_at(tile, super) + item * 2 * kRows + half * 16);
   else return _mm256_setzero_ps();
 }
 
@@ -492,7 +497,7 @@ inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t g, int
 template <int kScales>
 inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_of(tile, g);
+    const uint8_t* rec = s.record_for<32>(tile, g);
     const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows + half * 8));
     return _mm256_xor_ps(product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))), _mm256_set1_ps(-0.f));
   } else {
@@ -550,7 +555,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   for (int h = 0; h < kHalves; ++h) d[h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (kScales == kRecords && b % 8 == 0)
-      for (int h = 0; h < kHalves; ++h) d[h] = super8<kScales>(p.s, tile_index, first + h, b * kBlock / kGroup, 0);
+      for (int h = 0; h < kHalves; ++h) d[h] = super8<kScales>(p.s, tile_index, first + h, b / 8, 0);
     // dot[t][h][j]: per row, the int32 dot over the block's first (j = 0) or second 16
     // values (for groups of 32 without VNNI, all 32 may be in j = 0 and j = 1 zero).
     __m256i dot[NT][kHalves][2];
@@ -643,7 +648,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
     for (int h = 0; h < kHalves; ++h) {
       __m256 dmin = _mm256_setzero_ps();
       for (int64_t g = 0; g < p.s.groups; ++g) {
-        if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, first + h, g, 1);
+        if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, first + h, g / 8, 1);
         const __m256 c = constants8<kScales>(p.s, tile_index, first + h, g, dmin);
         for (int t = 0; t < NT; ++t)
           acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t][h]);
