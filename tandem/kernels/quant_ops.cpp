@@ -319,18 +319,23 @@ inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t super, int item
   else return _mm512_setzero_ps();
 }
 
-// Group g's constants for the tile's 16 rows (has_constants() is true); records: dmin
-// is its super-block's.
+// Group g's constant terms for the tile's 16 rows (has_constants() is true), as they
+// are added: acc + c * sum for float16 constants; for records, whose constant is
+// -(dmin * sub-min) (dmin: its super-block's), c is dmin * sub-min and it is taken off
+// by one fnmadd (rounded as the fmadd of its negation).
 template <int kScales>
 inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<32>(tile, g);
     const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows));
-    const __m512 minimum = product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(minimum), _mm512_set1_epi32(INT32_MIN)));
+    return product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
   } else {
     return halves16(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows);
   }
+}
+template <int kScales>
+inline __m512 add_constant(__m512 acc, __m512 c, __m512 sum) {
+  return kScales == kRecords ? _mm512_fnmadd_ps(c, sum, acc) : _mm512_fmadd_ps(c, sum, acc);
 }
 
 inline __m512i broadcast4(const int8_t* p) {
@@ -361,9 +366,14 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const Activations& a = *p.act;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps();  // records: the super-block's d (8 blocks of 32)
+  // Records: the super-block's d and dmin (8 blocks of 32).
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+  const bool constants = kGroup == 32 && p.s.has_constants();
   for (int64_t b = 0; b < nb; ++b) {
-    if (kScales == kRecords && b % 8 == 0) d = super16<kScales>(p.s, tile_index, b / 8, 0);
+    if (kScales == kRecords && b % 8 == 0) {
+      d = super16<kScales>(p.s, tile_index, b / 8, 0);
+      if (constants) dmin = super16<kScales>(p.s, tile_index, b / 8, 1);
+    }
     // dot[t][h]: per row, over the block's first (h = 0) or second 16 values. With
     // fewer than four tokens each is the sum of two chains (c) so that consecutive
     // vpdpbusd do not wait on each other; with more, the tokens' own chains are
@@ -422,6 +432,14 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
       }
+      // The block's constant term after its scaled dot, in the same pass: as a loop of
+      // its own after the blocks it was a chain of dependent fmas, one a block (Q4_K
+      // at batch 1 waited on it).
+      if (constants) {
+        const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
+        for (int t = 0; t < NT; ++t)
+          acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
+      }
     } else {
       const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
       const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
@@ -429,16 +447,6 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), product(w0, dx), acc[t]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), product(w1, dx), acc[t]);
-      }
-    }
-  }
-  if (kGroup == 32 && p.s.has_constants()) {
-    __m512 dmin = _mm512_setzero_ps();
-    for (int64_t g = 0; g < p.s.groups; ++g) {
-      if (kScales == kRecords && g % 8 == 0) dmin = super16<kScales>(p.s, tile_index, g / 8, 1);
-      const __m512 c = constants16<kScales>(p.s, tile_index, g, dmin);
-      for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t]);
       }
     }
   }
@@ -492,17 +500,20 @@ inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t super,
   else return _mm256_setzero_ps();
 }
 
-// Group g's constants for those rows (has_constants() is true); records: dmin is its
-// super-block's.
+// constants16 and add_constant for those rows.
 template <int kScales>
 inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<32>(tile, g);
     const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows + half * 8));
-    return _mm256_xor_ps(product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))), _mm256_set1_ps(-0.f));
+    return product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
   } else {
     return halves8(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows + half * 8);
   }
+}
+template <int kScales>
+inline __m256 add_constant(__m256 acc, __m256 c, __m256 sum) {
+  return kScales == kRecords ? _mm256_fnmadd_ps(c, sum, acc) : _mm256_fmadd_ps(c, sum, acc);
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -644,6 +655,8 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
       }
     }
   }
+  // The constant terms after the blocks: folded into the block loop as the AVX-512
+  // path does, the 16 registers spilled at four tokens (0.74-0.86x).
   if (kGroup == 32 && p.s.has_constants()) {
     for (int h = 0; h < kHalves; ++h) {
       __m256 dmin = _mm256_setzero_ps();
@@ -651,7 +664,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
         if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, first + h, g / 8, 1);
         const __m256 c = constants8<kScales>(p.s, tile_index, first + h, g, dmin);
         for (int t = 0; t < NT; ++t)
-          acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]), acc[t][h]);
+          acc[t][h] = add_constant<kScales>(acc[t][h], c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]));
       }
     }
   }
