@@ -75,7 +75,10 @@ struct Activations {
   std::vector<int8_t> q;   // [T, K]
   std::vector<float> d;    // [T, K/32]
   std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block (for the constants)
-  std::vector<int32_t> i16;  // [T, K/16]: sum(q) over each 16 values (for the offset)
+  // [T, K/16]: the matrix's offset times sum(q) over each 16 values, taken off a
+  // half-block's dot as it is (one subtraction of a broadcast from memory a half-block
+  // and token, no multiply in the tile loop); zero without an offset.
+  std::vector<int32_t> offsets;
 };
 
 // One block of 32: q = round-half-even(x * (1 / d)), d = max|x| * (1 / 127). Written
@@ -131,12 +134,13 @@ inline float quantize_block(const float* src, int8_t* q, int32_t sum[2]) {
 #endif
 }
 
-void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K, Activations& a) {
+void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K, int32_t offset,
+                          Activations& a) {
   const int64_t nb = K / kBlock;
   a.q.resize(T * K);
   a.d.resize(T * nb);
   a.s32.resize(T * nb);
-  a.i16.resize(T * 2 * nb);
+  a.offsets.resize(T * 2 * nb);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t b = 0; b < nb; ++b) {
@@ -144,8 +148,8 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
         const float d = quantize_block(x + t * x_stride + b * kBlock, a.q.data() + t * K + b * kBlock, sum);
         a.d[t * nb + b] = d;
         a.s32[t * nb + b] = d * (sum[0] + sum[1]);
-        a.i16[t * 2 * nb + 2 * b] = sum[0];
-        a.i16[t * 2 * nb + 2 * b + 1] = sum[1];
+        a.offsets[t * 2 * nb + 2 * b] = offset * sum[0];
+        a.offsets[t * 2 * nb + 2 * b + 1] = offset * sum[1];
       }
     }
   });
@@ -418,11 +422,11 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     }
     __m512i dot[NT][2];
     for (int t = 0; t < NT; ++t) {
-      const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
+      const int32_t* offsets = a.offsets.data() + (t0 + t) * 2 * nb + 2 * b;
       for (int h = 0; h < 2; ++h) {
         dot[t][h] = chain[t][h][0];
         if constexpr (kChains == 2) dot[t][h] = _mm512_add_epi32(dot[t][h], chain[t][h][kChains - 1]);
-        if (p.offset) dot[t][h] = _mm512_sub_epi32(dot[t][h], _mm512_set1_epi32(p.offset * sums[h]));
+        if (p.offset) dot[t][h] = _mm512_sub_epi32(dot[t][h], _mm512_set1_epi32(offsets[h]));
       }
     }
     if constexpr (kGroup == 32) {
@@ -636,18 +640,18 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
       }
     }
     for (int t = 0; t < NT; ++t) {
-      const int32_t* sums = a.i16.data() + (t0 + t) * 2 * nb + 2 * b;
+      const int32_t* offsets = a.offsets.data() + (t0 + t) * 2 * nb + 2 * b;
       const __m256 dx = _mm256_set1_ps(a.d[(t0 + t) * nb + b]);
       for (int h = 0; h < kHalves; ++h) {
         if constexpr (kGroup == 32) {
           __m256i sum = _mm256_add_epi32(dot[t][h][0], dot[t][h][1]);
-          if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(p.offset * (sums[0] + sums[1])));
+          if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offsets[0] + offsets[1]));
           const __m256 s = product(scales8<kScales, 32>(p.s, tile_index, first + h, b, d[h]), dx);
           acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][h]);
         } else {
           for (int j = 0; j < 2; ++j) {
             __m256i sum = dot[t][h][j];
-            if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(p.offset * sums[j]));
+            if (p.offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offsets[j]));
             const __m256 s = product(scales8<kScales, 16>(p.s, tile_index, first + h, 2 * b + j, d[h]), dx);
             acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[t][h]);
           }
@@ -705,7 +709,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         int32_t dot[2] = {0, 0};
         for (int k = 0; k < kBlock; ++k)
           dot[k / 16] += value_at(vals, kBits, b, r, k) * a.q[tok * p.K + b * kBlock + k];
-        for (int h = 0; h < 2; ++h) dot[h] -= p.offset * a.i16[tok * 2 * nb + 2 * b + h];
+        for (int h = 0; h < 2; ++h) dot[h] -= a.offsets[tok * 2 * nb + 2 * b + h];
         const float dx = a.d[tok * nb + b];
         if constexpr (kGroup == 32) {
           sum += scale_at(p.s, tile_index, r, b) * dx * (dot[0] + dot[1]);
@@ -843,7 +847,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
-  quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, act);
+  quant::quantize_activations(x.data_ptr<float>(), x.stride(0), T, K, p.offset, act);
   p.values = static_cast<const uint8_t*>(values.data_ptr());
   p.tile_bytes = values.size(1);
   p.bias = nullptr;
@@ -925,7 +929,7 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
     p.bias = nullptr;
     p.N = m.N;
     p.K = m.K;
-    quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, acts[i]);
+    quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, m.offset, acts[i]);
     p.act = &acts[i];
     p.out = out + first[i] * out_stride;
     p.out_stride = out_stride;
