@@ -159,6 +159,20 @@ class FileWeights:
     expert_bytes: int = 0
     expert_weights: int = 0
 
+    def read_at(self, experts: int, per_token: int, tokens: float, ranks: int = 1) -> float:
+        """A step of ``tokens`` tokens' weight reads: a mixture's (``experts``, of which
+        ``per_token`` a token) only the experts they picked (cost.expert_read_share)."""
+        if not experts:
+            return self.read_per_token
+        share = expert_read_share(experts, per_token, tokens, ranks)
+        return self.read_per_token - self.expert_bytes * (1 - share)
+
+    def active_layer_weights(self, experts: int, per_token: int) -> float:
+        """The blocks' weights one token multiplies: a mixture's, its picked experts'."""
+        if not experts:
+            return self.layer_weights
+        return self.layer_weights - self.expert_weights * (1 - per_token / experts)
+
     @property
     def main_format(self) -> GGMLType | None:
         """The block format with the most weights a step reads."""
@@ -315,9 +329,7 @@ def plan(
         weight_bytes = weights.held_bytes
 
         def read_at(tokens: float) -> float:
-            """A step's weight reads: a mixture's, the experts its tokens picked."""
-            experts = weights.expert_bytes
-            return weights.read_per_token - experts * (1 - _expert_read(shape, tokens, tp))
+            return weights.read_at(shape.experts, shape.experts_per_token, tokens, tp)
 
         formats = weights.main_format.name if weights.main_format is not None else "float"
     else:
@@ -349,9 +361,7 @@ def plan(
     decode_compute = 2 * active * batch / (tflops * 1e12)
     prefill = prefill_seconds(active, prompt_len, tflops)
     if gguf is not None:  # the file's own matrices: the head runs for one token
-        layer_active = weights.layer_weights - weights.expert_weights * (
-            1 - shape.experts_per_token / shape.experts if shape.experts else 0
-        )
+        layer_active = weights.active_layer_weights(shape.experts, shape.experts_per_token)
         flops = 2 * (layer_active * prompt_len + weights.head_weights)
         prefill = flops / (tflops * 1e12)
         decode_compute = 2 * (layer_active + weights.head_weights) * batch
@@ -476,14 +486,6 @@ def _batch(crossover: float | None) -> str:
     if crossover <= 1:
         return "batch 1 (compute-bound at every batch)"
     return f"batch {math.ceil(crossover):,}"
-
-
-def _expert_read(shape: ModelShape, tokens: float, tp: int = 1) -> float:
-    """The share of a mixture's expert weights a step of ``tokens`` reads on ``tp``
-    ranks (cost.expert_read_share)."""
-    if not shape.experts:
-        return 1.0
-    return expert_read_share(shape.experts, shape.experts_per_token, tokens, tp)
 
 
 def format_plan(result: dict[str, Any]) -> str:

@@ -84,7 +84,6 @@ def step_overheads(
     from tandem.models.random_gguf import write_random_gguf
     from tandem.plan.calculator import file_weights
     from tandem.plan.calibrate import TimedSteps
-    from tandem.plan.cost import expert_read_share
 
     twin = tiny_shape(path)
     if twin is None:
@@ -117,16 +116,9 @@ def step_overheads(
             rounds = [statistics.median(decoding(batch)) for _ in range(ROUNDS)]
             # The twin's own weights: its matrices (a mixture's picked experts, at most
             # all of them) and its LM head at the real vocabulary.
-            unread = (
-                weights.expert_bytes
-                * (1 - expert_read_share(shape.experts, shape.experts_used, batch))
-                if shape.experts
-                else 0
-            )
-            reads = (weights.read_per_token - unread) / (bandwidth_gbs * 1e9)
-            active = weights.layer_weights - weights.expert_weights * (
-                1 - shape.experts_used / shape.experts if shape.experts else 0.0
-            )
+            read = weights.read_at(shape.experts, shape.experts_used, batch)
+            reads = read / (bandwidth_gbs * 1e9)
+            active = weights.active_layer_weights(shape.experts, shape.experts_used)
             flops = 2 * (active + weights.head_weights) * batch / (tflops * 1e12)
             measured[batch] = max(0.0, statistics.median(rounds) - max(reads, flops))
     return measured
