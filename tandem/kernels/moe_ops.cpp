@@ -109,3 +109,49 @@ std::vector<torch::Tensor> moe_experts(
   }
   return {out, counts};
 }
+
+// A mixture's whole decoder layer for decode tokens, in one call: the attention half
+// (decode_layer.cpp's llama_decode_attention), add + RMSNorm, the router's logits, then
+// moe_experts; the calls runner/fused_decode.py makes one by one for such a layer, in
+// the same order on the same kernels, so the result is theirs bit for bit. What it
+// saves is the Python between them (module calls, the router's linear method, the
+// experts' wrapper: about 0.1 ms a layer, a tenth of a 30B-A3B decode step on 2
+// cores). The router is float32 [experts, hidden] without a bias, its logits
+// small_linear's up to router_max_rows tokens and torch's linear above, as
+// runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
+// caller's checks). Returns (the experts' sum, the stream, the tokens each expert
+// took).
+std::vector<torch::Tensor> llama_decode_moe_layer(
+    torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm, torch::Tensor post_norm,
+    double eps, PackedArgs qkv, PackedArgs o_proj, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+    torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
+    torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias, torch::Tensor router,
+    int64_t router_max_rows, int64_t top_k, bool normalize,
+    torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
+    int64_t gu_rows, int64_t gu_group, double gu_offset,
+    torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
+    int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu, int64_t round_rows,
+    int64_t first_expert) {
+  TORCH_CHECK(router.scalar_type() == torch::kFloat && router.dim() == 2 && router.is_contiguous(),
+              "router: float32 [experts, hidden], contiguous");
+  auto attention = llama_decode_attention(
+      h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim, positions,
+      cos_sin, k_cache, v_cache, slots, block_tables, context_lens, row_starts, scale, window,
+      q_norm, k_norm, qkv_bias);
+  torch::Tensor o = attention[0], stream = attention[1];
+  torch::Tensor x = torch::empty_like(o);
+  rms_norm(x, o, stream, post_norm, eps);
+  torch::Tensor logits;
+  if (x.size(0) <= router_max_rows) {
+    logits = torch::empty({x.size(0), router.size(0)}, x.options());
+    small_linear(logits, x, router, c10::nullopt);
+  } else {
+    logits = torch::linear(x, router);
+  }
+  auto experts = moe_experts(x, logits, top_k, normalize, gu_where, gu_values, gu_scales, gu_corr,
+                             gu_rows, gu_group, gu_offset, dn_where, dn_values, dn_scales, dn_corr,
+                             dn_rows, dn_group, dn_offset, gelu, round_rows, first_expert);
+  return {experts[0], stream, experts[1]};
+}

@@ -12,8 +12,10 @@ CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, 
 biases but q/k/v's (Qwen2's), each linear layer one packed quantized matrix
 (runner/linear/quantized.py);
 q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
-parts. A mixture-of-experts layer runs its attention half compiled, then its experts'
-own kernel call (runner/linear/experts.py; on a tensor-parallel rank, the
+parts. A mixture-of-experts layer runs whole in one call too (attention, the router,
+the experts: kernels/moe_ops.cpp) where it has no shared expert and a float32 router;
+otherwise its attention half compiled, then the mixture's own forward, whose experts
+take their own kernel call (runner/linear/experts.py; on a tensor-parallel rank, the
 experts it holds, all-reduced by the mixture). On a tensor-parallel rank the
 layer runs as two compiled halves, each ending in the rank's partial sums of a
 row-parallel projection (o, down), all-reduced between them as the layer-by-layer
@@ -174,6 +176,14 @@ class FusedDecode:
             self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
             self.row_starts, layer.self_attn.scale, window, q_norm, k_norm, qkv_bias,
         )  # fmt: skip
+        if experts and comm is None:  # the whole mixture's layer, where one call computes it
+            mixture = layer.mlp.fused_experts.whole_layer(layer.mlp)
+            if mixture is not None:
+                out, residual, counts = kernels.llama_decode_moe_layer(
+                    h, residual, norm1, norm2, eps, qkv, o_proj, *attention, *mixture
+                )
+                layer.mlp.expert_load = counts.tolist()
+                return out, residual
         if experts:  # attention compiled, then the mixture (its own kernel call)
             o, residual = kernels.llama_decode_attention(
                 h, residual, norm1, eps, qkv, o_proj, *attention

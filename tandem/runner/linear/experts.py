@@ -41,6 +41,7 @@ from tandem.models.layers import gelu_tanh_and_mul
 from tandem.models.llama import MLP_ROWS
 from tandem.models.moe import SparseMoE
 from tandem.quant.packed import PackedWeight
+from tandem.runner.linear.cpu_small_batch import CpuSmallBatchLinearMethod
 
 
 def _layout(weight: PackedWeight) -> tuple:
@@ -80,15 +81,46 @@ class FusedExperts:
         self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in experts])
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
+        self._whole_layer: tuple | None | bool = False  # False: not looked at yet
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
-            x.float().contiguous(), logits, layer.top_k, layer.normalize, *self.gate_up.args,
-            *self.down.args, self.gelu, MLP_ROWS, layer.held.start,
-        )  # fmt: skip
+            x.float().contiguous(), logits, *self._experts(layer)
+        )
         layer.expert_load = counts.tolist()
         return out.to(x.dtype)
+
+    def _experts(self, layer: SparseMoE) -> tuple:
+        """moe_experts' arguments after the router's logits."""
+        return (layer.top_k, layer.normalize, *self.gate_up.args, *self.down.args, self.gelu,
+                MLP_ROWS, layer.held.start)  # fmt: skip
+
+    def whole_layer(self, layer: SparseMoE) -> tuple | None:
+        """The mixture's arguments to the whole-layer decode call
+        (kernels/moe_ops.cpp's llama_decode_moe_layer: the router, the rows up to
+        which its linear method runs the small-batch kernel, then moe_experts'), or
+        None where that call would not compute what ``layer(x)`` does: a shared
+        expert, a tensor-parallel rank's partial sum, a router the call does not
+        take (runner/fused_decode.py then calls the layer). Found at the first decode
+        step (after loading has set the layer up) and kept."""
+        if self._whole_layer is False:
+            self._whole_layer = self._whole_layer_arguments(layer)
+        return self._whole_layer
+
+    def _whole_layer_arguments(self, layer: SparseMoE) -> tuple | None:
+        gate = layer.gate
+        method = gate.method
+        if (
+            layer.shared_expert is not None
+            or layer.all_reduce is not None
+            or not isinstance(method, CpuSmallBatchLinearMethod)
+            or gate.bias is not None
+            or gate.weight.dtype != torch.float32
+            or not gate.weight.is_contiguous()
+        ):
+            return None
+        return (gate.weight, method.max_rows, *self._experts(layer))
 
 
 def _only_part(linear: nn.Module) -> PackedWeight:
