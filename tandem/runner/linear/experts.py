@@ -81,7 +81,7 @@ class FusedExperts:
         self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in experts])
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
-        self._whole_layer: tuple | None | bool = False  # False: not looked at yet
+        self._whole_layer: tuple | bool | None = False  # False: not looked at yet
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
