@@ -115,8 +115,8 @@ std::vector<torch::Tensor> moe_experts(
 // moe_experts; the calls runner/fused_decode.py makes one by one for such a layer, in
 // the same order on the same kernels, so the result is theirs bit for bit. What it
 // saves is the Python between them (module calls, the router's linear method, the
-// experts' wrapper: about 0.1 ms a layer, a tenth of a 30B-A3B decode step on 2
-// cores). The router is float32 [experts, hidden] without a bias, its logits
+// experts' wrapper: about 0.1 ms a layer, 3-5 ms of a 30B-A3B decode step of about
+// 110 on 2 cores: docs/BENCHMARKS.md). The router is float32 [experts, hidden] without a bias, its logits
 // small_linear's up to router_max_rows tokens and torch's linear above, as
 // runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
 // caller's checks). Returns (the experts' sum, the stream, the tokens each expert
