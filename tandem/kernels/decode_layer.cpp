@@ -40,6 +40,17 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts,
   return out;
 }
 
+// Layer ``layer``'s key and value blocks of the paged cache [layers, 2, blocks, ...]
+// (runner/kv_cache.py): views, as the Python path's ``kv_cache[layer]`` unpacks them.
+// Taken here rather than in Python, where the unpacking cost 25 us a layer on a 2-core
+// VM right after a layer's kernels (its few microseconds alone).
+std::pair<torch::Tensor, torch::Tensor> layer_blocks(const torch::Tensor& kv_cache, int64_t layer) {
+  TORCH_CHECK(kv_cache.dim() >= 3 && kv_cache.size(1) == 2 && layer >= 0 && layer < kv_cache.size(0),
+              "kv_cache: [layers, 2, blocks, ...], layer in range");
+  torch::Tensor blocks = kv_cache.select(0, layer);
+  return {blocks.select(0, 0), blocks.select(0, 1)};
+}
+
 }  // namespace
 
 // The attention half: (add +) RMSNorm, the fused qkv projection, (q/k norms,) rotary,
@@ -50,8 +61,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts,
 std::vector<torch::Tensor> llama_decode_attention(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm, double eps,
     PackedArgs qkv, PackedArgs o_proj, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor kv_cache,
+    int64_t layer, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias) {
   const int64_t T = h.size(0);
@@ -76,6 +87,7 @@ std::vector<torch::Tensor> llama_decode_attention(
     k = kn;
   }
   rotary(q, k, positions, cos_sin);
+  const auto [k_cache, v_cache] = layer_blocks(kv_cache, layer);
   write_kv(k, v, k_cache, v_cache, slots);
   torch::Tensor attn = torch::empty({T, num_heads, head_dim}, h.options());
   paged_attention_rows(attn, q, k_cache, v_cache, block_tables, context_lens, row_starts,
@@ -115,14 +127,14 @@ std::vector<torch::Tensor> llama_decode_layer(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm,
     torch::Tensor post_norm, double eps, PackedArgs qkv, PackedArgs o_proj,
     PackedArgs gate_up, PackedArgs down, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor kv_cache,
+    int64_t layer, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias,
     torch::Tensor post_attn_norm, torch::Tensor post_mlp_norm, bool gelu) {
   auto attention = llama_decode_attention(
       h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim,
-      positions, cos_sin, k_cache, v_cache, slots, block_tables, context_lens, row_starts,
+      positions, cos_sin, kv_cache, layer, slots, block_tables, context_lens, row_starts,
       scale, window, q_norm, k_norm, qkv_bias);
   auto mlp = llama_decode_mlp(attention[0], attention[1], post_attn_norm, post_norm, eps,
                               gate_up, down, gelu);

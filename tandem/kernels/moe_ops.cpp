@@ -119,13 +119,14 @@ std::vector<torch::Tensor> moe_experts(
 // 110 on 2 cores: docs/BENCHMARKS.md). The router is float32 [experts, hidden] without a bias, its logits
 // small_linear's up to router_max_rows tokens and torch's linear above, as
 // runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
-// caller's checks). Returns (the experts' sum, the stream, the tokens each expert
-// took).
+// caller's checks). The tokens each expert took go into ``load`` (int64 [experts], the
+// layer's table: no tensor for Python to convert a layer). Returns (the experts' sum,
+// the stream).
 std::vector<torch::Tensor> llama_decode_moe_layer(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm, torch::Tensor post_norm,
     double eps, PackedArgs qkv, PackedArgs o_proj, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+    int64_t head_dim, torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor kv_cache,
+    int64_t layer, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias, torch::Tensor router,
     int64_t router_max_rows, int64_t top_k, bool normalize,
@@ -133,12 +134,14 @@ std::vector<torch::Tensor> llama_decode_moe_layer(
     int64_t gu_rows, int64_t gu_group, double gu_offset,
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
     int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu, int64_t round_rows,
-    int64_t first_expert) {
+    int64_t first_expert, torch::Tensor load) {
   TORCH_CHECK(router.scalar_type() == torch::kFloat && router.dim() == 2 && router.is_contiguous(),
               "router: float32 [experts, hidden], contiguous");
+  TORCH_CHECK(load.scalar_type() == torch::kLong && load.dim() == 1 && load.size(0) == router.size(0),
+              "load: int64 [experts]");
   auto attention = llama_decode_attention(
       h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim, positions,
-      cos_sin, k_cache, v_cache, slots, block_tables, context_lens, row_starts, scale, window,
+      cos_sin, kv_cache, layer, slots, block_tables, context_lens, row_starts, scale, window,
       q_norm, k_norm, qkv_bias);
   torch::Tensor o = attention[0], stream = attention[1];
   torch::Tensor x = torch::empty_like(o);
@@ -153,5 +156,6 @@ std::vector<torch::Tensor> llama_decode_moe_layer(
   auto experts = moe_experts(x, logits, top_k, normalize, gu_where, gu_values, gu_scales, gu_corr,
                              gu_rows, gu_group, gu_offset, dn_where, dn_values, dn_scales, dn_corr,
                              dn_rows, dn_group, dn_offset, gelu, round_rows, first_expert);
-  return {experts[0], stream, experts[1]};
+  load.copy_(experts[1]);
+  return {experts[0], stream};
 }

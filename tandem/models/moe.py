@@ -58,10 +58,21 @@ class SparseMoE(nn.Module):
             shared = dataclasses.replace(expert, intermediate_size=moe.shared_intermediate_size)
             self.shared_expert = make_expert(shared)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
-        self.expert_load: list[int] = []
+        self._expert_load: list[int] | torch.Tensor = []
         # The sum over a tensor-parallel group's ranks, in place (the runner sets it);
         # None: this process holds every expert.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+
+    @property
+    def expert_load(self) -> list[int]:
+        """The last forward's token count per expert. The whole-layer decode call
+        (runner/fused_decode.py) writes it into an int64 table, converted here."""
+        load = self._expert_load
+        return load.tolist() if isinstance(load, torch.Tensor) else load
+
+    @expert_load.setter
+    def expert_load(self, load: list[int] | torch.Tensor) -> None:
+        self._expert_load = load
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, top_k] routing weights in x's dtype, [T, top_k] expert ids)."""

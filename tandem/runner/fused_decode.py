@@ -160,7 +160,6 @@ class FusedDecode:
         if args is None or rope.cos is not None or h.dtype != torch.float32 or h.dim() != 2:
             return None
         layer_idx = layer.self_attn.layer_idx
-        k_blocks, v_blocks = self.backend.kv_cache[layer_idx]
         window = self.backend.metadata.window(layer_idx) or 0
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
          q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
@@ -172,17 +171,19 @@ class FusedDecode:
         if experts and post_attn_norm.numel():
             return None  # (no mixture family has a norm after attention)
         attention = (
-            heads, kv_heads, head_dim, rope.positions, rope.cos_sin, k_blocks, v_blocks,
-            self.backend.metadata.slot_mapping, self.block_tables, self.context_lens,
-            self.row_starts, layer.self_attn.scale, window, q_norm, k_norm, qkv_bias,
+            heads, kv_heads, head_dim, rope.positions, rope.cos_sin, self.backend.kv_cache,
+            layer_idx, self.backend.metadata.slot_mapping, self.block_tables,
+            self.context_lens, self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
+            qkv_bias,
         )  # fmt: skip
         if experts and comm is None:  # the whole mixture's layer, where one call computes it
-            mixture = layer.mlp.fused_experts.whole_layer(layer.mlp)
+            moe = layer.mlp
+            mixture = moe.fused_experts.whole_layer(moe)
             if mixture is not None:
-                out, residual, counts = kernels.llama_decode_moe_layer(
+                out, residual = kernels.llama_decode_moe_layer(
                     h, residual, norm1, norm2, eps, qkv, o_proj, *attention, *mixture
                 )
-                layer.mlp.expert_load = counts.tolist()
+                moe.fused_experts.counted(moe)  # (the call wrote the counts into its table)
                 return out, residual
         if experts:  # attention compiled, then the mixture (its own kernel call)
             o, residual = kernels.llama_decode_attention(

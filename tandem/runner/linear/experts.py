@@ -82,6 +82,7 @@ class FusedExperts:
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
         self._whole_layer: tuple | bool | None = False  # False: not looked at yet
+        self.load = torch.zeros(layer.num_experts, dtype=torch.int64)  # the whole-layer call's
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
@@ -99,11 +100,12 @@ class FusedExperts:
     def whole_layer(self, layer: SparseMoE) -> tuple | None:
         """The mixture's arguments to the whole-layer decode call
         (kernels/moe_ops.cpp's llama_decode_moe_layer: the router, the rows up to
-        which its linear method runs the small-batch kernel, then moe_experts'), or
-        None where that call would not compute what ``layer(x)`` does: a shared
-        expert, a tensor-parallel rank's partial sum, a router the call does not
-        take (runner/fused_decode.py then calls the layer). Found at the first decode
-        step (after loading has set the layer up) and kept."""
+        which its linear method runs the small-batch kernel, moe_experts', then the
+        table it counts tokens into), or None where that call would not compute what
+        ``layer(x)`` does: a shared expert, a tensor-parallel rank's partial sum, a
+        router the call does not take (runner/fused_decode.py then calls the layer).
+        Found at the first decode step (after loading has set the layer up) and
+        kept."""
         if self._whole_layer is False:
             self._whole_layer = self._whole_layer_arguments(layer)
         return self._whole_layer
@@ -120,7 +122,14 @@ class FusedExperts:
             or not gate.weight.is_contiguous()
         ):
             return None
-        return (gate.weight, method.max_rows, *self._experts(layer))
+        return (gate.weight, method.max_rows, *self._experts(layer), self.load)
+
+    def counted(self, layer: SparseMoE) -> None:
+        """After a whole-layer call, which wrote its counts into ``self.load``: the
+        layer's ``expert_load`` is that table (converted when read, once a step, rather
+        than a tensor made and converted each layer)."""
+        if layer.__dict__.get("_expert_load") is not self.load:
+            layer.expert_load = self.load
 
 
 def _only_part(linear: nn.Module) -> PackedWeight:
