@@ -82,7 +82,8 @@ class FusedExperts:
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
         self._whole_layer: tuple | bool | None = False  # False: not looked at yet
-        self.load = torch.zeros(layer.num_experts, dtype=torch.int64)  # the whole-layer call's
+        # The tokens each expert took, as the whole-layer decode call writes them.
+        self.load = torch.zeros(layer.num_experts, dtype=torch.int64)
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
