@@ -116,9 +116,9 @@ std::vector<torch::Tensor> moe_experts(
 // the same order on the same kernels, so the result is theirs bit for bit. What it
 // saves is the Python between them (module calls, the router's linear method, the
 // experts' wrapper: about 0.1 ms a layer, 3-5 ms of a 30B-A3B decode step of about
-// 110 on 2 cores: docs/BENCHMARKS.md). The router is float32 [experts, hidden] without a bias, its logits
-// small_linear's up to router_max_rows tokens and torch's linear above, as
-// runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
+// 110 on 2 cores: docs/BENCHMARKS.md). The router is float32 [experts, hidden]
+// without a bias, its logits small_linear's up to router_max_rows tokens and torch's
+// linear above, as runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
 // caller's checks). The tokens each expert took go into ``load`` (int64 [experts], the
 // layer's table: no tensor for Python to convert a layer). Returns (the experts' sum,
 // the stream).

@@ -178,7 +178,7 @@ class FusedDecode:
         )  # fmt: skip
         if experts and comm is None:  # the whole mixture's layer, where one call computes it
             moe = layer.mlp
-            mixture = moe.fused_experts.whole_layer(moe)
+            mixture = moe.fused_experts.whole_layer
             if mixture is not None:
                 out, residual = kernels.llama_decode_moe_layer(
                     h, residual, norm1, norm2, eps, qkv, o_proj, *attention, *mixture

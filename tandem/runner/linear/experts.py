@@ -81,35 +81,31 @@ class FusedExperts:
         self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in experts])
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
-        self._whole_layer: tuple | bool | None = False  # False: not looked at yet
-        # The tokens each expert took, as the whole-layer decode call writes them.
+        # The tokens each expert took in the last forward: ``layer.expert_load`` reads
+        # this table (converted once a step by the runner, not a tensor a layer).
         self.load = torch.zeros(layer.num_experts, dtype=torch.int64)
+        # The arguments to the whole-layer decode call after the attention's
+        # (kernels/moe_ops.cpp's llama_decode_moe_layer: the router, the rows up to which
+        # its linear method runs the small-batch kernel, moe_experts', the table), or
+        # None where that call would not compute what ``layer(x)`` does: a shared
+        # expert, a tensor-parallel rank's partial sum, a router the call does not take
+        # (runner/fused_decode.py then calls the layer). attach_fused_experts runs after
+        # the linear methods and collectives are set, so this is known here.
+        self.whole_layer = self._whole_layer_arguments(layer)
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
             x.float().contiguous(), logits, *self._experts(layer)
         )
-        layer.expert_load = counts.tolist()
+        self.load.copy_(counts)
+        self.counted(layer)
         return out.to(x.dtype)
 
     def _experts(self, layer: SparseMoE) -> tuple:
         """moe_experts' arguments after the router's logits."""
         return (layer.top_k, layer.normalize, *self.gate_up.args, *self.down.args, self.gelu,
                 MLP_ROWS, layer.held.start)  # fmt: skip
-
-    def whole_layer(self, layer: SparseMoE) -> tuple | None:
-        """The mixture's arguments to the whole-layer decode call
-        (kernels/moe_ops.cpp's llama_decode_moe_layer: the router, the rows up to
-        which its linear method runs the small-batch kernel, moe_experts', then the
-        table it counts tokens into), or None where that call would not compute what
-        ``layer(x)`` does: a shared expert, a tensor-parallel rank's partial sum, a
-        router the call does not take (runner/fused_decode.py then calls the layer).
-        Found at the first decode step (after loading has set the layer up) and
-        kept."""
-        if self._whole_layer is False:
-            self._whole_layer = self._whole_layer_arguments(layer)
-        return self._whole_layer
 
     def _whole_layer_arguments(self, layer: SparseMoE) -> tuple | None:
         gate = layer.gate
@@ -126,9 +122,9 @@ class FusedExperts:
         return (gate.weight, method.max_rows, *self._experts(layer), self.load)
 
     def counted(self, layer: SparseMoE) -> None:
-        """After a whole-layer call, which wrote its counts into ``self.load``: the
-        layer's ``expert_load`` is that table (converted when read, once a step, rather
-        than a tensor made and converted each layer)."""
+        """After either call has written its counts into ``self.load``: the layer's
+        ``expert_load`` is that table (the per-expert loop, with autograd on, sets a
+        list of its own in between)."""
         if layer.__dict__.get("_expert_load") is not self.load:
             layer.expert_load = self.load
 
