@@ -133,6 +133,35 @@ def test_argmax_rows_matches_torch_ties_included(vocab):
                            logits[:, : max(1, vocab - 3)].argmax(dim=-1))  # fmt: skip
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (8, 2), (5, 5), (60, 4)])
+def test_the_routers_picks_are_the_exact_maths(experts, top_k, normalize):
+    """moe_route: the softmax in float64, its k largest in descending order (the lower
+    expert first among equal ones), renormalized over the k or not; a row's picks the
+    same alone as in a batch; float32 and bfloat16 logits."""
+    torch.manual_seed(experts + top_k)
+    logits = torch.randn(33, experts) * 3
+    logits[0] = 0.5  # every expert tied: the first k
+    logits[1] = -5.0
+    logits[1, ::2] = 2.0  # ties among the largest, and among the rest
+    route = cpu_kernels.load().moe_route
+    for dtype in DTYPES:
+        x = logits.to(dtype)
+        weights, ids = route(x, top_k, normalize)
+        probs = torch.softmax(x.double(), dim=-1)
+        for row in range(x.size(0)):
+            expected = sorted(range(experts), key=lambda e: (-probs[row, e].item(), e))[:top_k]
+            assert ids[row].tolist() == expected
+            picked = probs[row, expected]
+            if normalize:
+                picked = picked / picked.sum()
+            torch.testing.assert_close(weights[row].double(), picked, atol=1e-6, rtol=1e-5)
+        alone = route(x[5:6], top_k, normalize)
+        assert torch.equal(alone[0], weights[5:6]) and torch.equal(alone[1], ids[5:6])
+    with pytest.raises(RuntimeError, match="top_k"):
+        route(logits, experts + 1, normalize)
+
+
 def test_a_long_chunks_mlp_in_row_slices_equals_it_whole():
     """Inference runs a CPU MLP over more than MLP_ROWS rows a slice at a time (the
     last slice short); autograd runs it whole: the same rows."""

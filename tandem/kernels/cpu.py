@@ -77,6 +77,7 @@ FUNCTIONS = [
     "llama_decode_layer",
     "llama_decode_attention",
     "llama_decode_mlp",
+    "moe_route",
     "moe_experts",
     "llama_decode_moe_layer",
     "shm_post",

@@ -1,9 +1,9 @@
 // A mixture-of-experts layer's experts in one call, from the router's logits on:
-// runner/linear/experts.py's steps made from C++ (the softmax, top-k and
-// renormalization as ATen ops, the projections by quant_ops.cpp's run_many, the
-// activation by cpu_ops.cpp's kernel), so the result is that Python path's bit for
-// bit; what it saves is the Python and dispatch between them (about 0.3 ms a layer
-// on 2 cores, a fifth of a 30B-A3B decode step).
+// runner/linear/experts.py's steps made from C++ (the routing by moe_route below, the
+// projections by quant_ops.cpp's run_many, the activation by cpu_ops.cpp's kernel),
+// so the result is the per-expert loop's (models/moe.py, which routes with moe_route
+// too) bit for bit; what it saves is the Python and dispatch between them (about 0.3
+// ms a layer on 2 cores, a fifth of a 30B-A3B decode step).
 //
 // Each projection's experts come as one example matrix in quant_linear's packed
 // layout (values, scales, corr: empty for none; every expert of the projection is
@@ -12,6 +12,79 @@
 // ``first_expert`` .. + held of the router's (a tensor-parallel rank holds a run of
 // them: models/sharding.py), as quant::many_matrices describes. The router's picks
 // of other experts are left out: the output is this process's part of the sum.
+
+namespace moe {
+
+// The router's picks for token rows [T, E] of float32 logits: the softmax in float32
+// (the row's maximum taken off, exp, the sum, each divided by it), the top_k largest
+// probabilities in descending order (the lower expert first among equal ones), and,
+// with ``normalize``, those k divided by their sum (added in that order). Row by row in
+// plain loops: a row's picks do not depend on the rows beside it. Written here rather
+// than as ATen ops (softmax, topk, sum, div, to: about 50 us a 30B-A3B layer on a
+// 2-core VM, right after its kernels) and used by both the fused call and the
+// per-expert loop, so the two agree bit for bit.
+void route(const float* logits, int64_t T, int64_t E, int64_t top_k, bool normalize,
+           float* weights, int64_t* ids) {
+  std::vector<float> probs(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = logits + t * E;
+    float top = row[0];
+    for (int64_t e = 1; e < E; ++e) top = std::max(top, row[e]);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) {
+      probs[e] = std::exp(row[e] - top);
+      sum += probs[e];
+    }
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    float* w = weights + t * top_k;
+    int64_t* id = ids + t * top_k;
+    // Insertion into the k best so far: a later expert passes only a strictly larger one.
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (n == top_k && !(probs[e] > w[n - 1])) continue;
+      int64_t j = n < top_k ? n++ : n - 1;
+      for (; j > 0 && probs[e] > w[j - 1]; --j) {
+        w[j] = w[j - 1];
+        id[j] = id[j - 1];
+      }
+      w[j] = probs[e];
+      id[j] = e;
+    }
+    if (normalize) {
+      float total = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) total += w[j];
+      for (int64_t j = 0; j < top_k; ++j) w[j] /= total;
+    }
+  }
+}
+
+// out[token[i]] += rows[i] for i in order: index_add_'s sum, its order. Apart from
+// the products that made ``rows`` (never inlined beside them: -ffast-math would fuse
+// a product and this sum into one rounding, where the per-expert loop rounds twice).
+__attribute__((noinline)) void add_rows(float* out, const float* rows, const int64_t* token,
+                                        int64_t n, int64_t H) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = out + token[i] * H;
+    const float* src = rows + i * H;
+    for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+  }
+}
+
+}  // namespace moe
+
+// moe::route for Python (models/moe.py's SparseMoE.route): logits [T, experts], any
+// float dtype (taken as float32) -> (weights float32 [T, top_k], ids int64 [T, top_k]).
+std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t top_k, bool normalize) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point(), "logits: [T, experts], float");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: 1 .. experts");
+  const torch::Tensor x = logits.to(torch::kFloat).contiguous();
+  torch::Tensor weights = torch::empty({T, top_k}, torch::kFloat);
+  torch::Tensor ids = torch::empty({T, top_k}, torch::kLong);
+  moe::route(x.data_ptr<float>(), T, E, top_k, normalize, weights.data_ptr<float>(),
+             ids.data_ptr<int64_t>());
+  return {weights, ids};
+}
 
 // out [T, hidden] and the tokens each expert took [experts] (int64).
 std::vector<torch::Tensor> moe_experts(
@@ -35,13 +108,13 @@ std::vector<torch::Tensor> moe_experts(
       quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset);
   const quant::ManyMatrices down_layout =
       quant::many_matrices(dn_values, dn_scales, dn_corr, gu_rows / 2, dn_rows, dn_group, dn_offset);
-  torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
-  auto picked = torch::topk(probs, top_k, -1);
-  torch::Tensor weights = std::get<0>(picked), chosen = std::get<1>(picked).contiguous();
-  if (normalize) weights = weights / weights.sum(-1, true);
-  weights = weights.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: 1 .. experts");
+  const torch::Tensor scores = logits.to(torch::kFloat).contiguous();
+  std::vector<float> weights(T * top_k);
+  std::vector<int64_t> chosen(T * top_k);
+  moe::route(scores.data_ptr<float>(), T, E, top_k, normalize, weights.data(), chosen.data());
   // The (token, pick) slots sorted by expert, a stable order: a token's picks in turn.
-  const int64_t* ids = chosen.data_ptr<int64_t>();
+  const int64_t* ids = chosen.data();
   torch::Tensor counts = torch::zeros({E}, torch::kLong);
   int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t s = 0; s < T * top_k; ++s) {
@@ -73,11 +146,10 @@ std::vector<torch::Tensor> moe_experts(
   torch::Tensor rows = torch::empty({R, H}, x.options()), gate_up = torch::empty({R, gu_rows}, x.options());
   torch::Tensor acted = torch::empty({R, I}, x.options()), down = torch::empty({R, H}, x.options());
   torch::Tensor out = torch::zeros({T, H}, x.options());
-  torch::Tensor token_of = torch::empty({S}, torch::kLong);
-  int64_t* token = token_of.data_ptr<int64_t>();
+  std::vector<int64_t> token(S);  // each slot's token
   for (int64_t i = 0; i < S; ++i) token[i] = order[i] / top_k;
   const float* src = x.data_ptr<float>();
-  const float* w = weights.data_ptr<float>();
+  const float* w = weights.data();
   for (size_t p0 = 0; p0 < pieces.size();) {
     // A round: whole pieces, contiguous slots s0 .. s0 + n (the held experts' slots
     // are contiguous: sorted by expert).
@@ -105,7 +177,7 @@ std::vector<torch::Tensor> moe_experts(
       const float scale = w[order[s0 + i]];
       for (int64_t h = 0; h < H; ++h) d[i * H + h] *= scale;
     }
-    out.index_add_(0, token_of.narrow(0, s0, n), down.narrow(0, 0, n));
+    moe::add_rows(out.data_ptr<float>(), d, token.data() + s0, n, H);
   }
   return {out, counts};
 }

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.models.config import ModelConfig
 from tandem.models.linear import Linear
 
@@ -75,8 +76,14 @@ class SparseMoE(nn.Module):
         self._expert_load = load
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T, top_k] routing weights in x's dtype, [T, top_k] expert ids)."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        """([T, top_k] routing weights in x's dtype, [T, top_k] expert ids). On a CPU
+        with the compiled kernels, their moe_route: the same math, and the routing the
+        fused experts' call does, so that the two agree bit for bit."""
+        logits = self.gate(x)
+        if cpu_kernels.usable(logits):
+            weights, chosen = cpu_kernels.load().moe_route(logits, self.top_k, self.normalize)
+            return weights.to(x.dtype), chosen
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
