@@ -29,6 +29,7 @@ from tandem.plan.measure import decode_attention_seconds, memory_bandwidth_gbs, 
 SHAPES = {  # heads, KV heads, head size, layers
     "smollm2-135m": (9, 3, 64, 30),
     "llama-3.2-1b": (32, 8, 64, 16),
+    "qwen3-30b-a3b": (32, 4, 128, 48),
 }
 
 

@@ -531,9 +531,11 @@ def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt)
 def test_whole_layer_decode_equals_layer_by_layer(
     gguf_files, monkeypatch, arch, fmt, kv_cache_dtype
 ):
-    """Decode-only steps run each layer in one compiled call (runner/fused_decode.py):
-    the same kernels in the same order, so tokens and logprobs are bit for bit the
-    layer-by-layer path's, batched and alone."""
+    """Decode-only steps run each layer in one compiled call (runner/fused_decode.py),
+    and, where every layer can, all of them in one (kernels/decode_stack.cpp): the same
+    kernels in the same order, so tokens and logprobs are bit for bit the
+    layer-by-layer path's, batched and alone. Qwen2-MoE's shared expert keeps its
+    layers apart."""
     path = str(gguf_files(arch, fmt))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -542,14 +544,17 @@ def test_whole_layer_decode_equals_layer_by_layer(
         monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
         llm = LLM(path, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        layer = llm.engine.runner.model.model.layers[0]
-        used = getattr(layer, "_fused_decode", None) is not None
-        return used, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        layers = llm.engine.runner.model.model.layers
+        used = getattr(layers[0], "_fused_decode", None) is not None
+        stacked = bool(getattr(layers, "_fused_stack", None))
+        return used, stacked, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
-    fused_used, fused = run("1")
-    plain_used, plain = run("0")
-    assert fused_used and not plain_used
-    assert fused == plain
+    fused_used, stacked, fused = run("1")
+    layer_used, layer_stacked, by_layer = run("layers")
+    plain_used, _, plain = run("0")
+    assert fused_used and layer_used and not plain_used and not layer_stacked
+    assert stacked == (arch != "qwen2_moe")
+    assert fused == plain and by_layer == plain
 
 
 @pytest.mark.parametrize("arch, fmt", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0")])
@@ -570,14 +575,14 @@ def test_a_mixtures_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeyp
     kernels = cpu_kernels.load()
     batches = []
 
-    class Counting:
+    class Counting:  # the batch of each call running a mixture's whole layer
         def __getattr__(self, name):
-            if name != "llama_decode_moe_layer":
+            if name not in ("llama_decode_moe_layer", "llama_decode_stack"):
                 return getattr(kernels, name)
 
             def call(h, *args):
                 batches.append(h.shape[0])
-                return kernels.llama_decode_moe_layer(h, *args)
+                return getattr(kernels, name)(h, *args)
 
             return call
 
@@ -593,7 +598,10 @@ def test_a_mixtures_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeyp
         assert [sum(load) for load in runner.expert_load()] == top_k
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
-    fused = run("1")
+    fused = run("1")  # every layer in one call
+    assert set(batches) == {1, 2, 3, 4, 5, 6}
+    batches.clear()
+    assert run("layers") == fused  # one call a layer
     assert set(batches) == {1, 2, 3, 4, 5, 6}
     batches.clear()
     assert run("0") == fused and not batches

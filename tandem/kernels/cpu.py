@@ -15,6 +15,9 @@ at load, in one pass across threads.
 
 decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tokens, the calls
 above made from C++ (runner/fused_decode.py decides when).
+moe_ops.cpp: a mixture's routing and experts, and its whole decode layer.
+decode_stack.cpp: every decoder layer of a decode step in one call, those layer calls
+made one after the other from C++.
 shm_ops.cpp: the counters through which tensor-parallel ranks on one host wait for each
 other in shared memory (runner/shm_group.py).
 read_probe.cpp: every byte of a tensor read once, as the kernels stream: the machine's
@@ -55,6 +58,7 @@ SOURCES = [
         "pack_ops.cpp",
         "decode_layer.cpp",
         "moe_ops.cpp",
+        "decode_stack.cpp",
         "shm_ops.cpp",
         "read_probe.cpp",
     )
@@ -80,6 +84,7 @@ FUNCTIONS = [
     "moe_route",
     "moe_experts",
     "llama_decode_moe_layer",
+    "llama_decode_stack",
     "shm_post",
     "shm_wait",
     "shm_all_reduce",

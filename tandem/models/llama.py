@@ -230,6 +230,11 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         h = self.embed(input_ids)
         ropes = [(rotary, rotary.prepare(positions, h.dtype)) for rotary in m.rotaries]
+        stack = getattr(attn, "decode_stack", None)  # every layer in one call, if offered
+        if stack is not None and not self.skipped_layers:
+            out = stack(m.layers, h, [rope for _, rope in ropes])
+            if out is not None:
+                return m.norm(*out)[0]
         residual = None
         for index, layer in enumerate(m.layers):
             if index in self.skipped_layers:

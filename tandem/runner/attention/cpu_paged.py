@@ -15,8 +15,9 @@ for the two things every decode step does in every layer.
 Prompt chunks still go through the torch backend's gather + SDPA: they are compute-
 bound and SDPA's batched matmuls are the fast path for them.
 
-A step of decodes only also offers ``decode_layer``: whole Llama layers in one call
-(runner/fused_decode.py; TANDEM_FUSED_DECODE=0 turns it off, for comparisons).
+A step of decodes only also offers ``decode_layer``: whole Llama layers in one call,
+and ``decode_stack``: all of them in one (runner/fused_decode.py;
+TANDEM_FUSED_DECODE=layers keeps one call a layer, 0 turns both off, for comparisons).
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class CpuPagedAttention(TorchPagedAttention):
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # A decode-only step (drafts verified included): whole layers in one compiled
         # call (runner/fused_decode.py).
-        if (
-            FusedDecode.applies(self, ROWS_MAX)
-            and os.environ.get("TANDEM_FUSED_DECODE", "1") != "0"
-        ):
+        # TANDEM_FUSED_DECODE: 0 off, "layers" one call a layer, else the whole stack
+        # where it applies.
+        mode = os.environ.get("TANDEM_FUSED_DECODE", "1")
+        if FusedDecode.applies(self, ROWS_MAX) and mode != "0":
             group = metadata.groups[0]
             rows = None if group.query_index.shape[1] == 1 else self._query_rows(0, group)
             self.decode_layer = FusedDecode(self, rows)
+            if mode != "layers":
+                self.decode_stack = self.decode_layer.stack
 
     def write_kv(self, k, v, k_blocks, v_blocks) -> None:
         cpu_kernels.load().write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)

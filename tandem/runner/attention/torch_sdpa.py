@@ -111,9 +111,11 @@ def _copyable(t: torch.Tensor) -> torch.Tensor:
 class TorchPagedAttention:
     """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D] (see kv_cache.py)."""
 
-    # A callable running a whole decoder layer, when the backend has one for this step
-    # (cpu_paged.py); models ask for it and otherwise run their layers themselves.
+    # Callables running a whole decoder layer, and every layer at once, when the backend
+    # has them for this step (cpu_paged.py); models ask for them and otherwise run their
+    # layers themselves.
     decode_layer = None
+    decode_stack = None
 
     def __init__(self, metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> None:
         self.metadata = metadata
