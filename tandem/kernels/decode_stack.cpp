@@ -4,7 +4,7 @@
 // runner/fused_decode.py otherwise makes layer by layer, in the same order on the same
 // kernels: the result is theirs bit for bit. What it saves is the Python between
 // layers (the module call, the fused path's checks and arguments), at the price of
-// converting each layer's fixed arguments here: batch-1 decode steps 1.015-1.02x on a
+// converting each layer's fixed arguments here: batch-1 decode steps 1.02-1.04x on a
 // 2-core VM (the 1B, 8B and 30B-A3B files; docs/BENCHMARKS.md).
 //
 // ``layers``: one tuple a layer, as runner/fused_decode.py's stack_arguments builds it

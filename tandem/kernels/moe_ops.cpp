@@ -70,15 +70,20 @@ __attribute__((noinline)) void add_rows(float* out, const float* rows, const int
   }
 }
 
+// The router's logits as route takes them (float32, contiguous), top_k checked.
+torch::Tensor routable(const torch::Tensor& logits, int64_t top_k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point(), "logits: [T, experts], float");
+  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "top_k: 1 .. experts");
+  return logits.to(torch::kFloat).contiguous();
+}
+
 }  // namespace moe
 
 // moe::route for Python (models/moe.py's SparseMoE.route): logits [T, experts], any
 // float dtype (taken as float32) -> (weights float32 [T, top_k], ids int64 [T, top_k]).
 std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t top_k, bool normalize) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point(), "logits: [T, experts], float");
-  const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: 1 .. experts");
-  const torch::Tensor x = logits.to(torch::kFloat).contiguous();
+  const torch::Tensor x = moe::routable(logits, top_k);
+  const int64_t T = x.size(0), E = x.size(1);
   torch::Tensor weights = torch::empty({T, top_k}, torch::kFloat);
   torch::Tensor ids = torch::empty({T, top_k}, torch::kLong);
   moe::route(x.data_ptr<float>(), T, E, top_k, normalize, weights.data_ptr<float>(),
@@ -108,8 +113,7 @@ std::vector<torch::Tensor> moe_experts(
       quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset);
   const quant::ManyMatrices down_layout =
       quant::many_matrices(dn_values, dn_scales, dn_corr, gu_rows / 2, dn_rows, dn_group, dn_offset);
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k: 1 .. experts");
-  const torch::Tensor scores = logits.to(torch::kFloat).contiguous();
+  const torch::Tensor scores = moe::routable(logits, top_k);
   std::vector<float> weights(T * top_k);
   std::vector<int64_t> chosen(T * top_k);
   moe::route(scores.data_ptr<float>(), T, E, top_k, normalize, weights.data(), chosen.data());

@@ -25,7 +25,7 @@ the model as ``attn.decode_layer``; the model file only asks.
 Where every layer of the model runs whole in one process (dense, or a mixture's whole
 layer), the step goes further: ``attn.decode_stack`` runs all of them in one call
 (kernels/decode_stack.cpp), the same per-layer calls made from C++ with the stream
-passed along, so the Python between layers is gone too (batch-1 steps 1.015-1.02x on
+passed along, so the Python between layers is gone too (batch-1 steps 1.02-1.04x on
 2 cores). TANDEM_FUSED_DECODE=layers keeps the per-layer calls (for comparisons), 0
 turns both off.
 """
@@ -107,9 +107,11 @@ def layer_arguments(layer) -> tuple | None:
         biases_fit = all(linear.bias is None for linear in unbiased) and (
             attn.qkv_proj.bias is None or qkv_bias.numel()
         )
-        if biases_fit and all(p is not None for p in packed):
-            input_norm, post_norm, q_norm, k_norm, *post_norms = norms
-            optional = [q_norm, k_norm, qkv_bias, *post_norms]
+        input_norm, post_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm = norms
+        # (no mixture family has a norm after attention: the kernels take none there)
+        mixture_fits = not (experts and post_attn_norm.numel())
+        if biases_fit and mixture_fits and all(p is not None for p in packed):
+            optional = [q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm]
             if experts:
                 packed += [EXPERTS, EXPERTS]
                 comm = _collectives(attn.o_proj, attn.o_proj)  # (the mixture reduces itself)
@@ -134,35 +136,39 @@ def _collectives(o_proj, down_proj):
     return methods[0].comm if all(rows) else False
 
 
-def stack_arguments(layers) -> tuple[list[tuple], list] | None:
-    """Every layer's fixed arguments as kernels/decode_stack.cpp takes them, and the
-    mixtures (their ``fused_experts``, to mark their counts after the call); None when
-    some layer cannot run in that call (not a shape the kernel runs, a tensor-parallel
-    rank's, a mixture without the whole-layer call). Cached on ``layers``."""
+def _whole(layer, args: tuple) -> tuple | None:
+    """What runs the whole layer in one call, given ``layer_arguments``: () for a dense
+    layer (llama_decode_layer), a mixture's arguments after the attention's
+    (llama_decode_moe_layer); None where it takes more than one call (a tensor-parallel
+    rank's halves, a mixture without the whole-layer call)."""
+    gate_up, comm = args[5], args[-1]
+    if comm is not None:
+        return None
+    return () if gate_up is not EXPERTS else layer.mlp.fused_experts.whole_layer
+
+
+def stack_arguments(layers) -> tuple[list[tuple], list[int], list] | None:
+    """Every layer's fixed arguments as kernels/decode_stack.cpp takes them, their
+    indices in the KV cache, and the mixtures (their ``fused_experts``, to mark their
+    counts after the call); None when some layer cannot run whole in one call (see
+    ``_whole``). Cached on ``layers``."""
     cached = getattr(layers, "_fused_stack", False)
     if cached is not False:
         return cached
-    plan: tuple[list[tuple], list] | None = ([], [])
+    plan: tuple[list[tuple], list[int], list] | None = ([], [], [])
     for layer in layers:
         args = layer_arguments(layer)
-        if args is None:
+        mixture = None if args is None else _whole(layer, args)
+        if mixture is None:
             plan = None
             break
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
-         q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
-        mixture = ()
-        if gate_up is EXPERTS:
-            moe = layer.mlp
-            mixture = moe.fused_experts.whole_layer
-            if mixture is None or post_attn_norm.numel():
-                plan = None
-                break
-            plan[1].append((moe.fused_experts, moe))
+         q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, _) = args  # fmt: skip
+        if mixture:
+            plan[2].append((layer.mlp.fused_experts, layer.mlp))
             gate_up = down = []
-        if comm is not None:
-            plan = None
-            break
         attn = layer.self_attn
+        plan[1].append(attn.layer_idx)
         plan[0].append((
             bool(mixture), norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads,
             head_dim, attn.layer_idx, attn.scale, q_norm, k_norm, qkv_bias, post_attn_norm,
@@ -209,9 +215,9 @@ class FusedDecode:
             return None
         if any(rope.cos is not None for rope in ropes):
             return None
-        arguments, mixtures = plan
+        arguments, layer_indices, mixtures = plan
         metadata = self.backend.metadata
-        windows = [metadata.window(a[11]) or 0 for a in arguments]
+        windows = [metadata.window(index) or 0 for index in layer_indices]
         out = cpu_kernels.load().llama_decode_stack(
             h, arguments, windows, [rope.positions for rope in ropes],
             [rope.cos_sin for rope in ropes], self.backend.kv_cache, metadata.slot_mapping,
@@ -234,23 +240,24 @@ class FusedDecode:
         kernels = cpu_kernels.load()
         residual = h.new_empty(0) if residual is None else residual
         experts = gate_up is EXPERTS
-        if experts and post_attn_norm.numel():
-            return None  # (no mixture family has a norm after attention)
         attention = (
             heads, kv_heads, head_dim, rope.positions, rope.cos_sin, self.backend.kv_cache,
             layer_idx, self.backend.metadata.slot_mapping, self.block_tables,
             self.context_lens, self.row_starts, layer.self_attn.scale, window, q_norm, k_norm,
             qkv_bias,
         )  # fmt: skip
-        if experts and comm is None:  # the whole mixture's layer, where one call computes it
-            moe = layer.mlp
-            mixture = moe.fused_experts.whole_layer
-            if mixture is not None:
-                out, residual = kernels.llama_decode_moe_layer(
-                    h, residual, norm1, norm2, eps, qkv, o_proj, *attention, *mixture
-                )
-                moe.fused_experts.counted(moe)  # (the call wrote the counts into its table)
-                return out, residual
+        whole = _whole(layer, args)
+        if whole == ():
+            return kernels.llama_decode_layer(
+                h, residual, norm1, norm2, eps, qkv, o_proj, gate_up, down, *attention,
+                post_attn_norm, post_mlp_norm, gelu,
+            )  # fmt: skip
+        if whole is not None:  # a mixture's whole layer
+            out, residual = kernels.llama_decode_moe_layer(
+                h, residual, norm1, norm2, eps, qkv, o_proj, *attention, *whole
+            )
+            layer.mlp.fused_experts.counted(layer.mlp)  # (the call wrote its counts)
+            return out, residual
         if experts:  # attention compiled, then the mixture (its own kernel call)
             o, residual = kernels.llama_decode_attention(
                 h, residual, norm1, eps, qkv, o_proj, *attention
@@ -259,11 +266,6 @@ class FusedDecode:
                 comm.all_reduce(o)
             h, residual = layer.post_attention_layernorm(o, residual)
             return layer.mlp(h), residual
-        if comm is None:
-            return kernels.llama_decode_layer(
-                h, residual, norm1, norm2, eps, qkv, o_proj, gate_up, down, *attention,
-                post_attn_norm, post_mlp_norm, gelu,
-            )  # fmt: skip
         # A tensor-parallel rank: each half ends in its partial sums, all-reduced here.
         o, residual = kernels.llama_decode_attention(
             h, residual, norm1, eps, qkv, o_proj, *attention
