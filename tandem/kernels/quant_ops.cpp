@@ -7,8 +7,9 @@
 // partial dot product of one row (the shape of llama.cpp's repacked GEMV kernels). A
 // tile is one sequential stream: the prefetcher sees one stream per thread, not 16.
 // AVX-512 takes a tile in one register; AVX2 in two halves of 8 rows (32 bytes), both
-// in one pass for one or two tokens (sharing each activation broadcast), one at a
-// time for more (so that the accumulators stay in registers).
+// in one pass for one or two tokens, and for 4-bit values without VNNI (sharing each
+// activation broadcast), else one at a time (so that the accumulators stay in
+// registers).
 //   values  uint8, 4, 5 or 6 bits a weight (bits - 4 of them in high-bit planes):
 //           per block of 32, ``bits`` vectors of [16 rows, 4] bytes. Vectors 0-3
 //           (p) are the low nibbles: byte (p, r, i) holds those of weights 4p+i (low
@@ -555,8 +556,8 @@ template <int kBits>
 constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
 
 // kHalves (1 or 2) halves of a tile's rows from ``first``, NT tokens from t0, in one
-// pass: the halves share each activation broadcast, which is what batch 1 is bound by;
-// with more tokens one half at a time keeps the accumulators in registers.
+// pass: the halves share each activation broadcast; one half at a time keeps the
+// accumulators in registers (tile() below chooses).
 template <int kBits, int kGroup, int kScales, int NT, int kHalves>
 void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
@@ -682,11 +683,17 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   }
 }
 
-// A tile's second half may be wholly padding (N a multiple of 8, not of 16).
+// Both halves in one pass for one or two tokens (batch 1 is bound by the activation
+// broadcasts), and for 4-bit values without VNNI at any count: there a broadcast is an
+// op on the same four pipes as the dot's, so sharing it between the halves takes a
+// sixth of the tile loop's ops, which is worth the accumulators spilled to the stack
+// (Q4_0 / Q4_K 1.14-1.20x at 4-64 tokens on a Zen 3; 5 and 6 bits, whose high-bit
+// planes take four more registers, measured 0.93-1.04x, Q8_0 0.99-1.13x). A tile's
+// second half may be wholly padding (N a multiple of 8, not of 16).
 template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const bool second = tile_index * kRows + kRows / 2 < p.N;
-  if (NT <= 2 && second) {
+  if ((NT <= 2 || (!kVnni && kBits == 4)) && second) {
     tile_rows<kBits, kGroup, kScales, NT, 2>(p, tile_index, 0, t0);
   } else {
     tile_rows<kBits, kGroup, kScales, NT, 1>(p, tile_index, 0, t0);
