@@ -547,10 +547,16 @@ constexpr bool kVnni = false;
 // Without VNNI, vpmaddubsw's int16 pair sums (at most 2 * (2^bits - 1) * 127: each
 // activation byte is within +-127) are added in int16 before one vpmaddwd widens
 // them; this many fit (4 bits: 8, 5: 4, 6: 2), a half-block's 4 at most.
-// int16 lanes a + b, for sums that cannot reach the limits (kInt16Sums): saturating
-// only so that the compiler keeps them in program order. Reassociated (as plain adds
-// are), GCC computed a block's 32 products first and summed them after, spilling them.
-inline __m256i add16(__m256i a, __m256i b) { return _mm256_adds_epi16(a, b); }
+// int16 lanes a + b, for sums that cannot reach the limits (kInt16Sums), kept in
+// program order by an empty asm on the sum: reassociated, GCC computed a block's 32
+// products first and summed them after, spilling them. Not a saturating add (which
+// kept the order before): on Zen 3 vpaddsw issues only to the two pipes vpmaddubsw
+// needs (an independent pair of them ran 1.0 pairs a cycle, with vpaddw 1.2-1.35).
+inline __m256i add16(__m256i a, __m256i b) {
+  __m256i sum = _mm256_add_epi16(a, b);
+  asm("" : "+x"(sum));
+  return sum;
+}
 
 template <int kBits>
 constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
@@ -558,7 +564,8 @@ constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
 // kHalves (1 or 2) halves of a tile's rows from ``first``, NT tokens from t0, in one
 // pass: the halves share each activation broadcast; one half at a time keeps the
 // accumulators in registers (tile() below chooses).
-template <int kBits, int kGroup, int kScales, int NT, int kHalves>
+// kFetch: whether the pass may ask for the stream ahead (below).
+template <int kBits, int kGroup, int kScales, int NT, int kHalves, bool kFetch>
 void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
@@ -578,7 +585,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
     for (int t = 0; t < NT; ++t)
       for (int h = 0; h < kHalves; ++h) dot[t][h][0] = dot[t][h][1] = _mm256_setzero_si256();
     const uint8_t* v = vals + b * kBits * 64;
-    if (first == 0 && t0 % kTokenChunk == 0) prefetch_block<kBits>(v);
+    if (kFetch && first == 0 && t0 % kTokenChunk == 0) prefetch_block<kBits>(v);
     if constexpr (kBits < 8) {
       constexpr int kSums = kInt16Sums<kBits> < 4 ? kInt16Sums<kBits> : 4;
       constexpr bool kJoin = !kVnni && kGroup == 32 && kInt16Sums<kBits> >= 8;  // j = 0 takes all
@@ -690,15 +697,26 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
 // (Q4_0 / Q4_K 1.14-1.20x at 4-64 tokens on a Zen 3; 5 and 6 bits, whose high-bit
 // planes take four more registers, measured 0.93-1.04x, Q8_0 0.99-1.13x). A tile's
 // second half may be wholly padding (N a multiple of 8, not of 16).
-template <int kBits, int kGroup, int kScales, int NT>
-void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+template <int kBits, int kGroup, int kScales, int NT, bool kFetch>
+void tile_halves(const Problem& p, int64_t tile_index, int64_t t0) {
   const bool second = tile_index * kRows + kRows / 2 < p.N;
   if ((NT <= 2 || (!kVnni && kBits == 4)) && second) {
-    tile_rows<kBits, kGroup, kScales, NT, 2>(p, tile_index, 0, t0);
+    tile_rows<kBits, kGroup, kScales, NT, 2, kFetch>(p, tile_index, 0, t0);
   } else {
-    tile_rows<kBits, kGroup, kScales, NT, 1>(p, tile_index, 0, t0);
-    if (second) tile_rows<kBits, kGroup, kScales, NT, 1>(p, tile_index, 1, t0);
+    tile_rows<kBits, kGroup, kScales, NT, 1, kFetch>(p, tile_index, 0, t0);
+    if (second) tile_rows<kBits, kGroup, kScales, NT, 1, kFetch>(p, tile_index, 1, t0);
   }
+}
+
+// Passes of three or more tokens without VNNI are bound by the dot, not by memory, and
+// there the prefetch's test in the block loop cost 8-12% of a 64-token pass (Zen 3):
+// the passes that never ask (all but a chunk's first) run a loop without the test.
+template <int kBits, int kGroup, int kScales, int NT>
+void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  if constexpr (NT >= 3 && !kVnni) {
+    if (t0 % kTokenChunk != 0) return tile_halves<kBits, kGroup, kScales, NT, false>(p, tile_index, t0);
+  }
+  tile_halves<kBits, kGroup, kScales, NT, true>(p, tile_index, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
