@@ -20,12 +20,15 @@ from tandem.spec_decode.train_draft import documents, prompts_from, train_draft
 TARGET = "stdlib-lm"
 # float32 matmuls: at these sizes bfloat16 autocast costs more than it saves (this
 # module took 73.6 s with it and 54.5-57.2 s without on a 2-vCPU Intel Xeon with bf16
-# units; CPUs without them already train in float32).
+# units; CPUs without them already train in float32). 80 steps: on held-out prompts the
+# head agreed with the target's first choice 0.96 of the time at 80 steps and 0.985 at
+# 150, and beat n-gram lookup by 3.33 against 2.82 accepted tokens a verification (3.48
+# at 150) in half the training time (an AVX2-only EPYC, 2 threads: 23.6 s against 41.4).
 SMALL = DraftTraining(
     prompts=160,
     heldout_prompts=16,
     max_tokens=64,
-    steps=150,
+    steps=80,
     draft_vocab_size=1024,
     lr=2e-3,
     bf16=False,
@@ -43,7 +46,7 @@ def test_the_loss_goes_down_and_the_head_folder_loads(trained):
     out, summary = trained
     losses = torch.load(out / "checkpoint.pt", weights_only=False)["losses"]
     assert len(losses) == SMALL.steps == summary["steps_done"]
-    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.75 * first, (first, last)
     config = json.loads((out / "config.json").read_text())
     assert config["target"]["model"] == TARGET and config["draft_vocab_size"] == 1024
