@@ -116,3 +116,28 @@ def test_a_tool_call_turn_renders_in_a_template_without_tools(tmp_path, folders)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": broken}))
     with pytest.raises(InvalidParameterError, match="cannot render"):
         Tokenizer(tmp_path).apply_chat_template(turns)
+
+
+def test_merges_from_scores_follow_their_definition_with_tied_scores():
+    """SentencePiece merges recovered from scores, against the definition written out:
+    every cut of a token into two vocabulary tokens, sorted by (score, left length,
+    right length), highest first, ties in the order of the scores; random vocabularies
+    of a 3-letter alphabet, so that scores and cut lengths tie often."""
+    import random
+
+    from tandem.models.gguf_tokenizer import merges_from_scores
+
+    rng = random.Random(0)
+    for _ in range(100):
+        words = ("".join(rng.choices("abc", k=rng.randint(1, 6))) for _ in range(60))
+        vocab = {token: i for i, token in enumerate(dict.fromkeys(words))}
+        order = rng.sample(list(vocab), len(vocab))
+        scores = {token: float(rng.randint(0, 4)) for token in order}
+        cuts = [
+            (token[:i], token[i:], score, rank)
+            for rank, (token, score) in enumerate(scores.items())
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        cuts.sort(key=lambda c: (-c[2], -len(c[0]), -len(c[1]), c[3]))
+        assert merges_from_scores(vocab, scores) == [(left, right) for left, right, *_ in cuts]

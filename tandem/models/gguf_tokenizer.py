@@ -66,19 +66,32 @@ def byte_alphabet() -> dict[int, str]:
 def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """SentencePiece vocabularies store scores, not merges: every way to cut a token
     into two tokens of the vocabulary is a merge, ranked by the token's score (higher
-    first), then by the left and right pieces' lengths (longer first); cuts of one
-    token are ordered by the pieces' ids."""
-    ranked = []
-    for token, score in scores.items():
-        cuts = [
+    first), then by the left and right pieces' lengths (longer first); equal keys keep
+    the order of ``scores``.
+
+    The order is built without sorting every merge (half a million for Gemma's vocabulary,
+    2 s of a 2-core VM's start): the tokens are sorted by score, and the cuts of one token
+    never tie (their left pieces differ in length), so a token whose score no other token
+    has gives its cuts longest left piece first, and only tokens that share a score are
+    sorted together."""
+    by_score = sorted(scores.items(), key=lambda item: item[1], reverse=True)
+    merges: list[tuple[str, str]] = []
+    start = 0
+    while start < len(by_score):
+        end = start + 1
+        while end < len(by_score) and by_score[end][1] == by_score[start][1]:
+            end += 1
+        group = [
             (token[:i], token[i:])
-            for i in range(1, len(token))
+            for token, _ in by_score[start:end]
+            for i in range(len(token) - 1, 0, -1)
             if token[:i] in vocab and token[i:] in vocab
         ]
-        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
-        ranked.extend((left, right, score) for left, right in cuts)
-    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in ranked]
+        if end - start > 1:
+            group.sort(key=lambda cut: (len(cut[0]), len(cut[1])), reverse=True)
+        merges.extend(group)
+        start = end
+    return merges
 
 
 def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFTokenizer:
@@ -174,11 +187,10 @@ def build_tokenizer(value: Any) -> tuple[HFTokenizer, dict[str, str | None], boo
         if kind_of == CONTROL and (alphabet is None or set(token) <= alphabet)
     ]
     tok.add_special_tokens(control)
-    vocab = tok.get_vocab()
     user = [
         AddedToken(token, normalized=False, special=False)
         for token, kind_of in zip(tokens, types, strict=False)
-        if kind_of == USER_DEFINED and token in vocab
+        if kind_of == USER_DEFINED and tok.token_to_id(token) is not None
     ]
     tok.add_tokens(user)
 
