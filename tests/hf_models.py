@@ -174,21 +174,37 @@ def from_gguf(path: Path, with_tokenizer: bool = False):
     VM for Gemma 3's 262,144-token vocabulary. One reader serves all of them here, over
     the file read into memory rather than mapped: the parse slices the data once per
     value (a million times for that vocabulary), and a memmap's slices are 3x slower
-    to make than an array's (19 s against 6 s for that file)."""
+    to make than an array's (19 s against 6 s for that file). transformers then turns
+    every value of the metadata into Python once per pass over it (the config, the
+    weights and the tokenizer each make one): the one reader's values are turned once
+    and kept by the identity of their parts, which the reader keeps alive; and the map of
+    tensor names it builds for each of the model's 300 modules is built once."""
     import gguf
     import numpy as np
     import pytest
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     parse = gguf.GGUFReader
+    parse_value = gguf_utils._gguf_parse_value
 
     def read(path):
         with pytest.MonkeyPatch.context() as patch:  # (the reader maps the file itself)
             patch.setattr(np, "memmap", lambda file, mode="r": np.fromfile(file, np.uint8))
             return parse(path)
 
+    values: dict[int, tuple] = {}
+
+    def value(part, types):
+        if id(part) not in values:  # (the part is kept beside its value: ids stay unique)
+            text = types[-1] == 8  # a string's bytes, which transformers copies a byte at a time
+            values[id(part)] = (part, part.tobytes().decode() if text else parse_value(part, types))
+        return values[id(part)][1]
+
     reader = functools.cache(read)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf_utils, "_gguf_parse_value", value)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         ).eval()
