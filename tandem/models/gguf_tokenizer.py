@@ -69,11 +69,11 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     first), then by the left and right pieces' lengths (longer first); equal keys keep
     the order of ``scores``.
 
-    The order is built without sorting every merge (half a million for Gemma's vocabulary,
-    2 s of a 2-core VM's start): the tokens are sorted by score, and the cuts of one token
-    never tie (their left pieces differ in length), so a token whose score no other token
-    has gives its cuts longest left piece first, and only tokens that share a score are
-    sorted together."""
+    The order is built without sorting every merge (half a million for Gemma's vocabulary:
+    that sort was 1.1 s of the 3.8-4.4 s these merges took on a 2-core VM): the tokens
+    are sorted by score, and the cuts of one token never tie (their left pieces differ in
+    length), so a token whose score no other token has gives its cuts longest left piece
+    first, and only tokens that share a score are sorted together."""
     by_score = sorted(scores.items(), key=lambda item: item[1], reverse=True)
     merges: list[tuple[str, str]] = []
     start = 0
