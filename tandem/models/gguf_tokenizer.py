@@ -20,6 +20,8 @@ tokens, so they are matched whole in text.
 
 from __future__ import annotations
 
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -69,28 +71,24 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     first), then by the left and right pieces' lengths (longer first); equal keys keep
     the order of ``scores``.
 
-    The order is built without sorting every merge (half a million for Gemma's vocabulary:
-    that sort was 1.1 s of the 3.8-4.4 s these merges took on a 2-core VM): the tokens
-    are sorted by score, and the cuts of one token never tie (their left pieces differ in
+    The order is built without sorting every merge (half a million for Gemma's vocabulary;
+    docs/BENCHMARKS.md, "A tokenizer of 262,144 SentencePiece pieces"): the tokens are
+    sorted by score, and the cuts of one token never tie (their left pieces differ in
     length), so a token whose score no other token has gives its cuts longest left piece
     first, and only tokens that share a score are sorted together."""
-    by_score = sorted(scores.items(), key=lambda item: item[1], reverse=True)
+    by_score = sorted(scores.items(), key=itemgetter(1), reverse=True)
     merges: list[tuple[str, str]] = []
-    start = 0
-    while start < len(by_score):
-        end = start + 1
-        while end < len(by_score) and by_score[end][1] == by_score[start][1]:
-            end += 1
-        group = [
+    for _, same_score in groupby(by_score, key=itemgetter(1)):
+        tokens = [token for token, _ in same_score]
+        cuts = [
             (token[:i], token[i:])
-            for token, _ in by_score[start:end]
+            for token in tokens
             for i in range(len(token) - 1, 0, -1)
             if token[:i] in vocab and token[i:] in vocab
         ]
-        if end - start > 1:
-            group.sort(key=lambda cut: (len(cut[0]), len(cut[1])), reverse=True)
-        merges.extend(group)
-        start = end
+        if len(tokens) > 1:
+            cuts.sort(key=lambda cut: (len(cut[0]), len(cut[1])), reverse=True)
+        merges.extend(cuts)
     return merges
 
 
