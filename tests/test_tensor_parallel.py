@@ -137,10 +137,9 @@ def _generate(llm: LLM, ids: list[list[int]], n: int = 8):
     return llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
 
 
-def _assert_same(ours, reference, atol: float, most_within: float | None = None) -> None:
+def _assert_same(ours, reference, atol: float) -> None:
     """The same greedy tokens, and each position's top log-probabilities within
-    ``atol`` (prompt positions and generated ones); ``most_within``: and at least half
-    the positions within that."""
+    ``atol`` (prompt positions and generated ones)."""
     diffs = []
     for a, b in zip(ours, reference, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -150,8 +149,6 @@ def _assert_same(ours, reference, atol: float, most_within: float | None = None)
             top = [t for t, entry in y.items() if entry.rank is not None and entry.rank <= 2]
             diffs.append(max(abs(x[t].logprob - y[t].logprob) for t in top))
     assert max(diffs) < atol, diffs
-    if most_within is not None:
-        assert sorted(diffs)[len(diffs) // 2] < most_within, diffs
 
 
 def _close(llm: LLM) -> None:
@@ -202,25 +199,29 @@ def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, 
 def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
     """Each rank reads its blocks of the file (row shards on whole tiles, column shards
     on whole blocks: Q4_K's 256 weights; a mixture's experts whole, on the rank that
-    holds them, through the fused experts kernel and the whole-layer decode). The only
-    difference from one process is the order of a float sum (1e-7), but the kernels
-    quantize activations to int8 per block of 32: where that moves a value across a
-    rounding boundary, the token and those after it (through its K/V) move by up to
-    1e-2, so most positions agree to 1e-5 and all to 3e-2 (a wrong shard is off by
-    far more; the same file dequantized to float agrees to 2e-6 everywhere)."""
+    holds them). Dequantized to float, the ranks' shards give one process's numbers to
+    1e-5 at every position: the only difference is the order of a float sum (1e-7).
+    Through the kernels (the fused experts kernel and the whole-layer decode too) the
+    greedy tokens are the same and every position within 3e-2, not 1e-5: the kernels
+    quantize activations to int8 per block of 32, and where the sum's order moves a
+    value across a rounding boundary, that position and those after it (through its
+    K/V) move by up to 1e-2; where the first move falls depends on the CPU's kernel (a
+    wrong shard is off by far more, from the first position)."""
     path = write_random_gguf(tmp_path / f"random-{fmt}.gguf", shape, fmt)
     ids = prompts([11, 6], seed=5, vocab=shape.vocab)
-    one = LLM(str(path), max_num_seqs=2, max_model_len=64)
-    reference = _generate(one, ids)
     size = 3 if shape.kv_heads == 3 else 2
-    many = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=size)
-    tracer = StepTracer()
-    many.engine.add_observer(tracer)
-    try:
-        ours = _generate(many, ids)
-    finally:
-        _close(many)
-    _assert_same(ours, reference, atol=3e-2, most_within=1e-5)
+    for quantization, atol in (("none", 1e-5), ("auto", 3e-2)):
+        one = LLM(str(path), max_num_seqs=2, max_model_len=64, quantization=quantization)
+        reference = _generate(one, ids)
+        many = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=size,
+                   quantization=quantization)  # fmt: skip
+        tracer = StepTracer()
+        many.engine.add_observer(tracer)
+        try:
+            ours = _generate(many, ids)
+        finally:
+            _close(many)
+        _assert_same(ours, reference, atol=atol)
     if shape.experts:  # the whole router's load reaches the trace from rank 0
         steps = list(tracer.steps)
         assert all(shape.experts_used <= s["experts_read"] <= shape.experts for s in steps)
