@@ -97,10 +97,10 @@ def test_training_script_runs_end_to_end(tmp_path):
             "40",
             "--vocab-size",
             "384",
-            "--target-schedule",
-            "2,3",
+            "--target-schedule",  # two segments: the second resumes the first
+            "1,2",
             "--draft-schedule",
-            "3",
+            "1",
             "--out",
             str(tmp_path / "models"),
             "--work-dir",
