@@ -46,7 +46,8 @@ def models(transformers_reference):
 # Logits are compared from this position on: all of a short text's, and for the long one
 # 64 positions before the local layers' 512-token window starts to slide and all after.
 # The LM head over Gemma's 262,144-token vocabulary costs more than the layers (11 s
-# against 7 s for the whole long text on one thread), and every position cost three.
+# against 7 s for the whole long text on one thread), paid at each compared position
+# three times: transformers, the exact model and the quantized one.
 FROM = 448
 
 
@@ -66,8 +67,9 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
     """The engine's greedy tokens (paged cache, prompt chunked past the window) are
-    transformers' choices after each prefix, and its logits equal transformers'; the
-    quantized kernels (int8 activations, as llama.cpp) mostly choose the same."""
+    transformers' choices after each prefix, and its logits equal transformers' (at the
+    compared positions, FROM above); the quantized kernels (int8 activations, as
+    llama.cpp) mostly choose the same."""
     reference, exact, quantized = models
     tokenizer = exact.engine.runner.loaded.tokenizer
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
