@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,52 @@ def test_loading_again_in_one_process_keeps_the_built_module():
         assert cpu.load().__name__ == name == f"tandem_cpu_ops_{cpu._cpu_tag()}"
     finally:
         cpu.load.cache_clear()
+
+
+def test_another_installs_module_is_taken_only_for_the_same_torch_and_python(tmp_path):
+    name = "tandem_cpu_ops_x"
+    mine, other = tmp_path / f"{name}_mine", tmp_path / f"{name}_other"
+    mine.mkdir()
+    other.mkdir()
+    assert cpu.built_elsewhere(name, mine) is None  # nothing built anywhere
+    (other / f"{name}.so").write_bytes(b"")
+    (other / cpu.STAMP).write_text(f"torch 0.0.1, {sys.implementation.cache_tag}\n{name}.so\n")
+    assert cpu.built_elsewhere(name, mine) is None  # another torch
+    (other / cpu.STAMP).write_text(f"{cpu.install_stamp()}\n{name}_v1.so\n")
+    assert cpu.built_elsewhere(name, mine) is None  # the stamp names a file that is not there
+    (other / cpu.STAMP).write_text(f"{cpu.install_stamp()}\n{name}.so\n")
+    assert cpu.built_elsewhere(name, mine) == other / f"{name}.so"
+    assert cpu.built_elsewhere(name, other) is None  # an install never takes its own
+
+
+def test_a_new_environment_loads_the_module_another_one_built(tmp_path, monkeypatch):
+    """A second virtual environment of the same torch and Python (CI's test job after
+    its main job) loads the module the first built, and compiles nothing: here no
+    compiler can run (CXX=false), so a build would fall back to torch ops."""
+    if cpu.load() is None:
+        pytest.skip("no compiler here: nothing is built")
+    built = cpu.load()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "prefix", "/the/first/venv")
+    first = cpu.build_directory(built.__name__)
+    first.mkdir(parents=True)
+    (first / Path(built.__file__).name).write_bytes(Path(built.__file__).read_bytes())
+    cpu._stamp(first, first / Path(built.__file__).name)
+    monkeypatch.undo()
+    probe = (
+        "import torch\n"
+        "from tandem.kernels import cpu\n"
+        "m = cpu.load()\n"
+        "x = torch.randn(4, 50)\n"
+        "out = torch.empty(4, dtype=torch.long)\n"
+        "m.argmax_rows(out, x)\n"
+        "assert torch.equal(out, x.argmax(1))\n"
+        "print(m.__file__)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(first / Path(built.__file__).name)
+    assert "compiling" not in result.stderr and "unavailable" not in result.stderr

@@ -25,12 +25,13 @@ read bandwidth that decode is measured against (plan/measure.py).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
-``-march=native``, and on the install (torch version, environment prefix). A build
-lock left by a killed process is detected (its pid is gone) and removed; a live
-builder is waited for at most TANDEM_KERNEL_BUILD_WAIT seconds (600), then torch ops
-are used; both say so on stderr. If building fails (no compiler), or TANDEM_CPU_KERNELS=0, ``load``
-returns None and every caller falls back to torch ops; the tests check both paths
-against each other and against transformers.
+``-march=native``, and on the install (torch version, environment prefix); another
+install of the same torch and Python takes a module already built (``built_elsewhere``)
+instead of compiling it again. A build lock left by a killed process is detected (its
+pid is gone) and removed; a live builder is waited for at most TANDEM_KERNEL_BUILD_WAIT
+seconds (600), then torch ops are used; both say so on stderr. If building fails (no
+compiler), or TANDEM_CPU_KERNELS=0, ``load`` returns None and every caller falls back
+to torch ops; the tests check both paths against each other and against transformers.
 """
 
 from __future__ import annotations
@@ -210,6 +211,59 @@ def build_lock(directory: Path, wait_s: float):
         path.unlink(missing_ok=True)
 
 
+STAMP = "built_for.txt"
+
+
+def install_stamp() -> str:
+    """What a built module depends on besides its sources, flags and CPU (all in its
+    name): torch's version and build (its C++ ABI) and the interpreter's."""
+    return f"torch {torch.__version__}, {sys.implementation.cache_tag}{sys.abiflags}"
+
+
+def _stamp(directory: Path, module_file: Path) -> None:
+    """Records, beside a finished build, what it was built for and which file it is
+    (written after the module loaded, so a stamp never names a half-written file)."""
+    text = f"{install_stamp()}\n{module_file.name}\n"
+    path = directory / STAMP
+    if path.exists() and path.read_text() == text:
+        return
+    partial = directory / f"{STAMP}.{os.getpid()}"
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def built_elsewhere(name: str, directory: Path) -> Path | None:
+    """The module ``name`` as another install on this machine built it (another virtual
+    environment: each builds in a folder of its own, ``build_directory``), if that
+    install has the same torch and Python, so that one machine compiles these sources
+    once per torch rather than once per environment (CI's main job and test job, two
+    environments, compiled them twice: about two minutes each on 2 cores). The module
+    is loaded from that folder as it is; torch's build, which would compile again
+    against this install's headers, is not involved."""
+    for other in sorted(directory.parent.glob(f"{name}_*")):
+        if other == directory:
+            continue
+        try:
+            stamp, module_file = (other / STAMP).read_text().splitlines()[:2]
+        except (OSError, ValueError):
+            continue
+        if stamp == install_stamp() and (other / module_file).is_file():
+            return other / module_file
+    return None
+
+
+def _import_built(name: str, path: Path):
+    """Imports the compiled extension module at ``path`` (its init function is named
+    after ``name``, the build's TORCH_EXTENSION_NAME)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logger.info("CPU kernels: the module built by another install, %s", path)
+    return module
+
+
 @functools.cache
 def load():
     """The compiled module, or None when it cannot (or should not) be built."""
@@ -223,13 +277,16 @@ def load():
         wait_s = float(os.environ.get("TANDEM_KERNEL_BUILD_WAIT", "600"))
         with build_lock(directory, wait_s) as building:
             if not any(directory.glob(f"{name}*.so")):
+                elsewhere = built_elsewhere(name, directory)
+                if elsewhere is not None:
+                    return _import_built(name, elsewhere)
                 building()
                 print(
                     "tandem: compiling the CPU kernels (first use only, one to two minutes; "
                     "TANDEM_CPU_KERNELS=0 skips them)",
                     file=sys.stderr,
                 )
-            return load_inline(
+            module = load_inline(
                 name=name,
                 cpp_sources=[path.read_text() for path in SOURCES],
                 functions=FUNCTIONS,
@@ -239,6 +296,8 @@ def load():
                 verbose=False,
                 **_only_our_headers(load_inline),
             )
+            _stamp(directory, Path(module.__file__))
+            return module
     except Exception as exc:  # no compiler, no ninja, no headers, a stuck build: torch ops
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         print(f"tandem: CPU kernels unavailable, using torch ops ({exc})", file=sys.stderr)
