@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -255,8 +256,6 @@ def built_elsewhere(name: str, directory: Path) -> Path | None:
 def _import_built(name: str, path: Path):
     """Imports the compiled extension module at ``path`` (its init function is named
     after ``name``, the build's TORCH_EXTENSION_NAME)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
