@@ -99,7 +99,7 @@ def test_loading_again_in_one_process_keeps_the_built_module():
         cpu.load.cache_clear()
 
 
-def test_another_installs_module_is_taken_only_for_the_same_torch_and_python(tmp_path):
+def test_another_installs_module_is_taken_only_for_the_same_torch_and_python(tmp_path, monkeypatch):
     name = "tandem_cpu_ops_x"
     mine, other = tmp_path / f"{name}_mine", tmp_path / f"{name}_other"
     mine.mkdir()
@@ -108,6 +108,10 @@ def test_another_installs_module_is_taken_only_for_the_same_torch_and_python(tmp
     (other / f"{name}.so").write_bytes(b"")
     (other / cpu.STAMP).write_text(f"torch 0.0.1, {sys.implementation.cache_tag}\n{name}.so\n")
     assert cpu.built_elsewhere(name, mine) is None  # another torch
+    (other / cpu.STAMP).write_text(f"{cpu.install_stamp()}\n{name}.so\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu, "COMPILE_FLAGS", (*cpu.COMPILE_FLAGS, "-O0"))
+        assert cpu.built_elsewhere(name, mine) is None  # built with other flags
     (other / cpu.STAMP).write_text(f"{cpu.install_stamp()}\n{name}_v1.so\n")
     assert cpu.built_elsewhere(name, mine) is None  # the stamp names a file that is not there
     (other / cpu.STAMP).write_text(f"{cpu.install_stamp()}\n{name}.so\n")

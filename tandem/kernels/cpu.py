@@ -216,9 +216,12 @@ STAMP = "built_for.txt"
 
 
 def install_stamp() -> str:
-    """What a built module depends on besides its sources, flags and CPU (all in its
-    name): torch's version and build (its C++ ABI) and the interpreter's."""
-    return f"torch {torch.__version__}, {sys.implementation.cache_tag}{sys.abiflags}"
+    """What a built module depends on besides its sources and the CPU (both in its
+    name): torch's version and build (its C++ ABI), the interpreter's, and the flags it
+    was compiled and linked with (torch's own build in a folder notices changed flags
+    and compiles again; a module taken from another folder must match them itself)."""
+    flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS))
+    return f"torch {torch.__version__}, {sys.implementation.cache_tag}{sys.abiflags}, {flags}"
 
 
 def _stamp(directory: Path, module_file: Path) -> None:
