@@ -3,6 +3,8 @@ parameter count against transformers, and the command as users run it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tandem import cli
 from tandem.errors import InvalidParameterError
 from tandem.models.gguf_file import GGUFFile
 from tandem.plan.calculator import (
@@ -196,6 +199,20 @@ def test_this_machine_refuses_what_its_engine_cannot_run_before_measuring(model_
 
 
 def run_plan(*args):
+    """`tandem plan ARGS` through the CLI's own entry point, in this process: the
+    same parsing, output and exit status as the command, without paying a fresh
+    interpreter's imports (about 5 s) each call. One test below runs the real
+    `python -m tandem plan`."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            returncode = cli.main(["plan", *args])
+        except SystemExit as exit_:  # argparse's usage errors
+            returncode = exit_.code
+    return subprocess.CompletedProcess(args, returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def run_plan_command(*args):
     return subprocess.run(
         [sys.executable, "-m", "tandem", "plan", *args], capture_output=True, text=True,
         timeout=300,
@@ -204,7 +221,7 @@ def run_plan(*args):
 
 def test_the_command_prints_and_answers_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    text = run_plan("--model", str(tmp_path), "--hardware", "h200", "--tp", "2")
+    text = run_plan_command("--model", str(tmp_path), "--hardware", "h200", "--tp", "2")
     assert text.returncode == 0, text.stderr
     assert "KV per token       327,680 bytes" in text.stdout and "TPOT estimate" in text.stdout
     as_json = run_plan(
