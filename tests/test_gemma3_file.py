@@ -43,32 +43,38 @@ def models(transformers_reference):
     return reference, LLM(str(path), quantization="none"), LLM(str(path))
 
 
-# Logits are compared from this position on: all of a short text's, and for the long one
-# 64 positions before the local layers' 512-token window starts to slide and all after.
-# The LM head over Gemma's 262,144-token vocabulary costs more than the layers (11 s
-# against 7 s for the whole long text on one thread), paid at each compared position
-# three times: transformers, the exact model and the quantized one.
-FROM = 448
+# Logits are compared at these positions: all of a short text's; for the long one every
+# STRIDE-th from 64 positions before the local layers' 512-token window starts to
+# slide, and then every position from the prompt's last on (the greedy choices). The
+# LM head over Gemma's 262,144-token vocabulary costs more than the layers (at all of
+# the long text's last 340 positions, 11 s against the layers' 7 s on one thread), paid
+# at each compared position three times: transformers, the exact model and the
+# quantized one. A wrong window shows at every position past it.
+FROM, STRIDE = 448, 8
 
 
-def _kept(ids: list[int]) -> int:
-    """How many of the last positions of ``ids`` are compared."""
-    return len(ids) - FROM if len(ids) > FROM else len(ids)
+def _kept(ids: list[int], prompt_len: int) -> torch.Tensor:
+    """The positions of ``ids`` whose logits are compared, ascending; the last ones
+    are every position from ``prompt_len - 1`` on."""
+    if len(ids) <= FROM:
+        return torch.arange(len(ids))
+    sampled = set(range(FROM, len(ids), STRIDE)) | set(range(prompt_len - 1, len(ids)))
+    return torch.tensor(sorted(sampled))
 
 
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """The model's logits at the compared positions of ``ids`` (one causal pass)."""
+def _logits(llm: LLM, ids: list[int], kept: torch.Tensor) -> torch.Tensor:
+    """The model's logits at the positions ``kept`` of ``ids`` (one causal pass)."""
     model = llm.engine.runner.model
     attn = CausalAttention(1, len(ids), llm.engine.runner.config.layer_windows())
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
-        return model.compute_logits(hidden[-_kept(ids) :])
+        return model.compute_logits(hidden[kept])
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
     """The engine's greedy tokens (paged cache, prompt chunked past the window) are
     transformers' choices after each prefix, and its logits equal transformers' (at the
-    compared positions, FROM above); the quantized kernels (int8 activations, as
+    compared positions, `_kept` above); the quantized kernels (int8 activations, as
     llama.cpp) mostly choose the same."""
     reference, exact, quantized = models
     tokenizer = exact.engine.runner.loaded.tokenizer
@@ -78,16 +84,18 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
     for ids in [tokenizer.encode(p) for p in PROMPTS] + [long_ids]:
         ours = exact.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         text = ids + list(ours[0].outputs[0].token_ids)
+        kept = _kept(text, len(ids))
         with torch.no_grad():
-            expected = reference(torch.tensor([text]), logits_to_keep=_kept(text)).logits[0]
+            expected = reference(torch.tensor([text]), logits_to_keep=kept).logits[0]
+        assert expected.shape[0] == len(kept)
         scale = expected.abs().max()
-        assert (_logits(exact, text) - expected).abs().max() <= 1e-4 * scale
+        assert (_logits(exact, text, kept) - expected).abs().max() <= 1e-4 * scale
         choices = expected[len(ids) - len(text) - 1 : -1]
         top2 = choices.topk(2, dim=-1).values
         near_tie = (top2[:, 0] - top2[:, 1]) < 1e-3 * scale
         chosen = torch.tensor(text[len(ids) :])
         assert ((choices.argmax(-1) == chosen) | near_tie).all()
-        agree = _logits(quantized, text).argmax(-1) == expected.argmax(-1)
+        agree = _logits(quantized, text, kept).argmax(-1) == expected.argmax(-1)
         assert agree.float().mean() >= 0.9
 
 
