@@ -13,6 +13,11 @@ default weight repacking) timed whole by /usr/bin/time for its load and peak RSS
     python -m benchmarks.scale files --shapes llama-3.2-1b llama-3.1-8b --formats q4_0 \
         --dir /tmp/tandem-models --llama-bin .../vendor/llama.cpp/build/bin --repeat 3
 
+``--batch-1-only`` runs rounds of batch-1 decode alone (tandem's 33 tokens after a
+128-token prompt against ``llama-bench -p 0 -n 32``), the figure that moves most
+between rounds on a shared VM; a full round of the 17 GB mixture takes over ten
+minutes. Each round's batch-1 figures go to stderr as it ends.
+
 Each figure is the median of ``--repeat`` rounds (tandem, llama.cpp and tandem plan's
 prediction in turn), each ratio the median of the rounds' ratios; the decode floor is
 the file's bytes read per token over the read bandwidth measured at each round's start.
@@ -97,8 +102,9 @@ def run_llama_bench(llama_bin: Path, model: str, flash: int, *flags: str) -> tup
     return json.loads(done.stdout)[0]["avg_ts"], peak_kb * 1024 / 1e9
 
 
-def tandem_file_point(model: str) -> dict[str, float]:
-    """Runs in its own process (``--file-point``): load, memory, decode, prefill."""
+def tandem_file_point(model: str, batch_1_only: bool = False) -> dict[str, float]:
+    """Runs in its own process (``--file-point``): load, memory, decode, prefill
+    (``batch_1_only``: load, memory and batch-1 decode)."""
     import time
 
     from tandem import LLM
@@ -122,15 +128,18 @@ def tandem_file_point(model: str) -> dict[str, float]:
         "peak_gb": peak_gb,
         "steady_gb": steady,
         "kv_gb": kv_gb,
-        **decode_and_prefill(llm),
+        **decode_and_prefill(llm, batch_1_only=batch_1_only),
     }
 
 
-def decode_and_prefill(llm, warm: bool = False, around_batch_1=None) -> dict[str, float]:
+def decode_and_prefill(
+    llm, warm: bool = False, around_batch_1=None, batch_1_only: bool = False
+) -> dict[str, float]:
     """Batch-1 and batch-16 decode tok/s (33 new tokens after 128-token prompts of
     random ids; 1 / the median inter-token gap, x16 for the batch) and prefill of 512
     tokens (512 / its time to first token). ``warm``: one short request first;
-    ``around_batch_1``: a context manager the batch-1 run goes inside (to time it)."""
+    ``around_batch_1``: a context manager the batch-1 run goes inside (to time it);
+    ``batch_1_only``: batch-1 decode alone."""
     import contextlib
 
     import torch
@@ -154,6 +163,8 @@ def decode_and_prefill(llm, warm: bool = False, around_batch_1=None) -> dict[str
         llm.generate(prompt(16), params, use_tqdm=False)
     with around_batch_1 or contextlib.nullcontext():
         one = llm.generate(prompt(128), params, use_tqdm=False)
+    if batch_1_only:
+        return {"decode_1": 1 / statistics.median(gaps(one))}
     batch = llm.generate([prompt(128) for _ in range(16)], params, use_tqdm=False)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prefill = llm.generate(prompt(512), first, use_tqdm=False)[0]
@@ -172,7 +183,16 @@ def _status_gb(key: str) -> float:
     return int(line.split()[1]) * 1024 / 1e9
 
 
-def llama_cpp_file_point(llama_bin: Path, model: str) -> dict[str, float]:
+def llama_cpp_file_point(
+    llama_bin: Path, model: str, batch_1_only: bool = False
+) -> dict[str, float]:
+    if batch_1_only:  # llama-bench's tg32 alone (its load and peak are not timed apart)
+        done = subprocess.run(
+            [str(llama_bin / "llama-bench"), "-m", model, "-t", str(THREADS), "-r", "1",
+             "-p", "0", "-n", "32", "-o", "json"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        return {"decode_1": json.loads(done.stdout)[0]["avg_ts"]}
     done = subprocess.run(
         ["/usr/bin/time", "-f", "%e %M", str(llama_bin / "llama-bench"), "-m", model,
          "-t", str(THREADS), "-r", "1", "-p", "0", "-n", "1", "-o", "json"],
@@ -204,7 +224,9 @@ def files_table(args: argparse.Namespace) -> None:
     """Per file, ``--repeat`` rounds of: the machine's read bandwidth, tandem's point,
     llama.cpp's, and tandem plan's prediction (its rates measured again). The VM's
     bandwidth moves between rounds (32-81 GB/s in one afternoon), so each figure is
-    the median of its rounds and each ratio the median of its rounds' ratios."""
+    the median of its rounds and each ratio the median of its rounds' ratios; each
+    round's batch-1 figures go to stderr as it ends. ``--batch-1-only``: the columns
+    that round does not measure read "-"."""
     from tandem.models.catalog import resolve_model
     from tandem.models.random_gguf import write_random_gguf
     from tandem.plan.measure import memory_bandwidth_gbs
@@ -226,14 +248,27 @@ def files_table(args: argparse.Namespace) -> None:
             rounds = []
             for _ in range(args.repeat):
                 bandwidth = args.bandwidth or memory_bandwidth_gbs() * 1e9
+                only = ["--batch-1-only"] if args.batch_1_only else []
                 out = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.scale", "--file-point", str(path)],
+                    [sys.executable, "-m", "benchmarks.scale", "--file-point", str(path), *only],
                     check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 mine = json.loads(out.strip().splitlines()[-1])
-                peer = llama_cpp_file_point(args.llama_bin, str(path)) if args.llama_bin else {}
+                peer = (
+                    llama_cpp_file_point(args.llama_bin, str(path), args.batch_1_only)
+                    if args.llama_bin
+                    else {}
+                )
                 mine["floor"] = mine["decode_1"] * _bytes_per_token(path) / bandwidth
                 rounds.append((mine, peer, plan_point(path)))
+                versus = f", llama.cpp {peer['decode_1']:.2f}" if peer else ""
+                print(
+                    f"# {path.stem} round {len(rounds)}: read probe {bandwidth / 1e9:.1f} GB/s,"
+                    f" batch 1 tandem {mine['decode_1']:.2f} tok/s ({mine['floor']:.0%} of"
+                    f" the floor){versus}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print(_files_row(path, rounds), flush=True)
 
 
@@ -242,6 +277,8 @@ def _files_row(path: Path, rounds: list) -> str:
         return statistics.median(list(values))
 
     def figure(key: str, spec: str = ".2f", higher_is_better: bool = True) -> str:
+        if not all(key in m for m, _, _ in rounds):
+            return "-"
         text = format(med(m[key] for m, _, _ in rounds), spec)
         if all(key in p for _, p, _ in rounds):
             theirs = med(p[key] for _, p, _ in rounds)
@@ -252,6 +289,8 @@ def _files_row(path: Path, rounds: list) -> str:
         return text
 
     def predicted(key: str) -> str:
+        if not all(key in m for m, _, _ in rounds):
+            return "-"
         error = med(planned[key] / m[key] - 1 for m, _, planned in rounds)
         return f"{med(planned[key] for _, _, planned in rounds):.1f} ({error:+.0%})"
 
@@ -327,7 +366,7 @@ def main() -> None:
         print(json.dumps(tandem_point(model, depth, None if kv == "default" else kv)))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--file-point":
-        print(json.dumps(tandem_file_point(sys.argv[2])))
+        print(json.dumps(tandem_file_point(sys.argv[2], "--batch-1-only" in sys.argv[3:])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "files":
         parser = argparse.ArgumentParser(description="real-size files against llama.cpp")
@@ -337,6 +376,10 @@ def main() -> None:
         parser.add_argument("--dir", type=Path, default=Path("/tmp/tandem-models"))
         parser.add_argument("--llama-bin", type=Path, default=None)
         parser.add_argument("--repeat", type=int, default=3)
+        parser.add_argument(
+            "--batch-1-only", action="store_true",
+            help="rounds of batch-1 decode alone (tandem and llama-bench's tg32)",
+        )  # fmt: skip
         parser.add_argument(
             "--bandwidth", type=float, default=None,
             help="read bandwidth in bytes/s for the decode floor (default: measured beside "
