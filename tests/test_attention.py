@@ -68,8 +68,10 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     device = backend_device(backend, kv_dtype)
     if batch == "mixed-split":
         monkeypatch.setattr(torch_sdpa, "SPLIT_MASK_ELEMENTS", 1)
-        # Prefixes read in spans of 5 tokens: several per prefix, starting mid-block.
+        # Prefixes read in spans of 5 tokens: several per prefix, starting mid-block;
+        # chunks' queries 4 rows at a time: a 6-token chunk in two unequal slices.
         monkeypatch.setattr(torch_sdpa, "PREFIX_SPAN", 5)
+        monkeypatch.setattr(torch_sdpa, "QUERY_SLICE", 4)
     torch.manual_seed(0)
     # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
     # and chunks continuing after the cache.
@@ -268,11 +270,14 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     torch.testing.assert_close(whole, out, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("query_slice", [512, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype):
+def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype, query_slice, monkeypatch):
     """A 512-token chunk after 2,600 cached tokens (over SPLIT_MASK_ELEMENTS: no mask
     is built), its prefix given in three spans, equals attention written out over the
-    whole context."""
+    whole context: its queries in one slice, or in slices of 200, 200 and 112 rows
+    (each also over the chunk's rows before it)."""
+    monkeypatch.setattr(torch_sdpa, "QUERY_SLICE", query_slice)
     torch.manual_seed(0)
     cached, new, heads, kv_heads, head_dim = 2600, 512, 12, 4, 32
     assert heads // kv_heads * new * (cached + new) >= torch_sdpa.SPLIT_MASK_ELEMENTS

@@ -16,11 +16,12 @@ Prompt chunks are another matter: a 2,048-token chunk's temporaries are 8-32 MB 
 with interleaved lifetimes (the residual stream, q/k/v, attention's outputs), and in
 the heap they fragment it: on a 1B model the heap grew by 40-60 MB a layer to hold
 0.4-0.6 GB of free holes, a third of the process's growth during a 4k prefill. So a
-forward of many tokens (``for_forward``) lowers the mmap threshold to 16 MiB for its
-duration: its largest temporaries are fresh mappings, given back when freed, and the
-heap keeps the decode steps' sizes. The price is a page fault per 4 KiB they touch:
-0.8M more a 2,048-token chunk of a 1B model, at about 1 us each a few % of its time,
-for 0.2-0.3 GB less peak memory (docs/BENCHMARKS.md).
+forward of many tokens (``for_forward``) lowers the mmap threshold to 4 MiB for its
+duration: its temporaries of a few MB and more (attention's query slices of 4 MB
+included) are fresh mappings, given back when freed, and the heap keeps the decode
+steps' sizes. The price is a page fault per 4 KiB they touch: about 0.8M a 2,048-token
+chunk of a 1B model, at about 1 us each a few % of its time, for 0.2-0.3 GB less peak
+memory (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ TRIM_THRESHOLD = 1 << 30
 # Forwards of more tokens than this map their temporaries of PROMPT_MMAP_THRESHOLD
 # bytes and more afresh (decode batches stay under it; prompt chunks are above).
 PROMPT_TOKENS = 256
-PROMPT_MMAP_THRESHOLD = 16 << 20
+PROMPT_MMAP_THRESHOLD = 4 << 20  # 16 MiB kept attention's 4 MB slices in the heap
 
 _threshold: int | None = None  # the mmap threshold set last (None: glibc's own)
 

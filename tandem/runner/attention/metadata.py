@@ -52,9 +52,11 @@ class AttentionGroup:
     # blocks directly runs it, rows for decodes computed alike whatever the batch.
     decodes: bool = False
     # The same counts as plain integers (host side: reading them never syncs a device):
-    # per sequence, its new tokens and the tokens cached before this forward.
+    # per sequence, its new tokens, the tokens cached before this forward, and the
+    # flat-batch index of its first new token (its queries are rows [start, start+len)).
     host_query_lens: tuple[int, ...] = ()
     host_num_computed: tuple[int, ...] = ()
+    host_query_starts: tuple[int, ...] = ()
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -220,4 +222,5 @@ def _group(
         decodes=decodes,
         host_query_lens=tuple(q_lens),
         host_num_computed=tuple(computed),
+        host_query_starts=tuple(starts[s] for s in members),
     )

@@ -18,7 +18,8 @@ over itself causally, both through torch's tiled flash-attention kernel, which
 returns each row's log-sum-exp, and the two merged by it. The prefix is read from the
 blocks a span of PREFIX_SPAN tokens at a time, each span merged in as it comes: no mask
 is read and no copy of a long context is held (so do chunks of any length once the
-context passes PREFIX_SPAN).
+context passes PREFIX_SPAN). The chunk's queries go QUERY_SLICE rows at a time, so its
+temporaries beside the output are a slice's, whatever the chunk's length.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ SPLIT_MASK_ELEMENTS = 1 << 22
 # tokens at a time, each span gathered into one small workspace, so a chunk after a 32k
 # prefix holds a few MB of K/V beside the cache, not a copy of its whole context.
 PREFIX_SPAN = 4096
+# ... and its query rows this many at a time (split_chunk_attention), so that a 2,048-token
+# chunk's attention holds slices of a few MB beside its output, not copies of the chunk.
+QUERY_SLICE = 512
 
 
 def _flash(q, k, v, causal: bool, scale: float):
@@ -77,29 +81,41 @@ def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float) -> torch.
     """One sequence's prompt chunk after cached tokens: q [Lq, H, D], own_k/own_v
     [Lq, Hkv, D] (the chunk's own K/V), ``prefix_spans`` the cached prefix as (k, v)
     pieces [n, Hkv, D] in any order -> [Lq, H, D]. Every row sees the whole prefix and
-    the chunk up to itself: the chunk over itself (square and causal) and each piece of
-    the prefix (no mask) are attended apart by the flash kernel and merged by their
-    log-sum-exps as they come, so only one piece is held at a time."""
+    the chunk up to itself. The chunk's rows go QUERY_SLICE at a time: each slice over
+    its own rows (square and causal), then over each piece of the prefix and over the
+    chunk's earlier rows (no mask), attended apart by the flash kernel and merged into
+    the slice's output by their log-sum-exps as they come. Only one piece is held at a
+    time, and every temporary but the output is a slice's size, not the chunk's."""
     lq, h, d = q.shape
     hkv = own_k.shape[1]
     g = h // hkv
-    # The chunk over itself: its own K/V, each KV head repeated for its query heads.
-    own_k = own_k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
-    own_v = own_v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
-    out, lse = _flash(q.transpose(0, 1).unsqueeze(0), own_k, own_v, True, scale)
-    out, lse = out[0].float(), lse[0]  # [H, Lq, D], [H, Lq]
-    # The prefix: the G query heads of a KV head folded into the query axis.
-    folded = q.view(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * lq, d)
-    for k, v in prefix_spans:
+    slices = [(a, min(a + QUERY_SLICE, lq)) for a in range(0, lq, QUERY_SLICE)]
+    out = q.new_empty((h, lq, d), dtype=torch.float32)
+    lse = q.new_empty((h, lq), dtype=torch.float32)
+    for a, b in slices:  # each KV head repeated for its query heads
+        own = (x[a:b].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0) for x in (own_k, own_v))
+        piece, piece_lse = _flash(q[a:b].transpose(0, 1).unsqueeze(0), *own, True, scale)
+        out[:, a:b], lse[:, a:b] = piece[0], piece_lse[0]
+
+    def merge(a: int, b: int, k, v) -> None:
+        # The G query heads of a KV head folded into the query axis: K/V not repeated.
+        folded = q[a:b].reshape(b - a, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, -1, d)
         piece, piece_lse = _flash(
             folded, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), False, scale
         )
-        piece, piece_lse = piece.reshape(h, lq, d), piece_lse.reshape(h, lq)
-        top = torch.maximum(lse, piece_lse)
-        w_out, w_piece = (lse - top).exp_(), (piece_lse - top).exp_()
-        total = w_out + w_piece
-        out.mul_((w_out / total)[..., None]).add_(piece.float() * (w_piece / total)[..., None])
-        lse = top.add_(total.log_())
+        piece, piece_lse = piece.reshape(h, b - a, d).float(), piece_lse.reshape(h, b - a)
+        rows, rows_lse = out[:, a:b], lse[:, a:b]
+        top = torch.maximum(rows_lse, piece_lse)
+        w_rows, w_piece = (rows_lse - top).exp_(), (piece_lse - top).exp_()
+        total = w_rows + w_piece
+        rows.mul_((w_rows / total)[..., None]).add_(piece.mul_((w_piece / total)[..., None]))
+        rows_lse.copy_(top.add_(total.log_()))
+
+    for k, v in prefix_spans:  # each piece read once, for every slice
+        for a, b in slices:
+            merge(a, b, k, v)
+    for a, b in slices[1:]:
+        merge(a, b, own_k[:a], own_v[:a])
     return out.to(q.dtype).transpose(0, 1)
 
 
@@ -209,24 +225,22 @@ class TorchPagedAttention:
     def _attend_split(self, group: AttentionGroup, q, k_blocks, v_blocks, out, scale) -> None:
         """Prompt chunks after a long prefix (split_chunk_attention), a sequence at a
         time, the prefix read from the blocks PREFIX_SPAN tokens at a time."""
-        queries = q.index_select(0, group.valid_tokens)
-        first = 0
-        for table, q_len, computed in zip(
-            group.block_tables, group.host_query_lens, group.host_num_computed, strict=True
-        ):
+        for table, q_len, computed, start in zip(
+            group.block_tables, group.host_query_lens, group.host_num_computed,
+            group.host_query_starts, strict=True,
+        ):  # fmt: skip
 
-            def rows(start: int, end: int, slot: str, table=table):
-                return self._context_rows(k_blocks, v_blocks, table, start, end, q.dtype, slot)
+            def rows(first: int, end: int, slot: str, table=table):
+                return self._context_rows(k_blocks, v_blocks, table, first, end, q.dtype, slot)
 
             own_k, own_v = rows(computed, computed + q_len, "own")
             spans = (
-                rows(start, min(start + PREFIX_SPAN, computed), "span")
-                for start in range(0, computed, PREFIX_SPAN)
+                rows(first, min(first + PREFIX_SPAN, computed), "span")
+                for first in range(0, computed, PREFIX_SPAN)
             )
-            rows_of_chunk = slice(first, first + q_len)
-            chunk = split_chunk_attention(queries[rows_of_chunk], own_k, own_v, spans, scale)
-            out.index_copy_(0, group.valid_tokens[rows_of_chunk], chunk)
-            first += q_len
+            # A sequence's queries are the flat batch's rows [start, start + q_len).
+            mine = slice(start, start + q_len)
+            out[mine] = split_chunk_attention(q[mine], own_k, own_v, spans, scale)
 
     def _context_rows(self, k_blocks, v_blocks, table, start: int, end: int, dtype, slot: str):
         """One sequence's cached K/V rows [start, end) -> k, v [end - start, Hkv, D] in
