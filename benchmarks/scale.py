@@ -33,6 +33,8 @@ yardstick). Each point runs in a process of its own so that peak RSS is that poi
 
 tandem: one request of ``depth`` random token ids (no prefix reuse) and 33 new tokens,
 greedy; prefill = time to first token, decode = 1 / median inter-token gap (32 gaps).
+Its prompt runs in chunks of the step's budget (2,048 tokens), or of at most
+``--long-prefill-token-threshold`` tokens.
 llama.cpp: ``llama-bench -p DEPTH -n 0`` (prefill) and ``-p 0 -n 32 -d DEPTH`` (decode
 at depth), one repetition each, 2 threads, peak RSS from /usr/bin/time.
 
@@ -61,15 +63,21 @@ THREADS = 2
 NEW_TOKENS = 33  # 32 gaps between them: llama-bench's tg32
 
 
-def tandem_point(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str, float]:
-    """Runs in its own process (``--point``): one request at ``depth``."""
+def tandem_point(
+    model: str, depth: int, kv_cache_dtype: str | None, long_prefill: int = 0
+) -> dict[str, float]:
+    """Runs in its own process (``--point``): one request at ``depth``, its prompt in
+    chunks of at most ``long_prefill`` tokens if given (else the step's budget)."""
     import torch
 
     from tandem import LLM, SamplingParams
 
     context = depth + NEW_TOKENS + 16
     kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}  # else the engine's
-    llm = LLM(model, max_model_len=context, max_num_seqs=1, kv_cache_memory=8 << 30, **kv)
+    llm = LLM(
+        model, max_model_len=context, max_num_seqs=1, kv_cache_memory=8 << 30,
+        long_prefill_token_threshold=long_prefill, **kv,
+    )  # fmt: skip
     vocab = llm.engine.runner.model.config.vocab_size
     prompt = torch.randint(0, vocab, (depth,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -82,10 +90,12 @@ def tandem_point(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str
     }
 
 
-def run_tandem(model: str, depth: int, kv_cache_dtype: str | None) -> dict[str, float]:
+def run_tandem(
+    model: str, depth: int, kv_cache_dtype: str | None, long_prefill: int = 0
+) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.scale", "--point", model, str(depth),
-         kv_cache_dtype or "default"],
+         kv_cache_dtype or "default", str(long_prefill)],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return json.loads(out.strip().splitlines()[-1])
@@ -363,7 +373,8 @@ def llama_cpp_point(
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--point":
         model, depth, kv = sys.argv[2], int(sys.argv[3]), sys.argv[4]
-        print(json.dumps(tandem_point(model, depth, None if kv == "default" else kv)))
+        long_prefill = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+        print(json.dumps(tandem_point(model, depth, None if kv == "default" else kv, long_prefill)))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--file-point":
         print(json.dumps(tandem_file_point(sys.argv[2], "--batch-1-only" in sys.argv[3:])))
@@ -392,6 +403,10 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2048, 8000])
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the engine's")
     parser.add_argument(
+        "--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+        help="tandem's cap on a prompt's chunk per step (default 0: the step's budget)",
+    )  # fmt: skip
+    parser.add_argument(
         "--llama-bin", type=Path, default=None, help="folder with llama-bench (see above)"
     )
     parser.add_argument(
@@ -404,7 +419,8 @@ def main() -> None:
 
     model = str(args.model or resolve_model("smollm2-135m-instruct"))
     kv = args.kv_cache_dtype or "the engine's default"
-    print(f"# {machine()}\n# model {model}, KV cache {kv}, {THREADS} threads")
+    chunks = args.long_prefill_token_threshold or "the step's budget"
+    print(f"# {machine()}\n# model {model}, KV cache {kv}, chunks {chunks}, {THREADS} threads")
     header = "| depth | tandem prefill s | tandem decode tok/s | tandem peak RSS GB |"
     if args.llama_bin:
         header += (
@@ -414,7 +430,7 @@ def main() -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for depth in args.depths:
-        mine = run_tandem(model, depth, args.kv_cache_dtype)
+        mine = run_tandem(model, depth, args.kv_cache_dtype, args.long_prefill_token_threshold)
         row = (
             f"| {depth} | {mine['prefill_s']:.2f} | {mine['decode_tok_s']:.1f} "
             f"| {mine['peak_rss_gb']:.2f} |"
