@@ -61,18 +61,27 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
 
 
 def machine() -> str:
-    """The CPU model, its vector extensions, threads and torch version."""
-    cpu, flags = None, None
+    """The CPU model (with its family and model numbers: VMs name several generations
+    alike, "AMD EPYC" for Zen 3, 4 and 5), its vector extensions, threads and torch
+    version."""
+    cpu, flags, family, model = None, None, None, None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu is None:
-                cpu = value.strip()
-            elif key.strip() == "flags" and flags is None:
+            key, value = key.strip(), value.strip()
+            if key == "model name" and cpu is None:
+                cpu = value
+            elif key == "cpu family" and family is None:
+                family = value
+            elif key == "model" and model is None:
+                model = value
+            elif key == "flags" and flags is None:
                 flags = [flag for flag in ISA_FLAGS if flag in value.split()]
     except OSError:
         pass
     cpu = cpu or platform.processor() or platform.machine()
+    if family is not None and model is not None:
+        cpu = f"{cpu}, family {family} model {model}"
     isa = " ".join(flags or []) or "flags unknown"
     return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
 
