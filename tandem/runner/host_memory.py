@@ -12,16 +12,24 @@ thresholds once lets
 those buffers be reused from the heap; the price is that up to the peak of such
 temporaries stays resident between steps, which an inference process wants anyway.
 
-Prompt chunks are another matter: a 2,048-token chunk's temporaries are 8-32 MB each
-with interleaved lifetimes (the residual stream, q/k/v, attention's outputs), and in
+Prompt chunks over a long context are another matter: a 2,048-token chunk's
+temporaries are 8-32 MB each with interleaved lifetimes (the residual stream, q/k/v,
+attention's outputs), and the ones attention takes for a long prefix (its spans of
+cached rows, its query slices' partial outputs) change size as the context grows; in
 the heap they fragment it: on a 1B model the heap grew by 40-60 MB a layer to hold
 0.4-0.6 GB of free holes, a third of the process's growth during a 4k prefill. So a
-forward of many tokens (``for_forward``) lowers the mmap threshold to 4 MiB for its
-duration: its temporaries of a few MB and more (attention's query slices of 4 MB
-included) are fresh mappings, given back when freed, and the heap keeps the decode
-steps' sizes. The price is a page fault per 4 KiB they touch: about 0.8M a 2,048-token
-chunk of a 1B model, at about 1 us each a few % of its time, for 0.2-0.3 GB less peak
-memory (docs/BENCHMARKS.md).
+forward of many tokens over a context longer than LONG_CONTEXT_TOKENS
+(``for_forward``) lowers the mmap threshold to 4 MiB for its duration: its
+temporaries of a few MB and more (attention's query slices of 4 MB included) are
+fresh mappings, given back when freed, and the heap keeps the decode steps' sizes
+(the heap's free blocks are given back first, so that a shorter forward's do not
+stay resident beside them). The price is a page fault per 4 KiB they touch: about
+1.5M a 2,048-token chunk of a 1B model, about 1 us each. A prompt that fits in one
+chunk keeps its temporaries in the heap: its shapes are the same in every layer, so
+they are faulted in once per process, not once per layer and prompt; on a Zen 5
+EPYC that made a 512-token prompt 1.25x as fast (a fifth of its CPU time had gone to
+the kernel's page faults) for 0.11 GB more at its peak on the 1B file
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -37,9 +45,11 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit systems
 TRIM_THRESHOLD = 1 << 30
-# Forwards of more tokens than this map their temporaries of PROMPT_MMAP_THRESHOLD
-# bytes and more afresh (decode batches stay under it; prompt chunks are above).
+# Forwards of more tokens than PROMPT_TOKENS over a context of more than
+# LONG_CONTEXT_TOKENS (one default chunk: a long prompt's later chunks) map their
+# temporaries of PROMPT_MMAP_THRESHOLD bytes and more afresh.
 PROMPT_TOKENS = 256
+LONG_CONTEXT_TOKENS = 2048
 PROMPT_MMAP_THRESHOLD = 4 << 20  # 16 MiB kept attention's 4 MB slices in the heap
 
 _threshold: int | None = None  # the mmap threshold set last (None: glibc's own)
@@ -78,13 +88,20 @@ def _set_mmap_threshold(size: int) -> bool:
     return True
 
 
-def for_forward(num_tokens: int) -> None:
-    """Before a CPU forward of ``num_tokens``: prompt-sized forwards map their large
-    temporaries afresh, decode-sized ones reuse the heap (the module's docstring).
-    Nothing where ``keep_large_temporaries`` has not raised the thresholds."""
+def for_forward(num_tokens: int, context_tokens: int) -> None:
+    """Before a CPU forward of ``num_tokens`` whose longest sequence attends to
+    ``context_tokens`` (its cached prefix and its own tokens): a prompt chunk over a
+    long context maps its large temporaries afresh, other forwards reuse the heap (the
+    module's docstring). Nothing where ``keep_large_temporaries`` has not raised the
+    thresholds."""
     if _threshold is None:
         return
-    _set_mmap_threshold(PROMPT_MMAP_THRESHOLD if num_tokens > PROMPT_TOKENS else MMAP_THRESHOLD_MAX)
+    if num_tokens > PROMPT_TOKENS and context_tokens > LONG_CONTEXT_TOKENS:
+        if _threshold != PROMPT_MMAP_THRESHOLD:
+            give_back()  # shorter forwards' free blocks, not kept beside the mappings
+        _set_mmap_threshold(PROMPT_MMAP_THRESHOLD)
+    else:
+        _set_mmap_threshold(MMAP_THRESHOLD_MAX)
 
 
 def give_back() -> None:

@@ -449,7 +449,8 @@ class ModelRunner:
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
         )
         if self.device.type == "cpu":
-            host_memory.for_forward(len(input_ids))
+            context = max(c.num_computed_tokens + len(c.token_ids) for c in chunks)
+            host_memory.for_forward(len(input_ids), context)
         return self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
 
     def _rows(self, hidden: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
