@@ -1,7 +1,8 @@
 """runner/host_memory.py against glibc itself, in a fresh process: decode-sized
 forwards and prompts of one chunk keep their large temporaries in the heap (reused: no
 page faults next time), prompt chunks over a long context map them afresh (given back
-when freed: no holes in the heap), and give the heap's free blocks back first."""
+when freed: no holes in the heap) after giving the heap's free blocks back, and the
+first decode after a prompt gives the prompt's blocks back."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def heap_kb():
 assert host_memory.keep_large_temporaries()
 grown, given_back = {}, {}
 for mode, tokens, context in (
-    ("first long prompt", 2048, 8192), ("short prompt", 512, 512), ("decode", 16, 8192),
+    ("first long prompt", 2048, 8192), ("short prompt", 512, 512),
+    ("next short prompt", 512, 512), ("decode", 16, 8192), ("next decode", 16, 8192),
     ("long prompt", 2048, 8192),
 ):
     before = heap_kb()
@@ -44,7 +46,7 @@ for mode, tokens, context in (
         c = torch.ones(1 << 20)
         del b, c
     grown[mode] = (heap_kb() - before) / 1024
-grown["given back"] = given_back["long prompt"]
+grown["given back"] = given_back
 print(json.dumps(grown))
 """
 
@@ -57,9 +59,14 @@ def test_long_prompts_map_their_temporaries_and_short_forwards_reuse_the_heap():
     grown = json.loads(out.strip().splitlines()[-1])
     assert grown["first long prompt"] < 1  # MB: nothing of the 4 MB tensors stayed
     assert grown["short prompt"] >= 4  # kept in the heap for the next forward
-    assert grown["decode"] < 1  # the same blocks, reused
+    assert grown["next short prompt"] < 1  # the same blocks, reused
+    given_back = grown["given back"]
+    assert given_back["next short prompt"] < 1
+    assert given_back["decode"] >= 4  # a prompt's blocks, given back after it
+    assert grown["next decode"] < 1  # a decode's, kept for the next step
+    assert given_back["next decode"] < 1
     # The heap's free blocks given back before the mappings; glibc still serves some of
     # the long prompt's tensors from those blocks (faulting them in again), but the
     # heap ends smaller than the shorter forwards left it.
-    assert grown["given back"] >= 4
-    assert grown["long prompt"] < grown["given back"]
+    assert given_back["long prompt"] >= 4
+    assert grown["long prompt"] < given_back["long prompt"]

@@ -26,9 +26,10 @@ fresh mappings, given back when freed, and the heap keeps the decode steps' size
 stay resident beside them). The price is a page fault per 4 KiB they touch: about
 1.5M a 2,048-token chunk of a 1B model, about 1 us each. A prompt that fits in one
 chunk keeps its temporaries in the heap: its shapes are the same in every layer, so
-they are faulted in once per process, not once per layer and prompt; on a Zen 5
-EPYC that made a 512-token prompt 1.25x as fast (a fifth of its CPU time had gone to
-the kernel's page faults) for 0.11 GB more at its peak on the 1B file
+they are faulted in once per prompt (once for prompts back to back), not once per
+layer; on a Zen 5 EPYC that made a 512-token prompt 1.25x as fast (a fifth of its
+CPU time had gone to the kernel's page faults) for 0.11-0.14 GB more at its peak on
+the 1B file. The first decode step after it gives those blocks back
 (docs/BENCHMARKS.md).
 """
 
@@ -53,6 +54,7 @@ LONG_CONTEXT_TOKENS = 2048
 PROMPT_MMAP_THRESHOLD = 4 << 20  # 16 MiB kept attention's 4 MB slices in the heap
 
 _threshold: int | None = None  # the mmap threshold set last (None: glibc's own)
+_prompt_in_heap = False  # the last forward was a prompt's, its temporaries in the heap
 
 
 @functools.cache
@@ -92,16 +94,24 @@ def for_forward(num_tokens: int, context_tokens: int) -> None:
     """Before a CPU forward of ``num_tokens`` whose longest sequence attends to
     ``context_tokens`` (its cached prefix and its own tokens): a prompt chunk over a
     long context maps its large temporaries afresh, other forwards reuse the heap (the
-    module's docstring). Nothing where ``keep_large_temporaries`` has not raised the
-    thresholds."""
+    module's docstring). The heap's free blocks go back to the system when a long
+    chunk follows shorter forwards and when a decode-sized forward follows a prompt's
+    (back-to-back prompts keep reusing them). Nothing where
+    ``keep_large_temporaries`` has not raised the thresholds."""
+    global _prompt_in_heap
     if _threshold is None:
         return
-    if num_tokens > PROMPT_TOKENS and context_tokens > LONG_CONTEXT_TOKENS:
+    prompt = num_tokens > PROMPT_TOKENS
+    long_context = prompt and context_tokens > LONG_CONTEXT_TOKENS
+    if long_context:
         if _threshold != PROMPT_MMAP_THRESHOLD:
             give_back()  # shorter forwards' free blocks, not kept beside the mappings
         _set_mmap_threshold(PROMPT_MMAP_THRESHOLD)
     else:
+        if _prompt_in_heap and not prompt:
+            give_back()  # a prompt's temporaries, more than decode steps need
         _set_mmap_threshold(MMAP_THRESHOLD_MAX)
+    _prompt_in_heap = prompt and not long_context
 
 
 def give_back() -> None:
