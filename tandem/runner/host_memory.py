@@ -26,9 +26,9 @@ fresh mappings, given back when freed, and the heap keeps the decode steps' size
 stay resident beside them). The price is a page fault per 4 KiB they touch: about
 1.5M a 2,048-token chunk of a 1B model, about 1 us each. A prompt that fits in one
 chunk keeps its temporaries in the heap: its shapes are the same in every layer, so
-they are faulted in once per prompt (once for prompts back to back), not once per
+they are faulted in once per prompt (or once for prompts back to back), not once per
 layer; on a Zen 5 EPYC that made a 512-token prompt 1.25x as fast (a fifth of its
-CPU time had gone to the kernel's page faults) for 0.11-0.14 GB more at its peak on
+CPU time had gone to the kernel's page faults) for about 0.1 GB more at its peak on
 the 1B file. The first decode step after it gives those blocks back
 (docs/BENCHMARKS.md).
 """
