@@ -167,9 +167,21 @@ def test_every_head_size_path_matches_brute_force(kv_dtype, head_dim):
     _check_decode_kernel(kv_dtype, 500, shapes, head_dim)
 
 
-def _check_decode_kernel(kv_dtype: str, window: int | None, shapes, head_dim: int) -> None:
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_wide_query_groups_match_brute_force(kv_dtype):
+    """Eight query heads a KV head (Qwen3-30B-A3B's, Llama-3-70B's): the kernel reads
+    float32 copies of narrow cache rows there, the rows in place for groups of up to
+    four (the tests above); against brute force, decode rows bit for bit with their
+    verification runs."""
+    shapes = [(1, 1), (9, 1), (300, 1), (61, 3), (700, 4)]
+    _check_decode_kernel(kv_dtype, None, shapes, LONG_HEAD_DIM, heads=8 * KV_HEADS)
+
+
+def _check_decode_kernel(
+    kv_dtype: str, window: int | None, shapes, head_dim: int, heads: int = HEADS
+) -> None:
     """``shapes``: (context length, query rows) per sequence; a row r of a sequence
-    sees length - rows + r + 1 tokens."""
+    sees length - rows + r + 1 tokens; ``heads`` query heads over KV_HEADS."""
     if cpu_kernels.load() is None:
         pytest.skip("no compiler for the CPU kernels here")
     torch.manual_seed(0)
@@ -192,12 +204,12 @@ def _check_decode_kernel(kv_dtype: str, window: int | None, shapes, head_dim: in
         contexts.append(read_back)
         row_lens += [length - rows + r + 1 for r in range(rows)]
     row_starts = torch.tensor([0, *torch.tensor([r for _, r in shapes]).cumsum(0).tolist()])
-    q = torch.randn(len(row_lens), HEADS, head_dim)
+    q = torch.randn(len(row_lens), heads, head_dim)
     scale = head_dim**-0.5
     out = cpu_kernels.paged_attention_rows(
         q, cache[0], cache[1], tables, torch.tensor(row_lens), row_starts, scale, window
     )
-    group = HEADS // KV_HEADS
+    group = heads // KV_HEADS
     for row, length in enumerate(row_lens):
         seq = int(torch.searchsorted(row_starts, row, right=True)) - 1
         first = 0 if window is None else max(0, length - window)

@@ -196,6 +196,36 @@ typedef float VecFu __attribute__((vector_size(kVecLanes * 4), aligned(4)));
 inline VecF load_lanes(const float* p) { return *reinterpret_cast<const VecFu*>(p); }
 inline void store_lanes(float* p, const VecF& v) { *reinterpret_cast<VecFu*>(p) = v; }
 
+// kVecLanes elements of a cache row as float32, read straight from the row, where the
+// conversion is one or two instructions: float; with AVX-512, bfloat16 (its bits moved
+// up a half-word) and int8 (widened, then converted; the row's scale is applied after,
+// as for a copy). The values kv_f gives, without first widening each head row into a
+// float32 buffer and reading it back. AVX2's narrower conversions measured 0.90x the
+// copies (docs/BENCHMARKS.md), so there only float rows are read in place.
+#if defined(__AVX512F__)
+template <typename KV>
+constexpr bool kRowLanes = std::is_same_v<KV, float> || std::is_same_v<KV, c10::BFloat16> ||
+                           std::is_same_v<KV, int8_t>;
+#else
+template <typename KV>
+constexpr bool kRowLanes = std::is_same_v<KV, float>;
+#endif
+template <typename KV>
+inline VecF row_lanes(const KV* p) {
+  static_assert(kRowLanes<KV>, "row_lanes: a type read in place");
+  if constexpr (std::is_same_v<KV, float>) {
+    return load_lanes(p);
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<VecF>(_mm512_slli_epi32(bits, 16));
+  } else {
+    return reinterpret_cast<VecF>(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#endif
+  }
+}
+
 constexpr int64_t kTileTokens = 8;  // keys (values) one query takes at a time
 
 // s[i] = the sum of v[i]'s lanes, for eight vectors at once: lane j is added to lane
@@ -236,10 +266,11 @@ inline void lane_sums8(const VecF (&v)[kTileTokens], float (&s)[kTileTokens]) {
 }
 
 // scores[j] = (q . keys[j]) * key_scales[j] for the tile's ``count`` keys (rows of one
-// head as float32). With the head size a multiple of kVecLanes known at compile time, q
-// stays in registers and the dot products' lanes are summed eight keys at a time.
-template <int64_t HD>
-inline void key_scores(const float* __restrict q, const float* const* keys,
+// head: float32, or a cache's own rows where row_lanes reads them). With the head size
+// a multiple of kVecLanes known at compile time, q stays in registers and the dot
+// products' lanes are summed eight keys at a time.
+template <int64_t HD, typename Row>
+inline void key_scores(const float* __restrict q, const Row* const* keys,
                        const float* key_scales, int64_t count, int64_t head_dim,
                        float* __restrict scores) {
   if constexpr (HD > 0 && HD % kVecLanes == 0) {
@@ -250,7 +281,7 @@ inline void key_scores(const float* __restrict q, const float* const* keys,
       VecF dot = {};
       if (j < count)
         for (int64_t c = 0; c < kVecs; ++c)
-          dot += query[c] * load_lanes(keys[j] + kVecLanes * c);
+          dot += query[c] * row_lanes(keys[j] + kVecLanes * c);
       dots[j] = dot;
     }
     float sums[kTileTokens];
@@ -281,8 +312,8 @@ inline const float* row_as_float(const KV* row, float* __restrict buffer, int64_
 // out += weights[j] * values[j] over the tile's ``count`` value rows, in key order.
 // With the head size a multiple of kVecLanes known at compile time, out stays in
 // registers across the tile (one load and store of it per tile, not per key).
-template <int64_t HD>
-inline void add_values(float* __restrict out, const float* const* values,
+template <int64_t HD, typename Row>
+inline void add_values(float* __restrict out, const Row* const* values,
                        const float* weights, int64_t count, int64_t head_dim) {
   if constexpr (HD > 0 && HD % kVecLanes == 0) {
     constexpr int64_t kVecs = HD / kVecLanes;
@@ -290,7 +321,7 @@ inline void add_values(float* __restrict out, const float* const* values,
     for (int64_t c = 0; c < kVecs; ++c) sum[c] = load_lanes(out + kVecLanes * c);
     for (int64_t j = 0; j < count; ++j)
       for (int64_t c = 0; c < kVecs; ++c)
-        sum[c] += weights[j] * load_lanes(values[j] + kVecLanes * c);
+        sum[c] += weights[j] * row_lanes(values[j] + kVecLanes * c);
     for (int64_t c = 0; c < kVecs; ++c) store_lanes(out + kVecLanes * c, sum[c]);
   } else {
     const int64_t n = HD > 0 ? HD : head_dim;
@@ -330,9 +361,17 @@ inline void add_values(float* __restrict out, const float* const* values,
 // with it fixed, the per-key dot products and value updates unroll into registers
 // (the kernel is bound by those instructions, not by memory, without it).
 constexpr int64_t kSpanTokens = 256;
+// A bfloat16 or int8 row read in place (kInPlace) is converted by every query of its
+// KV head; a float32 copy is made once and read by all. In place measured faster for
+// models of up to four query heads a KV head and slower at eight on one thread, on a
+// 2-vCPU Zen 5 EPYC (docs/BENCHMARKS.md). The choice is the model's (its group), not
+// the step's: a decode row and a verification run's rows take the same path, so a
+// row's result does not depend on the rows beside it (-ffast-math may sum the two
+// paths' lanes in different orders).
+constexpr int64_t kInPlaceGroup = 4;
 constexpr int64_t kAheadTokens = 8;  // token rows prefetched ahead of the one being read
 
-template <typename T, typename KV, int64_t HD = 0>
+template <typename T, typename KV, int64_t HD = 0, bool kInPlace = false>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
                            int64_t num_seqs, int64_t num_heads, int64_t head_dim_arg,
                            const KV* k_ptr, const KV* v_ptr, int64_t block_size,
@@ -343,6 +382,10 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // query token attending to the first lens[row] tokens of its sequence's context (minus
   // the window).
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
+  // What the per-tile loops read: the cache's own rows (row_lanes), or float32 copies
+  // of them (row_as_float; float rows are their own copies); see kInPlaceGroup.
+  static_assert(!kInPlace || (kRowLanes<KV> && HD > 0 && HD % kVecLanes == 0));
+  using Row = std::conditional_t<kInPlace, KV, float>;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
   const int64_t row = num_kv_heads * head_width;  // one token of one block, all KV heads
@@ -429,11 +472,11 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
           key_rows[t] = k_ptr + offset;
           value_rows[t] = v_ptr + offset;
         }
-        // Tiles of kTileTokens token rows: each head's rows of the tile (as float32) go
-        // to ``use`` together, so a query's registers serve the whole tile.
+        // Tiles of kTileTokens token rows: each head's rows of the tile (Row) go to
+        // ``use`` together, so a query's registers serve the whole tile.
         auto pass = [&](const std::vector<const KV*>& token_rows, auto&& use) {
           for (int64_t t = 0; t < std::min(n, kAheadTokens); ++t) prefetch_row(token_rows[t], run_bytes);
-          const float* rows_f[kTileTokens];
+          const Row* rows_f[kTileTokens];
           float row_scales[kTileTokens];
           for (int64_t t0 = 0; t0 < n; t0 += kTileTokens) {
             const int64_t count = std::min(kTileTokens, n - t0), heads = h1 - h0;
@@ -448,14 +491,15 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
               }
               for (int64_t j = 0; j < count; ++j) {
                 const KV* head_row = token_rows[t0 + j] + h * head_width;
-                rows_f[j] = row_as_float<HD>(head_row, widened.data() + j * head_dim, head_dim);
+                if constexpr (kInPlace) rows_f[j] = head_row;
+                else rows_f[j] = row_as_float<HD>(head_row, widened.data() + j * head_dim, head_dim);
                 row_scales[j] = KVRows<KV>::scale(head_row, head_dim);
               }
               use(t0, count, h, rows_f, row_scales);
             }
           }
         };
-        pass(key_rows, [&](int64_t t0, int64_t count, int64_t h, const float* const* k,
+        pass(key_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* k,
                            const float* k_scales) {
           for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i)
             key_scores<HD>(query.data() + i * head_dim, k, k_scales, count, head_dim,
@@ -478,7 +522,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         }
         // Each query adds its own keys of the tile (a run: verification rows have their
         // own lengths), one after another in key order: the same sums as key by key.
-        pass(value_rows, [&](int64_t t0, int64_t count, int64_t h, const float* const* v,
+        pass(value_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* v,
                              const float* v_scales) {
           float weights[kTileTokens];
           for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
@@ -731,7 +775,14 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
       auto run = [&](auto head_dim_tag) {
-        decode_attention_impl<scalar_t, KV, decltype(head_dim_tag)::value>(
+        constexpr int64_t HD = decltype(head_dim_tag)::value;
+        auto impl = decode_attention_impl<scalar_t, KV, HD>;
+        constexpr bool kNarrow = kRowLanes<KV> && !std::is_same_v<KV, float>;
+        if constexpr (kNarrow && HD > 0 && HD % kVecLanes == 0) {
+          if (q.size(1) <= kInPlaceGroup * k_cache.size(2))  // query heads a KV head
+            impl = decode_attention_impl<scalar_t, KV, HD, true>;
+        }
+        impl(
             out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
             block_tables.size(0), q.size(1), q.size(2),
             static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
