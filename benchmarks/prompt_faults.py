@@ -7,7 +7,7 @@ new token each, one after another in one process (after one of 16 tokens to warm
 seconds, faults and system seconds per prompt. ``mixed``: ``--requests`` requests of
 256-1,024 random prompt tokens and 32 new tokens each, given to ``LLM.generate`` at
 once, so that steps mix prompt chunks and decodes: seconds, the median time to first
-token, faults and system seconds of the whole run::
+token, faults and system seconds of the whole run (``--requests 0``: none)::
 
     python -m benchmarks.prompt_faults --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf
 """
@@ -58,6 +58,8 @@ def main() -> None:
         )
         print(f"| prompt {i + 1} of {args.prompt_len} tokens | {seconds:.3f} | | {faults} "
               f"| {system:.2f} |", flush=True)  # fmt: skip
+    if args.requests == 0:  # prompts back to back only
+        return
     requests = [prompt(rng.randint(256, 1024)) for _ in range(args.requests)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     seconds, faults, system, outputs = timed(lambda: llm.generate(requests, params, use_tqdm=False))
