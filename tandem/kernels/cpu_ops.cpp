@@ -476,7 +476,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         // ``use`` together, so a query's registers serve the whole tile.
         auto pass = [&](const std::vector<const KV*>& token_rows, auto&& use) {
           for (int64_t t = 0; t < std::min(n, kAheadTokens); ++t) prefetch_row(token_rows[t], run_bytes);
-          const Row* rows_f[kTileTokens];
+          const Row* head_rows[kTileTokens];
           float row_scales[kTileTokens];
           for (int64_t t0 = 0; t0 < n; t0 += kTileTokens) {
             const int64_t count = std::min(kTileTokens, n - t0), heads = h1 - h0;
@@ -491,11 +491,11 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
               }
               for (int64_t j = 0; j < count; ++j) {
                 const KV* head_row = token_rows[t0 + j] + h * head_width;
-                if constexpr (kInPlace) rows_f[j] = head_row;
-                else rows_f[j] = row_as_float<HD>(head_row, widened.data() + j * head_dim, head_dim);
+                if constexpr (kInPlace) head_rows[j] = head_row;
+                else head_rows[j] = row_as_float<HD>(head_row, widened.data() + j * head_dim, head_dim);
                 row_scales[j] = KVRows<KV>::scale(head_row, head_dim);
               }
-              use(t0, count, h, rows_f, row_scales);
+              use(t0, count, h, head_rows, row_scales);
             }
           }
         };
