@@ -425,7 +425,8 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // Every slot is written by its item before the merge reads it: no zero-filling.
   std::unique_ptr<float[]> partials(new float[std::max<int64_t>(partial_total, 1)]);
   at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query, acc, scores, top, total, widened(kTileTokens * head_dim);
+    std::vector<float> query, acc, scores, top, total;
+    std::vector<float> widened(kInPlace ? 0 : kTileTokens * head_dim);  // row_as_float's copies
     std::vector<int64_t> lo, hi;
     std::vector<const KV*> key_rows, value_rows;
     for (int64_t item = begin; item < end; ++item) {
