@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--requests", type=int, default=24)
     args = parser.parse_args()
+    if min(args.prompt_len, args.prompts, args.requests) < 0 or args.prompt_len == 0:
+        parser.error("--prompt-len must be positive, --prompts and --requests not negative")
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=args.model)
