@@ -169,10 +169,10 @@ def test_every_head_size_path_matches_brute_force(kv_dtype, head_dim):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
 def test_wide_query_groups_match_brute_force(kv_dtype):
-    """Eight query heads a KV head (Qwen3-30B-A3B's, Llama-3-70B's): the kernel reads
-    float32 copies of narrow cache rows there, the rows in place for groups of up to
-    four (the tests above); against brute force, decode rows bit for bit with their
-    verification runs."""
+    """Eight query heads a KV head (Qwen3-30B-A3B's, Llama-3-70B's): the kernel takes a
+    KV head's queries in runs that share each row's conversion, and eight split into
+    other runs than the groups of three above; against brute force, decode rows bit
+    for bit with their verification runs."""
     shapes = [(1, 1), (9, 1), (300, 1), (61, 3), (700, 4)]
     _check_decode_kernel(kv_dtype, None, shapes, LONG_HEAD_DIM, heads=8 * KV_HEADS)
 

@@ -195,7 +195,6 @@ typedef float VecF __attribute__((vector_size(kVecLanes * 4)));
 typedef float VecFu __attribute__((vector_size(kVecLanes * 4), aligned(4)));
 inline VecF load_lanes(const float* p) { return *reinterpret_cast<const VecFu*>(p); }
 inline void store_lanes(float* p, const VecF& v) { *reinterpret_cast<VecFu*>(p) = v; }
-
 // kVecLanes elements of a cache row as float32, read straight from the row, where the
 // conversion is one or two instructions: float; with AVX-512, bfloat16 (its bits moved
 // up a half-word) and int8 (widened, then converted; the row's scale is applied after,
@@ -265,29 +264,77 @@ inline void lane_sums8(const VecF (&v)[kTileTokens], float (&s)[kTileTokens]) {
   for (int i = 0; i < kTileTokens; ++i) s[i] = sums[i];
 }
 
-// scores[j] = (q . keys[j]) * key_scales[j] for the tile's ``count`` keys (rows of one
-// head: float32, or a cache's own rows where row_lanes reads them). With the head size
-// a multiple of kVecLanes known at compile time, q stays in registers and the dot
-// products' lanes are summed eight keys at a time.
+// The queries of one KV head that take a tile's rows together (key_scores,
+// add_values): a bfloat16 or int8 row read in place is loaded and converted once for
+// all of them, not once each (1.04-1.17x the kernel on a 2-vCPU Zen 5 EPYC,
+// docs/BENCHMARKS.md). As many as keep their sums and the row in registers (AVX-512 has
+// 32 vector registers; AVX2 builds read no narrow rows in place). One at a time for
+// float32 rows, which need no conversion: several at once measured no faster.
+#if defined(__AVX512F__)
+constexpr int64_t kVecRegisters = 32;
+#else
+constexpr int64_t kVecRegisters = 16;
+#endif
+template <int64_t HD>
+constexpr bool kUnrolled = HD > 0 && HD % kVecLanes == 0;  // rows as whole vectors
 template <int64_t HD, typename Row>
+constexpr int64_t key_queries() {  // each holds HD / kVecLanes of query, kTileTokens sums
+  int64_t q = 1;
+  while (kUnrolled<HD> && !std::is_same_v<Row, float> &&
+         (q + 1) * (HD / kVecLanes + kTileTokens) <= kVecRegisters - 6)
+    ++q;
+  return q;
+}
+template <int64_t HD, typename Row>
+constexpr int64_t value_queries() {  // each holds HD / kVecLanes sums, in half the registers
+  if constexpr (kUnrolled<HD> && !std::is_same_v<Row, float>)
+    return std::max<int64_t>(1, kVecRegisters / 2 / (HD / kVecLanes));
+  return 1;
+}
+
+// fn(std::integral_constant<int64_t, q>, i) for runs [i, i + q) covering [begin, end):
+// runs of Q, then what is left in runs of fewer.
+template <int64_t Q, typename Fn>
+inline void in_runs(int64_t begin, int64_t end, Fn&& fn) {
+  int64_t i = begin;
+  for (; i + Q <= end; i += Q) fn(std::integral_constant<int64_t, Q>{}, i);
+  if constexpr (Q > 1) {
+    if (i < end) in_runs<Q - 1>(i, end, fn);
+  }
+}
+
+// scores[j] = (q . keys[j]) * key_scales[j] for the tile's ``count`` keys (rows of one
+// head: float32, or a cache's own rows where row_lanes reads them), for Q queries at
+// once (q: the first's HD floats, the next after it; its scores ``score_stride`` after
+// the first's). With the head size a multiple of kVecLanes known at compile time, the
+// queries stay in registers and each dot product's lanes are summed eight keys at a
+// time. A query's scores do not depend on Q: the same fused products in the same
+// order whichever queries share its run.
+template <int64_t HD, int64_t Q, typename Row>
 inline void key_scores(const float* __restrict q, const Row* const* keys,
                        const float* key_scales, int64_t count, int64_t head_dim,
-                       float* __restrict scores) {
-  if constexpr (HD > 0 && HD % kVecLanes == 0) {
+                       float* __restrict scores, int64_t score_stride) {
+  if constexpr (kUnrolled<HD>) {
     constexpr int64_t kVecs = HD / kVecLanes;
-    VecF query[kVecs], dots[kTileTokens];
-    for (int64_t c = 0; c < kVecs; ++c) query[c] = load_lanes(q + kVecLanes * c);
+    VecF query[Q][kVecs], dots[Q][kTileTokens];
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = 0; c < kVecs; ++c) query[i][c] = load_lanes(q + i * HD + kVecLanes * c);
     for (int64_t j = 0; j < kTileTokens; ++j) {
-      VecF dot = {};
+      VecF dot[Q] = {};
       if (j < count)
-        for (int64_t c = 0; c < kVecs; ++c)
-          dot += query[c] * row_lanes(keys[j] + kVecLanes * c);
-      dots[j] = dot;
+        for (int64_t c = 0; c < kVecs; ++c) {
+          const VecF key = row_lanes(keys[j] + kVecLanes * c);
+          for (int64_t i = 0; i < Q; ++i) dot[i] += query[i][c] * key;
+        }
+      for (int64_t i = 0; i < Q; ++i) dots[i][j] = dot[i];
     }
-    float sums[kTileTokens];
-    lane_sums8(dots, sums);
-    for (int64_t j = 0; j < count; ++j) scores[j] = sums[j] * key_scales[j];
+    for (int64_t i = 0; i < Q; ++i) {
+      float sums[kTileTokens];
+      lane_sums8(dots[i], sums);
+      for (int64_t j = 0; j < count; ++j) scores[i * score_stride + j] = sums[j] * key_scales[j];
+    }
   } else {
+    static_assert(Q == 1);
     const int64_t n = HD > 0 ? HD : head_dim;
     for (int64_t j = 0; j < count; ++j) {
       float sum = 0.f;
@@ -309,21 +356,28 @@ inline const float* row_as_float(const KV* row, float* __restrict buffer, int64_
   }
 }
 
-// out += weights[j] * values[j] over the tile's ``count`` value rows, in key order.
-// With the head size a multiple of kVecLanes known at compile time, out stays in
-// registers across the tile (one load and store of it per tile, not per key).
-template <int64_t HD, typename Row>
+// out += weights[j] * values[j] over the tile's ``count`` value rows, in key order, for
+// Q queries at once (out: the first's sums, the next HD floats after it; weights:
+// kTileTokens a query). With the head size a multiple of kVecLanes known at compile
+// time, the sums stay in registers across the tile (one load and store of them per
+// tile, not per key). A query's sums do not depend on Q, as key_scores'.
+template <int64_t HD, int64_t Q, typename Row>
 inline void add_values(float* __restrict out, const Row* const* values,
                        const float* weights, int64_t count, int64_t head_dim) {
-  if constexpr (HD > 0 && HD % kVecLanes == 0) {
+  if constexpr (kUnrolled<HD>) {
     constexpr int64_t kVecs = HD / kVecLanes;
-    VecF sum[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) sum[c] = load_lanes(out + kVecLanes * c);
+    VecF sum[Q][kVecs];
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = 0; c < kVecs; ++c) sum[i][c] = load_lanes(out + i * HD + kVecLanes * c);
     for (int64_t j = 0; j < count; ++j)
-      for (int64_t c = 0; c < kVecs; ++c)
-        sum[c] += weights[j] * row_lanes(values[j] + kVecLanes * c);
-    for (int64_t c = 0; c < kVecs; ++c) store_lanes(out + kVecLanes * c, sum[c]);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const VecF value = row_lanes(values[j] + kVecLanes * c);
+        for (int64_t i = 0; i < Q; ++i) sum[i][c] += weights[i * kTileTokens + j] * value;
+      }
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = 0; c < kVecs; ++c) store_lanes(out + i * HD + kVecLanes * c, sum[i][c]);
   } else {
+    static_assert(Q == 1);
     const int64_t n = HD > 0 ? HD : head_dim;
     for (int64_t j = 0; j < count; ++j)
       for (int64_t d = 0; d < n; ++d) out[d] += weights[j] * values[j][d];
@@ -361,17 +415,9 @@ inline void add_values(float* __restrict out, const Row* const* values,
 // with it fixed, the per-key dot products and value updates unroll into registers
 // (the kernel is bound by those instructions, not by memory, without it).
 constexpr int64_t kSpanTokens = 256;
-// A bfloat16 or int8 row read in place (kInPlace) is converted by every query of its
-// KV head; a float32 copy is made once and read by all. In place measured faster for
-// models of up to four query heads a KV head and slower at eight on one thread, on a
-// 2-vCPU Zen 5 EPYC (docs/BENCHMARKS.md). The choice is the model's (its group), not
-// the step's: a decode row and a verification run's rows take the same path, so a
-// row's result does not depend on the rows beside it (-ffast-math may sum the two
-// paths' lanes in different orders).
-constexpr int64_t kInPlaceGroup = 4;
 constexpr int64_t kAheadTokens = 8;  // token rows prefetched ahead of the one being read
 
-template <typename T, typename KV, int64_t HD = 0, bool kInPlace = false>
+template <typename T, typename KV, int64_t HD = 0>
 void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_stride,
                            int64_t num_seqs, int64_t num_heads, int64_t head_dim_arg,
                            const KV* k_ptr, const KV* v_ptr, int64_t block_size,
@@ -382,9 +428,13 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // query token attending to the first lens[row] tokens of its sequence's context (minus
   // the window).
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
-  // What the per-tile loops read: the cache's own rows (row_lanes), or float32 copies
-  // of them (row_as_float; float rows are their own copies); see kInPlaceGroup.
-  static_assert(!kInPlace || (kRowLanes<KV> && HD > 0 && HD % kVecLanes == 0));
+  // What the per-tile loops read: the cache's own rows where row_lanes converts them
+  // (float32; bfloat16 and int8 on AVX-512) and the head size is compiled, else float32
+  // copies of them (row_as_float; float rows are their own copies). A bfloat16 or int8
+  // row read in place is converted by each run of queries (key_queries, value_queries),
+  // a copy once for all; in place measured 1.0-1.4x the copies at eight query heads a
+  // KV head and 1.1-1.2x at three and four on a 2-vCPU Zen 5 EPYC (docs/BENCHMARKS.md).
+  constexpr bool kInPlace = kRowLanes<KV> && kUnrolled<HD>;
   using Row = std::conditional_t<kInPlace, KV, float>;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_width = head_dim + KVRows<KV>::kExtra;  // elements of one head's row
@@ -502,9 +552,11 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         };
         pass(key_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* k,
                            const float* k_scales) {
-          for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i)
-            key_scores<HD>(query.data() + i * head_dim, k, k_scales, count, head_dim,
-                           scores.data() + i * n + t0);
+          for (int64_t i0 = h * per_head; i0 < (h + 1) * per_head; i0 += group)  // a row's
+            in_runs<key_queries<HD, Row>()>(i0, i0 + group, [&](auto run, int64_t i) {
+              key_scores<HD, decltype(run)::value>(query.data() + i * head_dim, k, k_scales,
+                                                   count, head_dim, scores.data() + i * n + t0, n);
+            });
         });
         // exp(s - m) over each query's own keys (plain loops on locals: they vectorise,
         // where std::max_element and a vector's element would not); other keys weigh 0.
@@ -522,20 +574,27 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
           total[i] = sum;
         }
         // Each query adds its own keys of the tile (a run: verification rows have their
-        // own lengths), one after another in key order: the same sums as key by key.
+        // own lengths), one after another in key order: the same sums as key by key. A
+        // row's queries go in the same runs (key_queries, value_queries) in a decode and
+        // in a verification run, so a row's result is the same machine code's either way.
         pass(value_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* v,
                              const float* v_scales) {
-          float weights[kTileTokens];
-          for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
+          float weights[value_queries<HD, Row>() * kTileTokens];
+          for (int64_t r = 0; r < rows; ++r) {
             int64_t j0 = 0, j1 = count;
-            if (rows > 1) {  // (no division per query and tile for a decode: it cost 15%)
-              const int64_t r = (i % per_head) / group;
+            if (rows > 1) {  // (a decode row reads the whole tile)
               j0 = std::max<int64_t>(0, lo[r] - first - t0);
               j1 = std::min<int64_t>(count, hi[r] - first - t0);
               if (j1 <= j0) continue;
             }
-            for (int64_t j = j0; j < j1; ++j) weights[j] = scores[i * n + t0 + j] * v_scales[j];
-            add_values<HD>(acc.data() + i * head_dim, v + j0, weights + j0, j1 - j0, head_dim);
+            const int64_t i0 = h * per_head + r * group;
+            in_runs<value_queries<HD, Row>()>(i0, i0 + group, [&](auto run, int64_t i) {
+              constexpr int64_t Q = decltype(run)::value;
+              for (int64_t a = 0; a < Q; ++a)
+                for (int64_t j = j0; j < j1; ++j)
+                  weights[a * kTileTokens + j] = scores[(i + a) * n + t0 + j] * v_scales[j];
+              add_values<HD, Q>(acc.data() + i * head_dim, v + j0, weights + j0, j1 - j0, head_dim);
+            });
           }
         });
       }
@@ -777,13 +836,7 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
       using KV = decltype(tag);
       auto run = [&](auto head_dim_tag) {
         constexpr int64_t HD = decltype(head_dim_tag)::value;
-        auto impl = decode_attention_impl<scalar_t, KV, HD>;
-        constexpr bool kNarrow = kRowLanes<KV> && !std::is_same_v<KV, float>;
-        if constexpr (kNarrow && HD > 0 && HD % kVecLanes == 0) {
-          if (q.size(1) <= kInPlaceGroup * k_cache.size(2))  // query heads a KV head
-            impl = decode_attention_impl<scalar_t, KV, HD, true>;
-        }
-        impl(
+        decode_attention_impl<scalar_t, KV, HD>(
             out.data_ptr<scalar_t>(), out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
             block_tables.size(0), q.size(1), q.size(2),
             static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
