@@ -552,11 +552,17 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         };
         pass(key_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* k,
                            const float* k_scales) {
-          for (int64_t i0 = h * per_head; i0 < (h + 1) * per_head; i0 += group)  // a row's
-            in_runs<key_queries<HD, Row>()>(i0, i0 + group, [&](auto run, int64_t i) {
-              key_scores<HD, decltype(run)::value>(query.data() + i * head_dim, k, k_scales,
-                                                   count, head_dim, scores.data() + i * n + t0, n);
-            });
+          if constexpr (key_queries<HD, Row>() == 1) {
+            for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i)
+              key_scores<HD, 1>(query.data() + i * head_dim, k, k_scales, count, head_dim,
+                                scores.data() + i * n + t0, n);
+          } else {
+            for (int64_t i0 = h * per_head; i0 < (h + 1) * per_head; i0 += group)  // a row's
+              in_runs<key_queries<HD, Row>()>(i0, i0 + group, [&](auto run, int64_t i) {
+                key_scores<HD, decltype(run)::value>(query.data() + i * head_dim, k, k_scales,
+                                                     count, head_dim, scores.data() + i * n + t0, n);
+              });
+          }
         });
         // exp(s - m) over each query's own keys (plain loops on locals: they vectorise,
         // where std::max_element and a vector's element would not); other keys weigh 0.
@@ -580,6 +586,20 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         pass(value_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* v,
                              const float* v_scales) {
           float weights[value_queries<HD, Row>() * kTileTokens];
+          if constexpr (value_queries<HD, Row>() == 1) {
+            for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
+              int64_t j0 = 0, j1 = count;
+              if (rows > 1) {  // (no division per query and tile for a decode: it cost 15%)
+                const int64_t r = (i % per_head) / group;
+                j0 = std::max<int64_t>(0, lo[r] - first - t0);
+                j1 = std::min<int64_t>(count, hi[r] - first - t0);
+                if (j1 <= j0) continue;
+              }
+              for (int64_t j = j0; j < j1; ++j) weights[j] = scores[i * n + t0 + j] * v_scales[j];
+              add_values<HD, 1>(acc.data() + i * head_dim, v + j0, weights + j0, j1 - j0, head_dim);
+            }
+            return;
+          }
           for (int64_t r = 0; r < rows; ++r) {
             int64_t j0 = 0, j1 = count;
             if (rows > 1) {  // (a decode row reads the whole tile)
