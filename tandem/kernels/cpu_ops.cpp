@@ -195,6 +195,7 @@ typedef float VecF __attribute__((vector_size(kVecLanes * 4)));
 typedef float VecFu __attribute__((vector_size(kVecLanes * 4), aligned(4)));
 inline VecF load_lanes(const float* p) { return *reinterpret_cast<const VecFu*>(p); }
 inline void store_lanes(float* p, const VecF& v) { *reinterpret_cast<VecFu*>(p) = v; }
+
 // kVecLanes elements of a cache row as float32, read straight from the row, where the
 // conversion is one or two instructions: float; with AVX-512, bfloat16 (its bits moved
 // up a half-word) and int8 (widened, then converted; the row's scale is applied after,
@@ -308,8 +309,9 @@ inline void in_runs(int64_t begin, int64_t end, Fn&& fn) {
 // once (q: the first's HD floats, the next after it; its scores ``score_stride`` after
 // the first's). With the head size a multiple of kVecLanes known at compile time, the
 // queries stay in registers and each dot product's lanes are summed eight keys at a
-// time. A query's scores do not depend on Q: the same fused products in the same
-// order whichever queries share its run.
+// time. Each query's products are those of Q = 1, in the same order; since -ffast-math
+// may still regroup them per Q, a row's queries take the same runs in a decode and in
+// a verification run (decode_attention_impl), so the two agree to the bit.
 template <int64_t HD, int64_t Q, typename Row>
 inline void key_scores(const float* __restrict q, const Row* const* keys,
                        const float* key_scales, int64_t count, int64_t head_dim,
@@ -360,7 +362,7 @@ inline const float* row_as_float(const KV* row, float* __restrict buffer, int64_
 // Q queries at once (out: the first's sums, the next HD floats after it; weights:
 // kTileTokens a query). With the head size a multiple of kVecLanes known at compile
 // time, the sums stay in registers across the tile (one load and store of them per
-// tile, not per key). A query's sums do not depend on Q, as key_scores'.
+// tile, not per key). Runs of queries as for key_scores.
 template <int64_t HD, int64_t Q, typename Row>
 inline void add_values(float* __restrict out, const Row* const* values,
                        const float* weights, int64_t count, int64_t head_dim) {
@@ -432,8 +434,9 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // (float32; bfloat16 and int8 on AVX-512) and the head size is compiled, else float32
   // copies of them (row_as_float; float rows are their own copies). A bfloat16 or int8
   // row read in place is converted by each run of queries (key_queries, value_queries),
-  // a copy once for all; in place measured 1.0-1.4x the copies at eight query heads a
-  // KV head and 1.1-1.2x at three and four on a 2-vCPU Zen 5 EPYC (docs/BENCHMARKS.md).
+  // a copy once for all; in place measured 0.97-1.41x the copies at eight query heads a
+  // KV head (Qwen3-30B-A3B's shape), 1.3x on two threads, on a 2-vCPU Zen 5 EPYC
+  // (docs/BENCHMARKS.md).
   constexpr bool kInPlace = kRowLanes<KV> && kUnrolled<HD>;
   using Row = std::conditional_t<kInPlace, KV, float>;
   const int64_t group = num_heads / num_kv_heads;
@@ -552,7 +555,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         };
         pass(key_rows, [&](int64_t t0, int64_t count, int64_t h, const Row* const* k,
                            const float* k_scales) {
-          if constexpr (key_queries<HD, Row>() == 1) {
+          if constexpr (key_queries<HD, Row>() == 1) {  // one query at a time: see values
             for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i)
               key_scores<HD, 1>(query.data() + i * head_dim, k, k_scales, count, head_dim,
                                 scores.data() + i * n + t0, n);
@@ -587,6 +590,9 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
                              const float* v_scales) {
           float weights[value_queries<HD, Row>() * kTileTokens];
           if constexpr (value_queries<HD, Row>() == 1) {
+            // One query at a time (float32 rows, copies): the loop over the head's
+            // queries, which measured faster there than the runs' loop over its rows
+            // (0.94-0.96x on SmolLM2's float32 cache).
             for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
               int64_t j0 = 0, j1 = count;
               if (rows > 1) {  // (no division per query and tile for a decode: it cost 15%)
