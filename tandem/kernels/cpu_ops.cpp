@@ -267,8 +267,8 @@ inline void lane_sums8(const VecF (&v)[kTileTokens], float (&s)[kTileTokens]) {
 
 // The queries of one KV head that take a tile's rows together (key_scores,
 // add_values): a bfloat16 or int8 row read in place is loaded and converted once for
-// all of them, not once each (1.04-1.17x the kernel on a 2-vCPU Zen 5 EPYC,
-// docs/BENCHMARKS.md). As many as keep their sums and the row in registers (AVX-512 has
+// all of them, not once each (the kernel 1.08-1.20x at three and four query heads a
+// KV head, 1.11-1.47x at eight, on a 2-vCPU Zen 5 EPYC: docs/BENCHMARKS.md). As many as keep their sums and the row in registers (AVX-512 has
 // 32 vector registers; AVX2 builds read no narrow rows in place). One at a time for
 // float32 rows, which need no conversion: several at once measured no faster.
 #if defined(__AVX512F__)
@@ -448,9 +448,8 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   // (float32; bfloat16 and int8 on AVX-512) and the head size is compiled, else float32
   // copies of them (row_as_float; float rows are their own copies). A bfloat16 or int8
   // row read in place is converted by each run of queries (key_queries, value_queries),
-  // a copy once for all; in place measured 0.97-1.41x the copies at eight query heads a
-  // KV head (Qwen3-30B-A3B's shape), 1.3x on two threads, on a 2-vCPU Zen 5 EPYC
-  // (docs/BENCHMARKS.md).
+  // a copy once for all; in place measured 1.11-1.47x the copies at eight query heads
+  // a KV head (Qwen3-30B-A3B's shape) on a 2-vCPU Zen 5 EPYC (docs/BENCHMARKS.md).
   constexpr bool kInPlace = kRowLanes<KV> && kUnrolled<HD>;
   using Row = std::conditional_t<kInPlace, KV, float>;
   const int64_t group = num_heads / num_kv_heads;
