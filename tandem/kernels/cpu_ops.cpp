@@ -268,9 +268,10 @@ inline void lane_sums8(const VecF (&v)[kTileTokens], float (&s)[kTileTokens]) {
 // The queries of one KV head that take a tile's rows together (key_scores,
 // add_values): a bfloat16 or int8 row read in place is loaded and converted once for
 // all of them, not once each (the kernel 1.08-1.20x at three and four query heads a
-// KV head, 1.11-1.47x at eight, on a 2-vCPU Zen 5 EPYC: docs/BENCHMARKS.md). As many as keep their sums and the row in registers (AVX-512 has
-// 32 vector registers; AVX2 builds read no narrow rows in place). One at a time for
-// float32 rows, which need no conversion: several at once measured no faster.
+// KV head, 1.11-1.47x at eight, on a 2-vCPU Zen 5 EPYC: docs/BENCHMARKS.md). As many
+// as keep their sums in registers (AVX-512 has 32 vector registers; AVX2 builds read
+// no narrow rows in place). One at a time for float32 rows, which need no conversion:
+// several at once measured no faster.
 #if defined(__AVX512F__)
 constexpr int64_t kVecRegisters = 32;
 #else
@@ -322,10 +323,10 @@ inline void in_runs(int64_t begin, int64_t end, Fn&& fn) {
 // head: float32, or a cache's own rows where row_lanes reads them), for Q queries at
 // once (q: the first's HD floats, the next after it; its scores ``score_stride`` after
 // the first's). With the head size a multiple of kVecLanes known at compile time, the
-// queries stay in registers and each dot product's lanes are summed eight keys at a
-// time. Each query's products are those of Q = 1, in the same order; since -ffast-math
-// may still regroup them per Q, a row's queries take the same runs in a decode and in
-// a verification run (decode_attention_impl), so the two agree to the bit.
+// dot products stay in registers and their lanes are summed eight keys at a time.
+// Each query's products are those of Q = 1, in the same order; since -ffast-math may
+// still regroup them per Q, a row's queries take the same runs in a decode and in a
+// verification run (decode_attention_impl), so the two agree to the bit.
 template <int64_t HD, int64_t Q, typename Row>
 inline void key_scores(const float* __restrict q, const Row* const* keys,
                        const float* key_scales, int64_t count, int64_t head_dim,
@@ -575,8 +576,9 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
           } else {
             for (int64_t i0 = h * per_head; i0 < (h + 1) * per_head; i0 += group)  // a row's
               in_runs<key_queries<HD, Row>()>(i0, i0 + group, [&](auto run, int64_t i) {
-                key_scores<HD, decltype(run)::value>(query.data() + i * head_dim, k, k_scales,
-                                                     count, head_dim, scores.data() + i * n + t0, n);
+                key_scores<HD, decltype(run)::value>(query.data() + i * head_dim, k,
+                                                     k_scales, count, head_dim,
+                                                     scores.data() + i * n + t0, n);
               });
           }
         });
