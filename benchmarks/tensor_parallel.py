@@ -63,6 +63,16 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     for cls in (ShmGroup, GlooCollectives):
         for name in ("all_reduce", "all_gather"):
             setattr(cls, name, timed("collectives", getattr(cls, name)))
+    reduce_in = ShmGroup.reduce_in  # a decode step's all-reduces inside its compiled call
+
+    def counted_reduce_in(self, *args):
+        before = self.reduced_seconds
+        try:
+            return reduce_in(self, *args)
+        finally:
+            timers["collectives"] += self.reduced_seconds - before
+
+    ShmGroup.reduce_in = counted_reduce_in
 
     llm = LLM(
         model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind

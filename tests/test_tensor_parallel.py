@@ -227,6 +227,56 @@ def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
         assert all(shape.experts_used <= s["experts_read"] <= shape.experts for s in steps)
 
 
+def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkeypatch):
+    """On ranks meeting in shared memory, a decode step's dense layers run in one
+    compiled call with the all-reduces inside it (kernels/decode_stack.cpp's ranked
+    stack); it gives the per-layer calls' numbers bit for bit. With rank 0 looking once
+    before handing a wait back to Python (shm_group.SPIN_US = 0), the call is cut at
+    its collectives and resumed over and over, and still gives the same bits."""
+    from tandem.runner import shm_group
+
+    shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512)
+    path = write_random_gguf(tmp_path / "random-q4_0.gguf", shape, "q4_0")
+    ids = prompts([11, 6], seed=7, vocab=shape.vocab)
+    calls, resumed_waits = [], []
+    original, wait = shm_group.ShmGroup.reduce_in, shm_group.ShmGroup._wait
+
+    def counted(self, call, h):
+        calls.append(h.shape[0])
+        return original(self, call, h)
+
+    def waited(self, *args, **kwargs):
+        if calls and shm_group.SPIN_US == 0:
+            resumed_waits.append(args[-1])
+        return wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(shm_group.ShmGroup, "reduce_in", counted)
+    monkeypatch.setattr(shm_group.ShmGroup, "_wait", waited)
+    results = {}
+    for mode, spin in (("layers", shm_group.SPIN_US), ("1", shm_group.SPIN_US), ("1", 0)):
+        monkeypatch.setenv("TANDEM_FUSED_DECODE", mode)
+        monkeypatch.setattr(shm_group, "SPIN_US", spin)
+        llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2)
+        try:
+            results[mode, spin] = _generate(llm, ids)
+        finally:
+            _close(llm)
+
+    def bits(outputs):
+        return [
+            (o.outputs[0].token_ids,
+             [sorted((t, e.logprob) for t, e in row.items())
+              for row in o.prompt_logprobs[1:] + o.outputs[0].logprobs])
+            for o in outputs
+        ]  # fmt: skip
+
+    layers, stacked, resumed = map(bits, results.values())
+    assert calls  # the decode steps took the ranked stack
+    assert len(resumed_waits) > 10  # and it was cut at its collectives and resumed
+    assert stacked == layers
+    assert resumed == layers
+
+
 def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
     folder, _ = smollm2_like
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)

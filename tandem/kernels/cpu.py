@@ -16,10 +16,11 @@ at load, in one pass across threads.
 decode_layer.cpp: a whole Llama-family (or Gemma 3) decoder layer for decode tokens, the calls
 above made from C++ (runner/fused_decode.py decides when).
 moe_ops.cpp: a mixture's routing and experts, and its whole decode layer.
-decode_stack.cpp: every decoder layer of a decode step in one call, those layer calls
-made one after the other from C++.
 shm_ops.cpp: the counters through which tensor-parallel ranks on one host wait for each
 other in shared memory (runner/shm_group.py).
+decode_stack.cpp: every decoder layer of a decode step in one call, those layer calls
+made one after the other from C++ (on a tensor-parallel rank, with the all-reduces
+between them).
 read_probe.cpp: every byte of a tensor read once, as the kernels stream: the machine's
 read bandwidth that decode is measured against (plan/measure.py).
 
@@ -51,7 +52,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order: decode_layer.cpp and moe_ops.cpp call the first two.
+# One translation unit, in this order: decode_layer.cpp and moe_ops.cpp call the first two,
+# decode_stack.cpp the layers and shm_ops.cpp's all-reduce.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -60,8 +62,8 @@ SOURCES = [
         "pack_ops.cpp",
         "decode_layer.cpp",
         "moe_ops.cpp",
-        "decode_stack.cpp",
         "shm_ops.cpp",
+        "decode_stack.cpp",
         "read_probe.cpp",
     )
 ]
@@ -87,6 +89,7 @@ FUNCTIONS = [
     "moe_experts",
     "llama_decode_moe_layer",
     "llama_decode_stack",
+    "llama_decode_stack_ranked",
     "shm_post",
     "shm_wait",
     "shm_all_reduce",

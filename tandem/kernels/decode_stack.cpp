@@ -24,6 +24,30 @@ namespace {
 
 PackedArgs packed_args(const pybind11::handle& parts) { return parts.cast<PackedArgs>(); }
 
+// A dense layer's fixed arguments (entries 1-19 of its tuple above), converted once.
+struct DenseLayer {
+  torch::Tensor in_norm, post_norm, q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm,
+      positions, cos_sin;
+  double eps, scale;
+  PackedArgs qkv, o_proj, gate_up, down;
+  int64_t heads, kv_heads, head_dim, layer, window;
+  bool gelu;
+};
+
+DenseLayer dense_layer(const pybind11::tuple& a, int64_t window,
+                       const std::vector<torch::Tensor>& positions,
+                       const std::vector<torch::Tensor>& cos_sin) {
+  TORCH_CHECK(a.size() == 21, "a layer's arguments: 21 entries");
+  auto tensor = [&](int j) { return a[j].cast<torch::Tensor>(); };
+  auto integer = [&](int j) { return a[j].cast<int64_t>(); };
+  const int64_t rope = integer(19);
+  TORCH_CHECK(rope >= 0 && rope < static_cast<int64_t>(cos_sin.size()), "rotary table index");
+  return {tensor(1), tensor(2), tensor(13), tensor(14), tensor(15), tensor(16), tensor(17),
+          positions[rope], cos_sin[rope], a[3].cast<double>(), a[12].cast<double>(),
+          packed_args(a[4]), packed_args(a[5]), packed_args(a[6]), packed_args(a[7]),
+          integer(8), integer(9), integer(10), integer(11), window, a[18].cast<bool>()};
+}
+
 }  // namespace
 
 // Returns (the last layer's output, the stream): the final norm is the caller's. The
@@ -44,26 +68,14 @@ std::vector<torch::Tensor> llama_decode_stack(
   calls.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     const pybind11::tuple a = layers[i].cast<pybind11::tuple>();
-    TORCH_CHECK(a.size() == 21, "a layer's arguments: 21 entries");
-    auto tensor = [&](int j) { return a[j].cast<torch::Tensor>(); };
-    auto integer = [&](int j) { return a[j].cast<int64_t>(); };
-    const int64_t rope = integer(19);
-    TORCH_CHECK(rope >= 0 && rope < static_cast<int64_t>(cos_sin.size()), "rotary table index");
-    const torch::Tensor in_norm = tensor(1), post_norm = tensor(2), q_norm = tensor(13),
-                        k_norm = tensor(14), qkv_bias = tensor(15), pos = positions[rope],
-                        table = cos_sin[rope];
-    const double eps = a[3].cast<double>(), scale = a[12].cast<double>();
-    const PackedArgs qkv = packed_args(a[4]), o_proj = packed_args(a[5]);
-    const int64_t heads = integer(8), kv_heads = integer(9), head_dim = integer(10),
-                  layer = integer(11), window = windows[i];
+    const DenseLayer d = dense_layer(a, windows[i], positions, cos_sin);
     if (!a[0].cast<bool>()) {
-      calls.push_back([=, gate_up = packed_args(a[6]), down = packed_args(a[7]),
-                       post_attn_norm = tensor(16), post_mlp_norm = tensor(17),
-                       gelu = a[18].cast<bool>()](const torch::Tensor& x, const torch::Tensor& r) {
-        return llama_decode_layer(x, r, in_norm, post_norm, eps, qkv, o_proj, gate_up, down,
-                                  heads, kv_heads, head_dim, pos, table, kv_cache, layer, slots,
-                                  block_tables, context_lens, row_starts, scale, window, q_norm,
-                                  k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu);
+      calls.push_back([=](const torch::Tensor& x, const torch::Tensor& r) {
+        return llama_decode_layer(x, r, d.in_norm, d.post_norm, d.eps, d.qkv, d.o_proj,
+                                  d.gate_up, d.down, d.heads, d.kv_heads, d.head_dim,
+                                  d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables,
+                                  context_lens, row_starts, d.scale, d.window, d.q_norm, d.k_norm,
+                                  d.qkv_bias, d.post_attn_norm, d.post_mlp_norm, d.gelu);
       });
     } else {
       const pybind11::tuple m = a[20].cast<pybind11::tuple>();
@@ -79,12 +91,12 @@ std::vector<torch::Tensor> llama_decode_stack(
                        round_rows = mi(19), first_expert = mi(20),
                        load = mt(21)](const torch::Tensor& x, const torch::Tensor& r) {
         return llama_decode_moe_layer(
-            x, r, in_norm, post_norm, eps, qkv, o_proj, heads, kv_heads, head_dim, pos, table,
-            kv_cache, layer, slots, block_tables, context_lens, row_starts, scale, window,
-            q_norm, k_norm, qkv_bias, router, router_rows, top_k, normalize, gu_where,
-            gu_values, gu_scales, gu_corr, gu_rows, gu_group, gu_offset, dn_where, dn_values,
-            dn_scales, dn_corr, dn_rows, dn_group, dn_offset, gelu, round_rows, first_expert,
-            load);
+            x, r, d.in_norm, d.post_norm, d.eps, d.qkv, d.o_proj, d.heads, d.kv_heads,
+            d.head_dim, d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables,
+            context_lens, row_starts, d.scale, d.window, d.q_norm, d.k_norm, d.qkv_bias, router,
+            router_rows, top_k, normalize, gu_where, gu_values, gu_scales, gu_corr, gu_rows,
+            gu_group, gu_offset, dn_where, dn_values, dn_scales, dn_corr, dn_rows, dn_group,
+            dn_offset, gelu, round_rows, first_expert, load);
       });
     }
   }
@@ -98,4 +110,94 @@ std::vector<torch::Tensor> llama_decode_stack(
     }
   }
   return {h, residual};
+}
+
+// A tensor-parallel rank's dense layers in one call, for ranks that meet in shared
+// memory (runner/shm_group.py): each layer's two halves (llama_decode_attention,
+// llama_decode_mlp) with the float32 all-reduce of their partial sums between them made
+// here by shm::all_reduce, as ShmGroup.all_reduce makes it (the same copy, counters and
+// sum in rank order: the result is the per-layer path's bit for bit), then Gemma's norm
+// after the MLP. What it saves is the Python of two layer calls and two collectives a
+// layer. ``shm``: the segment's two data buffers as float32 [2, ranks, slot floats];
+// ``state``: (first layer, phase, collectives done). A wait that runs past spin_us
+// returns to the caller instead of spinning on, so that the caller can check that its
+// peers are alive (never a hang): the call then returns the pending tensor as its first
+// output, with the state to go on from, and the caller calls again with them (phase 1:
+// the attention's sum pending, 2: the MLP's), which completes that all-reduce without
+// posting it again. Returns (output, stream, int64 [next layer, phase, collectives done,
+// nanoseconds spent in the all-reduces]); next layer == layers when done.
+std::vector<torch::Tensor> llama_decode_stack_ranked(
+    torch::Tensor h, torch::Tensor residual, pybind11::list layers, std::vector<int64_t> windows,
+    std::vector<torch::Tensor> positions, std::vector<torch::Tensor> cos_sin,
+    torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor block_tables,
+    torch::Tensor context_lens, torch::Tensor row_starts, torch::Tensor shm,
+    torch::Tensor counters, int64_t stride, int64_t rank, std::vector<int64_t> state,
+    int64_t spin_us) {
+  const int64_t count = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == count, "windows: one a layer");
+  TORCH_CHECK(positions.size() == cos_sin.size() && !positions.empty(),
+              "positions and cos_sin: one pair a rotary table");
+  TORCH_CHECK(state.size() == 3 && state[0] >= 0 && state[0] < count && state[1] >= 0 &&
+              state[1] <= 2 && (state[1] > 0 || residual.numel() == 0 || state[0] > 0),
+              "state: (layer, phase 0-2, collectives)");
+  TORCH_CHECK(shm.scalar_type() == torch::kFloat && shm.dim() == 3 && shm.size(0) == 2,
+              "shm: float32 [2, ranks, slot]");
+  TORCH_CHECK(h.numel() <= shm.size(2), "a layer's output must fit one slot");
+  std::vector<DenseLayer> dense;
+  dense.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const pybind11::tuple a = layers[i].cast<pybind11::tuple>();
+    TORCH_CHECK(!a[0].cast<bool>(), "dense layers only");
+    dense.push_back(dense_layer(a, windows[i], positions, cos_sin));
+  }
+  int64_t layer = state[0], phase = state[1], sequence = state[2];
+  std::chrono::steady_clock::duration reducing{};
+  // The all-reduce of ``t`` as collective ``sequence`` (posting it first unless it is
+  // being completed); false: the wait ran out.
+  auto reduce = [&](torch::Tensor& t, bool post) {
+    const auto started = std::chrono::steady_clock::now();
+    if (post) ++sequence;
+    torch::Tensor slots_now = shm.select(0, sequence % 2).narrow(1, 0, t.numel());
+    const bool done = shm::all_reduce(t, slots_now, counters, stride, rank, sequence, spin_us, post);
+    reducing += std::chrono::steady_clock::now() - started;
+    return done;
+  };
+  bool waiting = false;
+  {
+    pybind11::gil_scoped_release released;
+    // phase 1 / 2 on entry: h is the pending sum, posted by an earlier call
+    bool post = phase == 0;
+    for (; layer < count; ++layer, phase = 0, post = true) {
+      const DenseLayer& d = dense[layer];
+      if (phase == 0) {
+        auto attention = llama_decode_attention(
+            h, residual, d.in_norm, d.eps, d.qkv, d.o_proj, d.heads, d.kv_heads, d.head_dim,
+            d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables, context_lens,
+            row_starts, d.scale, d.window, d.q_norm, d.k_norm, d.qkv_bias);
+        h = attention[0];
+        residual = attention[1];
+        phase = 1;
+      }
+      if (phase == 1) {
+        if (!reduce(h, post)) { waiting = true; break; }
+        post = true;
+        auto mlp = llama_decode_mlp(h, residual, d.post_attn_norm, d.post_norm, d.eps,
+                                    d.gate_up, d.down, d.gelu);
+        h = mlp[0];
+        residual = mlp[1];
+        phase = 2;
+      }
+      if (!reduce(h, post)) { waiting = true; break; }
+      if (d.post_mlp_norm.numel() > 0) {
+        torch::Tensor normed = torch::empty_like(h);
+        rms_norm(normed, h, c10::nullopt, d.post_mlp_norm, d.eps);
+        h = normed;
+      }
+    }
+  }
+  const int64_t nanoseconds =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(reducing).count();
+  torch::Tensor status = torch::tensor({waiting ? layer : count, waiting ? phase : 0, sequence,
+                                        nanoseconds}, torch::kLong);
+  return {h, residual, status};
 }

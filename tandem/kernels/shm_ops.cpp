@@ -17,15 +17,16 @@ void shm_post(torch::Tensor counters, int64_t index, int64_t value) {
   __atomic_store_n(counters.data_ptr<int64_t>() + index, value, __ATOMIC_RELEASE);
 }
 
+namespace shm {
+
 // Whether counters[i * stride] >= value for every i < count, spinning at most spin_us
-// microseconds (the caller checks that its peers are alive between calls). The GIL is
-// released while it spins: the engine process has other threads.
-bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t value,
-              int64_t spin_us) {
+// microseconds (the caller checks that its peers are alive between calls; 0: looking
+// once). Called without the GIL.
+bool wait(const torch::Tensor& counters, int64_t stride, int64_t count, int64_t value,
+          int64_t spin_us) {
   TORCH_CHECK(counters.scalar_type() == torch::kLong && counters.is_contiguous());
   TORCH_CHECK(count * stride <= counters.numel());
   const int64_t* base = counters.data_ptr<int64_t>();
-  pybind11::gil_scoped_release released;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   for (int64_t round = 0;; ++round) {
     bool all = true;
@@ -35,6 +36,7 @@ bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t val
       std::atomic_thread_fence(std::memory_order_seq_cst);
       return true;
     }
+    if (spin_us <= 0) return false;
     if ((round & 63) == 63) {
       if (std::chrono::steady_clock::now() > deadline) return false;
       if (round > (1 << 16)) std::this_thread::yield();  // a long wait: let others run
@@ -51,9 +53,10 @@ bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t val
 // spin_us), the slots are summed in rank order into ``data`` (every rank the same
 // bits) and true is returned. false: the wait ran out; the caller checks that its
 // peers are alive and calls again with post=false (no copy, no post: wait, then sum).
-// In one call, a token's all-reduce costs no Python between its copy and its sum.
-bool shm_all_reduce(torch::Tensor data, torch::Tensor slots, torch::Tensor counters,
-                    int64_t stride, int64_t rank, int64_t value, int64_t spin_us, bool post) {
+// Called without the GIL (shm_all_reduce below, decode_stack.cpp's ranked stack).
+bool all_reduce(const torch::Tensor& data, const torch::Tensor& slots,
+                const torch::Tensor& counters, int64_t stride, int64_t rank, int64_t value,
+                int64_t spin_us, bool post) {
   TORCH_CHECK(data.scalar_type() == torch::kFloat && data.is_contiguous());
   TORCH_CHECK(slots.scalar_type() == torch::kFloat && slots.dim() == 2 && slots.stride(1) == 1);
   const int64_t ranks = slots.size(0), n = data.numel(), row = slots.stride(0);
@@ -64,11 +67,29 @@ bool shm_all_reduce(torch::Tensor data, torch::Tensor slots, torch::Tensor count
     std::memcpy(base + rank * row, out, n * sizeof(float));
     shm_post(counters, rank * stride, value);
   }
-  if (!shm_wait(counters, stride, ranks, value, spin_us)) return false;
+  if (!wait(counters, stride, ranks, value, spin_us)) return false;
   for (int64_t i = 0; i < n; ++i) {
     float sum = base[i];
     for (int64_t r = 1; r < ranks; ++r) sum += base[r * row + i];
     out[i] = sum;
   }
   return true;
+}
+
+}  // namespace shm
+
+// shm::wait for Python, the GIL released while it spins: the engine process has other
+// threads.
+bool shm_wait(torch::Tensor counters, int64_t stride, int64_t count, int64_t value,
+              int64_t spin_us) {
+  pybind11::gil_scoped_release released;
+  return shm::wait(counters, stride, count, value, spin_us);
+}
+
+// shm::all_reduce for Python (ShmGroup.all_reduce): a token's all-reduce in one call,
+// no Python between its copy and its sum.
+bool shm_all_reduce(torch::Tensor data, torch::Tensor slots, torch::Tensor counters,
+                    int64_t stride, int64_t rank, int64_t value, int64_t spin_us, bool post) {
+  pybind11::gil_scoped_release released;
+  return shm::all_reduce(data, slots, counters, stride, rank, value, spin_us, post);
 }

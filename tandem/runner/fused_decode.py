@@ -26,8 +26,11 @@ Where every layer of the model runs whole in one process (dense, or a mixture's 
 layer), the step goes further: ``attn.decode_stack`` runs all of them in one call
 (kernels/decode_stack.cpp), the same per-layer calls made from C++ with the stream
 passed along, so the Python between layers is gone too (batch-1 steps 1.02-1.04x on
-2 cores). TANDEM_FUSED_DECODE=layers keeps the per-layer calls (for comparisons), 0
-turns both off.
+2 cores). So does a tensor-parallel rank whose layers are all dense and whose ranks
+meet in one host's shared memory (runner/shm_group.py): its halves and the all-reduces
+between them run in one call (``llama_decode_stack_ranked``), which hands a long wait
+back to the group so that a dead or hung rank is still found. TANDEM_FUSED_DECODE=layers
+keeps the per-layer calls (for comparisons), 0 turns both off.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from tandem.models.layers import gelu_tanh_and_mul
 from tandem.models.moe import SparseMoE
 from tandem.runner.linear.parallel import RowParallelLinearMethod
 from tandem.runner.linear.quantized import QuantizedLinearMethod
+from tandem.runner.shm_group import ShmGroup
 
 EXPERTS = "experts"  # in place of a layer's gate/up and down: a mixture's own kernel
 
@@ -147,21 +151,30 @@ def _whole(layer, args: tuple) -> tuple | None:
     return () if gate_up is not EXPERTS else layer.mlp.fused_experts.whole_layer
 
 
-def stack_arguments(layers) -> tuple[list[tuple], list[int], list] | None:
+def _ranked(args: tuple) -> bool:
+    """A tensor-parallel rank's dense layer whose ranks meet in one host's shared
+    memory: its halves and all-reduces run in the ranked stack call."""
+    return isinstance(args[-1], ShmGroup) and args[5] is not EXPERTS
+
+
+def stack_arguments(layers) -> tuple[list[tuple], list[int], list, ShmGroup | None] | None:
     """Every layer's fixed arguments as kernels/decode_stack.cpp takes them, their
-    indices in the KV cache, and the mixtures (their ``fused_experts``, to mark their
-    counts after the call); None when some layer cannot run whole in one call (see
-    ``_whole``). Cached on ``layers``."""
+    indices in the KV cache, the mixtures (their ``fused_experts``, to mark their
+    counts after the call) and, on a tensor-parallel rank, its shared-memory group;
+    None when some layer cannot run whole in one call (see ``_whole``; a rank's layers
+    all dense, with one group). Cached on ``layers``."""
     cached = getattr(layers, "_fused_stack", False)
     if cached is not False:
         return cached
-    plan: tuple[list[tuple], list[int], list] | None = ([], [], [])
+    plan: tuple[list[tuple], list[int], list, ShmGroup | None] | None = ([], [], [], None)
+    groups = set()
     for layer in layers:
         args = layer_arguments(layer)
-        mixture = None if args is None else _whole(layer, args)
+        mixture = None if args is None else () if _ranked(args) else _whole(layer, args)
         if mixture is None:
             plan = None
             break
+        groups.add(args[-1])
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
          q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, _) = args  # fmt: skip
         if mixture:
@@ -174,6 +187,10 @@ def stack_arguments(layers) -> tuple[list[tuple], list[int], list] | None:
             head_dim, attn.layer_idx, attn.scale, q_norm, k_norm, qkv_bias, post_attn_norm,
             post_mlp_norm, gelu, layer.rotary_index, mixture,
         ))  # fmt: skip
+    if plan is not None and len(groups) > 1:  # (one group, or one process)
+        plan = None
+    if plan is not None:
+        plan = (*plan[:3], groups.pop())
     layers._fused_stack = plan
     return plan
 
@@ -215,14 +232,25 @@ class FusedDecode:
             return None
         if any(rope.cos is not None for rope in ropes):
             return None
-        arguments, layer_indices, mixtures = plan
+        arguments, layer_indices, mixtures, group = plan
         metadata = self.backend.metadata
         windows = [metadata.window(index) or 0 for index in layer_indices]
-        out = cpu_kernels.load().llama_decode_stack(
-            h, arguments, windows, [rope.positions for rope in ropes],
+        step = (
+            arguments, windows, [rope.positions for rope in ropes],
             [rope.cos_sin for rope in ropes], self.backend.kv_cache, metadata.slot_mapping,
             self.block_tables, self.context_lens, self.row_starts,
         )  # fmt: skip
+        kernels = cpu_kernels.load()
+        if group is not None:  # a rank: the all-reduces in the call, in the group's slots
+            if h.numel() > group.floats.shape[-1]:
+                return None
+            return group.reduce_in(
+                lambda h, residual, *meet: kernels.llama_decode_stack_ranked(
+                    h, residual, *step, *meet
+                ),
+                h,
+            )
+        out = kernels.llama_decode_stack(h, *step)
         for fused, moe in mixtures:  # (the call wrote the counts into their tables)
             fused.counted(moe)
         return out[0], out[1]

@@ -89,8 +89,10 @@ class ShmGroup:
         self.message_header = header[2 * size * LINE : (2 * size + 1) * LINE]  # seq, len, more
         data_end = HEADER_BYTES + 2 * size * SLOT_BYTES
         self.data = segment[HEADER_BYTES:data_end].view(2, size, SLOT_BYTES)
+        self.floats = self.data.view(torch.float32)  # [2, size, slot floats]
         self.message = segment[data_end:]
         self.sequence = 0  # collectives done (every rank runs the same ones in order)
+        self.reduced_seconds = 0.0  # in all-reduces made by compiled calls (reduce_in)
         self.messages = 0  # message parts sent or received
 
     # -- waiting ---------------------------------------------------------------------
@@ -145,6 +147,27 @@ class ShmGroup:
                 torch.sum(slots, dim=0, out=piece)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
+
+    def reduce_in(self, call: Callable, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs a compiled call that makes float32 all-reduces of this group itself
+        (kernels/decode_stack.cpp's llama_decode_stack_ranked: every layer of a decode
+        step, ``call(h, residual, floats, counters, stride, rank, state, spin_us)``),
+        from its first layer. Where a wait runs out the call returns with its state;
+        the wait goes on here, where a dead or hung rank raises as in all_reduce, and
+        the call resumes. Returns its (output, stream)."""
+        residual, state = h.new_empty(0), [0, 0, self.sequence]
+        while True:
+            h, residual, status = call(
+                h, residual, self.floats, self.counters, LINE, self.rank, state, SPIN_US
+            )
+            layer, phase, self.sequence, nanoseconds = status.tolist()
+            self.reduced_seconds += nanoseconds / 1e9
+            if phase == 0:
+                return h, residual
+            started = time.perf_counter()
+            self._wait(self.counters, self.size, self.sequence)
+            self.reduced_seconds += time.perf_counter() - started
+            state = [layer, phase, self.sequence]
 
     def all_gather(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """[rows, sizes[rank]] on each rank -> [rows, sum(sizes)], rank 0's columns
