@@ -611,7 +611,10 @@ def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
     """While every layer runs in one call, the GIL is released (the engine core's
     socket threads keep sending the last step's tokens); one call a layer holds it
     through each layer, as before. Python's forced switches are put off (a 30 s
-    interval), so the other thread advances during a call only if the call lets it."""
+    interval), so the other thread advances during a call only if the call lets it.
+    A tiny model's call lasts about a millisecond, and on a loaded CI machine the
+    other thread may not be scheduled inside any of a dozen of them (seen once): three
+    sequences of 40 tokens give it several dozen longer calls."""
     import sys
     import threading
     import time
@@ -641,7 +644,7 @@ def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
             return call
 
     monkeypatch.setattr(cpu_kernels, "load", lambda: Watching())
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     interval = sys.getswitchinterval()
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()
@@ -651,7 +654,7 @@ def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
             llm = LLM(path, max_num_seqs=4)
             sys.setswitchinterval(30.0)
             try:
-                llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
             finally:
                 sys.setswitchinterval(interval)
     finally:
