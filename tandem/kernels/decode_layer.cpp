@@ -119,6 +119,15 @@ std::vector<torch::Tensor> llama_decode_mlp(
   return {packed_linear(act, down), residual};
 }
 
+// The MLP's output as it joins the stream: RMSNorm'd where the layer has a norm after
+// its MLP (Gemma 3; on a tensor-parallel rank, after the all-reduce), else as it is.
+torch::Tensor after_mlp(const torch::Tensor& out, const torch::Tensor& post_mlp_norm, double eps) {
+  if (post_mlp_norm.numel() == 0) return out;
+  torch::Tensor normed = torch::empty_like(out);
+  rms_norm(normed, out, c10::nullopt, post_mlp_norm, eps);
+  return normed;
+}
+
 // The whole layer: both halves, then (Gemma 3) the RMSNorm of the MLP's output before
 // it joins the stream. Optional parts are empty tensors where the layer has none:
 // q_norm / k_norm (per head, before rotary: Qwen3, Gemma 3), qkv_bias (Qwen2),
@@ -138,11 +147,5 @@ std::vector<torch::Tensor> llama_decode_layer(
       scale, window, q_norm, k_norm, qkv_bias);
   auto mlp = llama_decode_mlp(attention[0], attention[1], post_attn_norm, post_norm, eps,
                               gate_up, down, gelu);
-  torch::Tensor out = mlp[0];
-  if (post_mlp_norm.numel() > 0) {
-    torch::Tensor normed = torch::empty_like(out);
-    rms_norm(normed, out, c10::nullopt, post_mlp_norm, eps);
-    out = normed;
-  }
-  return {out, mlp[1]};
+  return {after_mlp(mlp[0], post_mlp_norm, eps), mlp[1]};
 }

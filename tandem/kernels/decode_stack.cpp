@@ -138,8 +138,7 @@ std::vector<torch::Tensor> llama_decode_stack_ranked(
   TORCH_CHECK(positions.size() == cos_sin.size() && !positions.empty(),
               "positions and cos_sin: one pair a rotary table");
   TORCH_CHECK(state.size() == 3 && state[0] >= 0 && state[0] < count && state[1] >= 0 &&
-              state[1] <= 2 && (state[1] > 0 || residual.numel() == 0 || state[0] > 0),
-              "state: (layer, phase 0-2, collectives)");
+              state[1] <= 2, "state: (layer, phase 0-2, collectives)");
   TORCH_CHECK(shm.scalar_type() == torch::kFloat && shm.dim() == 3 && shm.size(0) == 2,
               "shm: float32 [2, ranks, slot]");
   TORCH_CHECK(h.numel() <= shm.size(2), "a layer's output must fit one slot");
@@ -188,11 +187,7 @@ std::vector<torch::Tensor> llama_decode_stack_ranked(
         phase = 2;
       }
       if (!reduce(h, post)) { waiting = true; break; }
-      if (d.post_mlp_norm.numel() > 0) {
-        torch::Tensor normed = torch::empty_like(h);
-        rms_norm(normed, h, c10::nullopt, d.post_mlp_norm, d.eps);
-        h = normed;
-      }
+      h = after_mlp(h, d.post_mlp_norm, d.eps);
     }
   }
   const int64_t nanoseconds =
