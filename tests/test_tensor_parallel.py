@@ -231,18 +231,23 @@ def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
 
 def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins) -> None:
     """Two ranks' greedy tokens and logprobs with a decode step's layers in one call
-    (kernels/decode_stack.cpp's ranked stack, the all-reduces inside it), with rank 0
-    handing back every wait it cannot end at once (shm_group.SPIN_US = 0) for each of
-    ``spins``, against one call a layer (TANDEM_FUSED_DECODE=layers): bit for bit."""
-    calls, resumed_waits = [], []
+    (kernels/decode_stack.cpp's ranked stack, the all-reduces inside it), once for each
+    of rank 0's ``spins`` (shm_group.SPIN_US; 0: every wait not over at a glance goes
+    back to Python and the call resumes), against one call a layer
+    (TANDEM_FUSED_DECODE=layers): bit for bit."""
+    calls, resumed_waits, inside = [], [], [False]
     original, wait = shm_group.ShmGroup.reduce_in, shm_group.ShmGroup._wait
 
     def counted(self, call, h):
         calls.append(h.shape[0])
-        return original(self, call, h)
+        inside[0] = True
+        try:
+            return original(self, call, h)
+        finally:
+            inside[0] = False
 
     def waited(self, *args, **kwargs):
-        if calls and shm_group.SPIN_US == 0:
+        if inside[0]:  # a wait the stack call handed back, before it resumes
             resumed_waits.append(args[-1])
         return wait(self, *args, **kwargs)
 
@@ -268,8 +273,8 @@ def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins) -> None:
             _close(llm)
     assert calls  # the decode steps took the ranked stack
     assert all(result == results[0] for result in results[1:])
-    if 0 in spins:
-        assert len(resumed_waits) > 10  # and it was cut at its collectives and resumed
+    if 0 in spins:  # and it was cut at its collectives and resumed (6-17 times seen)
+        assert resumed_waits
 
 
 def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkeypatch):
