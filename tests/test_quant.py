@@ -183,6 +183,33 @@ def test_a_token_gets_the_same_result_whatever_its_batch(code):
 
 
 @needs_kernels
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_the_tile_registers_give_the_vector_paths_bits(code):
+    """On CPUs with AMX, passes of 16 tokens take the tile registers (quant_ops.cpp):
+    the same integer sums and the same float steps as the vector path, so every token's
+    result is the same bits either way: whole passes of 16, a remainder of fewer, and
+    several chunks of 64 tokens, over several tiles with a padded last one."""
+    module = cpu_kernels.load()
+    was = module.amx_mode(-1)
+    if not module.amx_mode(1):
+        pytest.skip("no AMX tiles on this CPU (or the kernel does not grant them)")
+    try:
+        packed = PackedWeight.from_ggml(code, random_blocks(code, 40, 768, seed=7), 768)
+        bias = torch.randn(40)
+        for batch in (16, 37, 120, 130):  # 120: chunks of 64 and 56 (3 x 16 + 8)
+            x = torch.randn(batch, 768) * 3
+            x[3, 32:64] = 0  # an all-zero activation block (scale 0)
+            tiles, vector = torch.empty(batch, 40), torch.empty(batch, 40)
+            module.amx_mode(1)
+            packed.matmul(x, tiles, bias)
+            module.amx_mode(0)
+            packed.matmul(x, vector, bias)
+            assert torch.equal(tiles, vector), (code, batch)
+    finally:
+        module.amx_mode(int(was))
+
+
+@needs_kernels
 def test_a_fused_layer_of_parts_in_different_formats():
     """q, k and v of one fused layer may be stored in different formats (a Q4_K_M file
     keeps v in Q6_K): parts of one format are joined, the others run on their own."""

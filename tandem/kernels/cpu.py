@@ -8,7 +8,8 @@ torch spends about 40 small ops per layer on these; the kernels make it 7 calls.
 the small-batch float linear layer and greedy argmax.
 
 quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
-integer dot products (tandem/quant/).
+integer dot products (tandem/quant/); prompt-sized passes on AMX tile registers where
+the CPU and its kernel give them (``amx_mode``; TANDEM_AMX=0 declines them).
 
 pack_ops.cpp: a GGUF tensor's block bytes repacked into quant_ops.cpp's tiled layout
 at load, in one pass across threads.
@@ -80,6 +81,7 @@ FUNCTIONS = [
     "argmax_rows",
     "mask_rows",
     "quant_linear",
+    "amx_mode",
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",

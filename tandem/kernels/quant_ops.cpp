@@ -44,14 +44,20 @@
 // and up to 4 tokens reuse each unpacked weight vector. The build is -march=native
 // on the machine that runs it (the module cache is keyed on the CPU's flags), which
 // is how the instruction set is chosen at run time; without AVX2 a scalar loop runs.
+// Prompt-sized passes go to AMX tile registers where the CPU and its kernel give them
+// (the amx namespace below), with the same results.
 
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace quant {
 
@@ -752,6 +758,244 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
 }
 #endif
 
+// Intel's tile registers (AMX-INT8), for passes of many tokens (min_tokens) on the CPUs
+// that have them (Sapphire Rapids and later). The same integer dots and the same float
+// epilogue as the AVX-512 path above, so a token's result is the same bits on either
+// path: one tile multiply takes 16 tokens by a tile's 16 rows over a block (a group
+// of 16 for Q6_K), its int32 sums go through memory, and each token's block is then
+// scaled and added exactly as tile() adds it. Where the AVX-512 path spends 8
+// vpdpbusd and 8 broadcasts a token and block, the tile unit takes the whole 16 x 16
+// x 32 product in one instruction; what is left is the epilogue, one scale per
+// (token, row, block), which both paths share.
+// The B tile for a block is its 8 vectors (4 weights of each of 16 rows, in k order):
+// int8 values (Q8_0) are read straight from the packed matrix; 4-6 bit values are
+// unpacked first, a tile's whole row length at once, into a thread's buffer, with the
+// offset taken off each (q - offset fits int8), so that the tile's sums are the
+// vector path's after its subtraction of offset * sum(xq): the same integers, and no
+// subtraction left for the epilogue. Signed by signed bytes either way.
+// The kernel grants the tile state only on request (arch_prctl): some VMs list AMX and
+// fault on its first instruction without it. TANDEM_AMX=0 declines it.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TANDEM_AMX 1
+namespace amx {
+
+constexpr int64_t kTokens = 16;  // an A tile's rows
+// The fewest tokens a chunk takes the tiles for: unpacking a tile's 4-6 bit values
+// costs what a few groups of 16 save (on a 4096 x 14336 matrix, Q4_0 and Q4_K at 32
+// tokens measured 0.94-1.04x the vector path, at 48 1.06-1.23x, at 128 1.16-1.37x);
+// int8 values need no unpacking (Q8_0 3.8x at 16).
+template <int kBits>
+constexpr int64_t min_tokens() { return kBits == 8 ? 16 : 48; }
+constexpr int64_t kBlockBytes = 8 * 64;  // a block's B tile rows (the values' layout)
+
+// -1: not yet decided; 0 off; 1 on.
+inline std::atomic<int>& mode() {
+  static std::atomic<int> m{-1};
+  return m;
+}
+
+// Whether the kernel gives this process the tile state (asked once).
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+inline bool active() {
+  int m = mode().load(std::memory_order_relaxed);
+  if (m < 0) {
+    const char* env = std::getenv("TANDEM_AMX");
+    m = (env == nullptr || std::strcmp(env, "0") != 0) && permitted() ? 1 : 0;
+    mode().store(m);
+  }
+  return m == 1;
+}
+
+struct alignas(64) Config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: int32 sums [16 tokens, 16 rows]; 4, 5: activations [16 tokens, k_bytes];
+// 6, 7: values [k_bytes / 4, 16 rows x 4]. Loaded on each thread at the start of a
+// call: another library may have used the tiles in between.
+inline void configure(int k_bytes) {
+  Config c{};
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = i >= 6 ? k_bytes / 4 : 16;
+    c.colsb[i] = i >= 4 && i < 6 ? k_bytes : 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// A tile's 4-6 bit values as B tiles: block b's 8 rows of 64 bytes at dst + b * 512,
+// row j holding weights 4j..4j+3 of each row, as int8 q - offset.
+template <int kBits>
+void unpack(const uint8_t* vals, int64_t nb, int32_t offset, int8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi8(static_cast<char>(offset));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* v = vals + b * kBits * 64;
+    int8_t* out = dst + b * kBlockBytes;
+    __m512i planes[2];
+    for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
+    for (int pair = 0; pair < 4; ++pair) {
+      const __m512i packed = _mm512_loadu_si512(v + pair * 64);
+      __m512i lo = _mm512_and_si512(packed, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      if constexpr (kBits > 4) {
+        lo = with_high_bits<kBits>(lo, planes, pair);
+        hi = with_high_bits<kBits>(hi, planes, 4 + pair);
+      }
+      _mm512_storeu_si512(out + pair * 64, _mm512_sub_epi8(lo, off));
+      _mm512_storeu_si512(out + (4 + pair) * 64, _mm512_sub_epi8(hi, off));
+    }
+  }
+}
+
+// Block b's tile multiplies into sum tile set kSet (groups of 32: tile kSet from
+// activations in tile 4 + kSet and values in 6 + kSet; groups of 16: tiles 2 kSet and
+// 2 kSet + 1 from 4, 5 and 6, 7). GCC's tile intrinsics paste their register numbers
+// into the instruction's text, so each is named here as a literal. Those intrinsics
+// are asm statements that do not say they touch memory: ``fence`` (no instruction)
+// keeps the compiler's stores before a tile load and its loads after a tile store.
+#define TANDEM_TILE_BLOCK32(C, X, W)                 \
+  do {                                               \
+    _tile_zero(C);                                   \
+    _tile_loadd(X, A + b * kBlock, K);               \
+    _tile_loadd(W, B + b * kBlockBytes, 64);         \
+    _tile_dpbssd(C, X, W);                           \
+  } while (0)
+#define TANDEM_TILE_BLOCK16(C0, C1)                        \
+  do {                                                     \
+    _tile_zero(C0);                                        \
+    _tile_zero(C1);                                        \
+    _tile_loadd(4, A + b * kBlock, K);                     \
+    _tile_loadd(5, A + b * kBlock + 16, K);                \
+    _tile_loadd(6, B + b * kBlockBytes, 64);               \
+    _tile_loadd(7, B + b * kBlockBytes + 256, 64);         \
+    _tile_dpbssd(C0, 4, 6);                                \
+    _tile_dpbssd(C1, 5, 7);                                \
+  } while (0)
+inline void fence() { asm volatile("" ::: "memory"); }
+
+template <int kGroup, int kSet>
+inline void multiply(const int8_t* A, int64_t K, const int8_t* B, int64_t b) {
+  if constexpr (kGroup == 32 && kSet == 0) TANDEM_TILE_BLOCK32(0, 4, 6);
+  if constexpr (kGroup == 32 && kSet == 1) TANDEM_TILE_BLOCK32(1, 5, 7);
+  if constexpr (kGroup == 16 && kSet == 0) TANDEM_TILE_BLOCK16(0, 1);
+  if constexpr (kGroup == 16 && kSet == 1) TANDEM_TILE_BLOCK16(2, 3);
+}
+#undef TANDEM_TILE_BLOCK32
+#undef TANDEM_TILE_BLOCK16
+
+template <int kGroup, int kSet>
+inline void store_sums(int32_t (*sums)[kTokens * kRows]) {
+  if constexpr (kGroup == 32 && kSet == 0) _tile_stored(0, sums[0], 64);
+  if constexpr (kGroup == 32 && kSet == 1) _tile_stored(1, sums[0], 64);
+  if constexpr (kGroup == 16 && kSet == 0) {
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+  }
+  if constexpr (kGroup == 16 && kSet == 1) {
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(3, sums[1], 64);
+  }
+  fence();
+}
+
+// 16 tokens from t0 by one tile (16 rows) whose B tiles are at B: tile()'s result.
+template <int kBits, int kGroup, int kScales>
+void tile16(const Problem& p, int64_t tile_index, const int8_t* B, int64_t t0) {
+  const int64_t nb = p.K / kBlock;
+  const Activations& a = *p.act;
+  const int8_t* A = a.q.data() + t0 * p.K;
+  __m512 acc[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+  const bool constants = kGroup == 32 && p.s.has_constants();
+  alignas(64) int32_t sums[2][kTokens * kRows];  // [half][token][row]
+  // Block b's sums into set b % 2, the next block's multiply issued before this one's
+  // epilogue so that the tile unit works while the vector units scale.
+  auto finish = [&](int64_t b) {
+    if (kScales == kRecords && b % 8 == 0) {
+      d = super16<kScales>(p.s, tile_index, b / 8, 0);
+      if (constants) dmin = super16<kScales>(p.s, tile_index, b / 8, 1);
+    }
+    if constexpr (kGroup == 32) {
+      const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
+      for (int t = 0; t < kTokens; ++t) {
+        const __m512i sum = _mm512_load_si512(sums[0] + t * kRows);
+        const __m512 s = product(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
+      }
+      if (constants) {
+        const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
+        for (int t = 0; t < kTokens; ++t)
+          acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
+      }
+    } else {
+      const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
+      const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
+      for (int t = 0; t < kTokens; ++t) {
+        const __m512i s0 = _mm512_load_si512(sums[0] + t * kRows), s1 = _mm512_load_si512(sums[1] + t * kRows);
+        const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), product(w0, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), product(w1, dx), acc[t]);
+      }
+    }
+  };
+  multiply<kGroup, 0>(A, p.K, B, 0);
+  for (int64_t b = 0; b < nb; b += 2) {
+    if (b + 1 < nb) multiply<kGroup, 1>(A, p.K, B, b + 1);
+    store_sums<kGroup, 0>(sums);
+    finish(b);
+    if (b + 1 < nb) {
+      if (b + 2 < nb) multiply<kGroup, 0>(A, p.K, B, b + 2);
+      store_sums<kGroup, 1>(sums);
+      finish(b + 1);
+    }
+  }
+  const int64_t n0 = tile_index * kRows;
+  for (int t = 0; t < kTokens; ++t) {
+    alignas(64) float y[kRows];
+    _mm512_store_ps(y, acc[t]);
+    store_rows(p, n0, t0 + t, y);
+  }
+}
+
+// Tiles [begin, end) of p for tokens [c0, c1): 16 at a time on the tiles, the rest
+// (fewer than 16) on the vector path. ``buffer``: the thread's, for unpacked values.
+template <int kBits, int kGroup, int kScales, typename Rest>
+void tiles(const Problem& p, int64_t begin, int64_t end, int64_t c0, int64_t c1,
+           std::vector<int8_t>& buffer, Rest rest) {
+  const int64_t nb = p.K / kBlock;
+  for (int64_t index = begin; index < end; ++index) {
+    if (c1 - c0 < min_tokens<kBits>()) {
+      rest(index, c0);
+      continue;
+    }
+    const uint8_t* vals = p.values + index * p.tile_bytes;
+    const int8_t* B = reinterpret_cast<const int8_t*>(vals);  // Q8_0: as packed (offset 0)
+    if constexpr (kBits < 8) {
+      buffer.resize(nb * kBlockBytes);
+      unpack<kBits>(vals, nb, p.offset, buffer.data());
+      fence();
+      B = buffer.data();
+    }
+    int64_t t = c0;
+    for (; t + kTokens <= c1; t += kTokens) tile16<kBits, kGroup, kScales>(p, index, B, t);
+    if (t < c1) rest(index, t);
+  }
+}
+
+}  // namespace amx
+#endif
+
 // Tile ``index`` of p for tokens [c0, c1), tokens_per_pass at a time.
 template <int kBits, int kGroup, int kScales>
 inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1) {
@@ -775,6 +1019,22 @@ inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1)
 template <int kBits, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
+#ifdef TANDEM_AMX
+  if (T >= amx::min_tokens<kBits>() && (kBits < 8 || p.offset == 0) && amx::active()) {  // (Q8_0's offset is 0)
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<int8_t> buffer;
+      amx::configure(kGroup == 32 ? 32 : 16);
+      for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
+        const int64_t c1 = std::min(T, c0 + kTokenChunk);
+        amx::tiles<kBits, kGroup, kScales>(p, begin, end, c0, c1, buffer, [&](int64_t index, int64_t t) {
+          tile_tokens<kBits, kGroup, kScales>(p, index, t, c1);
+        });
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
       const int64_t c1 = std::min(T, c0 + kTokenChunk);
@@ -788,6 +1048,28 @@ void run(const Problem& p, int64_t T) {
 template <int kBits, int kGroup, int kScales>
 void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, int64_t tiles) {
   const int64_t jobs = static_cast<int64_t>(ps.size()) * tiles;
+#ifdef TANDEM_AMX
+  int64_t most = 0;
+  for (const int64_t T : Ts) most = std::max(most, T);
+  if (most >= amx::min_tokens<kBits>() && (kBits < 8 || ps[0].offset == 0) && amx::active()) {
+    at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<int8_t> buffer;
+      amx::configure(kGroup == 32 ? 32 : 16);
+      for (int64_t job = begin; job < end; ++job) {
+        const Problem& p = ps[job / tiles];
+        const int64_t T = Ts[job / tiles], index = job % tiles;
+        for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
+          const int64_t c1 = std::min(T, c0 + kTokenChunk);
+          amx::tiles<kBits, kGroup, kScales>(p, index, index + 1, c0, c1, buffer, [&](int64_t i, int64_t t) {
+            tile_tokens<kBits, kGroup, kScales>(p, i, t, c1);
+          });
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const Problem& p = ps[job / tiles];
@@ -853,6 +1135,19 @@ int32_t integer_offset(double offset) {
 }
 
 }  // namespace quant
+
+// Whether passes of 16 tokens and more go through the tile registers: -1 asks, 0 or 1
+// sets (1 only where the build has them and the kernel grants them); returns the
+// state after. Tests and benchmarks compare the two paths in one process.
+bool amx_mode(int64_t want) {
+#ifdef TANDEM_AMX
+  if (want >= 0) quant::amx::mode().store(want > 0 && quant::amx::permitted() ? 1 : 0);
+  return quant::amx::active();
+#else
+  (void)want;
+  return false;
+#endif
+}
 
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
