@@ -369,6 +369,52 @@ inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
   return _mm512_ternarylogic_epi32(low, v, _mm512_set1_epi8(((1 << hb) - 1) << 4), 0xF8);
 }
 
+// Records: at the first block of a super-block (8 blocks of 32), its d and (with
+// constants) dmin.
+template <int kScales>
+inline void next_super(const Problem& p, int64_t tile_index, int64_t b, bool constants, __m512& d,
+                       __m512& dmin) {
+  if (kScales == kRecords && b % 8 == 0) {
+    d = super16<kScales>(p.s, tile_index, b / 8, 0);
+    if (constants) dmin = super16<kScales>(p.s, tile_index, b / 8, 1);
+  }
+}
+
+// Block b's int32 sums (their offset taken off) scaled into NT tokens' accumulators
+// from t0, then the block's constant term: the one float epilogue of the vector tiles
+// below and the AMX tiles (amx::tile16), which is why the two give the same bits.
+// sum(t, j): token t's sums; for groups of 32 the block's whole (j = 0), for groups
+// of 16 its first (j = 0) or second (1) half.
+template <int kGroup, int kScales, int NT, typename Sums>
+inline void add_block(const Problem& p, int64_t tile_index, int64_t b, int64_t t0, __m512 d,
+                      __m512 dmin, bool constants, __m512* acc, Sums sum) {
+  const Activations& a = *p.act;
+  const int64_t nb = p.K / kBlock;
+  if constexpr (kGroup == 32) {
+    const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 s = product(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(t, 0)), s, acc[t]);
+    }
+    // The block's constant term after its scaled dot, in the same pass: as a loop of
+    // its own after the blocks it was a chain of dependent fmas, one a block (Q4_K
+    // at batch 1 waited on it).
+    if (constants) {
+      const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
+      for (int t = 0; t < NT; ++t)
+        acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
+    }
+  } else {
+    const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
+    const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(t, 0)), product(w0, dx), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(t, 1)), product(w1, dx), acc[t]);
+    }
+  }
+}
+
 // One tile (16 rows) x NT tokens starting at t0.
 template <int kBits, int kGroup, int kScales, int NT>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
@@ -381,10 +427,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   const bool constants = kGroup == 32 && p.s.has_constants();
   for (int64_t b = 0; b < nb; ++b) {
-    if (kScales == kRecords && b % 8 == 0) {
-      d = super16<kScales>(p.s, tile_index, b / 8, 0);
-      if (constants) dmin = super16<kScales>(p.s, tile_index, b / 8, 1);
-    }
+    next_super<kScales>(p, tile_index, b, constants, d, dmin);
     // dot[t][h]: per row, over the block's first (h = 0) or second 16 values. With
     // fewer than four tokens each is the sum of two chains (c) so that consecutive
     // vpdpbusd do not wait on each other; with more, the tokens' own chains are
@@ -436,30 +479,9 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
         if (p.offset) dot[t][h] = _mm512_sub_epi32(dot[t][h], _mm512_set1_epi32(offsets[h]));
       }
     }
-    if constexpr (kGroup == 32) {
-      const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 s = product(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
-        const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
-      }
-      // The block's constant term after its scaled dot, in the same pass: as a loop of
-      // its own after the blocks it was a chain of dependent fmas, one a block (Q4_K
-      // at batch 1 waited on it).
-      if (constants) {
-        const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
-        for (int t = 0; t < NT; ++t)
-          acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
-      }
-    } else {
-      const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
-      const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), product(w0, dx), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][1]), product(w1, dx), acc[t]);
-      }
-    }
+    add_block<kGroup, kScales, NT>(p, tile_index, b, t0, d, dmin, constants, acc, [&](int t, int j) {
+      return kGroup == 32 ? _mm512_add_epi32(dot[t][0], dot[t][1]) : dot[t][j];
+    });
   }
   const int64_t n0 = tile_index * kRows;
   for (int t = 0; t < NT; ++t) {
@@ -830,7 +852,10 @@ inline void configure(int k_bytes) {
     c.rows[i] = i >= 6 ? k_bytes / 4 : 16;
     c.colsb[i] = i >= 4 && i < 6 ? k_bytes : 64;
   }
-  _tile_loadconfig(&c);
+  // Not _tile_loadconfig: GCC 12 did not count its read of the whole struct and
+  // dropped the stores of rows and colsb (ldtilecfg then faulted on the garbage). The
+  // "m" operand says the instruction reads all 64 bytes.
+  asm volatile("ldtilecfg %0" : : "m"(c));
 }
 
 // A tile's 4-6 bit values as B tiles: block b's 8 rows of 64 bytes at dst + b * 512,
@@ -909,45 +934,23 @@ inline void store_sums(int32_t (*sums)[kTokens * kRows]) {
 }
 
 // 16 tokens from t0 by one tile (16 rows) whose B tiles are at B: tile()'s result.
-template <int kBits, int kGroup, int kScales>
+template <int kGroup, int kScales>
 void tile16(const Problem& p, int64_t tile_index, const int8_t* B, int64_t t0) {
   const int64_t nb = p.K / kBlock;
-  const Activations& a = *p.act;
-  const int8_t* A = a.q.data() + t0 * p.K;
+  const int8_t* A = p.act->q.data() + t0 * p.K;
   __m512 acc[kTokens];
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   const bool constants = kGroup == 32 && p.s.has_constants();
   alignas(64) int32_t sums[2][kTokens * kRows];  // [half][token][row]
-  // Block b's sums into set b % 2, the next block's multiply issued before this one's
-  // epilogue so that the tile unit works while the vector units scale.
+  // Block b's sums, then its epilogue; the next block's multiply is issued before it
+  // (into the other set of sum tiles) so that the tile unit works while the vector
+  // units scale.
   auto finish = [&](int64_t b) {
-    if (kScales == kRecords && b % 8 == 0) {
-      d = super16<kScales>(p.s, tile_index, b / 8, 0);
-      if (constants) dmin = super16<kScales>(p.s, tile_index, b / 8, 1);
-    }
-    if constexpr (kGroup == 32) {
-      const __m512 w = scales16<kScales, 32>(p.s, tile_index, b, d);
-      for (int t = 0; t < kTokens; ++t) {
-        const __m512i sum = _mm512_load_si512(sums[0] + t * kRows);
-        const __m512 s = product(w, _mm512_set1_ps(a.d[(t0 + t) * nb + b]));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[t]);
-      }
-      if (constants) {
-        const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
-        for (int t = 0; t < kTokens; ++t)
-          acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
-      }
-    } else {
-      const __m512 w0 = scales16<kScales, 16>(p.s, tile_index, 2 * b, d);
-      const __m512 w1 = scales16<kScales, 16>(p.s, tile_index, 2 * b + 1, d);
-      for (int t = 0; t < kTokens; ++t) {
-        const __m512i s0 = _mm512_load_si512(sums[0] + t * kRows), s1 = _mm512_load_si512(sums[1] + t * kRows);
-        const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), product(w0, dx), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), product(w1, dx), acc[t]);
-      }
-    }
+    next_super<kScales>(p, tile_index, b, constants, d, dmin);
+    add_block<kGroup, kScales, kTokens>(p, tile_index, b, t0, d, dmin, constants, acc, [&](int t, int j) {
+      return _mm512_load_si512(sums[j] + t * kRows);
+    });
   };
   multiply<kGroup, 0>(A, p.K, B, 0);
   for (int64_t b = 0; b < nb; b += 2) {
@@ -968,30 +971,13 @@ void tile16(const Problem& p, int64_t tile_index, const int8_t* B, int64_t t0) {
   }
 }
 
-// Tiles [begin, end) of p for tokens [c0, c1): 16 at a time on the tiles, the rest
-// (fewer than 16) on the vector path. ``buffer``: the thread's, for unpacked values.
-template <int kBits, int kGroup, int kScales, typename Rest>
-void tiles(const Problem& p, int64_t begin, int64_t end, int64_t c0, int64_t c1,
-           std::vector<int8_t>& buffer, Rest rest) {
-  const int64_t nb = p.K / kBlock;
-  for (int64_t index = begin; index < end; ++index) {
-    if (c1 - c0 < min_tokens<kBits>()) {
-      rest(index, c0);
-      continue;
-    }
-    const uint8_t* vals = p.values + index * p.tile_bytes;
-    const int8_t* B = reinterpret_cast<const int8_t*>(vals);  // Q8_0: as packed (offset 0)
-    if constexpr (kBits < 8) {
-      buffer.resize(nb * kBlockBytes);
-      unpack<kBits>(vals, nb, p.offset, buffer.data());
-      fence();
-      B = buffer.data();
-    }
-    int64_t t = c0;
-    for (; t + kTokens <= c1; t += kTokens) tile16<kBits, kGroup, kScales>(p, index, B, t);
-    if (t < c1) rest(index, t);
-  }
-}
+// The tile registers configured for groups of ``group`` on this thread while it lives.
+// Configured at the start of each call: another library may have used the tiles in
+// between.
+struct Tiles {
+  explicit Tiles(int64_t group) { configure(group == 32 ? 32 : 16); }
+  ~Tiles() { _tile_release(); }
+};
 
 }  // namespace amx
 #endif
@@ -1016,21 +1002,44 @@ inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1)
   }
 }
 
+#ifdef TANDEM_AMX
+// Tiles [begin, end) of p for all T tokens, in chunks of kTokenChunk: a chunk of at
+// least min_tokens takes the tile registers 16 tokens at a time (its values unpacked
+// once into the thread's buffer), its last few tokens and smaller chunks the vector
+// path. The caller holds an amx::Tiles.
+template <int kBits, int kGroup, int kScales>
+void amx_tokens(const Problem& p, int64_t begin, int64_t end, int64_t T) {
+  static thread_local std::vector<int8_t> buffer;
+  const int64_t nb = p.K / kBlock;
+  for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
+    const int64_t c1 = std::min(T, c0 + kTokenChunk);
+    for (int64_t index = begin; index < end; ++index) {
+      int64_t t = c0;
+      if (c1 - c0 >= amx::min_tokens<kBits>()) {
+        const uint8_t* vals = p.values + index * p.tile_bytes;
+        const int8_t* B = reinterpret_cast<const int8_t*>(vals);  // Q8_0: as packed (offset 0)
+        if constexpr (kBits < 8) {
+          buffer.resize(nb * amx::kBlockBytes);
+          amx::unpack<kBits>(vals, nb, p.offset, buffer.data());
+          amx::fence();
+          B = buffer.data();
+        }
+        for (; t + amx::kTokens <= c1; t += amx::kTokens) amx::tile16<kGroup, kScales>(p, index, B, t);
+      }
+      if (t < c1) tile_tokens<kBits, kGroup, kScales>(p, index, t, c1);
+    }
+  }
+}
+#endif
+
 template <int kBits, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
 #ifdef TANDEM_AMX
   if (T >= amx::min_tokens<kBits>() && (kBits < 8 || p.offset == 0) && amx::active()) {  // (Q8_0's offset is 0)
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      static thread_local std::vector<int8_t> buffer;
-      amx::configure(kGroup == 32 ? 32 : 16);
-      for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
-        const int64_t c1 = std::min(T, c0 + kTokenChunk);
-        amx::tiles<kBits, kGroup, kScales>(p, begin, end, c0, c1, buffer, [&](int64_t index, int64_t t) {
-          tile_tokens<kBits, kGroup, kScales>(p, index, t, c1);
-        });
-      }
-      _tile_release();
+      const amx::Tiles registers(kGroup);
+      amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
     });
     return;
   }
@@ -1053,19 +1062,9 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
   for (const int64_t T : Ts) most = std::max(most, T);
   if (most >= amx::min_tokens<kBits>() && (kBits < 8 || ps[0].offset == 0) && amx::active()) {
     at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
-      static thread_local std::vector<int8_t> buffer;
-      amx::configure(kGroup == 32 ? 32 : 16);
-      for (int64_t job = begin; job < end; ++job) {
-        const Problem& p = ps[job / tiles];
-        const int64_t T = Ts[job / tiles], index = job % tiles;
-        for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
-          const int64_t c1 = std::min(T, c0 + kTokenChunk);
-          amx::tiles<kBits, kGroup, kScales>(p, index, index + 1, c0, c1, buffer, [&](int64_t i, int64_t t) {
-            tile_tokens<kBits, kGroup, kScales>(p, i, t, c1);
-          });
-        }
-      }
-      _tile_release();
+      const amx::Tiles registers(kGroup);
+      for (int64_t job = begin; job < end; ++job)
+        amx_tokens<kBits, kGroup, kScales>(ps[job / tiles], job % tiles, job % tiles + 1, Ts[job / tiles]);
     });
     return;
   }
