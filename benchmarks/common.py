@@ -92,7 +92,8 @@ def kernel_at(
     """tandem/kernels/``source`` as it was at a git ``revision`` (None: the working
     tree's), built alone (a module of its own, exposing ``functions``) with the
     project's flags and ``extra_cflags`` (``-mno-avx512f -mno-avxvnni``: the AVX2 path
-    on an AVX-512 machine): a side of an A/B (``--against`` in the kernel benchmarks)."""
+    on an AVX-512 machine): a side of an A/B (``--against`` in the kernel benchmarks).
+    parallel.cpp, where the revision has it, goes in front, as in the module."""
     import hashlib
     import subprocess
 
@@ -100,13 +101,20 @@ def kernel_at(
 
     from tandem.kernels import cpu as cpu_kernels
 
-    if revision is None:
-        text = (Path(cpu_kernels.__file__).parent / source).read_text()
-    else:
-        text = subprocess.run(
-            ["git", "show", f"{revision}:tandem/kernels/{source}"],
-            cwd=Path(__file__).parent, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
+    def read(name: str) -> str:
+        if revision is None:
+            path = Path(cpu_kernels.__file__).parent / name
+            return path.read_text() if path.exists() else ""
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:tandem/kernels/{name}"],
+            cwd=Path(__file__).parent, capture_output=True, text=True,
+        )  # fmt: skip
+        return shown.stdout if shown.returncode == 0 else ""
+
+    text = read(source)
+    if not text:
+        raise FileNotFoundError(f"tandem/kernels/{source} at {revision or 'the working tree'}")
+    text = read("parallel.cpp") + text
     key = hashlib.sha1((text + " ".join(extra_cflags)).encode()).hexdigest()[:10]
     name = f"tandem_{Path(source).stem}_{key}"
     directory = cpu_kernels.build_directory(name)

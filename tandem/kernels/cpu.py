@@ -1,5 +1,8 @@
 """tandem's CPU kernels, compiled on first use, and when to use them.
 
+parallel.cpp: work shared among the threads from one counter (tiles, attention's
+items), so that a thread that is ahead takes more.
+
 cpu_ops.cpp: everything in a decoder layer that is not a weight matmul: RMSNorm with
 the residual add fused in (and per head, for q/k norms), rotary in place, silu(gate) *
 up and gelu_tanh(gate) * up, the KV-cache write, and
@@ -53,11 +56,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order: decode_layer.cpp and moe_ops.cpp call the first two,
-# decode_stack.cpp the layers and shm_ops.cpp's all-reduce.
+# One translation unit, in this order: parallel.cpp's work sharing is used by the next
+# two, decode_layer.cpp and moe_ops.cpp call those two, decode_stack.cpp the layers and
+# shm_ops.cpp's all-reduce.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
+        "parallel.cpp",
         "cpu_ops.cpp",
         "quant_ops.cpp",
         "pack_ops.cpp",

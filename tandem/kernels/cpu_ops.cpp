@@ -491,12 +491,15 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
   for (int64_t seq = 0; seq < num_seqs; ++seq) item0[seq + 1] = item0[seq] + spans[seq] * runs;
   // Every slot is written by its item before the merge reads it: no zero-filling.
   std::unique_ptr<float[]> partials(new float[std::max<int64_t>(partial_total, 1)]);
-  at::parallel_for(0, item0[num_seqs], 1, [&](int64_t begin, int64_t end) {
+  // Items are shared from a counter (parallel.cpp), not split in equal counts: a
+  // context's last span is partial, so items differ in cost, and threads in speed.
+  work::share(item0[num_seqs], 1, [&](work::SharedRuns& shared) {
     std::vector<float> query, acc, scores, top, total;
     std::vector<float> widened(kInPlace ? 0 : kTileTokens * head_dim);  // row_as_float's copies
     std::vector<int64_t> lo, hi;
     std::vector<const KV*> key_rows, value_rows;
-    for (int64_t item = begin; item < end; ++item) {
+    // (each run's items in turn, then the next run)
+    for (int64_t item = 0, end = 0; item < end || shared.next(item, end); ++item) {
       const int64_t seq = std::upper_bound(item0.begin(), item0.end(), item) - item0.begin() - 1;
       const int64_t local = item - item0[seq];
       const int64_t span = local / runs, run = local % runs;

@@ -77,6 +77,7 @@ constexpr int64_t kWideTokens = 4;
 template <int kBits>
 constexpr int64_t tokens_per_pass() { return kBits == 8 ? 4 : kWideTokens; }
 constexpr int64_t kTokenChunk = 64;  // tokens whose quantized activations stay in L2
+constexpr int64_t kMinRun = 4;       // tiles a thread takes at least (parallel.cpp)
 
 struct Activations {
   std::vector<int8_t> q;   // [T, K]
@@ -1037,17 +1038,19 @@ void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
 #ifdef TANDEM_AMX
   if (T >= amx::min_tokens<kBits>() && (kBits < 8 || p.offset == 0) && amx::active()) {  // (Q8_0's offset is 0)
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    work::share(tiles, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
-      amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
+      for (int64_t begin, end; runs.next(begin, end);) amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
     });
     return;
   }
 #endif
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
-      const int64_t c1 = std::min(T, c0 + kTokenChunk);
-      for (int64_t index = begin; index < end; ++index) tile_tokens<kBits, kGroup, kScales>(p, index, c0, c1);
+  work::share(tiles, kMinRun, [&](work::SharedRuns& runs) {
+    for (int64_t begin, end; runs.next(begin, end);) {
+      for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
+        const int64_t c1 = std::min(T, c0 + kTokenChunk);
+        for (int64_t index = begin; index < end; ++index) tile_tokens<kBits, kGroup, kScales>(p, index, c0, c1);
+      }
     }
   });
 }
@@ -1061,20 +1064,23 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
   int64_t most = 0;
   for (const int64_t T : Ts) most = std::max(most, T);
   if (most >= amx::min_tokens<kBits>() && (kBits < 8 || ps[0].offset == 0) && amx::active()) {
-    at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    work::share(jobs, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
-      for (int64_t job = begin; job < end; ++job)
-        amx_tokens<kBits, kGroup, kScales>(ps[job / tiles], job % tiles, job % tiles + 1, Ts[job / tiles]);
+      for (int64_t begin, end; runs.next(begin, end);)
+        for (int64_t job = begin; job < end; ++job)
+          amx_tokens<kBits, kGroup, kScales>(ps[job / tiles], job % tiles, job % tiles + 1, Ts[job / tiles]);
     });
     return;
   }
 #endif
-  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const Problem& p = ps[job / tiles];
-      const int64_t T = Ts[job / tiles], index = job % tiles;
-      for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk)
-        tile_tokens<kBits, kGroup, kScales>(p, index, c0, std::min(T, c0 + kTokenChunk));
+  work::share(jobs, kMinRun, [&](work::SharedRuns& runs) {
+    for (int64_t begin, end; runs.next(begin, end);) {
+      for (int64_t job = begin; job < end; ++job) {
+        const Problem& p = ps[job / tiles];
+        const int64_t T = Ts[job / tiles], index = job % tiles;
+        for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk)
+          tile_tokens<kBits, kGroup, kScales>(p, index, c0, std::min(T, c0 + kTokenChunk));
+      }
     }
   });
 }
