@@ -614,7 +614,10 @@ def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
     interval), so the other thread advances during a call only if the call lets it.
     A tiny model's call lasts about a millisecond, and on a loaded CI machine the
     other thread may not be scheduled inside any of a dozen of them (seen once): three
-    sequences of 40 tokens give it several dozen longer calls."""
+    sequences of 40 tokens give it several dozen longer calls. The interval is set
+    before the thread starts: CPython reads it when a wait for the GIL begins, so a
+    wait begun under the default 5 ms can force a switch 5 ms later, in the Python
+    around a per-layer call (a fresh-clone run once counted an advance there)."""
     import sys
     import threading
     import time
@@ -646,20 +649,18 @@ def test_the_stack_call_lets_other_threads_run(gguf_files, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: Watching())
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()
     try:
         for flag in ("1", "layers"):
             monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
             llm = LLM(path, max_num_seqs=4)
-            sys.setswitchinterval(30.0)
-            try:
-                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-            finally:
-                sys.setswitchinterval(interval)
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(interval)
     assert advances["llama_decode_stack"] and max(advances["llama_decode_stack"]) > 0
     assert advances["llama_decode_layer"] and max(advances["llama_decode_layer"]) == 0
 
