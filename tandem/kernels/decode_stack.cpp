@@ -1,6 +1,6 @@
 // Every decoder layer of a decode-only step in one call: decode_layer.cpp's
-// llama_decode_layer for a dense layer, moe_ops.cpp's llama_decode_moe_layer for a
-// mixture's, one after the other from C++ with the stream passed along, the calls
+// llama_decode_layer's calls for a dense layer, moe_ops.cpp's llama_decode_moe_layer's
+// for a mixture's, one after the other from C++ with the stream passed along, the calls
 // runner/fused_decode.py otherwise makes layer by layer, in the same order on the same
 // kernels: the result is theirs bit for bit. What it saves is the Python between
 // layers (the module call, the fused path's checks and arguments), at the price of
@@ -18,7 +18,7 @@
 // Optional tensors are empty where a layer has none, as the per-layer calls take them.
 // ``windows``: each layer's sliding window this step (0: none).
 
-#include <functional>
+#include <optional>
 
 namespace {
 
@@ -48,73 +48,97 @@ DenseLayer dense_layer(const pybind11::tuple& a, int64_t window,
           integer(8), integer(9), integer(10), integer(11), window, a[18].cast<bool>()};
 }
 
+// A mixture's arguments from the router on (entry 20 of its tuple), converted once.
+MixtureArgs mixture_args(const pybind11::tuple& a) {
+  const pybind11::tuple m = a[20].cast<pybind11::tuple>();
+  TORCH_CHECK(m.size() == 22, "a mixture's arguments: 22 entries");
+  auto t = [&](int j) { return m[j].cast<torch::Tensor>(); };
+  auto i = [&](int j) { return m[j].cast<int64_t>(); };
+  return {t(0), t(4), t(5), t(6), t(7), t(11), t(12), t(13), t(14), t(21),
+          i(1), i(2), i(8), i(9), i(15), i(16), i(19), i(20),
+          m[3].cast<bool>(), m[18].cast<bool>(), m[10].cast<double>(), m[17].cast<double>()};
+}
+
+// A layer of either kind, converted once: its attention and norms, and a mixture's
+// arguments where it is one.
+struct StackLayer {
+  DenseLayer d;
+  std::optional<MixtureArgs> mixture;
+};
+
+std::vector<StackLayer> stack_layers(const pybind11::list& layers, const std::vector<int64_t>& windows,
+                                     const std::vector<torch::Tensor>& positions,
+                                     const std::vector<torch::Tensor>& cos_sin) {
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == static_cast<int64_t>(layers.size()),
+              "windows: one a layer");
+  TORCH_CHECK(positions.size() == cos_sin.size() && !positions.empty(),
+              "positions and cos_sin: one pair a rotary table");
+  std::vector<StackLayer> out;
+  out.reserve(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const pybind11::tuple a = layers[i].cast<pybind11::tuple>();
+    StackLayer layer{dense_layer(a, windows[i], positions, cos_sin), std::nullopt};
+    if (a[0].cast<bool>()) layer.mixture = mixture_args(a);
+    out.push_back(std::move(layer));
+  }
+  return out;
+}
+
+// The attention half of layer d (both kinds).
+std::vector<torch::Tensor> stack_attention(const DenseLayer& d, const torch::Tensor& h,
+                                           const torch::Tensor& residual,
+                                           const torch::Tensor& kv_cache, const torch::Tensor& slots,
+                                           const torch::Tensor& block_tables,
+                                           const torch::Tensor& context_lens,
+                                           const torch::Tensor& row_starts) {
+  return llama_decode_attention(h, residual, d.in_norm, d.eps, d.qkv, d.o_proj, d.heads,
+                                d.kv_heads, d.head_dim, d.positions, d.cos_sin, kv_cache, d.layer,
+                                slots, block_tables, context_lens, row_starts, d.scale, d.window,
+                                d.q_norm, d.k_norm, d.qkv_bias);
+}
+
+// The MLP half of a layer (a mixture's from its router on): (its output, or a rank's
+// partial sum of it, and the stream).
+std::vector<torch::Tensor> stack_mlp(const StackLayer& layer, const torch::Tensor& o,
+                                     const torch::Tensor& residual) {
+  const DenseLayer& d = layer.d;
+  if (layer.mixture) return mixture_mlp(o, residual, d.post_norm, d.eps, *layer.mixture);
+  return llama_decode_mlp(o, residual, d.post_attn_norm, d.post_norm, d.eps, d.gate_up, d.down,
+                          d.gelu);
+}
+
 }  // namespace
 
 // Returns (the last layer's output, the stream): the final norm is the caller's. The
 // arguments are converted first, with the GIL; the layers then run without it, so that
 // the engine core's other threads (its sockets: server/core_process.py) are not held
-// off for a whole forward (one call a layer let them in between layers).
+// off for a whole forward (one call a layer let them in between layers). Each layer is
+// llama_decode_layer's or llama_decode_moe_layer's calls in their order: attention,
+// then the MLP half, then (Gemma 3) the norm after the MLP.
 std::vector<torch::Tensor> llama_decode_stack(
     torch::Tensor h, pybind11::list layers, std::vector<int64_t> windows,
     std::vector<torch::Tensor> positions, std::vector<torch::Tensor> cos_sin,
     torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor block_tables,
     torch::Tensor context_lens, torch::Tensor row_starts) {
-  TORCH_CHECK(static_cast<int64_t>(windows.size()) == static_cast<int64_t>(layers.size()),
-              "windows: one a layer");
-  TORCH_CHECK(positions.size() == cos_sin.size() && !positions.empty(),
-              "positions and cos_sin: one pair a rotary table");
-  using Layer = std::function<std::vector<torch::Tensor>(const torch::Tensor&, const torch::Tensor&)>;
-  std::vector<Layer> calls;
-  calls.reserve(layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const pybind11::tuple a = layers[i].cast<pybind11::tuple>();
-    const DenseLayer d = dense_layer(a, windows[i], positions, cos_sin);
-    if (!a[0].cast<bool>()) {
-      calls.push_back([=](const torch::Tensor& x, const torch::Tensor& r) {
-        return llama_decode_layer(x, r, d.in_norm, d.post_norm, d.eps, d.qkv, d.o_proj,
-                                  d.gate_up, d.down, d.heads, d.kv_heads, d.head_dim,
-                                  d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables,
-                                  context_lens, row_starts, d.scale, d.window, d.q_norm, d.k_norm,
-                                  d.qkv_bias, d.post_attn_norm, d.post_mlp_norm, d.gelu);
-      });
-    } else {
-      const pybind11::tuple m = a[20].cast<pybind11::tuple>();
-      TORCH_CHECK(m.size() == 22, "a mixture's arguments: 22 entries");
-      auto mt = [&](int j) { return m[j].cast<torch::Tensor>(); };
-      auto mi = [&](int j) { return m[j].cast<int64_t>(); };
-      calls.push_back([=, router = mt(0), router_rows = mi(1), top_k = mi(2),
-                       normalize = m[3].cast<bool>(), gu_where = mt(4), gu_values = mt(5),
-                       gu_scales = mt(6), gu_corr = mt(7), gu_rows = mi(8), gu_group = mi(9),
-                       gu_offset = m[10].cast<double>(), dn_where = mt(11), dn_values = mt(12),
-                       dn_scales = mt(13), dn_corr = mt(14), dn_rows = mi(15), dn_group = mi(16),
-                       dn_offset = m[17].cast<double>(), gelu = m[18].cast<bool>(),
-                       round_rows = mi(19), first_expert = mi(20),
-                       load = mt(21)](const torch::Tensor& x, const torch::Tensor& r) {
-        return llama_decode_moe_layer(
-            x, r, d.in_norm, d.post_norm, d.eps, d.qkv, d.o_proj, d.heads, d.kv_heads,
-            d.head_dim, d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables,
-            context_lens, row_starts, d.scale, d.window, d.q_norm, d.k_norm, d.qkv_bias, router,
-            router_rows, top_k, normalize, gu_where, gu_values, gu_scales, gu_corr, gu_rows,
-            gu_group, gu_offset, dn_where, dn_values, dn_scales, dn_corr, dn_rows, dn_group,
-            dn_offset, gelu, round_rows, first_expert, load);
-      });
-    }
-  }
+  const std::vector<StackLayer> stack = stack_layers(layers, windows, positions, cos_sin);
   torch::Tensor residual = h.new_empty({0});
   {
     pybind11::gil_scoped_release released;
-    for (const Layer& call : calls) {
-      std::vector<torch::Tensor> out = call(h, residual);
-      h = out[0];
-      residual = out[1];
+    for (const StackLayer& layer : stack) {
+      auto attention = stack_attention(layer.d, h, residual, kv_cache, slots, block_tables,
+                                       context_lens, row_starts);
+      auto mlp = stack_mlp(layer, attention[0], attention[1]);
+      h = after_mlp(mlp[0], layer.d.post_mlp_norm, layer.d.eps);
+      residual = mlp[1];
     }
   }
   return {h, residual};
 }
 
-// A tensor-parallel rank's dense layers in one call, for ranks that meet in shared
-// memory (runner/shm_group.py): each layer's two halves (llama_decode_attention,
-// llama_decode_mlp) with the float32 all-reduce of their partial sums between them made
+// A tensor-parallel rank's layers in one call, for ranks that meet in shared memory
+// (runner/shm_group.py): each layer's two halves (llama_decode_attention, then
+// llama_decode_mlp, or a mixture's mixture_mlp over the experts the rank holds) with
+// the float32 all-reduce of their partial sums between them made
 // here by shm::all_reduce, as ShmGroup.all_reduce makes it (the same copy, counters and
 // sum in rank order: the result is the per-layer path's bit for bit), then Gemma's norm
 // after the MLP. What it saves is the Python of two layer calls and two collectives a
@@ -134,21 +158,12 @@ std::vector<torch::Tensor> llama_decode_stack_ranked(
     torch::Tensor counters, int64_t stride, int64_t rank, std::vector<int64_t> state,
     int64_t spin_us) {
   const int64_t count = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(static_cast<int64_t>(windows.size()) == count, "windows: one a layer");
-  TORCH_CHECK(positions.size() == cos_sin.size() && !positions.empty(),
-              "positions and cos_sin: one pair a rotary table");
   TORCH_CHECK(state.size() == 3 && state[0] >= 0 && state[0] < count && state[1] >= 0 &&
               state[1] <= 2, "state: (layer, phase 0-2, collectives)");
   TORCH_CHECK(shm.scalar_type() == torch::kFloat && shm.dim() == 3 && shm.size(0) == 2,
               "shm: float32 [2, ranks, slot]");
   TORCH_CHECK(h.numel() <= shm.size(2), "a layer's output must fit one slot");
-  std::vector<DenseLayer> dense;
-  dense.reserve(count);
-  for (int64_t i = 0; i < count; ++i) {
-    const pybind11::tuple a = layers[i].cast<pybind11::tuple>();
-    TORCH_CHECK(!a[0].cast<bool>(), "dense layers only");
-    dense.push_back(dense_layer(a, windows[i], positions, cos_sin));
-  }
+  const std::vector<StackLayer> stack = stack_layers(layers, windows, positions, cos_sin);
   int64_t layer = state[0], phase = state[1], sequence = state[2];
   std::chrono::steady_clock::duration reducing{};
   // The all-reduce of ``t`` as collective ``sequence`` (posting it first unless it is
@@ -167,12 +182,10 @@ std::vector<torch::Tensor> llama_decode_stack_ranked(
     // phase 1 / 2 on entry: h is the pending sum, posted by an earlier call
     bool post = phase == 0;
     for (; layer < count; ++layer, phase = 0, post = true) {
-      const DenseLayer& d = dense[layer];
+      const DenseLayer& d = stack[layer].d;
       if (phase == 0) {
-        auto attention = llama_decode_attention(
-            h, residual, d.in_norm, d.eps, d.qkv, d.o_proj, d.heads, d.kv_heads, d.head_dim,
-            d.positions, d.cos_sin, kv_cache, d.layer, slots, block_tables, context_lens,
-            row_starts, d.scale, d.window, d.q_norm, d.k_norm, d.qkv_bias);
+        auto attention = stack_attention(d, h, residual, kv_cache, slots, block_tables,
+                                         context_lens, row_starts);
         h = attention[0];
         residual = attention[1];
         phase = 1;
@@ -180,8 +193,7 @@ std::vector<torch::Tensor> llama_decode_stack_ranked(
       if (phase == 1) {
         if (!reduce(h, post)) { waiting = true; break; }
         post = true;
-        auto mlp = llama_decode_mlp(h, residual, d.post_attn_norm, d.post_norm, d.eps,
-                                    d.gate_up, d.down, d.gelu);
+        auto mlp = stack_mlp(stack[layer], h, residual);
         h = mlp[0];
         residual = mlp[1];
         phase = 2;

@@ -186,18 +186,56 @@ std::vector<torch::Tensor> moe_experts(
   return {out, counts};
 }
 
+// A mixture's MLP half for decode tokens, from the router on: its arguments (those of
+// llama_decode_moe_layer after the attention's), converted once a step by
+// decode_stack.cpp.
+struct MixtureArgs {
+  torch::Tensor router, gu_where, gu_values, gu_scales, gu_corr, dn_where, dn_values,
+      dn_scales, dn_corr, load;
+  int64_t router_max_rows, top_k, gu_rows, gu_group, dn_rows, dn_group, round_rows, first_expert;
+  bool normalize, gelu;
+  double gu_offset, dn_offset;
+};
+
+// add + RMSNorm of the attention's output into the stream, the router's logits
+// (small_linear's up to router_max_rows tokens, torch's linear above, as
+// runner/linear/cpu_small_batch.py chooses), then moe_experts; the tokens each expert
+// took go into ``load`` (int64 [experts], the layer's table: no tensor for Python to
+// convert a layer). Returns (the experts' sum, the stream): a tensor-parallel rank's
+// sum is of the experts it holds, all-reduced by the caller.
+std::vector<torch::Tensor> mixture_mlp(const torch::Tensor& o, const torch::Tensor& stream,
+                                       const torch::Tensor& post_norm, double eps,
+                                       const MixtureArgs& m) {
+  TORCH_CHECK(m.router.scalar_type() == torch::kFloat && m.router.dim() == 2 && m.router.is_contiguous(),
+              "router: float32 [experts, hidden], contiguous");
+  TORCH_CHECK(m.load.scalar_type() == torch::kLong && m.load.dim() == 1 && m.load.size(0) == m.router.size(0),
+              "load: int64 [experts]");
+  torch::Tensor x = torch::empty_like(o);
+  rms_norm(x, o, stream, post_norm, eps);
+  torch::Tensor logits;
+  if (x.size(0) <= m.router_max_rows) {
+    logits = torch::empty({x.size(0), m.router.size(0)}, x.options());
+    small_linear(logits, x, m.router, c10::nullopt);
+  } else {
+    logits = torch::linear(x, m.router);
+  }
+  auto experts = moe_experts(x, logits, m.top_k, m.normalize, m.gu_where, m.gu_values, m.gu_scales,
+                             m.gu_corr, m.gu_rows, m.gu_group, m.gu_offset, m.dn_where, m.dn_values,
+                             m.dn_scales, m.dn_corr, m.dn_rows, m.dn_group, m.dn_offset, m.gelu,
+                             m.round_rows, m.first_expert);
+  m.load.copy_(experts[1]);
+  return {experts[0], stream};
+}
+
 // A mixture's whole decoder layer for decode tokens, in one call: the attention half
-// (decode_layer.cpp's llama_decode_attention), add + RMSNorm, the router's logits, then
-// moe_experts; the calls runner/fused_decode.py makes one by one for such a layer, in
-// the same order on the same kernels, so the result is theirs bit for bit. What it
-// saves is the Python between them (module calls, the router's linear method, the
-// experts' wrapper: about 0.1 ms a layer, 3-5 ms of a 30B-A3B decode step of about
-// 110 on 2 cores: docs/BENCHMARKS.md). The router is float32 [experts, hidden]
-// without a bias, its logits small_linear's up to router_max_rows tokens and torch's
-// linear above, as runner/linear/cpu_small_batch.py chooses. One process, no shared expert (the
-// caller's checks). The tokens each expert took go into ``load`` (int64 [experts], the
-// layer's table: no tensor for Python to convert a layer). Returns (the experts' sum,
-// the stream).
+// (decode_layer.cpp's llama_decode_attention), then mixture_mlp; the calls
+// runner/fused_decode.py makes one by one for such a layer, in the same order on the
+// same kernels, so the result is theirs bit for bit. What it saves is the Python
+// between them (module calls, the router's linear method, the experts' wrapper: about
+// 0.1 ms a layer, 3-5 ms of a 30B-A3B decode step of about 110 on 2 cores:
+// docs/BENCHMARKS.md). The router is float32 [experts, hidden] without a bias. One
+// process, no shared expert (the caller's checks). Returns (the experts' sum, the
+// stream).
 std::vector<torch::Tensor> llama_decode_moe_layer(
     torch::Tensor h, torch::Tensor residual, torch::Tensor input_norm, torch::Tensor post_norm,
     double eps, PackedArgs qkv, PackedArgs o_proj, int64_t num_heads, int64_t num_kv_heads,
@@ -211,27 +249,13 @@ std::vector<torch::Tensor> llama_decode_moe_layer(
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
     int64_t dn_rows, int64_t dn_group, double dn_offset, bool gelu, int64_t round_rows,
     int64_t first_expert, torch::Tensor load) {
-  TORCH_CHECK(router.scalar_type() == torch::kFloat && router.dim() == 2 && router.is_contiguous(),
-              "router: float32 [experts, hidden], contiguous");
-  TORCH_CHECK(load.scalar_type() == torch::kLong && load.dim() == 1 && load.size(0) == router.size(0),
-              "load: int64 [experts]");
+  const MixtureArgs m{router, gu_where, gu_values, gu_scales, gu_corr, dn_where, dn_values,
+                      dn_scales, dn_corr, load, router_max_rows, top_k, gu_rows, gu_group,
+                      dn_rows, dn_group, round_rows, first_expert, normalize, gelu, gu_offset,
+                      dn_offset};
   auto attention = llama_decode_attention(
       h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim, positions,
       cos_sin, kv_cache, layer, slots, block_tables, context_lens, row_starts, scale, window,
       q_norm, k_norm, qkv_bias);
-  torch::Tensor o = attention[0], stream = attention[1];
-  torch::Tensor x = torch::empty_like(o);
-  rms_norm(x, o, stream, post_norm, eps);
-  torch::Tensor logits;
-  if (x.size(0) <= router_max_rows) {
-    logits = torch::empty({x.size(0), router.size(0)}, x.options());
-    small_linear(logits, x, router, c10::nullopt);
-  } else {
-    logits = torch::linear(x, router);
-  }
-  auto experts = moe_experts(x, logits, top_k, normalize, gu_where, gu_values, gu_scales, gu_corr,
-                             gu_rows, gu_group, gu_offset, dn_where, dn_values, dn_scales, dn_corr,
-                             dn_rows, dn_group, dn_offset, gelu, round_rows, first_expert);
-  load.copy_(experts[1]);
-  return {experts[0], stream};
+  return mixture_mlp(attention[0], attention[1], post_norm, eps, m);
 }

@@ -26,10 +26,10 @@ Where every layer of the model runs whole in one process (dense, or a mixture's 
 layer), the step goes further: ``attn.decode_stack`` runs all of them in one call
 (kernels/decode_stack.cpp), the same per-layer calls made from C++ with the stream
 passed along, so the Python between layers is gone too (batch-1 steps 1.02-1.04x on
-2 cores). So does a tensor-parallel rank whose layers are all dense and whose ranks
-meet in one host's shared memory (runner/shm_group.py): its halves and the all-reduces
-between them run in one call (``llama_decode_stack_ranked``), which hands a long wait
-back to the group so that a dead or hung rank is still found. TANDEM_FUSED_DECODE=layers
+2 cores). So does a tensor-parallel rank whose ranks meet in one host's shared memory
+(runner/shm_group.py), its layers dense or mixtures that run whole: its halves and the
+all-reduces between them run in one call (``llama_decode_stack_ranked``), which hands
+a long wait back to the group so that a dead or hung rank is still found. TANDEM_FUSED_DECODE=layers
 keeps the per-layer calls (for comparisons), 0 turns both off.
 """
 
@@ -151,18 +151,29 @@ def _whole(layer, args: tuple) -> tuple | None:
     return () if gate_up is not EXPERTS else layer.mlp.fused_experts.whole_layer
 
 
-def _ranked(args: tuple) -> bool:
-    """A tensor-parallel rank's dense layer whose ranks meet in one host's shared
-    memory: its halves and all-reduces run in the ranked stack call."""
-    return isinstance(args[-1], ShmGroup) and args[5] is not EXPERTS
+def _stacked(layer, args: tuple) -> tuple | None:
+    """What a stack call runs of ``layer`` after its attention: () for a dense layer, a
+    mixture's arguments from the router on, None where the layer cannot run in one (see
+    ``_whole``). A tensor-parallel rank's layer runs in the ranked stack call where its
+    ranks meet in one host's shared memory, its halves and all-reduces there: a
+    mixture's too, where its experts' sum is all-reduced by that same group."""
+    comm = args[-1]
+    if not isinstance(comm, ShmGroup):
+        return _whole(layer, args)
+    if args[5] is not EXPERTS:
+        return ()
+    mixture = layer.mlp
+    if mixture.all_reduce != comm.all_reduce:
+        return None
+    return mixture.fused_experts.mlp_arguments
 
 
 def stack_arguments(layers) -> tuple[list[tuple], list[int], list, ShmGroup | None] | None:
     """Every layer's fixed arguments as kernels/decode_stack.cpp takes them, their
     indices in the KV cache, the mixtures (their ``fused_experts``, to mark their
     counts after the call) and, on a tensor-parallel rank, its shared-memory group;
-    None when some layer cannot run whole in one call (see ``_whole``; a rank's layers
-    all dense, with one group). Cached on ``layers``."""
+    None when some layer cannot run in one call (see ``_stacked``; a rank's layers all
+    with one group). Cached on ``layers``."""
     cached = getattr(layers, "_fused_stack", False)
     if cached is not False:
         return cached
@@ -170,7 +181,7 @@ def stack_arguments(layers) -> tuple[list[tuple], list[int], list, ShmGroup | No
     groups = set()
     for layer in layers:
         args = layer_arguments(layer)
-        mixture = None if args is None else () if _ranked(args) else _whole(layer, args)
+        mixture = None if args is None else _stacked(layer, args)
         if mixture is None:
             plan = None
             break
@@ -244,13 +255,14 @@ class FusedDecode:
         if group is not None:  # a rank: the all-reduces in the call, in the group's slots
             if h.numel() > group.floats.shape[-1]:
                 return None
-            return group.reduce_in(
+            out = group.reduce_in(
                 lambda h, residual, *meet: kernels.llama_decode_stack_ranked(
                     h, residual, *step, *meet
                 ),
                 h,
             )
-        out = kernels.llama_decode_stack(h, *step)
+        else:
+            out = kernels.llama_decode_stack(h, *step)
         for fused, moe in mixtures:  # (the call wrote the counts into their tables)
             fused.counted(moe)
         return out[0], out[1]

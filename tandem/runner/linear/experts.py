@@ -84,14 +84,18 @@ class FusedExperts:
         # The tokens each expert took in the last forward: ``layer.expert_load`` reads
         # this table (converted once a step by the runner, not a tensor a layer).
         self.load = torch.zeros(layer.num_experts, dtype=torch.int64)
-        # The arguments to the whole-layer decode call after the attention's
-        # (kernels/moe_ops.cpp's llama_decode_moe_layer: the router, the rows up to which
-        # its linear method runs the small-batch kernel, moe_experts', the table), or
-        # None where that call would not compute what ``layer(x)`` does: a shared
-        # expert, a tensor-parallel rank's partial sum, a router the call does not take
-        # (runner/fused_decode.py then calls the layer). attach_fused_experts runs after
-        # the linear methods and collectives are set, so this is known here.
-        self.whole_layer = self._whole_layer_arguments(layer)
+        # The arguments to the compiled MLP half after the attention's
+        # (kernels/moe_ops.cpp's mixture_mlp: the router, the rows up to which its
+        # linear method runs the small-batch kernel, moe_experts', the table), or None
+        # where it would not compute what ``layer(x)`` does before its all-reduce: a
+        # shared expert, a router the call does not take (runner/fused_decode.py then
+        # calls the layer). ``whole_layer``: the same for the whole-layer call of one
+        # process (llama_decode_moe_layer), None on a tensor-parallel rank, whose
+        # partial sum is all-reduced (the ranked stack call does that: see
+        # runner/fused_decode.py). attach_fused_experts runs after the linear methods
+        # and collectives are set, so both are known here.
+        self.mlp_arguments = self._mlp_arguments(layer)
+        self.whole_layer = self.mlp_arguments if layer.all_reduce is None else None
 
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
@@ -107,12 +111,11 @@ class FusedExperts:
         return (layer.top_k, layer.normalize, *self.gate_up.args, *self.down.args, self.gelu,
                 MLP_ROWS, layer.held.start)  # fmt: skip
 
-    def _whole_layer_arguments(self, layer: SparseMoE) -> tuple | None:
+    def _mlp_arguments(self, layer: SparseMoE) -> tuple | None:
         gate = layer.gate
         method = gate.method
         if (
             layer.shared_expert is not None
-            or layer.all_reduce is not None
             or not isinstance(method, CpuSmallBatchLinearMethod)
             or gate.bias is not None
             or gate.weight.dtype != torch.float32
