@@ -370,6 +370,29 @@ inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
   return _mm512_ternarylogic_epi32(low, v, _mm512_set1_epi8(((1 << hb) - 1) << 4), 0xF8);
 }
 
+// A block of 4-6 bit values (the layout at the top of this file), one nibble pair at a
+// time as bytes q (0 .. 2^bits - 1): ``lo`` holds weights 4p..4p+3 of each of the 16
+// rows, ``hi`` weights 16+4p..16+4p+3. The vector tiles multiply them as they come,
+// the AMX tiles store them (less the offset) as B tiles.
+template <int kBits>
+struct BlockValues {
+  explicit BlockValues(const uint8_t* v) : v(v) {
+    for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
+  }
+  void pair(int p, __m512i& lo, __m512i& hi) const {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i packed = _mm512_loadu_si512(v + p * 64);
+    lo = _mm512_and_si512(packed, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    if constexpr (kBits > 4) {
+      lo = with_high_bits<kBits>(lo, planes, p);
+      hi = with_high_bits<kBits>(hi, planes, 4 + p);
+    }
+  }
+  const uint8_t* v;
+  __m512i planes[2];  // the high-bit planes (5 and 6 bits)
+};
+
 // Records: at the first block of a super-block (8 blocks of 32), its d and (with
 // constants) dmin.
 template <int kScales>
@@ -442,17 +465,10 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
     const uint8_t* v = vals + b * kBits * 64;
     if (t0 % kTokenChunk == 0) prefetch_block<kBits>(v);
     if constexpr (kBits < 8) {
-      const __m512i low4 = _mm512_set1_epi8(0x0F);
-      __m512i planes[2];
-      for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
+      const BlockValues<kBits> block(v);
       for (int pair = 0; pair < 4; ++pair) {
-        const __m512i packed = _mm512_loadu_si512(v + pair * 64);
-        __m512i lo = _mm512_and_si512(packed, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-        if constexpr (kBits > 4) {
-          lo = with_high_bits<kBits>(lo, planes, pair);
-          hi = with_high_bits<kBits>(hi, planes, 4 + pair);
-        }
+        __m512i lo, hi;
+        block.pair(pair, lo, hi);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           __m512i* c0 = &chain[t][0][pair % kChains];
@@ -837,6 +853,14 @@ inline bool active() {
   return m == 1;
 }
 
+// Whether a pass of T tokens (the most an expert of the pass has) takes the tiles:
+// enough of them, values the tiles multiply as they are or unpacked (int8 values only
+// without an offset: Q8_0's is 0), and the tiles on.
+template <int kBits>
+inline bool takes(int64_t T, int32_t offset) {
+  return T >= min_tokens<kBits>() && (kBits < 8 || offset == 0) && active();
+}
+
 struct alignas(64) Config {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -863,20 +887,13 @@ inline void configure(int k_bytes) {
 // row j holding weights 4j..4j+3 of each row, as int8 q - offset.
 template <int kBits>
 void unpack(const uint8_t* vals, int64_t nb, int32_t offset, int8_t* dst) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi8(static_cast<char>(offset));
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(offset));
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* v = vals + b * kBits * 64;
+    const BlockValues<kBits> block(vals + b * kBits * 64);
     int8_t* out = dst + b * kBlockBytes;
-    __m512i planes[2];
-    for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
     for (int pair = 0; pair < 4; ++pair) {
-      const __m512i packed = _mm512_loadu_si512(v + pair * 64);
-      __m512i lo = _mm512_and_si512(packed, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-      if constexpr (kBits > 4) {
-        lo = with_high_bits<kBits>(lo, planes, pair);
-        hi = with_high_bits<kBits>(hi, planes, 4 + pair);
-      }
+      __m512i lo, hi;
+      block.pair(pair, lo, hi);
       _mm512_storeu_si512(out + pair * 64, _mm512_sub_epi8(lo, off));
       _mm512_storeu_si512(out + (4 + pair) * 64, _mm512_sub_epi8(hi, off));
     }
@@ -1037,7 +1054,7 @@ template <int kBits, int kGroup, int kScales>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
 #ifdef TANDEM_AMX
-  if (T >= amx::min_tokens<kBits>() && (kBits < 8 || p.offset == 0) && amx::active()) {  // (Q8_0's offset is 0)
+  if (amx::takes<kBits>(T, p.offset)) {
     work::share(tiles, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);) amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
@@ -1063,7 +1080,7 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 #ifdef TANDEM_AMX
   int64_t most = 0;
   for (const int64_t T : Ts) most = std::max(most, T);
-  if (most >= amx::min_tokens<kBits>() && (kBits < 8 || ps[0].offset == 0) && amx::active()) {
+  if (amx::takes<kBits>(most, ps[0].offset)) {
     work::share(jobs, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);)
