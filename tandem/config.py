@@ -107,6 +107,11 @@ class ParallelConfig:
         "external_launcher: torchrun started every rank, each running this same program "
         "with its own engine (offline use, as vLLM's)", "BACKEND",
     )  # fmt: skip
+    enable_expert_parallel: bool = setting(
+        False, "a mixture's routed experts whole, a run of them on each tensor-parallel "
+        "rank, instead of every expert split across the ranks as an MLP is (the default "
+        "where an expert's intermediate size cuts into equal runs of whole blocks)",
+    )  # fmt: skip
     cpu_bind: str = setting(
         "auto", "auto: each rank of a host on its own run of the host's CPUs (every "
         "thread pinned; a NUMA node each, memory bound there, where the ranks spread "

@@ -78,33 +78,50 @@ def test_only_the_picked_experts_run_each_over_its_tokens(model_dirs, arch):
     assert layer.expert_load == [want[e] for e in range(layer.num_experts)]
 
 
-def _rank_layers(path, size: int) -> list[list[SparseMoE]]:
+def _rank_layers(path, size: int, expert_parallel: bool = False) -> list[list[SparseMoE]]:
     """Each rank's mixtures, loaded as that rank of ``size`` loads them (no group:
     each layer's output stays the rank's part of the sum)."""
     ranks = []
     for rank in range(size):
-        llm_model = load_model(path, load_tokenizer=False, tensor_parallel=(rank, size)).model
+        llm_model = load_model(
+            path, load_tokenizer=False, tensor_parallel=(rank, size),
+            expert_parallel=expert_parallel,
+        ).model  # fmt: skip
         ranks.append([m for m in llm_model.modules() if isinstance(m, SparseMoE)])
     return ranks
 
 
+def _expert_width(layer: SparseMoE) -> int:
+    """The intermediate columns of a layer's (first held) expert."""
+    return layer.experts[str(layer.held.start)].down_proj.in_features
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["split-experts", "whole-experts"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_experts_split_across_ranks_add_up_to_the_whole_layer(model_dirs, arch):
-    """Expert parallelism's arithmetic: each rank holds a run of whole experts (and
-    its share of a shared expert's columns) and routes over all of them; the ranks'
-    outputs of a mixture add up to the whole layer's (float sums in another order),
-    and its expert load is the whole router's on every rank."""
+def test_experts_split_across_ranks_add_up_to_the_whole_layer(model_dirs, arch, expert_parallel):
+    """The tensor-parallel arithmetic of a mixture: by default each rank holds every
+    expert's share of columns (gate/up rows, down columns); with expert parallelism a
+    run of whole experts. Either way a rank holds its share of a shared expert's
+    columns and routes over all experts; the ranks' outputs of a mixture add up to
+    the whole layer's (float sums in another order), and its expert load is the whole
+    router's on every rank."""
     folder, _ = model_dirs(arch)
     whole = [m for m in load_model(folder).model.modules() if isinstance(m, SparseMoE)]
     size = 2
-    ranks = _rank_layers(folder, size)
+    ranks = _rank_layers(folder, size, expert_parallel)
     x = torch.randn(9, whole[0].gate.in_features, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for index, layer in enumerate(whole):
             parts = [layers[index] for layers in ranks]
             held = [sorted(int(e) for e in part.experts) for part in parts]
-            assert [e for run in held for e in run] == list(range(layer.num_experts))  # once
             assert [list(p.held) for p in parts] == held
+            if expert_parallel:
+                assert [e for run in held for e in run] == list(range(layer.num_experts))
+                assert all(_expert_width(p) == _expert_width(layer) for p in parts)
+            else:
+                assert all(run == list(range(layer.num_experts)) for run in held)
+                assert sum(_expert_width(p) for p in parts) == _expert_width(layer)
+                assert len({_expert_width(p) for p in parts}) == 1  # equal shares
             total = sum(part(x) for part in parts)
             torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-6)
             assert all(part.expert_load == layer.expert_load for part in parts)
@@ -113,11 +130,17 @@ def test_experts_split_across_ranks_add_up_to_the_whole_layer(model_dirs, arch):
                 assert sum(widths) == layer.shared_expert.down_proj.in_features
 
 
-def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(tmp_path):
-    """A Qwen3-MoE file's packed experts on 2 and 3 ranks: each rank's fused kernel
-    runs only the experts it holds (the router's picks of others left out), and the
-    ranks' outputs add up to one process's; a rank never reads another's experts
-    from the file."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["split-experts", "whole-experts"])
+def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(
+    tmp_path, expert_parallel
+):
+    """A Qwen3-MoE file's packed experts on 2 and 3 ranks, each rank's experts in the
+    fused kernel; the ranks' outputs add up to one process's. Split experts (2 ranks:
+    each expert's 256 columns are 4 blocks of 32 a rank): every rank reads its rows
+    and columns of every expert, whole blocks of the file. Whole experts (expert
+    parallelism, and 3 ranks, where 8 blocks do not split evenly): a rank runs only
+    the experts it holds (the router's picks of others left out), and never reads
+    another's experts from the file."""
     import re
 
     from tandem.models.random_gguf import Shape, write_random_gguf
@@ -132,28 +155,38 @@ def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(tmp_pa
     attach_fused_experts(whole_model)
     whole = [m for m in whole_model.modules() if isinstance(m, SparseMoE)]
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
-    read_experts: set[int] = set()
+    read_experts: dict[int, list[tuple[int, ...]]] = {}
     read = CheckpointTensor.read
 
     def watched(self):
         found = re.search(r"\.experts\.(\d+)\.", self.name)
         if found:
-            read_experts.add(int(found.group(1)))
+            read_experts.setdefault(int(found.group(1)), []).append(self.shape)
         return read(self)
 
     for size in (2, 3):
+        split = size == 2 and not expert_parallel
         ranks = []
         for rank in range(size):
             read_experts.clear()
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(CheckpointTensor, "read", watched)
-                model = load_model(path, load_tokenizer=False, tensor_parallel=(rank, size)).model
+                model = load_model(
+                    path, load_tokenizer=False, tensor_parallel=(rank, size),
+                    expert_parallel=expert_parallel,
+                ).model  # fmt: skip
             assert attach_fused_experts(model) == len(whole)
             layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
             ranks.append(layers)
             held = set(layers[0].held)
-            assert read_experts == held and len(held) < shape.experts
+            assert set(read_experts) == held
             assert {int(e) for e in layers[0].experts} == held
+            if split:  # gate, up: 128 of 256 rows; down: 128 of 256 columns
+                assert held == set(range(shape.experts))
+                shapes = {s for each in read_experts.values() for s in each}
+                assert shapes == {(128, 256), (256, 128)}
+            else:
+                assert len(held) < shape.experts
         with torch.inference_mode():
             for index, layer in enumerate(whole):
                 total = sum(layers[index](x) for layers in ranks)

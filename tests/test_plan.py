@@ -450,12 +450,14 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_step_reads(tmp_path):
 
 
 def test_expert_parallel_ranks_are_priced_by_the_busiest_one(tmp_path):
-    """Each of N ranks holds a run of the experts (models/sharding.py's split): the
-    distinct experts the busiest rank reads a layer, by brute force over every way a
-    token picks (exact), and by drawing batches at random; one rank is
-    expected_experts; and under --tp the plan reads as if every rank read as much as
-    the busiest (the others wait for it at the all-reduce), so TP 2's decode reads
-    more than an even split of one device's."""
+    """Each of N ranks holds a run of the experts (models/sharding.py's split where an
+    expert's columns do not cut evenly): the distinct experts the busiest rank reads a
+    layer, by brute force over every way a token picks (exact), and by drawing batches
+    at random; one rank is expected_experts; and under --tp 3 (128 columns do not cut
+    in 3) the plan reads as if every rank read as much as the busiest (the others wait
+    for it at the all-reduce), so the decode reads more than an even split of one
+    device's. Under --tp 2 the ranks split every expert's 128 columns (the engine's
+    default): each reads its half of the same picks, as one device reads them."""
     import itertools
     import random
 
@@ -489,12 +491,16 @@ def test_expert_parallel_ranks_are_priced_by_the_busiest_one(tmp_path):
     raw = SMALL_QWEN3_MOE
     hardware = custom_hardware(16, 20, 1.0)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    one, two = (plan(tmp_path, hardware, "bf16", batch=1, tp=tp) for tp in (1, 2))
-    busiest = busiest_rank_experts(16, 4, 1, 2)
-    assert 2 < busiest < 4 and two["experts_read_busiest_rank"] == busiest
+    one, two, three = (plan(tmp_path, hardware, "bf16", batch=1, tp=tp) for tp in (1, 2, 3))
+    assert two["experts_split"] and not three["experts_split"]
+    assert two["experts_read_busiest_rank"] == pytest.approx(4)  # a token's 4 picks
+    assert two["weight_bytes_read_per_step"] == one["weight_bytes_read_per_step"]
+    assert "all 16, 1/2 of each one's columns" in format_plan(two)
+    busiest = busiest_rank_experts(16, 4, 1, 3)
+    assert 4 / 3 < busiest < 4 and three["experts_read_busiest_rank"] == busiest
     expert_bytes = 3 * 16 * (3 * 256 * 128) * 2  # layers x experts x (gate, up, down), bf16
-    extra = expert_bytes * (busiest * 2 - 4) / 16  # the busiest rank's, times 2 ranks
-    assert two["weight_bytes_read_per_step"] == pytest.approx(
+    extra = expert_bytes * (busiest * 3 - 4) / 16  # the busiest rank's, times 3 ranks
+    assert three["weight_bytes_read_per_step"] == pytest.approx(
         one["weight_bytes_read_per_step"] + extra, rel=1e-6
     )
-    assert f"busiest rank reads {busiest:.1f} a layer" in format_plan(two)
+    assert f"busiest rank reads {busiest:.1f} a layer" in format_plan(three)

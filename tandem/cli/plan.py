@@ -154,7 +154,7 @@ def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
     from pathlib import Path
 
     from tandem.errors import InvalidParameterError
-    from tandem.plan.calculator import read_model
+    from tandem.plan.calculator import experts_block, read_model
     from tandem.plan.calibrate import calibrate, fit_trace
     from tandem.plan.cost import ModelShape
     from tandem.plan.measure import engine_dtype
@@ -166,7 +166,7 @@ def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
     dtype = engine_dtype(result["dtype"])
     config, params = read_model(args.model)
     element = 2 if dtype == "bfloat16" else 4
-    shape = ModelShape.of(config, params, element, element)
+    shape = ModelShape.of(config, params, element, element, experts_block(args.model))
     if args.from_trace:
         try:
             trace = json.loads(Path(args.from_trace).read_text())

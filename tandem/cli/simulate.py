@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
     from tandem.cli.plan import tp_link
     from tandem.config import EngineConfig
     from tandem.errors import InvalidParameterError
-    from tandem.plan.calculator import MEMORY_UTILIZATION, read_model
+    from tandem.plan.calculator import MEMORY_UTILIZATION, experts_block, read_model
     from tandem.plan.cost import ModelShape, StepCostModel
     from tandem.plan.hardware import PRESETS
     from tandem.plan.simulate import Topology, simulate
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
     config_model, params = read_model(args.model)
     dtype = args.dtype or ("fp32" if args.cost else "bf16")
     element = 4 if dtype == "fp32" else 2
-    shape = ModelShape.of(config_model, params, element, element)
+    shape = ModelShape.of(config_model, params, element, element, experts_block(args.model))
     if args.cost:
         cost = StepCostModel.load(args.cost)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -9,9 +9,10 @@
 // layout (values, scales, corr: empty for none; every expert of the projection is
 // laid out like it) and ``where`` [held, 3], int64: the addresses of the values,
 // scales and corr (0 for none) of each expert this process holds, experts
-// ``first_expert`` .. + held of the router's (a tensor-parallel rank holds a run of
-// them: models/sharding.py), as quant::many_matrices describes. The router's picks
-// of other experts are left out: the output is this process's part of the sum.
+// ``first_expert`` .. + held of the router's (a tensor-parallel rank holds every
+// expert's share of columns, or a run of whole experts: models/sharding.py), as
+// quant::many_matrices describes. The router's picks of other experts are left out:
+// the output is this process's part of the sum.
 
 namespace moe {
 

@@ -30,7 +30,7 @@ from tandem.models.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from tandem.models.gguf_tokenizer import build_tokenizer
 from tandem.models.quantized import quantize_linear_layers
 from tandem.models.registry import model_class_for
-from tandem.models.sharding import ShardPlan, shard_model
+from tandem.models.sharding import ShardPlan, is_routed_expert, shard_model
 from tandem.models.tokenizer import Tokenizer
 from tandem.models.weight_loading import load_weights
 from tandem.models.weight_source import SafetensorsCheckpoint, read_json
@@ -139,6 +139,7 @@ def load_model(
     load_tokenizer: bool = True,
     quantization: str = "auto",
     tensor_parallel: tuple[int, int] | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
@@ -149,7 +150,8 @@ def load_model(
     checkpoint float; ``none`` makes every weight float in ``dtype``; ``q8_0`` /
     ``q4_0`` / ``q4_k`` quantize every linear layer on load into that llama.cpp format.
     ``tensor_parallel``: (rank, size): the rank's shard of every weight
-    (models/sharding.py); the config is then the rank's."""
+    (models/sharding.py; ``expert_parallel``: a mixture's experts whole, a run of them
+    a rank); the config is then the rank's."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(
             f"quantization {quantization!r} is not supported (use {', '.join(QUANTIZATIONS)})"
@@ -176,7 +178,13 @@ def load_model(
         shard = None
         if tensor_parallel is not None and tensor_parallel[1] > 1:
             blocks = [BLOCK[t.type][0] for t in tensors if t.quantized]
-            shard = ShardPlan(config, *tensor_parallel, block=max(blocks, default=1))
+            expert_blocks = [
+                BLOCK[t.type][0] for t in tensors if t.quantized and is_routed_expert(t.name)
+            ]
+            shard = ShardPlan(
+                config, *tensor_parallel, block=max(blocks, default=1),
+                expert_block=max(expert_blocks, default=1), expert_parallel=expert_parallel,
+            )  # fmt: skip
             config = shard.config
         # Built without allocating (meta); load_weights materialises what stays float.
         with torch.device("meta"), initializers_skipped():

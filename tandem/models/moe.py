@@ -16,12 +16,14 @@
 ``expert_load`` is the last forward's token count per expert (the step trace and the
 metrics read it).
 
-Expert parallelism: a tensor-parallel rank holds a run of whole experts
-(``moe.held``: models/sharding.py) and the shared expert's share of columns, but
-routes over all of them. Its output is then a partial sum (the picked experts it
-holds, its part of the shared one), and ``all_reduce`` (the runner's collective)
-completes it, as after a row-parallel layer. ``experts`` is keyed by the expert's
-number in the whole model, so a parameter's name is the checkpoint's on every rank.
+Tensor parallelism (models/sharding.py): a rank holds its share of every expert's
+columns (the config's ``intermediate_size`` is then the rank's), or, with expert
+parallelism, a run of whole experts (``moe.held``), and the shared expert's share of
+columns; it routes over all of them. Its output is then a partial sum (its part of
+each picked expert, or the picked experts it holds; its part of the shared one), and
+``all_reduce`` (the runner's collective) completes it, as after a row-parallel layer.
+``experts`` is keyed by the expert's number in the whole model, so a parameter's name
+is the checkpoint's on every rank.
 
 On a CPU with the compiled kernels and packed experts, the runner gives the layer
 ``fused_experts``: the same computation in one kernel call after the router

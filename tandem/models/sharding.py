@@ -6,11 +6,17 @@
                      sums, added by an all-reduce (runner/linear/parallel.py)
     embedding, head  vocabulary-parallel: a rank's rows of the vocabulary (lookups
                      all-reduced, logits gathered)
-    experts          expert-parallel: a rank holds a run of whole experts (their
-                     matrices whole, in their formats); a mixture's shared expert is
-                     split as an MLP (its down projection's partial sums added to
-                     the experts'), and the mixture's output all-reduced once
-                     (models/moe.py)
+    experts          every routed expert split as an MLP is (its gate/up rows, its
+                     down projection's matching columns: partial sums), where its
+                     intermediate size cuts into equal runs of whole blocks: each
+                     rank then does the same share of every picked expert, so the
+                     ranks finish a layer together (vLLM's and SGLang's default);
+                     else, or with ``expert_parallel``, expert-parallel: a rank
+                     holds a run of whole experts, and waits on the rank that holds
+                     more of a step's picks (at batch 1 on 2 ranks a 30B-A3B layer's
+                     busiest rank has 5.1 of a token's 8, not 4). A mixture's shared
+                     expert is split as an MLP; the mixture's partial sums (routed
+                     and shared) are all-reduced once (models/moe.py)
     everything else  (norms, routers, biases of row-parallel layers) whole on every rank
 
 Heads are split by KV groups, so that a rank's query heads read only its own KV
@@ -68,14 +74,34 @@ SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # fmt: skip
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's module, by its number
+# A routed expert's matrices where the ranks split every expert ("expert": its
+# intermediate columns); its down projection's sums are the mixture's to complete.
+EXPERT_LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gate_up_proj": (COLUMN, ("expert", "expert")),
+    "down_proj": (PARTIAL, ("expert",)),
+}
 
 
-def layout_of(module_name: str) -> tuple[str, tuple[str, ...]] | None:
-    """How ``module_name`` is split (LAYOUT), or None: whole on every rank (a
-    routed expert's matrices: a rank holds whole experts)."""
-    if _EXPERT.search(module_name):
-        return None
+def splits_experts(intermediate_size: int, block: int, size: int) -> bool:
+    """Whether ``size`` ranks split every routed expert (its intermediate columns in
+    equal runs of whole ``block``s: the file's blocks of its experts' tensors) rather
+    than each holding whole experts; ShardPlan.split_experts, unless expert
+    parallelism is asked for. tandem plan and simulate price the same choice."""
+    return size > 1 and intermediate_size % (block * size) == 0
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a module or parameter name is a routed expert's."""
+    return _EXPERT.search(name + ".") is not None
+
+
+def layout_of(module_name: str, split_experts: bool = False) -> tuple[str, tuple[str, ...]] | None:
+    """How ``module_name`` is split (LAYOUT; a routed expert's matrices where the
+    ranks split every expert: EXPERT_LAYOUT), or None: whole on the ranks that hold
+    it (a routed expert's matrices where each rank holds whole experts)."""
     parts = module_name.split(".")
+    if is_routed_expert(module_name):
+        return EXPERT_LAYOUT.get(parts[-1]) if split_experts else None
     return LAYOUT.get(".".join(parts[-2:])) or LAYOUT.get(parts[-1])
 
 
@@ -125,6 +151,12 @@ class ShardPlan:
     # The weights a quantized block of the file holds (its largest format's): MLP
     # columns are cut on whole blocks, so that a quantized down projection splits.
     block: int = 1
+    # The same for a mixture's routed experts' tensors (their columns are cut on
+    # their own blocks: a Q4_0 file's experts in 32s beside its Q6_K output matrix).
+    expert_block: int = 1
+    # A mixture's experts whole, a run of them on each rank, even where every expert
+    # could be split (``split_experts``).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.full.architecture not in SHARDABLE:
@@ -141,11 +173,23 @@ class ShardPlan:
                     f"an MLP of {columns} columns in blocks of {self.block} "
                     f"cannot be split across {self.size} tensor-parallel ranks"
                 )
-        if moe is not None and moe.num_experts < self.size:
+        if moe is not None and not self.split_experts and moe.num_experts < self.size:
             raise ModelLoadError(
                 f"{moe.num_experts} experts cannot be split across {self.size} "
                 "tensor-parallel ranks (each rank holds whole experts)"
             )
+
+    @property
+    def split_experts(self) -> bool:
+        """Whether every rank holds its share of every routed expert (each expert's
+        intermediate size in equal runs of whole blocks, expert parallelism not asked
+        for) rather than a run of whole experts."""
+        moe = self.full.moe
+        return (
+            moe is not None
+            and not self.expert_parallel
+            and splits_experts(moe.intermediate_size, self.expert_block, self.size)
+        )
 
     @property
     def heads(self) -> tuple[range, range]:
@@ -156,7 +200,8 @@ class ShardPlan:
         """Each unit's range in a weight's rows or columns: the rank's query and KV
         heads' rows, its MLP columns (whole blocks of the file: ``block``) and its vocabulary
         rows (whole packed tiles); of a mixture, its shared expert's columns (as the
-        MLP's) and its run of experts."""
+        MLP's), its experts (all, or a run of whole ones) and, where every expert is
+        split, its columns of each ("expert")."""
         q, kv = self.heads
         d, moe = self.full.head_dim, self.full.moe
         ranges = {
@@ -168,7 +213,13 @@ class ShardPlan:
         if moe is not None:
             shared = moe.shared_intermediate_size
             ranges["shared"] = split_evenly(shared, self.size, self.rank, self.block)
-            ranges["experts"] = split_evenly(moe.num_experts, self.size, self.rank)
+            if self.split_experts:
+                ranges["experts"] = range(moe.num_experts)
+                ranges["expert"] = split_evenly(
+                    moe.intermediate_size, self.size, self.rank, self.expert_block
+                )
+            else:
+                ranges["experts"] = split_evenly(moe.num_experts, self.size, self.rank)
         return ranges
 
     @property
@@ -179,7 +230,7 @@ class ShardPlan:
     def config(self) -> ModelConfig:
         """The rank's model: its heads and MLP columns (the vocabulary stays whole in
         the config; the embedding and head are cut by ``shard_model``); of a mixture,
-        its experts and its shared expert's columns."""
+        its experts (or its columns of each) and its shared expert's columns."""
         q, kv = self.heads
         ranges, moe = self.ranges, self.full.moe
         if moe is not None:
@@ -188,6 +239,7 @@ class ShardPlan:
                 moe,
                 held_experts=(experts.start, experts.stop),
                 shared_intermediate_size=len(ranges["shared"]),
+                intermediate_size=len(ranges.get("expert", range(moe.intermediate_size))),
             )
         return dataclasses.replace(
             self.full,
@@ -212,6 +264,7 @@ class ShardPlan:
             "mlp": c.intermediate_size,
             "vocab": c.vocab_size,
             "shared": c.moe.shared_intermediate_size if c.moe else 0,
+            "expert": c.moe.intermediate_size if c.moe else 0,
         }[unit]
 
     def narrow(self, param_name: str, part: int | None, tensor: CheckpointTensor, transposed=False):
@@ -220,7 +273,7 @@ class ShardPlan:
         several); the tensor itself where the rank holds it whole. ``transposed``: the
         file stores the matrix as [in, out] (GPT-2's Conv1D)."""
         module_name, _, kind = param_name.rpartition(".")
-        layout = layout_of(module_name)
+        layout = layout_of(module_name, self.split_experts)
         if layout is None:
             return tensor
         how, units = layout
@@ -251,9 +304,9 @@ def _narrow(tensor: CheckpointTensor, dim: int, span: range) -> CheckpointTensor
     return tensor.narrow(dim, span.start, len(span))
 
 
-def parallel_style(module_name: str) -> str | None:
+def parallel_style(module_name: str, split_experts: bool = False) -> str | None:
     """COLUMN, ROW, PARTIAL or VOCAB for a module LAYOUT splits, else None (whole)."""
-    layout = layout_of(module_name)
+    layout = layout_of(module_name, split_experts)
     return layout[0] if layout else None
 
 
@@ -263,7 +316,7 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> None:
     (``tp_style``) for the runner's collectives."""
     vocab = plan.vocab
     for name, module in model.named_modules():
-        style = parallel_style(name)
+        style = parallel_style(name, plan.split_experts)
         if style is None:
             continue
         module.tp_style = style

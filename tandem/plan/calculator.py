@@ -158,13 +158,17 @@ class FileWeights:
     # and their weights in layer_weights (a token reads top_k / experts of both).
     expert_bytes: int = 0
     expert_weights: int = 0
+    expert_block: int = 1  # the weights a block of theirs holds (their largest format's)
 
-    def read_at(self, experts: int, per_token: int, tokens: float, ranks: int = 1) -> float:
+    def read_at(
+        self, experts: int, per_token: int, tokens: float, ranks: int = 1, split: bool = False
+    ) -> float:
         """A step of ``tokens`` tokens' weight reads: a mixture's (``experts``, of which
-        ``per_token`` a token) only the experts they picked (cost.expert_read_share)."""
+        ``per_token`` a token) only the experts they picked (cost.expert_read_share;
+        ``split``: every rank holds its columns of every expert)."""
         if not experts:
             return self.read_per_token
-        share = expert_read_share(experts, per_token, tokens, ranks)
+        share = expert_read_share(experts, per_token, tokens, ranks, split)
         return self.read_per_token - self.expert_bytes * (1 - share)
 
     def active_layer_weights(self, experts: int, per_token: int) -> float:
@@ -190,6 +194,7 @@ def file_weights(path: Path) -> FileWeights:
     layer_shapes: dict[GGMLType, list[tuple[int, int]]] = {}
     layer_mix: dict[GGMLType, int] = {}
     layer_weights = head_weights = expert_bytes = expert_weights = 0
+    expert_block = 1
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     for t in tensors:
         columns, rows = t.shape[0], math.prod(t.shape[1:])
@@ -206,6 +211,8 @@ def file_weights(path: Path) -> FileWeights:
             if "_exps." in t.name:
                 expert_bytes += size
                 expert_weights += rows * columns
+                if t.type in BLOCK:
+                    expert_block = max(expert_block, BLOCK[t.type][0])
             if t.type in BLOCK:
                 layer_mix[code] = layer_mix.get(code, 0) + rows * columns
         if t.name == head:
@@ -219,7 +226,18 @@ def file_weights(path: Path) -> FileWeights:
                 if t.name.startswith("blk.0."):
                     layer_shapes.setdefault(code, []).append((rows, columns))
     return FileWeights(held, read, mix, layer_shapes, layer_weights, layer_mix, head_weights,
-                       expert_bytes, expert_weights)  # fmt: skip
+                       expert_bytes, expert_weights, expert_block)  # fmt: skip
+
+
+def experts_block(model: str | Path) -> int:
+    """The weights a block of a model's routed experts' tensors holds: a GGUF file's
+    (their largest format's), 1 for a float checkpoint. With the expert intermediate
+    size it decides whether tensor-parallel ranks split every expert (ModelShape)."""
+    from tandem.models.catalog import resolve_model
+    from tandem.models.gguf_checkpoint import find_gguf
+
+    gguf = find_gguf(resolve_model(model))
+    return file_weights(gguf).expert_block if gguf is not None else 1
 
 
 def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
@@ -322,14 +340,15 @@ def plan(
     )
     config, params = read_model(model)
     computed = DTYPES[engine_kv_dtype(dtype, engine_cpu)].bytes
-    shape = ModelShape.of(config, params, 0, computed)
+    weights = file_weights(gguf) if gguf is not None else None
+    shape = ModelShape.of(config, params, 0, computed, weights.expert_block if weights else 1)
     active = shape.active_params  # a mixture: the weights one token multiplies
-    if gguf is not None:
-        weights = file_weights(gguf)
+    split = shape.experts_split(tp)  # ranks split every expert, or each holds a run
+    if weights is not None:
         weight_bytes = weights.held_bytes
 
         def read_at(tokens: float) -> float:
-            return weights.read_at(shape.experts, shape.experts_per_token, tokens, tp)
+            return weights.read_at(shape.experts, shape.experts_per_token, tokens, tp, split)
 
         formats = weights.main_format.name if weights.main_format is not None else "float"
     else:
@@ -400,9 +419,14 @@ def plan(
         "experts_read_per_step": expected_experts(shape.experts, shape.experts_per_token, batch)
         if shape.experts
         else 0.0,
-        # Of those, what the busiest of the ranks reads (each holds a run of the experts).
-        "experts_read_busiest_rank": busiest_rank_experts(
-            shape.experts, shape.experts_per_token, batch, tp
+        # Whether tensor-parallel ranks split every expert (else each holds a run).
+        "experts_split": split,
+        # Of those, what the busiest of the ranks reads: where the ranks hold runs of
+        # whole experts, the most picks on one rank; split, its columns of every pick.
+        "experts_read_busiest_rank": (
+            busiest_rank_experts(shape.experts, shape.experts_per_token, batch, tp)
+            if not split
+            else expected_experts(shape.experts, shape.experts_per_token, batch)
         )
         if shape.experts
         else 0.0,
@@ -538,7 +562,13 @@ def format_plan(result: dict[str, Any]) -> str:
             "of this architecture; in the estimates below, not in the floors)"
         )
     if r["tp"] > 1:
-        if r["experts"]:
+        if r["experts"] and r["experts_split"]:
+            lines.append(
+                f"experts per rank   all {r['experts']}, 1/{r['tp']} of each one's columns: "
+                f"every rank reads its share of the {r['experts_read_per_step']:.1f} experts "
+                "a decode step's layer picks (--enable-expert-parallel: whole experts)"
+            )
+        elif r["experts"]:
             lines.append(
                 f"experts per rank   {r['experts'] / r['tp']:g} each; a decode step's busiest "
                 f"rank reads {r['experts_read_busiest_rank']:.1f} a layer (the mean rank "

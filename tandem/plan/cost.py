@@ -66,10 +66,18 @@ class ModelShape:
     expert_share: float = 0.0
     experts: int = 0
     experts_per_token: int = 0
+    # An expert's intermediate size, and the weights of its tensors' blocks (1: float):
+    # whether tensor-parallel ranks split every expert (models/sharding.py).
+    expert_intermediate: int = 0
+    expert_block: int = 1
 
     @classmethod
-    def of(cls, config: ModelConfig, params: int, bytes_per_weight: float, kv_bytes: float):
-        """``kv_bytes``: the element size of the cache and of the activations."""
+    def of(
+        cls, config: ModelConfig, params: int, bytes_per_weight: float, kv_bytes: float,
+        expert_block: int = 1,
+    ):  # fmt: skip
+        """``kv_bytes``: the element size of the cache and of the activations;
+        ``expert_block``: the weights a block of the experts' tensors holds."""
         moe = config.moe
         return cls(
             params,
@@ -83,15 +91,28 @@ class ModelShape:
             config.expert_parameters() / params if params else 0.0,
             moe.num_experts if moe else 0,
             moe.top_k if moe else 0,
+            moe.intermediate_size if moe else 0,
+            expert_block,
+        )
+
+    def experts_split(self, ranks: int) -> bool:
+        """Whether ``ranks`` tensor-parallel ranks split every expert (the engine's
+        default where it can) rather than each holding whole experts."""
+        from tandem.models.sharding import splits_experts
+
+        return bool(self.experts) and splits_experts(
+            self.expert_intermediate, self.expert_block, ranks
         )
 
     def read_share(self, tokens: float, ranks: int = 1) -> float:
         """The share of the weights a step of ``tokens`` tokens reads (1 for a dense
-        model; a mixture reads the experts its tokens picked; on ``ranks`` ranks, as
-        if each read as many as the busiest: expert_read_share)."""
+        model; a mixture reads the experts its tokens picked; on ``ranks`` ranks holding
+        whole experts, as if each read as many as the busiest: expert_read_share)."""
         if not self.experts:
             return 1.0
-        share = expert_read_share(self.experts, self.experts_per_token, tokens, ranks)
+        share = expert_read_share(
+            self.experts, self.experts_per_token, tokens, ranks, self.experts_split(ranks)
+        )
         return 1 - self.expert_share + self.expert_share * share
 
     @property
@@ -169,13 +190,16 @@ def busiest_rank_experts(experts: int, per_token: int, tokens: int, ranks: int) 
     return float(busiest)
 
 
-def expert_read_share(experts: int, per_token: int, tokens: float, ranks: int = 1) -> float:
+def expert_read_share(
+    experts: int, per_token: int, tokens: float, ranks: int = 1, split: bool = False
+) -> float:
     """The share of a mixture's expert weights a step of ``tokens`` reads; on ``ranks``
-    ranks (each holding a run of the experts), as if every rank read as many as the
+    ranks each holding a run of the experts, as if every rank read as many as the
     busiest one, which the others wait for: the step's time at the ranks' summed
-    bandwidth. ``tokens`` may be fractional (a batch found by iteration): between the
-    whole batches around it."""
-    if ranks <= 1 or tokens <= 0:
+    bandwidth. ``split``: every rank holds its columns of every expert
+    (models/sharding.py), so each reads its share of the same picked experts. ``tokens``
+    may be fractional (a batch found by iteration): between the whole batches around it."""
+    if ranks <= 1 or tokens <= 0 or split:
         return expected_experts(experts, per_token, tokens) / experts
     low = max(1, math.floor(tokens))
     at = [busiest_rank_experts(experts, per_token, n, ranks) for n in (low, low + 1)]

@@ -181,6 +181,7 @@ class ModelRunner:
                 device=config.device,
                 quantization=config.quantization,
                 tensor_parallel=None if tp is None else (tp.rank, tp.size),
+                expert_parallel=config.parallel.enable_expert_parallel,
             )
             failure = None
         except Exception as exc:
