@@ -166,7 +166,8 @@ def calibrate_cost_model(args: argparse.Namespace, result: dict) -> dict:
     dtype = engine_dtype(result["dtype"])
     config, params = read_model(args.model)
     element = 2 if dtype == "bfloat16" else 4
-    shape = ModelShape.of(config, params, element, element, experts_block(args.model))
+    block = experts_block(args.model) if config.moe else 1
+    shape = ModelShape.of(config, params, element, element, block)
     if args.from_trace:
         try:
             trace = json.loads(Path(args.from_trace).read_text())

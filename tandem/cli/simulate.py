@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
     config_model, params = read_model(args.model)
     dtype = args.dtype or ("fp32" if args.cost else "bf16")
     element = 4 if dtype == "fp32" else 2
-    shape = ModelShape.of(config_model, params, element, element, experts_block(args.model))
+    block = experts_block(args.model) if config_model.moe else 1
+    shape = ModelShape.of(config_model, params, element, element, block)
     if args.cost:
         cost = StepCostModel.load(args.cost)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
