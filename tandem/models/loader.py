@@ -144,9 +144,10 @@ def load_model(
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
     ``quantization``: ``auto`` keeps a GGUF file's formats (weights stay quantized on
-    a CPU with the compiled kernels, and Q4_0 / Q8_0 matrices on a CUDA GPU with
-    Triton; any other tensor is dequantized to ``dtype``, as transformers' GGUF loader
-    does, which is also the reference the tests compare the kernels with) and a float
+    a CPU with the compiled kernels, and block matrices on a CUDA GPU with Triton,
+    split_blocks.kept_in_blocks; any other tensor is dequantized to ``dtype``, as
+    transformers' GGUF loader does, which is also the reference the tests compare the
+    kernels with) and a float
     checkpoint float; ``none`` makes every weight float in ``dtype``; ``q8_0`` /
     ``q4_0`` / ``q4_k`` quantize every linear layer on load into that llama.cpp format.
     ``tensor_parallel``: (rank, size): the rank's shard of every weight

@@ -6,9 +6,9 @@
                         kernels): PackedWeight parts (models/quantized.py), the float
                         weight never allocated; the embedding as QuantizedEmbedding, a
                         tied LM head sharing its PackedWeight
-                split   on a CUDA GPU, Linear matrices whose every part is Q4_0 / Q8_0:
-                        the blocks' values and scales apart (quant/split_blocks.py), on
-                        the device as ``block_parts``
+                split   on a CUDA GPU, Linear matrices whose every part is in a block
+                        format (split_blocks.kept_in_blocks): the blocks' fields apart
+                        (quant/split_blocks.py), on the device as ``block_parts``
                 half    float16 / bfloat16 matrices of a float32 model, kept at 2 bytes
                 float   everything else: converted to the model's dtype, a GGUF tensor
                         dequantized through float32 1,024 rows at a time
@@ -41,10 +41,9 @@ from tandem.models.quantized import (
 )
 from tandem.models.sharding import ShardPlan
 from tandem.models.weight_source import CheckpointTensor
+from tandem.quant import split_blocks
 from tandem.quant.blocks import GGMLType, dequantize
 from tandem.quant.packed import ROWS, PackedWeight
-from tandem.quant.split_blocks import FORMATS as SPLIT_FORMATS
-from tandem.quant.split_blocks import BlockWeight, add_block_part
 
 PACKED, HALF, FLOAT, SPLIT = "packed", "half", "float", "split"
 Part = tuple[int | None, CheckpointTensor]
@@ -60,8 +59,10 @@ def _layout(
 ) -> str:
     if not keep or kind != "weight":
         return FLOAT
-    if device.type == "cuda":  # Q4_0 / Q8_0 matrices as split blocks; the rest widened
-        split = isinstance(module, Linear) and all(t.type in SPLIT_FORMATS for _, t in parts)
+    if device.type == "cuda":  # block matrices as split blocks; the rest widened
+        split = isinstance(module, Linear) and all(
+            split_blocks.kept_in_blocks(t.type, t.shape[-1]) for _, t in parts
+        )
         return SPLIT if split else FLOAT
     types = {t.type for _, t in parts}
     one_half_type = len(types) == 1 and types <= {GGMLType.F16, GGMLType.BF16}
@@ -152,8 +153,8 @@ def load_weights(
             _load_packed(model, modules[module_name], module_name, part, tensor, dtype, tied_head)
         elif layout == SPLIT:
             module = modules[module_name]
-            weight = BlockWeight.from_ggml(tensor.type, tensor.read(), device)
-            add_block_part(module, _row_start(module, part), weight)
+            weight = split_blocks.from_ggml(tensor.type, tensor.read(), tensor.shape[-1], device)
+            split_blocks.add_block_part(module, _row_start(module, part), weight)
         elif layout == HALF:
             module = modules[module_name]
             set_half_weight_part(module, _row_start(module, part), tensor.read())

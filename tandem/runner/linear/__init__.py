@@ -6,7 +6,7 @@
                          quantize on load): the integer-dot kernel
     half_weights.py      float16 / bfloat16 matrices of a float32 model (GGUF F16 /
                          BF16), widened on the fly
-    triton_blocks.py     CUDA: GGUF Q4_0 / Q8_0 blocks widened inside a Triton matmul
+    triton_blocks.py     CUDA: GGUF blocks (every format) widened inside a Triton matmul
 
 ``linear_method_for`` picks one per layer: quantized when the loader left the layer
 quantized parts, else by device and dtype. The default,

@@ -1,13 +1,17 @@
-"""GGUF block formats on a CUDA GPU: Q4_0 and Q8_0 matrices stay in their blocks
+"""GGUF block formats on a CUDA GPU: a file's block matrices stay in their blocks
 (quant/split_blocks.py: values and scales apart) and are dequantized inside the matmul
 (Triton), so the GPU holds the file's bytes and a decode step reads each weight once,
-at 4.5 or 8.5 bits.
+at the file's 4.5 to 8.5 bits. Two layouts, two kernel families of the same shape:
+Q4_0 / Q8_0 as the file lays out their values (BlockWeight), and every other block
+format in one layout of low nibbles, high bits and two-level scales
+(SuperBlockWeight: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 
 ``block_matmul`` multiplies activations x [M, K] by such a matrix, each weight byte
 read once per product:
 
     M <= GEMV_M   a GEMV kernel (no matrix units: each weight widened once, multiplied
-                  with every row, a block's products summed before its scale) or the
+                  with every row; Q4_0 / Q8_0 sum a block's products before its scale,
+                  the other formats widen each weight whole) or the
                   tile kernel, whichever is measured faster for the matrix's shape on
                   this GPU (timed on first use; ``chosen_kernels`` says which)
     M <= SMALL_M  the tile kernel: blocks widened in registers, then the matrix units
@@ -25,7 +29,7 @@ import torch
 
 from tandem.kernels.triton_support import tl, triton
 from tandem.models.linear import Linear
-from tandem.quant.split_blocks import BlockWeight, join
+from tandem.quant.split_blocks import SplitWeight, SuperBlockWeight, join
 
 SMALL_M = 64  # rows of activations up to which the fused kernels run
 WIDEN_ROWS = 4096  # rows of the matrix widened at a time above it
@@ -155,45 +159,206 @@ if triton is not None:
             mask=m_real[:, None] & n_real[None, :],
         )
 
+    @triton.jit
+    def _super_half(
+        q, first, n, n_real, K, d_ptr, sub_ptr, dm_ptr, sub_min_ptr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUPER: tl.constexpr,
+        GROUP: tl.constexpr, OFFSET: tl.constexpr, HAS_SUB: tl.constexpr,
+        HAS_MIN: tl.constexpr,
+    ):  # fmt: skip
+        """q [BLOCK_N, BLOCK_K/2]: one half of each chunk's values (int32), whose runs
+        of 16 start at columns ``first`` [chunks, 2] -> float32 weights, each run's
+        scale and minimum loaded once and broadcast."""
+        CHUNKS: tl.constexpr = BLOCK_K // 64
+        n3, col = n[:, None, None], first[None, :, :]
+        real = n_real[:, None, None] & (col < K)
+        scale = tl.load(d_ptr + n3 * (K // SUPER) + col // SUPER, mask=real, other=0.0)
+        scale = scale.to(tl.float32)
+        if HAS_SUB:
+            sub = tl.load(sub_ptr + n3 * (K // GROUP) + col // GROUP, mask=real, other=0)
+            scale = scale * sub.to(tl.float32)
+        w = (tl.reshape(q, (BLOCK_N, CHUNKS, 2, 16)).to(tl.float32) - OFFSET) * scale[:, :, :, None]
+        if HAS_MIN:
+            low = tl.load(dm_ptr + n3 * (K // SUPER) + col // SUPER, mask=real, other=0.0)
+            low = low.to(tl.float32)
+            if HAS_SUB:
+                sub_min = tl.load(sub_min_ptr + n3 * (K // 32) + col // 32, mask=real, other=0)
+                low = low * sub_min.to(tl.float32)
+            w += low[:, :, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
+
+    @triton.jit
+    def _super_tile(
+        low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
+        m, m_real, n, n_real, k, K, stride_xm,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUPER: tl.constexpr,
+        GROUP: tl.constexpr, HIGH_BITS: tl.constexpr, OFFSET: tl.constexpr,
+        HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
+    ):  # fmt: skip
+        """A SuperBlockWeight tile (quant/split_blocks.py) as float32 weights, its
+        64-weight chunks' first and second halves apart [BLOCK_N, BLOCK_K/2] (slot c:
+        chunk c // 32, weights c % 32 and c % 32 + 32), and the rows of x at those
+        columns."""
+        c = tl.arange(0, BLOCK_K // 2)
+        low_col = k + (c // 32) * 64 + c % 32
+        cols_real = (low_col < K)[None, :]  # K is whole chunks: a chunk is in or out
+        tile_real = n_real[:, None] & cols_real
+        packed = tl.load(
+            low_ptr + n[:, None] * (K // 2) + (k // 2 + c)[None, :], mask=tile_real, other=0
+        ).to(tl.int32)  # fmt: skip
+        q_low, q_high = packed & 15, packed >> 4
+        if HIGH_BITS > 0:
+            PER_BYTE: tl.constexpr = 8 // (2 * HIGH_BITS)  # slots a byte
+            MASK: tl.constexpr = (1 << HIGH_BITS) - 1
+            slot = k // 2 + c
+            bits = tl.load(
+                high_ptr + n[:, None] * (K // (2 * PER_BYTE)) + (slot // PER_BYTE)[None, :],
+                mask=tile_real, other=0,
+            ).to(tl.int32)  # fmt: skip
+            shift = ((slot % PER_BYTE) * (2 * HIGH_BITS))[None, :]
+            q_low |= ((bits >> shift) & MASK) << 4
+            q_high |= ((bits >> (shift + HIGH_BITS)) & MASK) << 4
+        # Each 16 slots' first column: k + 64 (chunk) + 16 (half of its 32 slots).
+        first = k + 64 * tl.arange(0, BLOCK_K // 64)[:, None] + 16 * tl.arange(0, 2)[None, :]
+        w_low = _super_half(
+            q_low, first, n, n_real, K, d_ptr, sub_ptr, dm_ptr, sub_min_ptr,
+            BLOCK_N, BLOCK_K, SUPER, GROUP, OFFSET, HAS_SUB, HAS_MIN,
+        )  # fmt: skip
+        w_high = _super_half(
+            q_high, first + 32, n, n_real, K, d_ptr, sub_ptr, dm_ptr, sub_min_ptr,
+            BLOCK_N, BLOCK_K, SUPER, GROUP, OFFSET, HAS_SUB, HAS_MIN,
+        )  # fmt: skip
+        x_at = x_ptr + m[:, None] * stride_xm + low_col[None, :]
+        x_low = tl.load(x_at, mask=m_real[:, None] & cols_real, other=0.0)
+        x_high = tl.load(x_at + 32, mask=m_real[:, None] & cols_real, other=0.0)
+        return w_low, w_high, x_low, x_high
+
+    @triton.jit
+    def _super_matmul(
+        out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
+        stride_xm, stride_om,
+        SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
+        OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ W[N, K]^T for a SuperBlockWeight W: the tile widened
+        in registers, then the matrix units (tl.dot)."""
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_real, n_real = m < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            w_low, w_high, x_low, x_high = _super_tile(
+                low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
+                m, m_real, n, n_real, k, K, stride_xm,
+                BLOCK_N, BLOCK_K, SUPER, GROUP, HIGH_BITS, OFFSET, HAS_SUB, HAS_MIN,
+            )  # fmt: skip
+            acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
+            acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
+        tl.store(
+            out_ptr + m[:, None] * stride_om + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_real[:, None] & n_real[None, :],
+        )
+
+    @triton.jit
+    def _super_gemv(
+        out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
+        stride_xm, stride_om,
+        SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
+        OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M and a SuperBlockWeight W,
+        without the matrix units: each weight widened once and multiplied with every
+        row in registers."""
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_real, n_real = m < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            w_low, w_high, x_low, x_high = _super_tile(
+                low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
+                m, m_real, n, n_real, k, K, stride_xm,
+                BLOCK_N, BLOCK_K, SUPER, GROUP, HIGH_BITS, OFFSET, HAS_SUB, HAS_MIN,
+            )  # fmt: skip
+            products = x_low.to(tl.float32)[:, None, :] * w_low[None, :, :]
+            products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
+            acc += tl.sum(products, 2)
+        tl.store(
+            out_ptr + m[:, None] * stride_om + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_real[:, None] & n_real[None, :],
+        )
+
     # A product of a few rows is a pass over the weights: the tile that keeps the most
     # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
     # timed once over these on first use (outside any CUDA graph: the runner's warm-up
     # before capture) and the fastest kept (``.cache``).
-    def _autotuned(kernel, shapes):
-        """``kernel`` timed on first use per (N, K, BLOCK_M) over these (BLOCK_N,
-        BLOCK_K, warps, stages)."""
+    def _autotuned(kernel, shapes, format_args):
+        """``kernel`` timed on first use per (N, K, BLOCK_M, the format's constants)
+        over these (BLOCK_N, BLOCK_K, warps, stages)."""
         configs = [
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in shapes
         ]
-        return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M"])(kernel)
+        return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", *format_args])(kernel)
 
-    _tuned = _autotuned(_block_matmul, [
+    DOT_SHAPES = [
         (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
         (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-    ])  # fmt: skip
-    _tuned_gemv = _autotuned(_block_gemv, [
+    ]  # fmt: skip
+    GEMV_SHAPES = [
         (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
         (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
-    ])  # fmt: skip
+    ]  # fmt: skip
+    SUPER_ARGS = ["SUPER", "GROUP", "HIGH_BITS", "OFFSET", "HAS_SUB", "HAS_MIN"]
+    # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
+    _KERNELS = {
+        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS"])),
+        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS"])),
+    }
+    _SUPER_KERNELS = {
+        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, SUPER_ARGS)),
+        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, SUPER_ARGS)),
+    }
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
-# (N, K, GEMV rows, bits) -> ("gemv" or "dot", the two kernels' times in us), measured
-# on this GPU on first use
-_CHOSEN: dict[tuple[int, int, int, int], tuple[str, tuple[float, float]]] = {}
+# (N, K, GEMV rows, format) -> ("gemv" or "dot", the two kernels' times in us),
+# measured on this GPU on first use
+_CHOSEN: dict[tuple[int, int, int, str], tuple[str, tuple[float, float]]] = {}
 
 
 def chosen_kernels() -> dict[str, str]:
-    """What was measured and chosen per (N, K, GEMV rows, bits), for benchmarks."""
+    """What was measured and chosen per (N, K, GEMV rows, format), for benchmarks."""
     return {
         str(key): f"{kernel} (gemv {gemv_us:.1f} us, dot {dot_us:.1f} us)"
         for key, (kernel, (gemv_us, dot_us)) in _CHOSEN.items()
     }
 
 
+def _launch(x: torch.Tensor, weight: SplitWeight, out: torch.Tensor):
+    """The kernels for ``weight``'s layout, their arguments and format constants."""
+    m, n = x.shape[0], weight.rows
+    if isinstance(weight, SuperBlockWeight):
+        spec = weight.format
+        fields = [weight.low if f is None else f for f in weight.fields()]  # unread if None
+        args = (out, x, *fields, m, n, weight.columns, x.stride(0), out.stride(0))
+        constants = dict(
+            SUPER=spec.super, GROUP=spec.group, HIGH_BITS=spec.high_bits, OFFSET=spec.offset,
+            HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min,
+        )  # fmt: skip
+        return _SUPER_KERNELS, args, constants, weight.code.name
+    args = (
+        out, x, weight.values, weight.scales, m, n, weight.columns,
+        x.stride(0), out.stride(0), weight.values.stride(0), weight.scales.stride(0),
+    )  # fmt: skip
+    return _KERNELS, args, dict(BITS=weight.bits), f"Q{weight.bits}_0"
+
+
 def block_matmul(
     x: torch.Tensor,
-    weight: BlockWeight,
+    weight: SplitWeight,
     out: torch.Tensor | None = None,
     kernel: str | None = None,
 ) -> torch.Tensor:
@@ -211,28 +376,23 @@ def block_matmul(
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     gemv_rows = triton.next_power_of_2(m)  # the GEMV's rows per program
     n = weight.rows
-    args = (
-        out, x, weight.values, weight.scales, m, n, weight.columns,
-        x.stride(0), out.stride(0), weight.values.stride(0), weight.scales.stride(0),
-    )  # fmt: skip
+    kernels, args, constants, fmt = _launch(x, weight, out)
     if kernel is None and m > GEMV_M:
         kernel = "dot"
     if not x.is_cuda:  # Triton's interpreter (TRITON_INTERPRET=1), in tests: fixed tiles
-        gemv = kernel == "gemv" or kernel is None
-        rows = gemv_rows if gemv else block_m
+        name = kernel or "gemv"
+        rows = gemv_rows if name == "gemv" else block_m
         grid = (triton.cdiv(m, rows), triton.cdiv(n, 32))
-        (_block_gemv if gemv else _block_matmul)[grid](
-            *args, BITS=weight.bits, BLOCK_M=rows, BLOCK_N=32, BLOCK_K=256
-        )
+        kernels[name][0][grid](*args, **constants, BLOCK_M=rows, BLOCK_N=32, BLOCK_K=256)
         return out
 
     def run(name: str) -> None:
-        tuned, rows = (_tuned_gemv, gemv_rows) if name == "gemv" else (_tuned, block_m)
+        rows = gemv_rows if name == "gemv" else block_m
         grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        tuned[grid](*args, BITS=weight.bits, BLOCK_M=rows)
+        kernels[name][1][grid](*args, **constants, BLOCK_M=rows)
 
     if kernel is None:
-        key = (n, weight.columns, gemv_rows, weight.bits)
+        key = (n, weight.columns, gemv_rows, fmt)
         if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
             run("gemv"), run("dot")  # (the first runs tune each kernel's tiles)
             gemv_us, dot_us = (
@@ -246,8 +406,8 @@ def block_matmul(
 
 
 class BlockLinearMethod:
-    """Linear layers whose matrices are GGUF Q4_0 / Q8_0 blocks on the GPU
-    (``layer.block_parts``: (first output row, BlockWeight), set by the loader)."""
+    """Linear layers whose matrices are GGUF blocks on the GPU (``layer.block_parts``:
+    (first output row, BlockWeight or SuperBlockWeight), set by the loader)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         parts = join(sorted(layer.block_parts, key=lambda part: part[0]))
