@@ -147,8 +147,9 @@ def load_model(
     a CPU with the compiled kernels, and block matrices on a CUDA GPU with Triton,
     split_blocks.kept_in_blocks; any other tensor is dequantized to ``dtype``, as
     transformers' GGUF loader does, which is also the reference the tests compare the
-    kernels with) and a float checkpoint float; ``none`` makes every weight float in ``dtype``; ``q8_0`` /
-    ``q4_0`` / ``q4_k`` quantize every linear layer on load into that llama.cpp format.
+    kernels with) and a float checkpoint float; ``none`` makes every weight float in
+    ``dtype``; ``q8_0`` / ``q4_0`` / ``q4_k`` quantize every linear layer on load into
+    that llama.cpp format.
     ``tensor_parallel``: (rank, size): the rank's shard of every weight
     (models/sharding.py; ``expert_parallel``: a mixture's experts whole, a run of them
     a rank); the config is then the rank's."""
