@@ -49,7 +49,7 @@ def point(model: str, size: int, cpu_bind: str, experts: str = "split") -> dict[
     from tandem import LLM
     from tandem.executor.step_channel import StepChannel
     from tandem.runner.shm_group import ShmGroup
-    from tandem.runner.tensor_parallel import GlooCollectives
+    from tandem.runner.tensor_parallel import DistCollectives
 
     timers = {"send": 0.0, "collectives": 0.0}
 
@@ -64,7 +64,7 @@ def point(model: str, size: int, cpu_bind: str, experts: str = "split") -> dict[
         return wrapper
 
     StepChannel.send = timed("send", StepChannel.send)
-    for cls in (ShmGroup, GlooCollectives):
+    for cls in (ShmGroup, DistCollectives):
         for name in ("all_reduce", "all_gather"):
             setattr(cls, name, timed("collectives", getattr(cls, name)))
     reduce_in = ShmGroup.reduce_in  # a decode step's all-reduces inside its compiled call
@@ -188,12 +188,12 @@ def _allreduce_rank(rank, size, port, hidden, repeats, segments, queue) -> None:
 
     from tandem.runner.host_groups import HostGroups
     from tandem.runner.shm_group import ShmGroup
-    from tandem.runner.tensor_parallel import GlooCollectives
+    from tandem.runner.tensor_parallel import DistCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)  # fmt: skip
-    comm = GlooCollectives()
+    comm = DistCollectives()
     if len(segments) == 1:
         comm = ShmGroup(segments[0], rank, size, lambda: None)
     elif len(segments) > 1:

@@ -30,6 +30,8 @@ from tandem.trace.recorder import StepTracer
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 from tests.servers import cmdline, descendants
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
 # -- the arithmetic ------------------------------------------------------------------
 
 
@@ -426,6 +428,83 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
         ShardPlan(other, 0, 2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_the_executor_of_one_rank_equals_one_process(smollm2_like, monkeypatch, device):
+    """The tensor-parallel path at size 1: the executor, its group and the rank's
+    runner with its collectives (on the CPU over gloo; on a GPU over NCCL, in a group
+    of its own, as each rank of a multi-GPU host runs it: a test machine has one GPU)
+    give one process's tokens and log-probabilities."""
+    import torch.distributed as dist
+
+    import tandem.executor
+    from tandem.executor.multiproc import MultiprocExecutor
+
+    folder, _ = smollm2_like
+    ids = prompts([7, 13, 5], seed=4)
+    reference = _generate(LLM(str(folder), max_num_seqs=4, device=device, dtype="float32"), ids)
+    monkeypatch.setattr(tandem.executor, "make_executor", MultiprocExecutor)
+    ranked = LLM(str(folder), max_num_seqs=4, device=device, dtype="float32")
+    try:
+        executor = ranked.engine.runner
+        assert isinstance(executor, MultiprocExecutor)
+        group = executor.runner.tp.comm.group
+        assert (group is not None) == (device == "cuda")
+        if group is not None:
+            assert dist.get_backend(group) == "nccl" and executor.watch is not None
+        ours = _generate(ranked, ids)
+    finally:
+        _close(ranked)
+    _assert_same(ours, reference, atol=1e-4)
+
+
+def test_ranks_on_gpus_are_refused_by_name_where_they_cannot_run(smollm2_like, monkeypatch):
+    """More ranks on a host than its GPUs, a device other than ``cuda``, and a
+    disaggregated role's ranks (their KV caches meet in host memory) are refused before
+    any rank starts, naming the setting."""
+    import tandem.executor
+    from tandem.config import EngineConfig
+
+    folder, _ = smollm2_like
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cases = [
+        (dict(device="cuda"), "tensor_parallel_size", "need 2 GPUs; torch sees 1"),
+        (dict(device="cuda:1"), "device", "use cuda"),
+    ]
+    for settings, name, reason in cases:
+        config = EngineConfig.from_kwargs(str(folder), tensor_parallel_size=2, **settings)
+        with pytest.raises(InvalidParameterError, match=name) as raised:
+            tandem.executor.check_parallel(config)
+        assert reason in str(raised.value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    config = EngineConfig.from_kwargs(
+        str(folder), tensor_parallel_size=2, device="cuda",
+        kv_transfer_config={"role": "prefill", "secret": "s"},
+    )  # fmt: skip
+    with pytest.raises(InvalidParameterError, match=r"kv_transfer_config\.role"):
+        tandem.executor.check_parallel(config)
+
+
+def test_a_step_watch_aborts_a_step_whose_rank_died_or_that_hangs():
+    """Rank 0 on GPUs: while a step is in flight, a dead worker or the hang timeout
+    aborts the collectives and says why; between steps nothing is checked."""
+    from tandem.executor.multiproc import StepWatch
+
+    for dead, timeout_s, expected in [
+        ("tensor-parallel rank 1 exited with status -9", 60.0, "rank 1 exited"),
+        (None, 0.2, "did not answer in 0 s"),
+    ]:  # fmt: skip
+        aborted, calls = threading.Event(), []
+        watch = StepWatch(lambda dead=dead, calls=calls: calls.append(1) or dead,
+                          lambda t=timeout_s: t, aborted.set)  # fmt: skip
+        time.sleep(3 * StepWatch.WATCH_S)
+        assert not calls and not aborted.is_set()  # no step in flight: nothing checked
+        watch.since = time.monotonic()
+        assert aborted.wait(5.0)
+        assert expected in watch.problem
+        watch.stopped.set()
+
+
 def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
     """`tandem serve --tensor-parallel-size 2`: the engine core process starts the
     second rank; the answer equals one process's. A killed rank ends the stream in
@@ -546,7 +625,7 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch, size
     import sys
 
     from tandem.runner.host_groups import HostGroups
-    from tandem.runner.tensor_parallel import GlooCollectives
+    from tandem.runner.tensor_parallel import DistCollectives
     from tandem.server.launch import free_port
 
     folder, hf_model = smollm2_like
@@ -564,7 +643,7 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch, size
         executor = llm.engine.runner
         assert len(executor.workers) == size // 2 - 1  # the rest are node 1's
         comm = executor.runner.tp.comm
-        assert isinstance(comm, HostGroups if size == 4 else GlooCollectives)
+        assert isinstance(comm, HostGroups if size == 4 else DistCollectives)
         ids = prompts([7, 5], seed=9)
         ours = _generate(llm, ids)
         _close(llm)

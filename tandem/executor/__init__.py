@@ -56,13 +56,42 @@ def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Mode
     return runner
 
 
+def check_gpus(config: EngineConfig) -> None:
+    """Ranks on GPUs: device ``cuda`` (each host's ranks take its GPUs 0..N-1, as
+    CUDA_VISIBLE_DEVICES numbers them), enough GPUs on this host, NCCL, and a
+    colocated engine (a disaggregated role's ranks share their KV caches through
+    host memory)."""
+    import torch
+    import torch.distributed as dist
+
+    local = config.parallel.ranks_per_node
+    if config.device != "cuda":
+        raise InvalidParameterError(
+            "device", f"{config.device!r} with tensor parallelism: use cuda (rank r of a "
+            "host takes its GPU r; CUDA_VISIBLE_DEVICES picks them) or cpu",
+        )  # fmt: skip
+    if torch.cuda.device_count() < local:
+        raise InvalidParameterError(
+            "tensor_parallel_size", f"{local} ranks on this host need {local} GPUs; torch "
+            f"sees {torch.cuda.device_count()}",
+        )  # fmt: skip
+    if not dist.is_nccl_available():
+        raise InvalidParameterError(
+            "tensor_parallel_size", "ranks on GPUs meet over NCCL, which this build of "
+            "torch does not have",
+        )  # fmt: skip
+    if config.kv_transfer is not None and config.kv_transfer.role != "both":
+        raise InvalidParameterError(
+            "kv_transfer_config.role", "a disaggregated role runs tensor-parallel ranks "
+            "on CPUs only (they share their KV caches through host memory)",
+        )  # fmt: skip
+
+
 def check_parallel(config: EngineConfig) -> None:
     """Refuse, by name, what tensor parallelism does not run (yet), before any rank
     starts."""
     if config.device != "cpu":
-        raise InvalidParameterError(
-            "tensor_parallel_size", "tensor parallelism runs on the CPU (gloo) for now"
-        )
+        check_gpus(config)
     if config.kv_transfer is not None and config.kv_transfer.role != "both":
         if config.parallel.nnodes > 1:
             raise InvalidParameterError(

@@ -14,7 +14,10 @@ A worker that dies makes the step it was in raise (rank 0's wait in shared memor
 sees the process gone; over gloo its socket closes and the collective fails at
 once), and one that hangs makes it raise after the hang timeout (step_channel.py);
 from then on every step raises the same error, naming the rank and its exit status
-or the hang, so requests end with an error and never wait.
+or the hang, so requests end with an error and never wait. On GPUs the ranks meet in
+NCCL kernels, which wait on the GPU for a peer that never comes: a thread of rank 0
+(``StepWatch``) checks the workers while a step is in flight and aborts the NCCL
+group when one died or the step passed the hang timeout, so the step fails then.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import torch.distributed as dist
@@ -38,6 +42,33 @@ from tandem.runner.shared_kv import RankedKVCache, remove_files
 from tandem.runner.shm_group import ShmGroup
 
 logger = logging.getLogger("tandem.executor")
+
+
+class StepWatch:
+    """Rank 0 on GPUs: while a step is in flight (``since``: when it began), every
+    WATCH_S the workers are checked (``dead``: why one is gone, or None) and the step
+    against the hang timeout; on either, ``abort`` ends the step's collectives and
+    ``problem`` says why (the executor raises it)."""
+
+    WATCH_S = 0.05
+
+    def __init__(self, dead, timeout_s, abort) -> None:
+        self.dead, self.timeout_s, self.abort = dead, timeout_s, abort
+        self.since: float | None = None
+        self.problem: str | None = None
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.WATCH_S):
+            since = self.since
+            if since is None:
+                continue
+            problem = self.dead() or hung_after(since, self.timeout_s())
+            if problem is not None:
+                self.problem = problem
+                self.abort()
+                return
 
 
 class MultiprocExecutor:
@@ -72,6 +103,7 @@ class MultiprocExecutor:
         ]
         self.broken: str | None = None
         self.closed = False
+        self.watch: StepWatch | None = None
         self.host_settings = ranks.HostSettings()
         kv_prefix = None
         try:
@@ -88,6 +120,10 @@ class MultiprocExecutor:
                     kv_prefix, self.runner.kv_cache, self.runner.loaded.shard.full, size
                 )
             self.channel.arm(self.runner.tp.comm)
+            if ranks.on_gpus(config):
+                self.watch = StepWatch(
+                    self._dead_worker, lambda: self.channel.timeout_s, self.runner.tp.comm.abort
+                )
         except BaseException:
             if kv_prefix is not None:
                 remove_files(kv_prefix)
@@ -111,23 +147,34 @@ class MultiprocExecutor:
         return self.runner.expert_load()
 
     def execute(self, scheduler_output):
+        watch = self.watch
         if self.broken is None:
-            self.broken = self._dead_worker() or self.channel.failure
+            self.broken = self._dead_worker() or self.channel.failure or (watch and watch.problem)
         if self.broken is not None:
             raise EngineDeadError(self.broken)
         with self.channel.turn():
             started = time.monotonic()
+            if watch is not None:
+                watch.since = started
             try:
                 self.channel.send(scheduler_output)
-                return self.runner.execute(scheduler_output)
+                output = self.runner.execute(scheduler_output)
             except RuntimeError as exc:  # a rank went away, hung, or failed mid-step
                 self.channel.stop_beats()
                 self.broken = (
-                    self._dead_worker()
+                    (watch and watch.problem)
+                    or self._dead_worker()
                     or hung_after(started, self.channel.timeout_s)
                     or f"a tensor-parallel step failed: {exc}"
                 )
                 raise EngineDeadError(self.broken) from exc
+            finally:
+                if watch is not None:
+                    watch.since = None
+            if watch is not None and watch.problem is not None:  # aborted as it ended
+                self.broken = watch.problem
+                raise EngineDeadError(self.broken)
+            return output
 
     def _dead_worker(self) -> str | None:
         for rank, worker in enumerate(self.workers, start=1):
@@ -140,6 +187,8 @@ class MultiprocExecutor:
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.stopped.set()
         self.channel.close()
         if self.broken is None and self.channel.failure is None and self._dead_worker() is None:
             with contextlib.suppress(RuntimeError), self.channel.turn():  # (one went away)

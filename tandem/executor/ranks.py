@@ -240,29 +240,53 @@ def build_rank(
     from tandem.runner.tensor_parallel import TensorParallel
 
     split_threads(ranks_on_host, rank % ranks_on_host, config.parallel.cpu_bind == "auto")
-    comm = model_collectives(config, rank, shm)
     size = config.parallel.tensor_parallel_size
     own = None if kv_prefix is None else kv_file(kv_prefix, rank)
-    return build_runner(config, TensorParallel(rank, size, comm, kv_file=own))
+    if on_gpus(config):
+        device, comm = gpu_collectives(rank % ranks_on_host)
+        tp = TensorParallel(rank, size, comm, kv_file=own, device=device)
+    else:
+        tp = TensorParallel(rank, size, model_collectives(config, rank, shm), kv_file=own)
+    return build_runner(config, tp)
+
+
+def on_gpus(config: EngineConfig) -> bool:
+    return torch.device(config.device).type == "cuda"
+
+
+def gpu_collectives(local_rank: int):
+    """A rank on GPUs: this host's GPU ``local_rank`` becomes the process's device
+    (``cuda`` means it from here on), and the model's collectives run over NCCL in a
+    group of every rank. The world group stays gloo: the config, each step's message
+    and setup's rare collectives go there, on the CPU. A collective that fails (a peer
+    gone, or past the hang timeout once armed) aborts NCCL's communicator and raises
+    in this process rather than ending it (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, unless
+    the environment says otherwise), so rank 0 ends its step with an error."""
+    from tandem.runner.tensor_parallel import DistCollectives
+
+    torch.cuda.set_device(local_rank)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    group = dist.new_group(backend="nccl", timeout=IDLE)  # (every rank makes it)
+    return torch.device("cuda", local_rank), DistCollectives(group)
 
 
 def model_collectives(config: EngineConfig, rank: int, shm: ShmGroup | None):
-    """Where the model's collectives go: one host's segment; on several hosts, each
+    """Where a CPU model's collectives go: one host's segment; on several hosts, each
     host's segment and gloo between them (runner/host_groups.py) where every host has
     one (several ranks and the compiled kernels); else gloo alone."""
     from tandem.runner.host_groups import HostGroups
-    from tandem.runner.tensor_parallel import GlooCollectives
+    from tandem.runner.tensor_parallel import DistCollectives
 
     parallel = config.parallel
     if parallel.nnodes == 1:
-        return shm if shm is not None else GlooCollectives()
+        return shm if shm is not None else DistCollectives()
     per_host = parallel.ranks_per_node
     leaders = list(range(0, parallel.tensor_parallel_size, per_host))
     group = dist.new_group(leaders, timeout=IDLE)  # (every rank makes every group)
     everywhere = torch.tensor([int(shm is not None)])
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
     if not everywhere.item():
-        return GlooCollectives()
+        return DistCollectives()
     return HostGroups(shm, group, rank, per_host)
 
 

@@ -177,7 +177,7 @@ def load_model(
     with source, torch.no_grad():
         tensors = list(source.tensors())
         shard = None
-        if tensor_parallel is not None and tensor_parallel[1] > 1:
+        if tensor_parallel is not None:  # (size 1 too: a group of one runs its collectives)
             blocks = [BLOCK[t.type][0] for t in tensors if t.quantized]
             expert_blocks = [
                 BLOCK[t.type][0] for t in tensors if t.quantized and is_routed_expert(t.name)

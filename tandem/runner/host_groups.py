@@ -22,10 +22,9 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from tandem.runner.shm_group import ShmGroup
-from tandem.runner.tensor_parallel import GlooCollectives
+from tandem.runner.tensor_parallel import DistCollectives
 
 
 class HostGroups:
@@ -36,11 +35,11 @@ class HostGroups:
         self.per_host = ranks_per_host
         self.host_index = rank // ranks_per_host
         self.lead = rank % ranks_per_host == 0
-        self.between_hosts = GlooCollectives(leaders)
+        self.between_hosts = DistCollectives(leaders)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         if self.lead:
-            _set_pg_timeout(timeout, self.leaders)
+            self.between_hosts.set_timeout(timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.host.all_reduce(tensor)

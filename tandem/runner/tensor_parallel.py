@@ -22,11 +22,13 @@ equal without sending tokens back; rank 0's are the ones returned.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from tandem.errors import ModelLoadError
 from tandem.models.linear import Linear, LinearMethod
@@ -36,11 +38,23 @@ from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, vocab_rows
 from tandem.runner.linear.parallel import Collectives, parallel_linear_method
 
 
-class GlooCollectives:
-    """torch.distributed's collectives on the group (gloo on CPUs)."""
+class DistCollectives:
+    """torch.distributed's collectives on a group: gloo on CPUs, NCCL on GPUs (a group
+    of its own beside the world's gloo: executor/ranks.py)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """A collective that waits longer fails (the hang timeout, step_channel.py)."""
+        if self.group is not None:
+            _set_pg_timeout(timeout, self.group)
+
+    def abort(self) -> None:
+        """End every collective in flight on this group, here, with an error (a rank
+        died: its peers' NCCL kernels would otherwise wait on the GPU for ever)."""
+        if self.group is not None:
+            self.group.abort()
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
@@ -60,8 +74,9 @@ class TensorParallel:
 
     rank: int
     size: int
-    comm: Collectives = field(default_factory=GlooCollectives)
+    comm: Collectives = field(default_factory=DistCollectives)
     group: dist.ProcessGroup | None = None  # None: the default (world) group
+    device: str | torch.device = "cpu"  # where ``comm``'s tensors live
     # Where this rank's KV cache lives in shared memory, for rank 0 to map it (a
     # disaggregated role moves every rank's blocks from there: shared_kv.py); None:
     # private memory.
@@ -92,28 +107,31 @@ class TensorParallel:
         came out a bit apart. (Rank 0's values plus the others' zeros, all-reduced: its
         values exactly.) ``slots``: each request's draft slots, the most it proposes."""
         width = sum(slots)
-        tokens = torch.full((max(width, 1),), -1, dtype=torch.long)
+        tokens = [-1] * max(width, 1)
         offset = 0
         for (guess, _), slot in zip(proposals, slots, strict=True):
-            tokens[offset : offset + len(guess)] = torch.tensor(guess, dtype=torch.long)
+            tokens[offset : offset + len(guess)] = guess
             offset += slot
         sampled = [probs for _, probs in proposals if probs is not None]
+        shared = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.rank != 0:
-            tokens.zero_()
-        self.comm.all_reduce(tokens)
+            shared.zero_()
+        self.comm.all_reduce(shared)
+        tokens = shared.tolist()
         probs = None
         if sampled:  # (every rank samples its drafts, or none does)
-            probs = torch.zeros(width, sampled[0].shape[-1], dtype=sampled[0].dtype)
+            shape, dtype = (width, sampled[0].shape[-1]), sampled[0].dtype
+            probs = torch.zeros(shape, dtype=dtype, device=self.device)
             if self.rank == 0:
                 offset = 0
                 for (guess, guess_probs), slot in zip(proposals, slots, strict=True):
                     probs[offset : offset + len(guess)] = guess_probs[: len(guess)]
                     offset += slot
             self.comm.all_reduce(probs)
+            probs = probs.to(sampled[0].device)
         aligned, offset = [], 0
         for slot in slots:
-            row = tokens[offset : offset + slot]
-            guess = [int(t) for t in row[row >= 0]]
+            guess = [t for t in tokens[offset : offset + slot] if t >= 0]
             aligned.append((guess, None if probs is None else probs[offset : offset + len(guess)]))
             offset += slot
         return aligned
