@@ -156,8 +156,11 @@ def host_layout(
     starts = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(q_lens, out=starts[1:])
     num_tokens = int(starts[-1])
-    owner = np.repeat(np.arange(num_seqs), q_lens)
-    positions = computed[owner] + np.arange(num_tokens) - starts[owner]
+    if num_tokens == num_seqs:  # one token each (a decode step): fewer numpy calls
+        owner, positions = np.arange(num_seqs), computed
+    else:
+        owner = np.repeat(np.arange(num_seqs), q_lens)
+        positions = computed[owner] + np.arange(num_tokens) - starts[owner]
     flat = np.fromiter(
         itertools.chain.from_iterable(
             t[:n] for t, n in zip(block_tables, used.tolist(), strict=True)
@@ -191,15 +194,18 @@ def build_paged_metadata(
     is_decode = q_lens == 1
     if verifying is not None:
         is_decode |= np.fromiter(verifying, bool, len(q_lens))
-    is_fresh = ~is_decode & (computed == 0)
-    groups = [
-        _group(np.flatnonzero(members), host, block_size, device, is_decodes)
-        for members, is_decodes in ((is_decode, True), (~is_decode & ~is_fresh, False))
-        if members.any()
-    ]
     fresh: dict[int, list[int]] = {}  # by length, in order of first appearance
-    for s in np.flatnonzero(is_fresh).tolist():
-        fresh.setdefault(int(q_lens[s]), []).append(s)
+    if is_decode.all():  # a decode step: one group of every sequence
+        groups = [_group(slice(None), host, block_size, device, True)]
+    else:
+        is_fresh = ~is_decode & (computed == 0)
+        groups = [
+            _group(np.flatnonzero(members), host, block_size, device, is_decodes)
+            for members, is_decodes in ((is_decode, True), (~is_decode & ~is_fresh, False))
+            if members.any()
+        ]
+        for s in np.flatnonzero(is_fresh).tolist():
+            fresh.setdefault(int(q_lens[s]), []).append(s)
     fresh_prompts = [
         FreshPromptGroup(_tensor(host.starts[members][:, None] + np.arange(length), device))
         for length, members in fresh.items()
@@ -219,24 +225,34 @@ def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _group(
-    members: np.ndarray, host: HostLayout, block_size: int, device: torch.device, decodes: bool
+    members: np.ndarray | slice,
+    host: HostLayout,
+    block_size: int,
+    device: torch.device,
+    decodes: bool,
 ) -> AttentionGroup:
+    """``members``: the sequences' indices, ascending (a slice: all of them)."""
     q_lens, computed = host.query_lens[members], host.num_computed[members]
-    starts = host.starts[members]
+    starts = host.starts[:-1][members]
     context = computed + q_lens
     max_q = int(q_lens.max())
     width = -(-int(context.max()) // block_size)
-    rows = np.arange(max_q)[None, :]
-    real = rows < q_lens[:, None]
-    query_index = np.where(real, starts[:, None] + rows, 0)
-    valid_tokens = query_index[real]  # row by row: the flat batch's order
-    all_real = bool(real.all())
+    if max_q == 1:  # one query each: its own token
+        query_index, valid_tokens, real = starts[:, None], starts, None
+        # (starts ascend: the queries are one run when the last is n - 1 past the first)
+        contiguous = int(starts[-1] - starts[0]) == len(starts) - 1
+    else:
+        rows = np.arange(max_q)[None, :]
+        real = rows < q_lens[:, None]
+        query_index = np.where(real, starts[:, None] + rows, 0)
+        valid_tokens = query_index[real]  # row by row: the flat batch's order
+        real = None if real.all() else real
+        contiguous = False
     first = int(valid_tokens[0])
-    contiguous = max_q == 1 and bool((valid_tokens == first + np.arange(len(members))).all())
     return AttentionGroup(
         query_index=_tensor(query_index, device),
         block_tables=_tensor(host.tables[members, :width], device),
-        valid_rows=None if all_real else _tensor(np.flatnonzero(real), device),
+        valid_rows=None if real is None else _tensor(np.flatnonzero(real), device),
         valid_tokens=_tensor(valid_tokens, device),
         context_lens=_tensor(context, device),
         num_computed=_tensor(computed, device),
