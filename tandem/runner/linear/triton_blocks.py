@@ -179,12 +179,12 @@ if triton is not None:
             scale = scale * sub.to(tl.float32)
         w = (tl.reshape(q, (BLOCK_N, CHUNKS, 2, 16)).to(tl.float32) - OFFSET) * scale[:, :, :, None]
         if HAS_MIN:
-            low = tl.load(dm_ptr + n3 * (K // SUPER) + col // SUPER, mask=real, other=0.0)
-            low = low.to(tl.float32)
+            mins = tl.load(dm_ptr + n3 * (K // SUPER) + col // SUPER, mask=real, other=0.0)
+            mins = mins.to(tl.float32)
             if HAS_SUB:
                 sub_min = tl.load(sub_min_ptr + n3 * (K // 32) + col // 32, mask=real, other=0)
-                low = low * sub_min.to(tl.float32)
-            w += low[:, :, :, None]
+                mins = mins * sub_min.to(tl.float32)
+            w += mins[:, :, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
 
     @triton.jit
