@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,14 +58,16 @@ def backend_device(backend: str, kv_dtype: str = "auto") -> torch.device:
 @pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged", "triton-paged"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "verify"])
+@pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "decode-arrays", "verify"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
 def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, monkeypatch):
     """With an int8 cache, every token read from the cache is its int8 row times its
     scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
     reads the same rows), prompts attended without the cache too. "mixed-split": every
     prompt chunk after a cache takes the long-chunk path (the chunk and its prefix's
-    spans attended apart, merged by log-sum-exp)."""
+    spans attended apart, merged by log-sum-exp). "decode-arrays": decodes described
+    by arrays as a static batch passes them (ModelRunner.decode_logits), each table row
+    padded with other sequences' blocks, never to be read."""
     device = backend_device(backend, kv_dtype)
     if batch == "mixed-split":
         monkeypatch.setattr(torch_sdpa, "SPLIT_MASK_ELEMENTS", 1)
@@ -76,7 +79,7 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     # (cached tokens, new tokens): decodes, fresh prompts of equal and unequal length,
     # and chunks continuing after the cache.
     shapes = [(9, 1), (0, 7), (0, 7), (0, 3), (5, 6), (13, 1), (2, 1), (20, 4)]
-    if batch == "decodes":  # one contiguous run: the kernel works in place
+    if batch in ("decodes", "decode-arrays"):  # one contiguous run: works in place
         shapes = [(9, 1), (13, 1), (2, 1), (30, 1)]
     if batch == "verify":  # decodes with their drafts (several rows each), and a chunk
         shapes = [(9, 4), (13, 1), (2, 3), (30, 5), (5, 6)]
@@ -103,9 +106,15 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     query_lens = [new for _, new in shapes]
     num_computed = [cached for cached, _ in shapes]
     verifying = [batch == "verify" and new > 1 and cached != 5 for cached, new in shapes]
+    described = query_lens, num_computed, tables
+    if batch == "decode-arrays":
+        width = max(map(len, tables))
+        padded = [t + tables[(i + 1) % len(tables)][: width - len(t)] for i, t in enumerate(tables)]
+        padded = [t + [pool[0]] * (width - len(t)) for t in padded]
+        described = np.array(query_lens), np.array(num_computed), np.array(padded)
     cls = BACKENDS[backend][0]
     metadata = getattr(cls, "build_metadata", build_paged_metadata)(
-        query_lens, num_computed, tables, BLOCK_SIZE, [window], device, verifying=verifying
+        *described, BLOCK_SIZE, [window], device, verifying=verifying
     )
     if batch == "verify" and backend != "triton-paged":
         assert metadata.groups[0].decodes and metadata.groups[0].query_index.shape[1] == 5

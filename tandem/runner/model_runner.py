@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig
@@ -436,21 +437,51 @@ class ModelRunner:
                 [c.num_computed_tokens for c in chunks],
                 [c.block_table for c in chunks],
             )
-        build = getattr(self.attention, "build_metadata", build_paged_metadata)
-        metadata = build(
-            [len(c.token_ids) for c in chunks],
-            [c.num_computed_tokens for c in chunks],
-            [c.block_table for c in chunks],
-            self.block_size,
-            self.config.layer_windows(),
-            self.device,
-            [c.verifies for c in chunks],
-        )
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
         )
+        return self._run(
+            input_ids,
+            [len(c.token_ids) for c in chunks],
+            [c.num_computed_tokens for c in chunks],
+            [c.block_table for c in chunks],
+            [c.verifies for c in chunks],
+            max(c.num_computed_tokens + len(c.token_ids) for c in chunks),
+        )
+
+    @torch.inference_mode()
+    def decode_logits(
+        self, token_ids: torch.Tensor, num_computed: np.ndarray, block_tables: np.ndarray
+    ) -> torch.Tensor:
+        """One decode token for each of S sequences, from arrays (a static batch of
+        thousands, with no Python object per sequence; runner/static_batch.py): token
+        ids [S] on the device (the last step's argmax: no trip through the host),
+        ``num_computed`` int64 [S], ``block_tables`` int64 [S, >= blocks in use], every
+        entry a block of the cache -> logits [S, vocab]. Eager (no graph)."""
+        hidden = self._run(
+            token_ids,
+            np.ones(len(num_computed), np.int64),
+            num_computed,
+            block_tables,
+            None,
+            int(num_computed.max()) + 1,
+        )
+        return self.model.compute_logits(hidden)
+
+    def _run(self, input_ids, query_lens, num_computed, block_tables, verifies, context):
+        """The model over a flat batch (``hidden_states``' and ``decode_logits``'
+        arguments for the attention metadata) -> final hidden states [T, hidden]."""
+        build = getattr(self.attention, "build_metadata", build_paged_metadata)
+        metadata = build(
+            query_lens,
+            num_computed,
+            block_tables,
+            self.block_size,
+            self.config.layer_windows(),
+            self.device,
+            verifies,
+        )
         if self.device.type == "cpu":
-            context = max(c.num_computed_tokens + len(c.token_ids) for c in chunks)
             host_memory.for_forward(len(input_ids), context)
         return self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from tandem.models.loader import LoadedModel
@@ -28,15 +29,18 @@ def stream_with_cache(
     block_size: int = 16,
     max_prefill_tokens: int = 65536,
 ) -> Iterator[torch.Tensor]:
-    """Yield the batch's next greedy tokens ([B]) step by step, ``max_new_tokens`` times.
+    """Yield the batch's next greedy tokens ([B], on the model's device) step by step,
+    ``max_new_tokens`` times.
 
     Each sequence gets its own contiguous run of blocks up front. Prompts are prefilled
-    in groups of at most ``max_prefill_tokens`` tokens to bound activation memory."""
+    in groups of at most ``max_prefill_tokens`` tokens to bound activation memory. Each
+    decode step is one call on arrays (``ModelRunner.decode_logits``): no Python object
+    per sequence, and the tokens never leave the device between steps."""
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     blocks_per_seq = math.ceil((max(lengths) + max_new_tokens) / block_size)
     runner = ModelRunner(loaded, batch * blocks_per_seq, block_size)
-    tables = [range(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(batch)]
+    tables = np.arange(batch * blocks_per_seq, dtype=np.int64).reshape(batch, -1)
 
     last_logits = []
     start = 0
@@ -50,12 +54,10 @@ def stream_with_cache(
         start = end
     tokens = torch.cat(last_logits).argmax(dim=-1)
     yield tokens
-    for step in range(max_new_tokens - 1):
-        chunks = [
-            SequenceChunk([token], lengths[i] + step, tables[i])
-            for i, token in enumerate(tokens.tolist())
-        ]
-        tokens = runner.forward(chunks).argmax(dim=-1)
+    computed = np.array(lengths, np.int64)
+    for _ in range(max_new_tokens - 1):  # the tokens stay where the model runs
+        tokens = runner.decode_logits(tokens, computed, tables).argmax(dim=-1)
+        computed = computed + 1
         yield tokens
 
 

@@ -139,19 +139,22 @@ class HostLayout:
     starts: np.ndarray  # [S + 1] flat-batch index of each sequence's first token
     owner: np.ndarray  # [T] each token's sequence
     positions: np.ndarray  # [T]
-    tables: np.ndarray  # [S, Nb] each table's used entries, padded with its last one
+    tables: np.ndarray  # [S, Nb] each sequence's blocks in use, then entries never read
     slots: np.ndarray  # [T] cache slot of each token's K/V
 
 
 def host_layout(
-    query_lens: Sequence[int],
-    num_computed: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    query_lens: Sequence[int] | np.ndarray,
+    num_computed: Sequence[int] | np.ndarray,
+    block_tables: Sequence[Sequence[int]] | np.ndarray,
     block_size: int,
 ) -> HostLayout:
+    """``block_tables``: each sequence's blocks, or one int64 array [S, >= the most
+    blocks in use] whose every entry is a block of the cache (its rows are taken as
+    they are: entries past a sequence's own are never read)."""
     num_seqs = len(query_lens)
-    q_lens = np.fromiter(query_lens, np.int64, num_seqs)
-    computed = np.fromiter(num_computed, np.int64, num_seqs)
+    q_lens = _int64(query_lens, num_seqs)
+    computed = _int64(num_computed, num_seqs)
     used = (computed + q_lens + block_size - 1) // block_size
     starts = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(q_lens, out=starts[1:])
@@ -161,24 +164,35 @@ def host_layout(
     else:
         owner = np.repeat(np.arange(num_seqs), q_lens)
         positions = computed[owner] + np.arange(num_tokens) - starts[owner]
-    flat = np.fromiter(
-        itertools.chain.from_iterable(
-            t[:n] for t, n in zip(block_tables, used.tolist(), strict=True)
-        ),
-        np.int64,
-        int(used.sum()),
-    )  # fmt: skip
-    first = np.cumsum(used) - used  # each sequence's first entry in ``flat``
     width = int(used.max())
-    tables = flat[np.minimum(np.arange(width)[None, :], used[:, None] - 1) + first[:, None]]
+    if isinstance(block_tables, np.ndarray):
+        tables = block_tables[:, :width].astype(np.int64, copy=False)
+    else:
+        flat = np.fromiter(
+            itertools.chain.from_iterable(
+                t[:n] for t, n in zip(block_tables, used.tolist(), strict=True)
+            ),
+            np.int64,
+            int(used.sum()),
+        )  # fmt: skip
+        first = np.cumsum(used) - used  # each sequence's first entry in ``flat``
+        tables = flat[np.minimum(np.arange(width)[None, :], used[:, None] - 1) + first[:, None]]
     slots = tables[owner, positions // block_size] * block_size + positions % block_size
     return HostLayout(q_lens, computed, starts, owner, positions, tables, slots)
 
 
+def _int64(values: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
+    """A copy (the metadata's tensors may share its memory: the caller's array may
+    change after the step)."""
+    if isinstance(values, np.ndarray):
+        return np.array(values, np.int64)
+    return np.fromiter(values, np.int64, count)
+
+
 def build_paged_metadata(
-    query_lens: Sequence[int],
-    num_computed: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    query_lens: Sequence[int] | np.ndarray,
+    num_computed: Sequence[int] | np.ndarray,
+    block_tables: Sequence[Sequence[int]] | np.ndarray,
     block_size: int,
     layer_windows: Sequence[int | None] = (),
     device: torch.device | str = "cpu",

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.kernels.triton_support import tl, triton
@@ -45,9 +46,9 @@ class FlatMetadata(StepMetadata):
 
 
 def build_flat_metadata(
-    query_lens: Sequence[int],
-    num_computed: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    query_lens: Sequence[int] | np.ndarray,
+    num_computed: Sequence[int] | np.ndarray,
+    block_tables: Sequence[Sequence[int]] | np.ndarray,
     block_size: int,
     layer_windows: Sequence[int | None] = (),
     device: torch.device | str = "cpu",
