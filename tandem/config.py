@@ -295,7 +295,8 @@ class EngineConfig:
     )
     seed: int = setting(0, "seed of the engine's shared random generator", "N")
     enforce_eager: bool = setting(
-        False, "CUDA: run every step eagerly (decode steps otherwise replay CUDA graphs)"
+        False,
+        "CUDA: run every step eagerly (decode and verification steps otherwise replay CUDA graphs)",
     )
     max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
     cache: CacheConfig = field(default_factory=CacheConfig)

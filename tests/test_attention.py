@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import pytest
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.runner import cuda_graphs
 from tandem.runner.attention import BACKENDS, build_paged_metadata, torch_sdpa, triton_paged
 from tandem.runner.kv_cache import (
     STORED_DTYPES,
@@ -315,3 +317,84 @@ def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype, query_slice, 
     expected = torch.einsum("hqk,khd->qhd", probs, values)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+GRAPH_STEPS = {  # (cached tokens, tokens this step) of each sequence
+    "decodes": [(9, 1), (13, 1), (2, 1), (30, 1), (0, 1)],
+    "verify": [(9, 4), (13, 1), (2, 3), (30, 5), (5, 2)],
+}
+
+
+def _graph_step(kind: str, batch: int, width: int, device: torch.device | None = None):
+    """A step's eager flat metadata and its CUDA graph's host inputs (cuda_graphs.py:
+    ``batch`` sequences of the step's most tokens each, tables ``width`` wide)."""
+    shapes = GRAPH_STEPS[kind]
+    pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [[pool.pop() for _ in range(-(-(c + q) // BLOCK_SIZE))] for c, q in shapes]
+    token_ids = [
+        [random.Random(i).randrange(1000) for _ in range(q)] for i, (_, q) in enumerate(shapes)
+    ]
+    num_computed = [c for c, _ in shapes]
+    rows = max(q for _, q in shapes)
+    size = 3 * batch * rows + 2 * batch + 1 + batch * width
+    parts = cuda_graphs._split(np.full(size, 999, np.int64), batch, rows, width)
+    count = cuda_graphs.fill_step_inputs(parts, token_ids, num_computed, tables, BLOCK_SIZE)
+    eager = triton_paged.build_flat_metadata(
+        [q for _, q in shapes], num_computed, tables, BLOCK_SIZE, device=device or "cpu"
+    )
+    return shapes, token_ids, tables, parts, count, eager
+
+
+@pytest.mark.parametrize("layout", ["loop", "numpy"])
+@pytest.mark.parametrize("kind", GRAPH_STEPS)
+def test_graph_inputs_lay_out_the_eager_step(kind, layout, monkeypatch):
+    """A graph's inputs hold the eager metadata's positions, slots, query starts,
+    cached counts and every table entry a query can read, in the first rows; padding
+    tokens write no K/V and belong to no sequence, padding sequences have no queries
+    (laid out by the few sequences' loop or by numpy)."""
+    monkeypatch.setattr(cuda_graphs, "NUMPY_FROM", 1 if layout == "numpy" else 1000)
+    shapes, token_ids, tables, parts, count, eager = _graph_step(kind, batch=8, width=16)
+    ids, positions, slots, starts, computed, graph_tables = parts
+    n = len(shapes)
+    assert count == eager.num_tokens == sum(q for _, q in shapes)
+    assert ids[:count].tolist() == [t for tokens in token_ids for t in tokens]
+    assert np.array_equal(positions[:count], eager.positions.numpy())
+    assert np.array_equal(slots[:count], eager.slot_mapping.numpy())
+    assert np.array_equal(starts[: n + 1], eager.query_starts.numpy())
+    assert np.array_equal(computed[:n], eager.num_computed.numpy())
+    for i, (cached, new) in enumerate(shapes):
+        used = -(-(cached + new) // BLOCK_SIZE)
+        assert graph_tables[i, :used].tolist() == tables[i]
+        assert set(graph_tables[i, used:].tolist()) <= {tables[i][-1]}
+    assert (slots[count:] == -1).all() and (ids[count:] == 0).all()
+    assert (starts[n:] == count).all() and (computed[n:] == 0).all()
+    assert (graph_tables[n:] == 0).all()
+
+
+@pytest.mark.parametrize("kind", GRAPH_STEPS)
+def test_triton_graph_inputs_attend_as_the_eager_step(kind):
+    """The Triton kernel over a graph's padded inputs (as a replay runs it) gives the
+    eager step's rows and writes the same K/V, nothing for the padding."""
+    device = backend_device("triton-paged")
+    batch, width = 8, 16
+    shapes, _, _, parts, count, eager = _graph_step(kind, batch, width, device)
+    rows = max(q for _, q in shapes)
+    positions, slots, starts, computed, tables = (torch.from_numpy(p).to(device) for p in parts[1:])
+    padded = triton_paged.FlatMetadata(
+        positions=positions, slot_mapping=slots, query_starts=starts, num_computed=computed,
+        block_tables=tables, num_seqs=batch, max_query_len=rows,
+        layer_windows=eager.layer_windows, num_tokens=batch * rows,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cache = torch.randn(1, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    q, k, v = (torch.randn(batch * rows, h, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    results = []
+    for metadata, tokens in ((eager, count), (padded, batch * rows)):
+        kv = cache.clone().to(device)
+        attention = triton_paged.TritonPagedAttention(metadata, kv)
+        with torch.inference_mode():
+            out = attention.attend(0, *(x[:tokens].to(device) for x in (q, k, v)), HEAD_DIM**-0.5)
+        results.append((out[:count].cpu(), kv.cpu()))
+    (eager_out, eager_kv), (graph_out, graph_kv) = results
+    torch.testing.assert_close(graph_out, eager_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(graph_kv, eager_kv)

@@ -8,6 +8,7 @@ and a layer of block parts, which also run in Triton's interpreter on the CPU
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -185,31 +186,42 @@ def test_flat_batch_matches_transformers_on_cuda(model_dirs, arch, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("step", ["decode", "verify"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_graph_replay_equals_eager(model_dirs, arch, dtype):
-    """A decode step replayed from a CUDA graph (5 sequences padded to a bucket of 8)
-    gives the eager step's logits, steps after steps, the graph's K/V writes included."""
+def test_graph_replay_equals_eager(model_dirs, arch, dtype, step):
+    """A step replayed from a CUDA graph (5 sequences padded to a bucket of 8) gives the
+    eager step's logits, steps after steps, the graph's K/V writes included: decodes,
+    or verification rows (three sequences with 3 drafts, one with 1, one plain decode;
+    every row's logits)."""
     folder, _ = model_dirs(arch)
     loaded = load_model(folder, dtype=dtype, device="cuda")
     runner = ModelRunner(loaded, 128, 16, cuda_graph_batch=16)
     batch = prompts([37, 5, 1, 64, 19], seed=5)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(batch))]
     runner.forward([SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)])
-    tokens = [7] * len(batch)
-    for step in range(3):
-        chunks = [SequenceChunk([tokens[i]], len(p) + step, tables[i])
-                  for i, p in enumerate(batch)]  # fmt: skip
-        graphed = runner.forward(chunks).clone()
+    drafts = [3, 3, 1, 0, 3] if step == "verify" else [0] * 5
+    tokens, done = [7] * len(batch), [len(p) for p in batch]
+    for _ in range(3):
+        chunks = [
+            SequenceChunk(
+                [tokens[i], *range(11, 11 + drafts[i])], done[i], tables[i], drafts[i] > 0
+            )
+            for i in range(len(batch))
+        ]
+        graphed = runner.forward(chunks, all_logits=True).clone()
         graphs, runner.graphs = runner.graphs, None
-        eager = runner.forward(chunks)  # writes the same K/V at the same slots again
+        eager = runner.forward(chunks, all_logits=True)  # writes the same K/V again
         runner.graphs = graphs
-        assert (8, 8) in graphs.graphs  # replayed: 5 sequences in the bucket of 8
+        rows = 1 + max(drafts)
+        assert (8, rows, 8) in graphs.graphs  # replayed: 5 sequences in the bucket of 8
         bound = 1e-5 if dtype == torch.float32 else 1e-2
         assert relative_error(graphed, eager) < bound
-        tokens = eager.argmax(-1).tolist()
+        last = list(itertools.accumulate(1 + d for d in drafts))
+        tokens = eager[[i - 1 for i in last]].argmax(-1).tolist()
         if dtype == torch.float32:  # (bfloat16: cuBLAS's tiles for 5 and 8 rows may differ)
-            assert graphed.argmax(-1).tolist() == tokens
+            assert graphed.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        done = [d + 1 + drafts[i] for i, d in enumerate(done)]
 
 
 SETTINGS = {

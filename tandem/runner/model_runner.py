@@ -93,8 +93,8 @@ class ModelRunner:
     ) -> None:
         """``tp``: this process is one rank of a tensor-parallel group; ``loaded`` holds
         its shard (load_model's ``tensor_parallel``). ``cuda_graph_batch``: on a CUDA
-        GPU, decode steps of up to this many sequences replay CUDA graphs
-        (cuda_graphs.py; 0: every step runs eagerly)."""
+        GPU, decode and verification steps of up to this many sequences replay CUDA
+        graphs (cuda_graphs.py; 0: every step runs eagerly)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -433,7 +433,7 @@ class ModelRunner:
             and graphs.fits([c.token_ids for c in chunks], [c.verifies for c in chunks])
         ):
             return graphs.run(
-                [c.token_ids[0] for c in chunks],
+                [c.token_ids for c in chunks],
                 [c.num_computed_tokens for c in chunks],
                 [c.block_table for c in chunks],
             )
