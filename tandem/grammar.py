@@ -31,6 +31,7 @@ import torch
 
 from tandem.errors import InvalidParameterError
 from tandem.kernels import cpu as cpu_kernels
+from tandem.runner.host_to_device import to_device
 
 if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
@@ -166,9 +167,9 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: list[int]) -> N
         cpu_kernels.load().mask_rows(logits, masks, torch.tensor(rows, dtype=torch.long))
         return
     vocab = logits.shape[1]
-    index = torch.tensor(rows, device=logits.device)
-    packed = masks[: len(rows)].to(logits.device)
-    allowed = (packed[:, :, None] & _BIT.to(logits.device)) != 0
+    index = to_device(rows, logits.device)
+    packed = to_device(masks[: len(rows)], logits.device)
+    allowed = (packed[:, :, None] & to_device(_BIT, logits.device)) != 0
     allowed = allowed.reshape(len(rows), -1)[:, :vocab]
     selected = logits.index_select(0, index)
     logits.index_copy_(0, index, selected.masked_fill_(~allowed, float("-inf")))

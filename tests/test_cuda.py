@@ -224,6 +224,44 @@ def test_graph_replay_equals_eager(model_dirs, arch, dtype, step):
         done = [d + 1 + drafts[i] for i, d in enumerate(done)]
 
 
+@needs_cuda
+def test_sampling_is_queued_without_waiting_for_the_gpu():
+    """A step's sampling after its forward (a grammar's masks, penalties, biases and
+    bans, temperature, top-k/p, min-p, the exponential race, a seeded row) launches
+    without a host sync (torch's sync debug mode raises on one) until its tokens are
+    read."""
+    from tandem.grammar import apply_masks, new_masks
+    from tandem.runner.sampler import SamplingRow, draw, processed_logits, sampling_probs
+
+    vocab = 1000
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    seeded = torch.Generator(device="cuda").manual_seed(2)
+    penalised = SamplingParams(
+        temperature=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+        logit_bias={9: 2.0},
+    )  # fmt: skip
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), [1, 2], [3], None),
+        SamplingRow(SamplingParams(temperature=0), [], [], None, (5, 6)),
+        SamplingRow(penalised, [4, 9], [9, 9], None),
+        SamplingRow(SamplingParams(temperature=0.7, seed=3), [], [], seeded),
+    ]
+    logits = torch.randn(len(rows), vocab, device="cuda")
+    masks = new_masks(2, vocab)
+    masks[:, 0] = 0  # the first 32 tokens refused
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_masks(logits, masks, [0, 2])
+        processed = processed_logits(logits, rows)
+        tokens = draw(sampling_probs(processed, rows), rows, generator)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = tokens.tolist()
+    assert tokens[0] >= 32 and tokens[2] >= 32
+    assert all(0 <= t < vocab for t in tokens)
+
+
 SETTINGS = {
     "eager": dict(enforce_eager=True, max_num_batched_tokens=16, block_size=5, num_blocks=30),
     "chunked-pressure": dict(max_num_batched_tokens=16, block_size=5, num_blocks=30),

@@ -122,6 +122,32 @@ def test_penalties_stop_strings_and_logprobs_match_plain_decoding(target):
     assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
 
 
+def test_a_batch_of_mixed_requests_verifies_as_each_decodes_alone(target):
+    """Greedy requests with nothing changing their logits take their targets from one
+    argmax of the whole step, beside penalised, banned and biased greedy requests and
+    seeded sampled ones: each gets the tokens plain decoding gives it."""
+    folder, _ = target
+    prompts = repetitive_prompts(3, [20, 33, 12, 27, 9, 40])
+    base = dict(max_tokens=24, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0, **base),
+        SamplingParams(temperature=0, repetition_penalty=1.3, **base),
+        SamplingParams(temperature=0, **base),
+        SamplingParams(temperature=0.8, seed=5, **base),
+        SamplingParams(temperature=0, logit_bias={7: 3.0}, min_tokens=4, **base),
+        SamplingParams(temperature=0, **base),
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(folder)).generate(requests, params, use_tqdm=False)
+    spec = {"method": "draft", "model": str(folder), "num_speculative_tokens": 3}
+    llm = LLM(str(folder), speculative_config=spec)
+    got = llm.generate(requests, params, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(plain, got, strict=True)):
+        if params[i].temperature == 0:
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids, i
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
 def test_rejected_drafts_leave_no_kv(target, bad_draft):
     folder, _ = target
     llm = LLM(str(folder), block_size=4, speculative_config={

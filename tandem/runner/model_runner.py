@@ -30,12 +30,13 @@ from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.attention.triton_paged import TritonPagedAttention
 from tandem.runner.cuda_graphs import DecodeGraphs
+from tandem.runner.host_to_device import to_device
 from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
 from tandem.runner.linear import linear_method_for
 from tandem.runner.linear.experts import attach_fused_experts
-from tandem.runner.sampler import sample, scored_tokens
+from tandem.runner.sampler import argmax_rows, sample, scored_tokens, unprocessed
 from tandem.runner.tensor_parallel import (
     TensorParallel,
     method_with_collectives,
@@ -354,7 +355,7 @@ class ModelRunner:
         """Sample the plain rows in one batch; verify each speculating request's drafts.
         ``logits`` holds, in order, one row per plain request and 1 + k per speculating
         one. Tokens go to ``result.sampled``, requests that raise to ``result.failed``."""
-        plain, plain_rows, row = [], [], 0
+        plain, plain_rows, speculating, row = [], [], [], 0
         for item, state in scheduled:
             if not item.samples:
                 continue
@@ -371,9 +372,23 @@ class ModelRunner:
                     state.grammar.fill_after(list(guess), masks, 0)
                     apply_masks(logits[first:row], masks, list(range(len(guess) + 1)))
                 rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
+                speculating.append((item, guess, guess_probs, first, rows))
+
+        # Greedy rows whose logits nothing changes take their argmax in one batch: one
+        # host sync for every speculating request, not one a request.
+        def plain_greedy(rows) -> bool:
+            return rows[0].params.greedy and all(map(unprocessed, rows))
+
+        targets = None
+        if any(plain_greedy(rows) for *_, rows in speculating):
+            targets = argmax_rows(logits).tolist()
+        for item, guess, guess_probs, first, rows in speculating:
+            with self._failing_alone(item.request_id, result):
+                own = targets[first : first + len(rows)] if plain_greedy(rows) else None
                 tokens = verify(
-                    logits[first:row], rows, list(guess), guess_probs, self.shared_generator
-                )
+                    logits[first : first + len(rows)], rows, list(guess), guess_probs,
+                    self.shared_generator, own,
+                )  # fmt: skip
                 result.sampled[item.request_id] = tokens
                 result.drafted[item.request_id] = len(guess)
                 self.spec_stats.record(len(guess), len(tokens) - 1)
@@ -381,7 +396,7 @@ class ModelRunner:
         if not plain:
             return
         if len(plain_rows) != len(logits):  # else every row, in order: no copy
-            logits = logits[torch.tensor(plain_rows, device=self.device)]
+            logits = logits[to_device(plain_rows, self.device)]
         constrained = [i for i, state in enumerate(plain) if state.grammar is not None]
         if constrained:
             masks = new_masks(len(constrained), self.config.vocab_size)
@@ -437,9 +452,7 @@ class ModelRunner:
                 [c.num_computed_tokens for c in chunks],
                 [c.block_table for c in chunks],
             )
-        input_ids = torch.tensor(
-            [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
-        )
+        input_ids = to_device([t for c in chunks for t in c.token_ids], self.device, torch.long)
         return self._run(
             input_ids,
             [len(c.token_ids) for c in chunks],
@@ -490,7 +503,7 @@ class ModelRunner:
         another order does)."""
         if len(indices) == len(hidden) and all(i == row for row, i in enumerate(indices)):
             return hidden
-        return hidden[torch.tensor(indices, device=self.device)]
+        return hidden[to_device(indices, self.device)]
 
 
 def forward_no_cache(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.runner.host_to_device import to_device
 from tandem.sampling import SamplingParams
 
 
@@ -34,14 +35,14 @@ class PenaltyCounts:
             torch.zeros(vocab, device=device), torch.zeros(vocab, dtype=torch.bool, device=device)
         )
         if prompt:
-            counts.prompt_seen[torch.tensor(prompt, device=device).clamp_(max=vocab - 1)] = True
+            counts.prompt_seen[to_device(prompt, device).clamp_(max=vocab - 1)] = True
         counts.add(output)
         return counts
 
     def add(self, token_ids: list[int]) -> None:
         if token_ids:
             vocab = self.output_counts.shape[0]
-            ids = torch.tensor(token_ids, device=self.output_counts.device).clamp_(max=vocab - 1)
+            ids = to_device(token_ids, self.output_counts.device).clamp_(max=vocab - 1)
             self.output_counts.index_add_(0, ids, torch.ones(len(ids), device=ids.device))
             self.num_counted += len(token_ids)
 
@@ -66,7 +67,7 @@ class SampledToken:
 
 
 def _column(rows: list[SamplingRow], name: str, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
+    return to_device([getattr(r.params, name) for r in rows], device, dtype)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -84,7 +85,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             seen[i] = kept.prompt_seen
         uncounted = row.output_token_ids[kept.num_counted :]  # (drafts being verified)
         if uncounted:
-            ids = torch.tensor(uncounted, device=device).clamp_(max=vocab - 1)
+            ids = to_device(uncounted, device).clamp_(max=vocab - 1)
             counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
     seen |= counts > 0
     # Repetition penalty (CTRL): shrink positive logits, push negative ones further down.
@@ -98,14 +99,11 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     given already-penalised logits. Greedy rows get temperature 1 here and are
     decided by argmax instead."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor(
-        [r.params.temperature or 1.0 for r in rows], dtype=torch.float32, device=device
-    )
+    temperature = to_device([r.params.temperature or 1.0 for r in rows], device, torch.float32)
     logits = logits / temperature[:, None]
     # Clamped in Python: a client's top_k may not fit an int64 (2^63 did).
-    top_k = torch.tensor(
-        [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
-        device=device,
+    top_k = to_device(
+        [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device
     )
     top_p = _column(rows, "top_p", device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -119,8 +117,8 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_p = _column(rows, "min_p", device)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):  # (decided on the host: no sync)
+        min_p = _column(rows, "min_p", device)
         too_small = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(too_small, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -145,14 +143,14 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 values.append(bias)
         device = logits.device
         logits.index_put_(
-            (torch.tensor(rows_index, device=device), torch.tensor(tokens, device=device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
+            (to_device(rows_index, device), to_device(tokens, device)),
+            to_device(values, device, logits.dtype),
             accumulate=True,
         )
     if banning:
         for i, row in enumerate(rows):
             if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+                logits[i, to_device(list(row.banned_token_ids), logits.device)] = float("-inf")
     return logits
 
 
@@ -184,7 +182,7 @@ def scored_tokens(
     (None: neither): ``log_probs`` [N, vocab] normalised."""
     results = [SampledToken(t) for t in tokens]
     num_logprobs = max((k or 0) for k in top_k)
-    index = torch.tensor(tokens, device=log_probs.device)[:, None]
+    index = to_device(tokens, log_probs.device)[:, None]
     chosen = log_probs.gather(1, index).flatten().tolist()
     top_values, top_ids = log_probs.topk(max(num_logprobs, 1), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
@@ -213,7 +211,7 @@ def sample(
     tokens = argmax_rows(logits)
     greedy_flags = [r.params.greedy for r in rows]
     if not all(greedy_flags):
-        greedy = torch.tensor(greedy_flags, device=logits.device)
+        greedy = to_device(greedy_flags, logits.device)
         sampled = draw(sampling_probs(logits, rows), rows, shared_generator)
         tokens = torch.where(greedy, tokens, sampled)
     return with_logprobs(tokens.tolist(), raw_logprobs, rows)
@@ -228,6 +226,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         cpu_kernels.load().argmax_rows(out, logits)
         return out
     return logits.argmax(dim=-1)
+
+
+def unprocessed(row: SamplingRow) -> bool:
+    """``processed_logits`` leaves this row's logits as they are."""
+    return not (needs_penalties(row.params) or row.params.logit_bias or row.banned_token_ids)
 
 
 def needs_penalties(params: SamplingParams) -> bool:

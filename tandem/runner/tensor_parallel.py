@@ -35,6 +35,7 @@ from tandem.models.linear import Linear, LinearMethod
 from tandem.models.moe import SparseMoE
 from tandem.models.quantized import replace_module
 from tandem.models.sharding import VOCAB, ShardPlan, parallel_style, vocab_rows
+from tandem.runner.host_to_device import to_device
 from tandem.runner.linear.parallel import Collectives, parallel_linear_method
 
 
@@ -113,7 +114,7 @@ class TensorParallel:
             tokens[offset : offset + len(guess)] = guess
             offset += slot
         sampled = [probs for _, probs in proposals if probs is not None]
-        shared = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        shared = to_device(tokens, self.device, torch.long)
         if self.rank != 0:
             shared.zero_()
         self.comm.all_reduce(shared)

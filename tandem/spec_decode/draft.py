@@ -16,6 +16,7 @@ import torch
 
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_model
+from tandem.runner.host_to_device import to_device
 from tandem.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.runner.sampler import argmax_rows, draw, processed_logits, sampling_probs
 
@@ -47,7 +48,7 @@ class DraftProposer:
             if not all(row.params.greedy for row in rows):
                 q = sampling_probs(processed, rows)
                 sampled = draw(q, rows, shared_generator)
-                greedy = torch.tensor([r.params.greedy for r in rows], device=tokens.device)
+                greedy = to_device([r.params.greedy for r in rows], tokens.device)
                 tokens = torch.where(greedy, tokens, sampled)
             for slot, (i, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
                 drafts[i].append(token)

@@ -17,12 +17,14 @@ or nothing useful: that can lower acceptance, never change an output.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.models.loader import LoadedModel
 from tandem.models.quantized import quantize_linear_layers
+from tandem.runner.host_to_device import to_device
 from tandem.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.spec_decode.draft import DraftProposer
 from tandem.spec_decode.eagle_head import load_head
@@ -109,8 +111,8 @@ class EagleProposer(DraftProposer):
         if not active:
             return None, []
         predicted = self._run(chunks, features)
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        return self._predict(active, predicted[ends.to(predicted.device)]), active
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+        return self._predict(active, predicted[to_device(ends, predicted.device) - 1]), active
 
     def _next_logits(self, items, active, drafts):
         chunks = [

@@ -33,20 +33,24 @@ def verify(
     drafts: list[int],
     draft_probs: torch.Tensor | None,
     shared_generator: torch.Generator | None,
+    targets: list[int] | None = None,
 ) -> list[SampledToken]:
     """``logits`` [k + 1, vocab]: the target at the last token and at each draft.
-    ``rows[i]`` samples position i. Returns the accepted drafts plus one token."""
+    ``rows[i]`` samples position i. Returns the accepted drafts plus one token.
+    ``targets``: a greedy request's argmax at each position, when the caller took them
+    for many requests at once (one host sync for all, not one a request); only for rows
+    whose logits nothing changes (``sampler.unprocessed``)."""
     k = len(drafts)
     raw = raw_logprobs_if_wanted(logits, rows)
-    processed = processed_logits(logits, rows)
     if rows[0].params.greedy:
-        targets = argmax_rows(processed).tolist()
+        if targets is None:
+            targets = argmax_rows(processed_logits(logits, rows)).tolist()
         accepted = 0
         while accepted < k and drafts[accepted] == targets[accepted]:
             accepted += 1
         tokens = [*drafts[:accepted], targets[accepted]]
     else:
-        p = sampling_probs(processed, rows)
+        p = sampling_probs(processed_logits(logits, rows), rows)
         generator = rows[0].generator or shared_generator
         uniforms = torch.rand(k, generator=generator, device=p.device).tolist()
         tokens = []

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tandem.runner.host_to_device import to_device
+
 
 @dataclass
 class AttentionGroup:
@@ -235,7 +237,7 @@ def build_paged_metadata(
 
 
 def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values, np.int64)).to(device)
+    return to_device(torch.from_numpy(np.ascontiguousarray(values, np.int64)), device)
 
 
 def _group(
