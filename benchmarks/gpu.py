@@ -13,7 +13,9 @@ its output matrix in Q6_K, a Q4_K_M file mixes Q4_K and Q6_K).
 
 For each model and batch size B, B sequences of --context tokens are prefilled, then
 decode steps are timed (median of --steps, each ended by a synchronize, as the
-engine's step ends by reading its tokens), through CUDA graphs and eagerly. A step
+engine's step ends by reading its tokens), through CUDA graphs and eagerly, and
+speculation's verification steps (each sequence's token and --drafts guesses, every
+row's logits; graphs, and eagerly at B=1). A step
 must read every weight once: its floor is the bytes the model holds (embedding table
 excepted: a step reads B rows of it) plus the KV it attends, over the copy rate.
 "Host" is the time the step's call takes to return before the GPU finishes (with
@@ -118,9 +120,15 @@ def load(name: str, weights: str, files: Path):
     return load_model(path, dtype="bfloat16", device="cuda")
 
 
-def decode_steps(runner, batch: int, context: int, steps: int, graphs: bool) -> dict:
+def decode_steps(
+    runner, batch: int, context: int, steps: int, graphs: bool, drafts: int = 0
+) -> dict:
+    """Median step of ``batch`` sequences after ``context`` tokens: one token each, or
+    with ``drafts`` a verification step (the last token and ``drafts`` guesses each,
+    every row's logits, as speculation's steps are)."""
     block = runner.block_size
-    per_seq = -(-(context + steps + 4) // block)
+    rows = 1 + drafts
+    per_seq = -(-(context + (steps + 4) * rows) // block)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     generator = torch.Generator().manual_seed(batch)
     vocab = runner.config.vocab_size
@@ -133,14 +141,18 @@ def decode_steps(runner, batch: int, context: int, steps: int, graphs: bool) -> 
         runner.graphs = None
     tokens = [1] * batch
     wall, host = [], []
+    guesses = list(range(11, 11 + drafts))
     try:
         for step in range(steps + 3):
-            chunks = [SequenceChunk([tokens[i]], context + step, tables[i]) for i in range(batch)]
+            done = context + step * rows
+            chunks = [SequenceChunk([tokens[i], *guesses], done, tables[i], drafts > 0)
+                      for i in range(batch)]  # fmt: skip
             torch.cuda.synchronize()
             start = time.perf_counter()
-            logits = runner.forward(chunks)
+            logits = runner.forward(chunks, all_logits=drafts > 0)
             returned = time.perf_counter()
-            tokens = logits.argmax(-1).tolist()  # the step's end: its tokens on the host
+            # the step's end: its tokens on the host (each sequence's last row goes on)
+            tokens = logits.argmax(-1).tolist()[rows - 1 :: rows]
             end = time.perf_counter()
             if step >= 3:  # the first steps capture graphs and compile kernels
                 wall.append(end - start)
@@ -173,6 +185,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,16,32,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--drafts", type=int, default=4,
+        help="also time verification steps of 1 + this many rows a sequence (0: not)",
+    )  # fmt: skip
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--files", default="/tmp/tandem-gpu-models")
     parser.add_argument("--out", default=None)
@@ -211,7 +227,7 @@ def main() -> None:
                 loaded = load(model_name, weights, files)
             load_s = time.perf_counter() - started
             config = loaded.config
-            per_seq = -(-(args.context + args.steps + 4) // 16)
+            per_seq = -(-(args.context + (args.steps + 4) * (1 + args.drafts)) // 16)
             num_blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // 16))
             runner = ModelRunner(loaded, num_blocks, 16, cuda_graph_batch=max(batches))
             weight_bytes = model_bytes(loaded.model)
@@ -227,6 +243,15 @@ def main() -> None:
                 if batch in (1, max(batches)):
                     eager = decode_steps(runner, batch, args.context, args.steps, graphs=False)
                     row.update(eager_step_ms=eager["step_ms"], eager_host_ms=eager["host_ms"])
+                if args.drafts:  # speculation's step: each sequence's token and its drafts
+                    verify = decode_steps(
+                        runner, batch, args.context, args.steps, graphs=True, drafts=args.drafts
+                    )
+                    row.update(verify_step_ms=verify["step_ms"], verify_host_ms=verify["host_ms"])
+                    if batch == 1:
+                        verify = decode_steps(runner, batch, args.context, args.steps,
+                                              graphs=False, drafts=args.drafts)  # fmt: skip
+                        row["eager_verify_step_ms"] = verify["step_ms"]
                 read = weight_bytes + batch * (args.context + args.steps) * kv_per_token
                 row["floor_ms"] = read / ceiling["copy_tb_s"] / 1e9
                 row["of_floor"] = row["floor_ms"] / row["graph_step_ms"]
@@ -235,9 +260,12 @@ def main() -> None:
                     f"{model_name:>14} {weights:>5} B={batch:<3} step {row['graph_step_ms']:.3f} ms"
                     f" (eager {row.get('eager_step_ms', float('nan')):.3f}) host "
                     f"{1e3 * row['graph_host_ms']:.0f} us; floor {row['floor_ms']:.3f} ms "
-                    f"({weight_bytes / 1e9:.2f} GB): {100 * row['of_floor']:.0f}% of floor",
+                    f"({weight_bytes / 1e9:.2f} GB): {100 * row['of_floor']:.0f}% of floor"
+                    + (f"; verifying {args.drafts} drafts {row['verify_step_ms']:.3f} ms"
+                       f" (eager {row.get('eager_verify_step_ms', float('nan')):.3f})"
+                       if args.drafts else ""),
                     flush=True,
-                )
+                )  # fmt: skip
             seconds = prefill(runner, args.prefill_tokens)
             t = args.prefill_tokens
             attention = 2 * config.num_layers * config.num_heads * config.head_dim * t * t
