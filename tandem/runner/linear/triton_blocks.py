@@ -11,9 +11,10 @@ read once per product:
 
     M <= GEMV_M   a GEMV kernel (no matrix units: each weight widened once, multiplied
                   with every row; Q4_0 / Q8_0 sum a block's products before its scale,
-                  the other formats widen each weight whole) or the
-                  tile kernel, whichever is measured faster for the matrix's shape on
-                  this GPU (timed on first use; ``chosen_kernels`` says which)
+                  the other formats widen each weight whole), the same with K split
+                  among 2, 4 or 8 programs (GEMV_SPLITS), or the tile kernel,
+                  whichever is measured fastest for the matrix's shape on this GPU
+                  (timed on first use; ``chosen_kernels`` says which)
     M <= SMALL_M  the tile kernel: blocks widened in registers, then the matrix units
                   (tl.dot) with float32 accumulation
     above         the matrix widened to the activations' type a slice of rows at a time
@@ -124,20 +125,30 @@ if triton is not None:
         )
 
     @triton.jit
+    def _k_span(K, SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's columns [start, end) of K: split tl.program_id(2) of SPLITS,
+        whole tiles each (a split past K's end has none)."""
+        span = tl.cdiv(tl.cdiv(K, SPLITS), BLOCK_K) * BLOCK_K
+        start = tl.program_id(2) * span
+        return start, tl.minimum(K, start + span)
+
+    @triton.jit
     def _block_gemv(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
-        stride_xm, stride_om, stride_vn, stride_sn,
-        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        stride_xm, stride_om, stride_vn, stride_sn, stride_os,
+        BITS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M, without the matrix units:
         each weight widened once and multiplied with every row in registers; each
-        32-weight block's products summed before its scale multiplies them."""
+        32-weight block's products summed before its scale multiplies them. SPLITS > 1:
+        split s of K writes its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
+        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        for k in range(k_start, k_end, BLOCK_K):
             scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)
             if BITS == 4:
                 low, high, x_low, x_high = _q4_tile(
@@ -154,7 +165,7 @@ if triton is not None:
                 per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 32)), 3)
             acc += tl.sum(per_block * scale[None, :, :], 2)
         tl.store(
-            out_ptr + m[:, None] * stride_om + n[None, :],
+            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=m_real[:, None] & n_real[None, :],
         )
@@ -264,19 +275,22 @@ if triton is not None:
     @triton.jit
     def _super_gemv(
         out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
-        stride_xm, stride_om,
+        stride_xm, stride_om, stride_os,
         SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
         OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M and a SuperBlockWeight W,
         without the matrix units: each weight widened once and multiplied with every
-        row in registers."""
+        row in registers. SPLITS > 1: split s of K writes its partial sums to out + s *
+        stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
+        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        for k in range(k_start, k_end, BLOCK_K):
             w_low, w_high, x_low, x_high = _super_tile(
                 low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
                 m, m_real, n, n_real, k, K, stride_xm,
@@ -286,7 +300,7 @@ if triton is not None:
             products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
             acc += tl.sum(products, 2)
         tl.store(
-            out_ptr + m[:, None] * stride_om + n[None, :],
+            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=m_real[:, None] & n_real[None, :],
         )
@@ -316,25 +330,31 @@ if triton is not None:
     # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
     _KERNELS = {
         "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS"])),
-        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS"])),
+        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS", "SPLITS"])),
     }
     _SUPER_KERNELS = {
         "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, SUPER_ARGS)),
-        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, SUPER_ARGS)),
+        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, [*SUPER_ARGS, "SPLITS"])),
     }
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
-# (N, K, GEMV rows, format) -> ("gemv" or "dot", the two kernels' times in us),
+# The GEMV's splits of K also timed: a matrix of few output rows gives few programs
+# (N / BLOCK_N: 128 for a 4096-row matrix in tiles of 32, on a GPU of 132
+# multiprocessors), each walking all of K with few loads in flight; split among S
+# programs, each writes its partial sums (float32), added in order by a second pass.
+GEMV_SPLITS = (2, 4, 8)
+# (N, K, GEMV rows, format) -> (the kernel chosen, each candidate's time in us),
 # measured on this GPU on first use
-_CHOSEN: dict[tuple[int, int, int, str], tuple[str, tuple[float, float]]] = {}
+_CHOSEN: dict[tuple[int, int, int, str], tuple[str, dict[str, float]]] = {}
 
 
 def chosen_kernels() -> dict[str, str]:
     """What was measured and chosen per (N, K, GEMV rows, format), for benchmarks."""
-    return {
-        str(key): f"{kernel} (gemv {gemv_us:.1f} us, dot {dot_us:.1f} us)"
-        for key, (kernel, (gemv_us, dot_us)) in _CHOSEN.items()
-    }
+    chosen = {}
+    for key, (kernel, times) in _CHOSEN.items():
+        timed = ", ".join(f"{name} {us:.1f} us" for name, us in times.items())
+        chosen[str(key)] = f"{kernel} ({timed})"
+    return chosen
 
 
 def _launch(x: torch.Tensor, weight: SplitWeight, out: torch.Tensor):
@@ -356,6 +376,32 @@ def _launch(x: torch.Tensor, weight: SplitWeight, out: torch.Tensor):
     return _KERNELS, args, dict(BITS=weight.bits), f"Q{weight.bits}_0"
 
 
+def _run(name: str, x: torch.Tensor, weight: SplitWeight, out: torch.Tensor) -> None:
+    """out = x @ W^T by kernel ``name``: "dot", "gemv", or "gemv/S" (K split among S
+    programs). On the GPU each kernel's tiles are tuned per shape on first use; in
+    Triton's interpreter (TRITON_INTERPRET=1, tests) the tiles are fixed."""
+    m, n = x.shape[0], weight.rows
+    kind, _, split = name.partition("/")
+    splits = int(split or 1)
+    target = out
+    if splits > 1:  # each split's partial sums, [splits * m, n]
+        target = torch.empty(splits * m, n, dtype=torch.float32, device=x.device)
+    kernels, args, constants, _ = _launch(x, weight, target)
+    if kind == "gemv":
+        rows = triton.next_power_of_2(m)  # the GEMV's rows per program
+        constants.update(SPLITS=splits, stride_os=m * n)
+    else:
+        rows = 16 if m <= 16 else 32 if m <= 32 else 64
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
+        kernels[kind][1][grid](*args, **constants, BLOCK_M=rows)
+    else:
+        grid = (triton.cdiv(m, rows), triton.cdiv(n, 32), splits)
+        kernels[kind][0][grid](*args, **constants, BLOCK_M=rows, BLOCK_N=32, BLOCK_K=256)
+    if splits > 1:
+        out.copy_(target.view(splits, m, n).sum(0))
+
+
 def block_matmul(
     x: torch.Tensor,
     weight: SplitWeight,
@@ -363,8 +409,8 @@ def block_matmul(
     kernel: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float16 / bfloat16 / float32, last dim contiguous) -> [M, N] in x's
-    type; ``out`` may be a column slice of a wider matrix. ``kernel``: "gemv" or "dot"
-    whatever was measured (tests)."""
+    type; ``out`` may be a column slice of a wider matrix. ``kernel``: "dot", "gemv"
+    or "gemv/S" whatever was measured (tests)."""
     m = x.shape[0]
     if out is None:
         out = x.new_empty(m, weight.rows)
@@ -373,35 +419,25 @@ def block_matmul(
             rows = slice(first, min(first + WIDEN_ROWS, weight.rows))
             out[:, rows] = x @ weight.dequantize(x.dtype, rows).t()
         return out
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    gemv_rows = triton.next_power_of_2(m)  # the GEMV's rows per program
-    n = weight.rows
-    kernels, args, constants, fmt = _launch(x, weight, out)
     if kernel is None and m > GEMV_M:
         kernel = "dot"
-    if not x.is_cuda:  # Triton's interpreter (TRITON_INTERPRET=1), in tests: fixed tiles
-        name = kernel or "gemv"
-        rows = gemv_rows if name == "gemv" else block_m
-        grid = (triton.cdiv(m, rows), triton.cdiv(n, 32))
-        kernels[name][0][grid](*args, **constants, BLOCK_M=rows, BLOCK_N=32, BLOCK_K=256)
-        return out
-
-    def run(name: str) -> None:
-        rows = gemv_rows if name == "gemv" else block_m
-        grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        kernels[name][1][grid](*args, **constants, BLOCK_M=rows)
-
+    if kernel is None and not x.is_cuda:  # (the interpreter: nothing to time)
+        kernel = "gemv"
     if kernel is None:
-        key = (n, weight.columns, gemv_rows, fmt)
+        fmt = _launch(x, weight, out)[3]
+        key = (weight.rows, weight.columns, triton.next_power_of_2(m), fmt)
         if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
-            run("gemv"), run("dot")  # (the first runs tune each kernel's tiles)
-            gemv_us, dot_us = (
-                1e3 * triton.testing.do_bench(lambda name=name: run(name), warmup=5, rep=20)
-                for name in ("gemv", "dot")
-            )
-            _CHOSEN[key] = ("gemv" if gemv_us <= dot_us else "dot", (gemv_us, dot_us))
+            splits = [f"gemv/{s}" for s in GEMV_SPLITS if weight.columns // s >= 256]
+            candidates = ["gemv", *splits, "dot"]
+            for name in candidates:  # (the first runs tune each kernel's tiles)
+                _run(name, x, weight, out)
+            times = {}
+            for name in candidates:
+                run = lambda name=name: _run(name, x, weight, out)  # noqa: E731
+                times[name] = 1e3 * triton.testing.do_bench(run, warmup=5, rep=20)
+            _CHOSEN[key] = (min(times, key=times.get), times)
         kernel = _CHOSEN[key][0]
-    run(kernel)
+    _run(kernel, x, weight, out)
     return out
 
 
