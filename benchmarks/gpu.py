@@ -283,14 +283,14 @@ def main() -> None:
                 Path(args.out).write_text(json.dumps(results, indent=1))
     from tandem.runner.linear import triton_blocks
 
-    # The block matmul's kernel per (N, K, rows, bits) and tiles per shape, as timed here
+    # The block matmul's kernel per (N, K, rows of a program, format) and tiles per shape
     results["block_matmul_kernels"] = triton_blocks.chosen_kernels()
     for name in ("_tuned", "_tuned_gemv"):
         tuned = getattr(triton_blocks, name, None)
         if tuned is not None:
             results[f"block_matmul{name}"] = {str(k): str(v) for k, v in tuned.cache.items()}
     for key, kernel in results["block_matmul_kernels"].items():
-        print(f"block matmul (N, K, rows, bits) {key}: {kernel}")
+        print(f"block matmul (N, K, rows of a program, format) {key}: {kernel}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

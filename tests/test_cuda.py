@@ -58,17 +58,16 @@ BLOCK_FORMATS = [GGMLType.Q4_0, GGMLType.Q8_0, *SUPER_FORMATS]
     ("rows", "kernel"),
     [
         (1, "gemv"), (5, "gemv"), (1, "gemv/2"), (5, "gemv/4"), (1, "dot"), (5, "dot"),
-        (16, None), (40, None), (80, None),
+        (16, None), (40, None), (40, "dot/2"), (12, "dot/8"), (80, None),
     ],
 )  # fmt: skip
 def test_block_matmul_matches_dequantize_then_matmul(code, rows, kernel):
     """Every output written (the output starts as NaN), from random blocks of every
     format, as the file's blocks mean (the CPU's GGUF
-    dequantizer is the reference): the GEMV (whole, and with K split among 2 and 4
-    programs, some splits with no tile of the 320 columns) and the tile
-    kernel for a few rows, the tile kernel for 16 and 40, and 80 rows the
-    widen-then-cuBLAS path. 320 columns (768 for the K formats' 256-weight blocks): a
-    tile runs past the end of a row."""
+    dequantizer is the reference): the GEMV and the tile kernel for a few rows, the tile
+    kernel for 12 to 40, each kernel whole and with K split among programs (some splits
+    with no tile of the 320 columns), and 80 rows the widen-then-cuBLAS path. 320
+    columns (768 for the K formats' 256-weight blocks): a tile runs past a row's end."""
     device = kernel_device()
     columns = 768 if BLOCK[code][0] == 256 else 320
     generator = torch.Generator().manual_seed(rows)

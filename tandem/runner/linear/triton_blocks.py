@@ -12,11 +12,12 @@ read once per product:
     M <= GEMV_M   a GEMV kernel (no matrix units: each weight widened once, multiplied
                   with every row; Q4_0 / Q8_0 sum a block's products before its scale,
                   the other formats widen each weight whole), the same with K split
-                  among 2, 4 or 8 programs (GEMV_SPLITS), or the tile kernel,
+                  among 2, 4 or 8 programs (K_SPLITS), or the tile kernel,
                   whichever is measured fastest for the matrix's shape on this GPU
                   (timed on first use; ``chosen_kernels`` says which)
     M <= SMALL_M  the tile kernel: blocks widened in registers, then the matrix units
-                  (tl.dot) with float32 accumulation
+                  (tl.dot) with float32 accumulation; whole or with K split, the
+                  faster as measured
     above         the matrix widened to the activations' type a slice of rows at a time
                   and multiplied by cuBLAS (prefill is compute-bound: the widening pass
                   is a few percent of the product's time)
@@ -89,17 +90,19 @@ if triton is not None:
     @triton.jit
     def _block_matmul(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
-        stride_xm, stride_om, stride_vn, stride_sn,
-        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        stride_xm, stride_om, stride_vn, stride_sn, stride_os,
+        BITS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers, then the
-        matrix units (tl.dot)."""
+        matrix units (tl.dot). SPLITS > 1: split s of K writes its partial sums to
+        out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
+        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        for k in range(k_start, k_end, BLOCK_K):
             scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
             if BITS == 4:
                 low, high, x_low, x_high = _q4_tile(
@@ -119,7 +122,7 @@ if triton is not None:
                 )
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         tl.store(
-            out_ptr + m[:, None] * stride_om + n[None, :],
+            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=m_real[:, None] & n_real[None, :],
         )
@@ -247,18 +250,21 @@ if triton is not None:
     @triton.jit
     def _super_matmul(
         out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
-        stride_xm, stride_om,
+        stride_xm, stride_om, stride_os,
         SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
         OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a SuperBlockWeight W: the tile widened
-        in registers, then the matrix units (tl.dot)."""
+        in registers, then the matrix units (tl.dot). SPLITS > 1: split s of K writes
+        its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
+        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        for k in range(k_start, k_end, BLOCK_K):
             w_low, w_high, x_low, x_high = _super_tile(
                 low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
                 m, m_real, n, n_real, k, K, stride_xm,
@@ -267,7 +273,7 @@ if triton is not None:
             acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
             acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
         tl.store(
-            out_ptr + m[:, None] * stride_om + n[None, :],
+            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=m_real[:, None] & n_real[None, :],
         )
@@ -329,27 +335,29 @@ if triton is not None:
     SUPER_ARGS = ["SUPER", "GROUP", "HIGH_BITS", "OFFSET", "HAS_SUB", "HAS_MIN"]
     # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
     _KERNELS = {
-        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS"])),
+        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS", "SPLITS"])),
         "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS", "SPLITS"])),
     }
     _SUPER_KERNELS = {
-        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, SUPER_ARGS)),
+        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, [*SUPER_ARGS, "SPLITS"])),
         "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, [*SUPER_ARGS, "SPLITS"])),
     }
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
-# The GEMV's splits of K also timed: a matrix of few output rows gives few programs
-# (N / BLOCK_N: 128 for a 4096-row matrix in tiles of 32, on a GPU of 132
-# multiprocessors), each walking all of K with few loads in flight; split among S
-# programs, each writes its partial sums (float32), added in order by a second pass.
-GEMV_SPLITS = (2, 4, 8)
-# (N, K, GEMV rows, format) -> (the kernel chosen, each candidate's time in us),
-# measured on this GPU on first use
+# Splits of K timed beside each kernel whole: a matrix of few output rows gives few
+# programs (N / BLOCK_N: 128 for a 4096-row matrix in tiles of 32, on a GPU of 132
+# multiprocessors; the tile kernel's rows of activations do not add any), each walking
+# all of K with few loads in flight; split among S programs, each writes its partial
+# sums (float32), added in order by a second pass.
+K_SPLITS = (2, 4, 8)
+# (N, K, rows of a program, format) -> (the kernel chosen, each candidate's time in
+# us), measured on this GPU on first use
 _CHOSEN: dict[tuple[int, int, int, str], tuple[str, dict[str, float]]] = {}
 
 
 def chosen_kernels() -> dict[str, str]:
-    """What was measured and chosen per (N, K, GEMV rows, format), for benchmarks."""
+    """What was measured and chosen per (N, K, rows of a program, format), for
+    benchmarks."""
     chosen = {}
     for key, (kernel, times) in _CHOSEN.items():
         timed = ", ".join(f"{name} {us:.1f} us" for name, us in times.items())
@@ -376,6 +384,14 @@ def _launch(x: torch.Tensor, weight: SplitWeight, out: torch.Tensor):
     return _KERNELS, args, dict(BITS=weight.bits), f"Q{weight.bits}_0"
 
 
+def _program_rows(kind: str, m: int) -> int:
+    """Rows of activations a program of ``kind`` takes (the tile kernel: tl.dot's 16
+    at least)."""
+    if kind == "gemv":
+        return triton.next_power_of_2(m)
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def _run(name: str, x: torch.Tensor, weight: SplitWeight, out: torch.Tensor) -> None:
     """out = x @ W^T by kernel ``name``: "dot", "gemv", or "gemv/S" (K split among S
     programs). On the GPU each kernel's tiles are tuned per shape on first use; in
@@ -387,11 +403,8 @@ def _run(name: str, x: torch.Tensor, weight: SplitWeight, out: torch.Tensor) -> 
     if splits > 1:  # each split's partial sums, [splits * m, n]
         target = torch.empty(splits * m, n, dtype=torch.float32, device=x.device)
     kernels, args, constants, _ = _launch(x, weight, target)
-    if kind == "gemv":
-        rows = triton.next_power_of_2(m)  # the GEMV's rows per program
-        constants.update(SPLITS=splits, stride_os=m * n)
-    else:
-        rows = 16 if m <= 16 else 32 if m <= 32 else 64
+    constants.update(SPLITS=splits, stride_os=m * n)
+    rows = _program_rows(kind, m)
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
         kernels[kind][1][grid](*args, **constants, BLOCK_M=rows)
@@ -409,8 +422,8 @@ def block_matmul(
     kernel: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float16 / bfloat16 / float32, last dim contiguous) -> [M, N] in x's
-    type; ``out`` may be a column slice of a wider matrix. ``kernel``: "dot", "gemv"
-    or "gemv/S" whatever was measured (tests)."""
+    type; ``out`` may be a column slice of a wider matrix. ``kernel``: "dot", "gemv",
+    "dot/S" or "gemv/S" (K split among S programs) whatever was measured (tests)."""
     m = x.shape[0]
     if out is None:
         out = x.new_empty(m, weight.rows)
@@ -419,16 +432,16 @@ def block_matmul(
             rows = slice(first, min(first + WIDEN_ROWS, weight.rows))
             out[:, rows] = x @ weight.dequantize(x.dtype, rows).t()
         return out
-    if kernel is None and m > GEMV_M:
-        kernel = "dot"
+    few = m <= GEMV_M
     if kernel is None and not x.is_cuda:  # (the interpreter: nothing to time)
-        kernel = "gemv"
+        kernel = "gemv" if few else "dot"
     if kernel is None:
         fmt = _launch(x, weight, out)[3]
-        key = (weight.rows, weight.columns, triton.next_power_of_2(m), fmt)
+        kind = "gemv" if few else "dot"
+        key = (weight.rows, weight.columns, _program_rows(kind, m), fmt)
         if key not in _CHOSEN:  # timed once, outside any CUDA graph (the capture's warm-up)
-            splits = [f"gemv/{s}" for s in GEMV_SPLITS if weight.columns // s >= 256]
-            candidates = ["gemv", *splits, "dot"]
+            splits = [f"{kind}/{s}" for s in K_SPLITS if weight.columns // s >= 256]
+            candidates = [kind, *splits, *(["dot"] if few else [])]
             for name in candidates:  # (the first runs tune each kernel's tiles)
                 _run(name, x, weight, out)
             times = {}
