@@ -285,10 +285,7 @@ def main() -> None:
 
     # The block matmul's kernel per (N, K, rows of a program, format) and tiles per shape
     results["block_matmul_kernels"] = triton_blocks.chosen_kernels()
-    for name in ("_tuned", "_tuned_gemv"):
-        tuned = getattr(triton_blocks, name, None)
-        if tuned is not None:
-            results[f"block_matmul{name}"] = {str(k): str(v) for k, v in tuned.cache.items()}
+    results["block_matmul_tiles"] = triton_blocks.tuned_tiles()
     for key, kernel in results["block_matmul_kernels"].items():
         print(f"block matmul (N, K, rows of a program, format) {key}: {kernel}")
     if args.out:

@@ -365,6 +365,18 @@ def chosen_kernels() -> dict[str, str]:
     return chosen
 
 
+def tuned_tiles() -> dict[str, dict[str, str]]:
+    """Each kernel's tiles as tuned per shape on this GPU (its autotuner's key ->
+    config), for benchmarks."""
+    tiles = {}
+    if triton is None:
+        return tiles
+    for family, kernels in (("Q4_0/Q8_0", _KERNELS), ("K and other formats", _SUPER_KERNELS)):
+        for name, (_, tuned) in kernels.items():
+            tiles[f"{family} {name}"] = {str(k): str(v) for k, v in tuned.cache.items()}
+    return tiles
+
+
 def _launch(x: torch.Tensor, weight: SplitWeight, out: torch.Tensor):
     """The kernels for ``weight``'s layout, their arguments and format constants."""
     m, n = x.shape[0], weight.rows
