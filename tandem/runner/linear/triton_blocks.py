@@ -322,7 +322,15 @@ if triton is not None:
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in shapes
         ]
-        return triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", *format_args])(kernel)
+        return triton.autotune(
+            configs=configs, key=["N", "K", "BLOCK_M", *format_args], do_bench=_quick_bench
+        )(kernel)
+
+    def _quick_bench(kernel_call, quantiles):
+        """Each config over 20 ms of runs, not Triton's default 100 (after 25 of
+        warm-up): a product takes 5-100 us, so hundreds of runs still make the median,
+        and a model's first steps tune some 35 shapes x 5 kernels x 7 configs."""
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
     DOT_SHAPES = [
         (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
