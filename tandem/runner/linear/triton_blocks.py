@@ -90,18 +90,18 @@ if triton is not None:
     @triton.jit
     def _block_matmul(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
-        stride_xm, stride_om, stride_vn, stride_sn, stride_os,
-        BITS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        stride_xm, stride_om, stride_vn, stride_sn, stride_os, splits,
+        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers, then the
-        matrix units (tl.dot). SPLITS > 1: split s of K writes its partial sums to
+        matrix units (tl.dot). splits > 1: split s of K writes its partial sums to
         out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        k_start, k_end = _k_span(K, splits, BLOCK_K)
         for k in range(k_start, k_end, BLOCK_K):
             scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
             if BITS == 4:
@@ -128,29 +128,29 @@ if triton is not None:
         )
 
     @triton.jit
-    def _k_span(K, SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """This program's columns [start, end) of K: split tl.program_id(2) of SPLITS,
+    def _k_span(K, splits, BLOCK_K: tl.constexpr):
+        """This program's columns [start, end) of K: split tl.program_id(2) of splits,
         whole tiles each (a split past K's end has none)."""
-        span = tl.cdiv(tl.cdiv(K, SPLITS), BLOCK_K) * BLOCK_K
+        span = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
         start = tl.program_id(2) * span
         return start, tl.minimum(K, start + span)
 
     @triton.jit
     def _block_gemv(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
-        stride_xm, stride_om, stride_vn, stride_sn, stride_os,
-        BITS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        stride_xm, stride_om, stride_vn, stride_sn, stride_os, splits,
+        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M, without the matrix units:
         each weight widened once and multiplied with every row in registers; each
-        32-weight block's products summed before its scale multiplies them. SPLITS > 1:
+        32-weight block's products summed before its scale multiplies them. splits > 1:
         split s of K writes its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        k_start, k_end = _k_span(K, splits, BLOCK_K)
         for k in range(k_start, k_end, BLOCK_K):
             scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)
             if BITS == 4:
@@ -250,20 +250,19 @@ if triton is not None:
     @triton.jit
     def _super_matmul(
         out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
-        stride_xm, stride_om, stride_os,
+        stride_xm, stride_om, stride_os, splits,
         SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
         OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a SuperBlockWeight W: the tile widened
-        in registers, then the matrix units (tl.dot). SPLITS > 1: split s of K writes
+        in registers, then the matrix units (tl.dot). splits > 1: split s of K writes
         its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        k_start, k_end = _k_span(K, splits, BLOCK_K)
         for k in range(k_start, k_end, BLOCK_K):
             w_low, w_high, x_low, x_high = _super_tile(
                 low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
@@ -281,21 +280,20 @@ if triton is not None:
     @triton.jit
     def _super_gemv(
         out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
-        stride_xm, stride_om, stride_os,
+        stride_xm, stride_om, stride_os, splits,
         SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
         OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M and a SuperBlockWeight W,
         without the matrix units: each weight widened once and multiplied with every
-        row in registers. SPLITS > 1: split s of K writes its partial sums to out + s *
+        row in registers. splits > 1: split s of K writes its partial sums to out + s *
         stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, SPLITS, BLOCK_K)
+        k_start, k_end = _k_span(K, splits, BLOCK_K)
         for k in range(k_start, k_end, BLOCK_K):
             w_low, w_high, x_low, x_high = _super_tile(
                 low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
@@ -343,12 +341,12 @@ if triton is not None:
     SUPER_ARGS = ["SUPER", "GROUP", "HIGH_BITS", "OFFSET", "HAS_SUB", "HAS_MIN"]
     # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
     _KERNELS = {
-        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS", "SPLITS"])),
-        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS", "SPLITS"])),
+        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS", "splits"])),
+        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS", "splits"])),
     }
     _SUPER_KERNELS = {
-        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, [*SUPER_ARGS, "SPLITS"])),
-        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, [*SUPER_ARGS, "SPLITS"])),
+        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, [*SUPER_ARGS, "splits"])),
+        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, [*SUPER_ARGS, "splits"])),
     }
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
@@ -423,7 +421,7 @@ def _run(name: str, x: torch.Tensor, weight: SplitWeight, out: torch.Tensor) -> 
     if splits > 1:  # each split's partial sums, [splits * m, n]
         target = torch.empty(splits * m, n, dtype=torch.float32, device=x.device)
     kernels, args, constants, _ = _launch(x, weight, target)
-    constants.update(SPLITS=splits, stride_os=m * n)
+    constants.update(splits=splits, stride_os=m * n)  # (run-time values: no compile per split)
     rows = _program_rows(kind, m)
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
