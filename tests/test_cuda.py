@@ -1,9 +1,11 @@
 """The CUDA path against its references: transformers on the same weights on the same
 GPU (float32 and bfloat16), the engine's greedy output under chunking, preemption,
 prefix caching and speculation, and the split-block GGUF matmul against
-dequantize-then-matmul. Every test skips without a CUDA GPU, except the block matmul
-and a layer of block parts, which also run in Triton's interpreter on the CPU
-(TRITON_INTERPRET=1 with Triton installed: ``pip install triton``).
+dequantize-then-matmul. Every test skips without a CUDA GPU, except the Triton
+kernels' (the block matmul, a layer of block parts, the per-token kernels, a graph's
+padded step through the model), which also run in Triton's interpreter on the CPU
+(TRITON_INTERPRET=1 with Triton installed: ``pip install triton``; CI runs them:
+tests/test_gpu_kernels_interpreted.py).
 """
 
 from __future__ import annotations
@@ -187,6 +189,50 @@ def test_flat_batch_matches_transformers_on_cuda(model_dirs, arch, dtype):
             start += len(ids)
     finally:
         hf_model.to("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("step", ["decode", "verify"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_padded_graph_step_computes_the_eager_step(model_dirs, arch, step):
+    """What a graph replays, run eagerly: a step's tokens in a graph's static inputs
+    (5 sequences padded to 8, tables 8 wide; cuda_graphs.static_step and
+    fill_step_inputs) through the model and the Triton attention give the eager step's
+    hidden states and K/V (the runner's own backend), nothing written for the padding.
+    On the CPU in Triton's interpreter; the GPU test above adds the graph itself."""
+    from tandem.runner import cuda_graphs
+    from tandem.runner.attention.metadata import sliding_windows
+
+    device = kernel_device()
+    folder, _ = model_dirs(arch)
+    loaded = load_model(folder, dtype=torch.float32, device=device)
+    runner = ModelRunner(loaded, 128, 16)
+    batch = prompts([37, 5, 1, 64, 19], seed=5)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(batch))]
+    runner.forward([SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=True)])
+    drafts = [3, 3, 1, 0, 3] if step == "verify" else [0] * 5
+    chunks = [
+        SequenceChunk([7, *range(11, 11 + drafts[i])], len(p), tables[i], drafts[i] > 0)
+        for i, p in enumerate(batch)
+    ]
+    before = runner.kv_cache.clone()
+    eager = runner.hidden_states(chunks).clone()
+    after_eager = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    windows = sliding_windows(loaded.config.layer_windows())
+    host, static, ids, positions, attention = cuda_graphs.static_step(
+        8, 1 + max(drafts), 8, windows, runner.kv_cache
+    )
+    parts = cuda_graphs._split(host.numpy(), 8, 1 + max(drafts), 8)
+    count = cuda_graphs.fill_step_inputs(
+        parts, [c.token_ids for c in chunks], [c.num_computed_tokens for c in chunks],
+        tables, 16,
+    )  # fmt: skip
+    static.copy_(host)
+    with torch.inference_mode():
+        padded = runner.model(ids, positions, attention)[:count]
+    assert count == sum(1 + d for d in drafts)
+    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, after_eager, atol=1e-5, rtol=1e-5)
 
 
 @needs_cuda

@@ -124,18 +124,9 @@ class DecodeGraphs:
 
     def _capture(self, batch: int, rows: int, width: int) -> _Graph:
         device = self.kv_cache.device
-        slots = batch * rows
-        size = 3 * slots + 2 * batch + 1 + batch * width  # (``_split``'s parts)
-        host = torch.zeros(size, dtype=torch.long, pin_memory=True)
-        _split(host.numpy(), batch, rows, width)[2][:] = -1  # no K/V written while capturing
-        static = host.to(device)
-        ids, positions, slot_mapping, starts, computed, tables = _split(static, batch, rows, width)
-        metadata = FlatMetadata(
-            positions=positions, slot_mapping=slot_mapping, query_starts=starts,
-            num_computed=computed, block_tables=tables, num_seqs=batch, max_query_len=rows,
-            layer_windows=self.layer_windows, num_tokens=slots,
-        )  # fmt: skip
-        attention = TritonPagedAttention(metadata, self.kv_cache)
+        host, static, ids, positions, attention = static_step(
+            batch, rows, width, self.layer_windows, self.kv_cache
+        )
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compile kernels, make handles: outside the graph
@@ -149,6 +140,27 @@ class DecodeGraphs:
             batch, rows, width,
         )  # fmt: skip
         return _Graph(graph, host, static, hidden)
+
+
+def static_step(batch: int, rows: int, width: int, layer_windows, kv_cache: torch.Tensor):
+    """A graph's inputs for ``batch`` sequences of up to ``rows`` tokens, tables
+    ``width`` wide: the host buffer (pinned on CUDA; ``fill_step_inputs`` fills its
+    ``_split`` parts), its copy on the cache's device, and the token ids, positions and
+    Triton attention that read that copy -> (host, device, ids, positions, attention).
+    Every slot starts at -1: nothing is written while a graph is captured."""
+    device = kv_cache.device
+    slots = batch * rows
+    size = 3 * slots + 2 * batch + 1 + batch * width  # (``_split``'s parts)
+    host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+    _split(host.numpy(), batch, rows, width)[2][:] = -1
+    static = host.to(device)
+    ids, positions, slot_mapping, starts, computed, tables = _split(static, batch, rows, width)
+    metadata = FlatMetadata(
+        positions=positions, slot_mapping=slot_mapping, query_starts=starts,
+        num_computed=computed, block_tables=tables, num_seqs=batch, max_query_len=rows,
+        layer_windows=layer_windows, num_tokens=slots,
+    )  # fmt: skip
+    return host, static, ids, positions, TritonPagedAttention(metadata, kv_cache)
 
 
 def fill_step_inputs(
