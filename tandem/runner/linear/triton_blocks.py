@@ -27,6 +27,8 @@ Each kernel's tile sizes are tuned per shape on first use (triton.autotune).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from tandem.kernels.triton_support import tl, triton
@@ -320,9 +322,15 @@ if triton is not None:
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in shapes
         ]
+        keep = {"cache_results": True} if _KEEPS_TILES else {}
         return triton.autotune(
-            configs=configs, key=["N", "K", "BLOCK_M", *format_args], do_bench=_quick_bench
-        )(kernel)
+            configs=configs, key=["N", "K", "BLOCK_M", *format_args], do_bench=_quick_bench,
+            **keep,
+        )(kernel)  # fmt: skip
+
+    # Tiles tuned once a machine: kept on disk beside Triton's compiled kernels (Triton
+    # 3.3 and later), so a restarted server or the next benchmark does not tune again.
+    _KEEPS_TILES = "cache_results" in inspect.signature(triton.autotune).parameters
 
     def _quick_bench(kernel_call, quantiles):
         """Each config over 20 ms of runs, not Triton's default 100 (after 25 of
