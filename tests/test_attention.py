@@ -44,8 +44,6 @@ def backend_device(backend: str, kv_dtype: str = "auto") -> torch.device:
         pytest.skip("no compiler for the CPU kernels here")
     if backend != "triton-paged":
         return torch.device("cpu")
-    if kv_dtype == "int8":
-        pytest.skip("int8 caches take the torch backend on CUDA")
     if triton_paged.triton is None:
         pytest.skip("Triton is not installed")
     if torch.cuda.is_available():
@@ -238,7 +236,7 @@ def _check_decode_kernel(
     assert torch.equal(alone, out[first_rows])
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8", "int8"])
 @pytest.mark.parametrize("window", [None, 700])
 def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     """The Triton kernel splits a small decode batch's keys among programs and merges
@@ -256,11 +254,12 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     for length, _ in shapes:
         table = [pool.pop() for _ in range(-(-length // LONG_BLOCK))]
         kv = torch.randn(2, length, KV_HEADS, LONG_HEAD_DIM)
-        stored = cache_rows(kv, cache.dtype)
+        stored = quantize_kv_rows(kv) if kv_dtype == "int8" else cache_rows(kv, cache.dtype)
         positions = torch.arange(length)
         slots = torch.tensor(table)[positions // LONG_BLOCK] * LONG_BLOCK + positions % LONG_BLOCK
         cache.view(2, -1, KV_HEADS, cache.shape[-1])[:, slots] = stored
-        contexts.append(stored.float())
+        read = dequantize_kv_rows(stored, torch.float32) if kv_dtype == "int8" else stored
+        contexts.append(read.float())
         tables.append(table)
     metadata = triton_paged.build_flat_metadata(
         [rows for _, rows in shapes], [length - rows for length, rows in shapes], tables,

@@ -33,10 +33,9 @@ BACKENDS: dict[str, tuple[type, Supported]] = {
         cpu_paged.CpuPagedAttention,
         lambda device, dtype, kv: cpu_paged.supported(device, dtype),
     ),
-    # int8 rows with scales are the torch backend's on CUDA
     "triton-paged": (
         triton_paged.TritonPagedAttention,
-        lambda device, dtype, kv: triton_paged.supported(device, dtype) and kv != torch.uint8,
+        lambda device, dtype, kv: triton_paged.supported(device, dtype),
     ),
     "torch-sdpa": (TorchPagedAttention, lambda device, dtype, kv: True),
 }

@@ -14,8 +14,9 @@ heads sharing a KV head are the rows of one tile, so each KV block is read once 
 head, not once per query head. A program walks its sequence's keys block-table entry
 by entry up to its last query's position (causal), from its first query's window start
 when the layer slides, with an online softmax in float32 (FlashAttention's recurrence).
-K/V may be stored as the model's type, bfloat16 or fp8 (e4m3, widened on load); int8
-rows with scales take the torch backend.
+K/V may be stored as the model's type, bfloat16, fp8 (e4m3, widened on load) or int8
+rows with a float32 scale each (kv_cache.quantize_kv_rows: written by the same
+rounding, read as values times scale).
 
 Metadata (``FlatMetadata``) is plain integers built on the host, packed into one
 pinned buffer and copied to the device in one asynchronous copy: building a step's
@@ -83,6 +84,36 @@ def build_flat_metadata(
 if triton is not None:
 
     @triton.jit
+    def _cached_rows(ptr, row, offsets, mask, row_real, HEAD_DIM: tl.constexpr, INT8: tl.constexpr):
+        """K or V rows [BLOCK_N, BLOCK_D] read from the cache at ``row`` (each row's
+        first element): as stored, or (INT8) its int8 values times the float32 scale
+        stored after them, in float32 as the torch backend dequantizes them."""
+        if INT8:
+            values = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int8, bitcast=True)
+            scale_at = (ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
+            scales = tl.load(scale_at, mask=row_real, other=0.0)
+            return values.to(tl.float32) * scales[:, None]
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def _round_half_even(x):
+        """torch.round's rounding (ties to even), in Triton's interpreter too."""
+        floor = tl.floor(x)
+        odd = floor - 2.0 * tl.floor(floor * 0.5)
+        return tl.where(x - floor > 0.5, floor + 1.0, tl.where(x - floor < 0.5, floor, floor + odd))
+
+    @triton.jit
+    def _int8_row(x, cache_ptr, at, scale_at, real):
+        """One K or V row stored as kv_cache.quantize_kv_rows does: int8 values of the
+        row over its largest magnitude / 127, then that scale as float32."""
+        x = x.to(tl.float32)
+        scale = tl.max(tl.abs(x), 0) / 127.0
+        inverse = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale, 1.0), 0.0)
+        q = _round_half_even(x * inverse).to(tl.int8)
+        tl.store(cache_ptr + at, q.to(tl.uint8, bitcast=True), mask=real)
+        tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32), bitcast=True), scale)
+
+    @triton.jit
     def _paged_attention(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, computed_ptr,
         part_acc_ptr, part_top_ptr, part_total_ptr,
@@ -91,11 +122,12 @@ if triton is not None:
         scale, window, splits, keys_per_split,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr, SPLIT: tl.constexpr, INT8: tl.constexpr,
     ):  # fmt: skip
         """Program (sequence, tile x split, KV head): a tile's rows over the keys of one
         split of the context (SPLIT: written as partial results for _combine_splits;
-        else one split, normalised and written out)."""
+        else one split, normalised and written out). INT8: the cache's rows are int8
+        values and their float32 scale (kv_cache.quantize_kv_rows), widened on load."""
         seq = tl.program_id(0)
         tile = tl.program_id(1) // splits
         split = tl.program_id(1) % splits
@@ -134,12 +166,10 @@ if triton is not None:
             k_pos = n + keys
             k_real = (k_pos < end) & (k_pos >= start)
             block = tl.load(tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_real, other=0)
-            offsets = (
-                block[:, None] * stride_kb + (k_pos % PAGE)[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :]
-            )  # fmt: skip
+            row = block * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh
+            offsets = row[:, None] + dims[None, :]
             kv_mask = k_real[:, None] & dim_real[None, :]
-            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            k = _cached_rows(k_ptr, row, offsets, kv_mask, k_real, HEAD_DIM, INT8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_real[None, :]
             if window > 0:
@@ -151,7 +181,7 @@ if triton is not None:
             p = tl.exp(s - safe_top[:, None])
             correction = tl.exp(top - safe_top)
             total = total * correction + tl.sum(p, 1)
-            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = _cached_rows(v_ptr, row, offsets, kv_mask, k_real, HEAD_DIM, INT8).to(q.dtype)
             acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             top = new_top
         if SPLIT:
@@ -210,23 +240,28 @@ if triton is not None:
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+        INT8: tl.constexpr,
     ):  # fmt: skip
         """Token t's K/V rows of one KV head to its slot (none when the slot is < 0: a
-        CUDA graph's padding rows)."""
+        CUDA graph's padding rows); INT8: as int8 values and a scale each."""
         token = tl.program_id(0)
         head = tl.program_id(1)
         slot = tl.load(slots_ptr + token)
         if slot >= 0:
             dims = tl.arange(0, BLOCK_D)
             real = dims < HEAD_DIM
-            k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=real)
-            v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=real)
-            if FP8:  # saturate at e4m3's largest value, as cache_rows does
-                k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
-                v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
-            at = slot * stride_cs + head * stride_ch + dims
-            tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=real)
-            tl.store(v_cache_ptr + at, v.to(v_cache_ptr.dtype.element_ty), mask=real)
+            k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=real, other=0.0)
+            v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=real, other=0.0)
+            row = slot * stride_cs + head * stride_ch
+            if INT8:
+                _int8_row(k, k_cache_ptr, row + dims, row + HEAD_DIM, real)
+                _int8_row(v, v_cache_ptr, row + dims, row + HEAD_DIM, real)
+            else:
+                if FP8:  # saturate at e4m3's largest value, as cache_rows does
+                    k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+                    v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+                tl.store(k_cache_ptr + row + dims, k.to(k_cache_ptr.dtype.element_ty), mask=real)
+                tl.store(v_cache_ptr + row + dims, v.to(v_cache_ptr.dtype.element_ty), mask=real)
 
 
 def write_kv(k, v, k_blocks, v_blocks, slot_mapping: torch.Tensor) -> None:
@@ -240,7 +275,8 @@ def write_kv(k, v, k_blocks, v_blocks, slot_mapping: torch.Tensor) -> None:
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_blocks.stride(1), k_blocks.stride(2),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_blocks.dtype == torch.float8_e4m3fn, num_warps=1,
+        FP8=k_blocks.dtype == torch.float8_e4m3fn, INT8=k_blocks.dtype == torch.uint8,
+        num_warps=1,
     )  # fmt: skip
 
 
@@ -303,6 +339,7 @@ def paged_attention(
         scale, window or 0, splits, keys_per_split,
         G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+        INT8=k_blocks.dtype == torch.uint8,
         num_warps=4 if prompt_like else 2,
     )  # fmt: skip
     if splits > 1:
