@@ -24,7 +24,7 @@ stage() {  # name, seconds, command...
 tests() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-    stage tests 330 python -m pytest -q tests/test_cuda.py tests/test_attention.py -k "cuda or triton"
+    stage tests 330 python -m pytest -q tests/test_cuda.py tests/test_attention.py tests/test_kv_dtypes.py -k "cuda or triton"
     stage tensor-parallel 90 python -m pytest -q tests/test_tensor_parallel.py -k one_rank
 }
 

@@ -1,10 +1,12 @@
 """KV caches that store less than the model computes in: int8 rows with scales,
 bfloat16 and fp8 (e4m3) on a float32 model. Outputs stay with the float cache's,
-through decode and chunked prefill (later chunks read the earlier ones' K/V back)."""
+through decode and chunked prefill (later chunks read the earlier ones' K/V back), on
+the CPU and, where there is one, on a CUDA GPU (the Triton kernel for every type)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.errors import InvalidParameterError
@@ -23,11 +25,20 @@ PROMPTS = [
 TOLERANCE = {"int8": 0.01, "bfloat16": 0.01, "fp8": 0.05}
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", list(TOLERANCE))
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_outputs_stay_with_the_float_cache(model_dirs, chunk, kv_dtype):
+def test_outputs_stay_with_the_float_cache(model_dirs, chunk, kv_dtype, device):
     folder, _ = model_dirs("llama")
-    options = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    options = {"device": device}
+    if chunk is not None:
+        options["max_num_batched_tokens"] = chunk
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
     exact = LLM(str(folder), **options).generate(PROMPTS, params, use_tqdm=False)
     smaller = LLM(str(folder), kv_cache_dtype=kv_dtype, **options).generate(
