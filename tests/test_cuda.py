@@ -88,6 +88,25 @@ def test_block_matmul_matches_dequantize_then_matmul(code, rows, kernel):
     assert wide[:, :50].isnan().all() and wide[:, 146:].isnan().all()
 
 
+@pytest.mark.parametrize("code", BLOCK_FORMATS, ids=lambda c: c.name)
+def test_widened_blocks_are_the_dequantized_matrix(code):
+    """The prefill path's one-pass Triton widening (a slice of rows, as block_matmul
+    widens them, the last tile cut short) gives the torch dequantizer's float32 weights
+    exactly, and the file's weights (the CPU's GGUF dequantizer)."""
+    device = kernel_device()
+    columns = 768 if BLOCK[code][0] == 256 else 320
+    raw = torch.from_numpy(random_blocks(code, 70, columns, np.random.default_rng(3)))
+    weight = split_blocks.from_ggml(code, raw, columns, device)
+    rows = slice(5, 68)  # 63 rows: two tiles of 32, the second cut short
+    wide = triton_blocks.widen(weight, torch.float32, rows)
+    assert wide.shape == (63, columns)
+    torch.testing.assert_close(
+        wide.cpu(), weight.dequantize(torch.float32, rows).cpu(), rtol=0, atol=0
+    )
+    expected = dequantize(code, raw, columns)[rows].float()
+    torch.testing.assert_close(wide.cpu(), expected, rtol=1e-6, atol=1e-6)
+
+
 def kernel_dtypes() -> list[torch.dtype]:
     # Triton's interpreter does not round float32 to bfloat16 as GPUs (and torch) do
     return [torch.float32, torch.bfloat16] if CUDA else [torch.float32]

@@ -19,6 +19,7 @@ read once per product:
                   (tl.dot) with float32 accumulation; whole or with K split, the
                   faster as measured
     above         the matrix widened to the activations' type a slice of rows at a time
+                  (``widen``: one Triton pass, each weight read once and written once)
                   and multiplied by cuBLAS (prefill is compute-bound: the widening pass
                   is a few percent of the product's time)
 
@@ -311,6 +312,70 @@ if triton is not None:
             mask=m_real[:, None] & n_real[None, :],
         )
 
+    # Widening for prefill: the tile helpers above with no rows of x (every x load
+    # masked off, so none is made), the weights stored in the activations' type.
+    NO_ROWS: tl.constexpr = 16
+
+    @triton.jit
+    def _block_widen(
+        out_ptr, values_ptr, scales_ptr, N, K, stride_on, stride_vn, stride_sn,
+        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[N, K] = a BlockWeight's values times their block's scale, one tile of
+        (BLOCK_N rows, BLOCK_K columns) a program."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.program_id(1) * BLOCK_K
+        n_real = n < N
+        none = tl.arange(0, NO_ROWS)
+        scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
+        dtype = out_ptr.dtype.element_ty
+        if BITS == 4:
+            low, high, _, _ = _q4_tile(
+                values_ptr, out_ptr, none, none < 0, n, n_real, k, K, stride_vn, 0, BLOCK_K
+            )
+            shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
+            w_low = tl.reshape(tl.reshape(low, shape) * scale, (BLOCK_N, BLOCK_K // 2))
+            w_high = tl.reshape(tl.reshape(high, shape) * scale, (BLOCK_N, BLOCK_K // 2))
+            c = tl.arange(0, BLOCK_K // 2)
+            low_col = k + (c // 16) * 32 + c % 16
+            real = n_real[:, None] & (low_col < K)[None, :]
+            at = out_ptr + n[:, None] * stride_on + low_col[None, :]
+            tl.store(at, w_low.to(dtype), mask=real)
+            tl.store(at + 16, w_high.to(dtype), mask=real)
+        else:
+            q, _ = _q8_tile(
+                values_ptr, out_ptr, none, none < 0, n, n_real, k, K, stride_vn, 0, BLOCK_K
+            )
+            w = tl.reshape(tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)) * scale, (BLOCK_N, BLOCK_K))
+            cols = k + tl.arange(0, BLOCK_K)
+            real = n_real[:, None] & (cols < K)[None, :]
+            tl.store(out_ptr + n[:, None] * stride_on + cols[None, :], w.to(dtype), mask=real)
+
+    @triton.jit
+    def _super_widen(
+        out_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, N, K, stride_on,
+        SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
+        OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[N, K] = a SuperBlockWeight's weights, one tile a program."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.program_id(1) * BLOCK_K
+        n_real = n < N
+        none = tl.arange(0, NO_ROWS)
+        w_low, w_high, _, _ = _super_tile(
+            low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, out_ptr,
+            none, none < 0, n, n_real, k, K, 0,
+            BLOCK_N, BLOCK_K, SUPER, GROUP, HIGH_BITS, OFFSET, HAS_SUB, HAS_MIN,
+        )  # fmt: skip
+        c = tl.arange(0, BLOCK_K // 2)
+        low_col = k + (c // 32) * 64 + c % 32
+        real = n_real[:, None] & (low_col < K)[None, :]
+        at = out_ptr + n[:, None] * stride_on + low_col[None, :]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(at, w_low.to(dtype), mask=real)
+        tl.store(at + 32, w_high.to(dtype), mask=real)
+
     # A product of a few rows is a pass over the weights: the tile that keeps the most
     # bytes in flight depends on the matrix and the GPU, so each (N, K, BLOCK_M) is
     # timed once over these on first use (outside any CUDA graph: the runner's warm-up
@@ -377,6 +442,35 @@ def chosen_kernels() -> dict[str, str]:
         timed = ", ".join(f"{name} {us:.1f} us" for name, us in times.items())
         chosen[str(key)] = f"{kernel} ({timed})"
     return chosen
+
+
+WIDEN_TILE = (32, 256)  # (rows, columns) a widening program writes
+
+
+def widen(weight: SplitWeight, dtype: torch.dtype, rows: slice) -> torch.Tensor:
+    """``weight``'s rows [rows.start, rows.stop) widened to ``dtype`` in one Triton pass
+    (each weight: its block's float32 formula, rounded once), for the prefill path's
+    cuBLAS product -> [rows, K]. ``weight.dequantize`` is the same in torch ops."""
+    count = rows.stop - rows.start
+    grid = (triton.cdiv(count, WIDEN_TILE[0]), triton.cdiv(weight.columns, WIDEN_TILE[1]))
+    tile = dict(BLOCK_N=WIDEN_TILE[0], BLOCK_K=WIDEN_TILE[1])
+    if isinstance(weight, SuperBlockWeight):
+        spec = weight.format
+        fields = [(weight.low if f is None else f)[rows] for f in weight.fields()]
+        out = weight.low.new_empty(count, weight.columns, dtype=dtype)
+        _super_widen[grid](
+            out, *fields, count, weight.columns, out.stride(0),
+            SUPER=spec.super, GROUP=spec.group, HIGH_BITS=spec.high_bits, OFFSET=spec.offset,
+            HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min, **tile,
+        )  # fmt: skip
+        return out
+    values, scales = weight.values[rows], weight.scales[rows]
+    out = values.new_empty(count, weight.columns, dtype=dtype)
+    _block_widen[grid](
+        out, values, scales, count, weight.columns, out.stride(0), values.stride(0),
+        scales.stride(0), BITS=weight.bits, **tile,
+    )  # fmt: skip
+    return out
 
 
 def tuned_tiles() -> dict[str, dict[str, str]]:
@@ -456,7 +550,11 @@ def block_matmul(
     if m > SMALL_M or triton is None:
         for first in range(0, weight.rows, WIDEN_ROWS):
             rows = slice(first, min(first + WIDEN_ROWS, weight.rows))
-            out[:, rows] = x @ weight.dequantize(x.dtype, rows).t()
+            if triton is None:
+                wide = weight.dequantize(x.dtype, rows)
+            else:
+                wide = widen(weight, x.dtype, rows)
+            out[:, rows] = x @ wide.t()
         return out
     few = m <= GEMV_M
     if kernel is None and not x.is_cuda:  # (the interpreter: nothing to time)
