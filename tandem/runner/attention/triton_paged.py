@@ -92,8 +92,10 @@ if triton is not None:
             values = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int8, bitcast=True)
             scale_at = (ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
             scales = tl.load(scale_at, mask=row_real, other=0.0)
-            return values.to(tl.float32) * scales[:, None]
-        return tl.load(ptr + offsets, mask=mask, other=0.0)
+            rows = values.to(tl.float32) * scales[:, None]
+        else:  # (one return: the compiler types every return alike)
+            rows = tl.load(ptr + offsets, mask=mask, other=0.0)
+        return rows
 
     @triton.jit
     def _round_half_even(x):

@@ -314,7 +314,7 @@ if triton is not None:
 
     # Widening for prefill: the tile helpers above with no rows of x (every x load
     # masked off, so none is made), the weights stored in the activations' type.
-    NO_ROWS: tl.constexpr = 16
+    NO_ROWS = tl.constexpr(16)
 
     @triton.jit
     def _block_widen(

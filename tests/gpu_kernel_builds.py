@@ -1,0 +1,134 @@
+"""Compile every Triton kernel of the GPU path for an H100 (sm_90), on any machine.
+
+Triton's interpreter (tests/test_gpu_kernels_interpreted.py) runs the kernels' math on
+the CPU but never compiles them: a construct the interpreter accepts and the compiler
+refuses (a global that is not a constexpr, a type the hardware lacks) would first
+show on a GPU, where time is short. Triton's wheel carries its NVIDIA backend and
+ptxas, so each kernel is compiled here to a cubin for the target, in the variants
+the engine launches (every GGUF block format, every KV cache type, split and whole).
+
+    python tests/gpu_kernel_builds.py        # prints each kernel and its cubin size
+
+Run as a script: tandem defines its kernels only where Triton can run
+(kernels/triton_support.py), so this process says it has a CUDA device before
+importing them; nothing is launched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+torch.cuda.is_available = lambda: True  # define the kernels as on a GPU machine
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tandem.kernels import cuda as cuda_kernels  # noqa: E402
+from tandem.quant.split_blocks import SUPER_FORMATS  # noqa: E402
+from tandem.runner.attention import triton_paged  # noqa: E402
+from tandem.runner.linear import triton_blocks  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def build(kernel, types: dict[str, str], constants: dict[str, object]) -> int:
+    """Compile ``kernel`` with its run-time arguments of ``types`` and its constexprs
+    ``constants`` -> the cubin's bytes. Every argument must be given one or the other."""
+    signature = {}
+    for name in kernel.arg_names:
+        signature[name] = "constexpr" if name in constants else types[name]
+    started = time.perf_counter()
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET)
+    size = len(compiled.asm["cubin"])
+    shown = ", ".join(f"{k}={v}" for k, v in constants.items())
+    print(f"{kernel.__name__}({shown}): {size} bytes, {time.perf_counter() - started:.1f} s")
+    return size
+
+
+def block_kernels() -> None:
+    ints = dict.fromkeys(
+        ("M", "N", "K", "stride_xm", "stride_om", "stride_vn", "stride_sn", "stride_os",
+         "splits", "stride_on"),
+        "i32",
+    )  # fmt: skip
+    pointers = {"out_ptr": "*bf16", "x_ptr": "*bf16", "scales_ptr": "*fp16"}
+    for bits, values in ((4, "*u8"), (8, "*i8")):
+        types = {**ints, **pointers, "values_ptr": values}
+        tile = dict(BLOCK_N=32, BLOCK_K=256)
+        build(triton_blocks._block_matmul, types, dict(BITS=bits, BLOCK_M=16, **tile))
+        build(triton_blocks._block_gemv, types, dict(BITS=bits, BLOCK_M=1, **tile))
+        build(triton_blocks._block_widen, types, dict(BITS=bits, **tile))
+    fields = {"low_ptr": "*u8", "high_ptr": "*u8", "d_ptr": "*fp16", "sub_ptr": "*i8",
+              "dm_ptr": "*fp16", "sub_min_ptr": "*i8"}  # fmt: skip
+    for code, spec in SUPER_FORMATS.items():
+        types = {**ints, **pointers, **fields}
+        constants = dict(
+            SUPER=spec.super, GROUP=spec.group, HIGH_BITS=spec.high_bits, OFFSET=spec.offset,
+            HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min, BLOCK_N=32, BLOCK_K=256,
+        )  # fmt: skip
+        print(code.name)
+        build(triton_blocks._super_matmul, types, dict(constants, BLOCK_M=16))
+        build(triton_blocks._super_gemv, types, dict(constants, BLOCK_M=2))
+        build(triton_blocks._super_widen, types, constants)
+
+
+def attention_kernels() -> None:
+    ints = dict.fromkeys(
+        ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks",
+         "stride_kh", "stride_table", "window", "splits", "keys_per_split", "stride_kt",
+         "stride_vt", "stride_vh", "stride_cs", "stride_ch"),
+        "i32",
+    )  # fmt: skip
+    for cache in ("*bf16", "*fp8e4nv", "*u8"):
+        int8, fp8 = cache == "*u8", cache == "*fp8e4nv"
+        types = {
+            **ints, "out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache,
+            "tables_ptr": "*i64", "starts_ptr": "*i64", "computed_ptr": "*i64",
+            "part_acc_ptr": "*fp32", "part_top_ptr": "*fp32", "part_total_ptr": "*fp32",
+            "scale": "fp32",
+        }  # fmt: skip
+        for split, block_m, block_n in ((False, 64, 64), (True, 16, 32)):
+            build(
+                triton_paged._paged_attention, types,
+                dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n,
+                     PAGE=16, PRECISION="tf32", SPLIT=split, INT8=int8),
+            )  # fmt: skip
+        writes = {**ints, "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": cache,
+                  "v_cache_ptr": cache, "slots_ptr": "*i64"}  # fmt: skip
+        build(triton_paged._write_kv, writes,
+              dict(HEAD_DIM=128, BLOCK_D=128, FP8=fp8, INT8=int8))  # fmt: skip
+    combine = {**ints, "out_ptr": "*bf16", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
+               "part_top_ptr": "*fp32", "part_total_ptr": "*fp32"}  # fmt: skip
+    build(triton_paged._combine_splits, combine,
+          dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, SPLITS=8))  # fmt: skip
+
+
+def token_kernels() -> None:
+    ints = dict.fromkeys(
+        ("heads", "stride_xt", "stride_xh", "stride_rt", "stride_ot", "stride_oh", "q_heads",
+         "k_heads", "half", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+         "stride_table", "size", "stride_x", "stride_o"),
+        "i32",
+    )  # fmt: skip
+    types = {**ints, "out_ptr": "*bf16", "x_ptr": "*bf16", "residual_ptr": "*bf16",
+             "weight_ptr": "*bf16", "eps": "fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+             "positions_ptr": "*i64", "table_ptr": "*fp32"}  # fmt: skip
+    build(cuda_kernels._rms_norm, types, dict(DIM=4096, BLOCK=4096, HAS_RESIDUAL=True))
+    build(cuda_kernels._rotary, types, dict(Q_HEADS=32, K_HEADS=8, HALF=64, ROUND_TABLE=True))
+    build(cuda_kernels._act_and_mul, types, dict(GELU=False, BLOCK=1024))
+
+
+def main() -> int:
+    print(f"Triton {triton.__version__}, target {TARGET}")
+    block_kernels()
+    attention_kernels()
+    token_kernels()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
