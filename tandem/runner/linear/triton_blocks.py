@@ -407,9 +407,13 @@ if triton is not None:
         (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 3),
         (16, 512, 2, 4), (64, 128, 4, 4), (128, 128, 8, 3),
     ]  # fmt: skip
+    # The GEMV holds rows x BLOCK_N x BLOCK_K/2 products in registers: compiled for an
+    # H100 (tests/gpu_kernel_builds.py, cuobjdump's resource usage), Q4_0 at 8 rows
+    # takes 225-255 registers a thread in the first seven tiles and spills in two
+    # (32x256, 16x512); the last two keep 96 and 128, more warps resident a processor.
     GEMV_SHAPES = [
         (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3), (16, 512, 4, 3),
-        (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4),
+        (32, 128, 4, 4), (64, 128, 8, 3), (8, 512, 4, 4), (8, 128, 2, 4), (16, 128, 4, 4),
     ]  # fmt: skip
     SUPER_ARGS = ["SUPER", "GROUP", "HIGH_BITS", "OFFSET", "HAS_SUB", "HAS_MIN"]
     # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
