@@ -400,7 +400,7 @@ if triton is not None:
     def _quick_bench(kernel_call, quantiles):
         """Each config over 20 ms of runs, not Triton's default 100 (after 25 of
         warm-up): a product takes 5-100 us, so hundreds of runs still make the median,
-        and a model's first steps tune some 35 shapes x 5 kernels x 7 configs."""
+        and a model's first steps tune some 35 shapes x 5 kernels x 7-9 configs."""
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
     DOT_SHAPES = [
