@@ -7,7 +7,8 @@ show on a GPU, where time is short. Triton's wheel carries its NVIDIA backend an
 ptxas, so each kernel is compiled here to a cubin for the target, in the variants
 the engine launches (every GGUF block format, every KV cache type, split and whole).
 
-    python tests/gpu_kernel_builds.py        # prints each kernel and its cubin size
+    python tests/gpu_kernel_builds.py            # prints each kernel and its cubin size
+    python tests/gpu_kernel_builds.py --usage    # and its registers and spills a thread
 
 Run as a script: tandem defines its kernels only where Triton can run
 (kernels/triton_support.py), so this process says it has a CUDA device before
@@ -16,7 +17,11 @@ importing them; nothing is launched.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -33,6 +38,7 @@ from tandem.runner.attention import triton_paged  # noqa: E402
 from tandem.runner.linear import triton_blocks  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+USAGE = "--usage" in sys.argv
 
 
 def build(kernel, types: dict[str, str], constants: dict[str, object]) -> int:
@@ -45,8 +51,22 @@ def build(kernel, types: dict[str, str], constants: dict[str, object]) -> int:
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET)
     size = len(compiled.asm["cubin"])
     shown = ", ".join(f"{k}={v}" for k, v in constants.items())
-    print(f"{kernel.__name__}({shown}): {size} bytes, {time.perf_counter() - started:.1f} s")
+    usage = f"; {resources(compiled.asm['cubin'])}" if USAGE else ""
+    print(f"{kernel.__name__}({shown}): {size} bytes, {time.perf_counter() - started:.1f} s{usage}")
     return size
+
+
+def resources(cubin: bytes) -> str:
+    """Registers and stack (spills) a thread, from the cuobjdump Triton carries."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run(
+            [tool, "--dump-resource-usage", file.name], capture_output=True, text=True
+        ).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", report, re.S)
+    return f"{found.group(1)} registers, {found.group(2)} bytes of stack" if found else report
 
 
 def block_kernels() -> None:
