@@ -111,7 +111,9 @@ def attention_kernels() -> None:
             "part_acc_ptr": "*fp32", "part_top_ptr": "*fp32", "part_total_ptr": "*fp32",
             "scale": "fp32",
         }  # fmt: skip
-        for split, block_m, block_n in ((False, 64, 64), (True, 16, 32)):
+        # prompt tiles, decode tiles split (flash-decoding), and a verification step's
+        # wider tile split (its rows x query heads above 16, a few sequences)
+        for split, block_m, block_n in ((False, 64, 64), (True, 16, 32), (True, 64, 64)):
             build(
                 triton_paged._paged_attention, types,
                 dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -123,8 +125,9 @@ def attention_kernels() -> None:
               dict(HEAD_DIM=128, BLOCK_D=128, FP8=fp8, INT8=int8))  # fmt: skip
     combine = {**ints, "out_ptr": "*bf16", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
                "part_top_ptr": "*fp32", "part_total_ptr": "*fp32"}  # fmt: skip
-    build(triton_paged._combine_splits, combine,
-          dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, SPLITS=8))  # fmt: skip
+    for block_m in (16, 64):
+        build(triton_paged._combine_splits, combine,
+              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, SPLITS=8))  # fmt: skip
 
 
 def token_kernels() -> None:

@@ -241,12 +241,13 @@ def _check_decode_kernel(
 def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     """The Triton kernel splits a small decode batch's keys among programs and merges
     the splits by their softmax statistics (flash-decoding): contexts ending on, before
-    and after a split's edge, a verification run, a window starting inside a split,
+    and after a split's edge, verification runs (3 rows: a decode's tile; 6 rows x 3
+    query heads: the wider prompt tile, split too), a window starting inside a split,
     and a batch too large to split, against brute force over the cache's rows."""
     device = backend_device("triton-paged", kv_dtype)
     torch.manual_seed(0)
     # (context length, query rows): a row r of a sequence sees length - rows + r + 1 tokens
-    shapes = [(3000, 1), (256, 1), (255, 1), (257, 1), (514, 3), (1, 1)]
+    shapes = [(3000, 1), (256, 1), (255, 1), (257, 1), (514, 3), (1, 1), (700, 6)]
     num_blocks = sum(-(-length // LONG_BLOCK) for length, _ in shapes)
     cache = _cache(kv_dtype, num_blocks, LONG_HEAD_DIM)
     pool = torch.randperm(num_blocks).tolist()
