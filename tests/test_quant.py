@@ -253,12 +253,14 @@ def test_packed_weights_take_the_files_bits():
 
 
 @pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
-def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code):
+def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeypatch):
     """The layout the GPU kernels read (quant/split_blocks.py; runner/linear/
     triton_blocks.py multiplies it, tests/test_cuda.py checks that on a GPU or in
     Triton's interpreter): every weight the file's, bit for bit, for every block
     format, at the file's bits (Q4_K and Q5_K: their 6-bit sub-scales a byte each);
-    two parts of one format joined are the rows of both."""
+    two parts of one format joined are the rows of both. The 6-row part is converted
+    4 rows at a time, as a large matrix is (CONVERT_ROWS)."""
+    monkeypatch.setattr(split_blocks, "CONVERT_ROWS", 4)
     columns = 512 + 256 * (BLOCK[code][0] == 256)  # not a power of two
     first, second = random_blocks(code, 6, columns, seed=1), random_blocks(code, 3, columns)
     cpu = torch.device("cpu")

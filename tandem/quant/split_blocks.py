@@ -50,6 +50,7 @@ from tandem.quant.blocks import BLOCK, GGMLType, decode
 FORMATS = {GGMLType.Q4_0: 4, GGMLType.Q8_0: 8}  # BlockWeight's formats, and bits a value
 GROUP = 32  # weights per block (and per scale)
 CHUNK = 64  # SuperBlockWeight: weights whose low nibbles share 32 bytes
+CONVERT_ROWS = 1024  # rows of a SuperBlockWeight converted from the file's blocks at a time
 
 
 def _nbytes(tensors) -> int:
@@ -156,38 +157,23 @@ class SuperBlockWeight:
     def from_ggml(
         cls, code: GGMLType, raw: torch.Tensor, columns: int, device: torch.device
     ) -> SuperBlockWeight:
-        """raw: uint8 [N, row bytes] as the file stores the blocks."""
-        spec = SUPER_FORMATS[code]
+        """raw: uint8 [N, row bytes] as the file stores the blocks. Converted
+        CONVERT_ROWS rows at a time into the fields on ``device``: decoding takes some
+        13 bytes of temporaries a weight's byte (a Q6_K matrix of 32,768 x 4,096 rose
+        the peak by 1.45 GB whole), so a large matrix is never decoded whole."""
         if columns % CHUNK:
             raise ValueError(f"{columns} columns are not whole {CHUNK}-weight chunks")
-        dec = decode(code, raw, columns)
         rows = raw.shape[0]
-        q = dec.values.reshape(rows, -1, 2, CHUNK // 2)  # [N, chunks, half, slot]
-        low = (q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)
-        high = None
-        if spec.high_bits:
-            hb = spec.high_bits
-            slot = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << hb)  # 2*hb bits a slot
-            per_byte = 8 // (2 * hb)
-            slot = slot.reshape(rows, -1, per_byte).to(torch.int32)
-            shifts = torch.arange(per_byte, dtype=torch.int32) * (2 * hb)
-            high = (slot << shifts).sum(-1).to(torch.uint8)
-        if spec.has_sub:  # a K format: d per 256 times integer sub-scales
-            sup = dec.supers
-            d, sub = sup.d, sup.sub.to(torch.int8)
-            dm = -sup.dmin if spec.has_min else None
-            sub_min = sup.sub_mins.to(torch.int8) if spec.has_min else None
-        else:  # the 32-weight formats: their float16 scale and minimum
-            d, sub, dm, sub_min = dec.scales, None, dec.mins, None
-
-        def put(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t.reshape(rows, -1).to(dtype or t.dtype).contiguous().to(device)
-
-        half = torch.float16
-        return cls(code, put(low), put(high), put(d, half), put(sub), put(dm, half),
-                   put(sub_min), columns)  # fmt: skip
+        fields: list[torch.Tensor | None] = []
+        for first in range(0, rows, CONVERT_ROWS):
+            part = _super_fields(code, raw[first : first + CONVERT_ROWS], columns)
+            if not fields:
+                fields = [None if p is None else p.new_empty((rows, *p.shape[1:]), device=device)
+                          for p in part]  # fmt: skip
+            for field, p in zip(fields, part, strict=True):
+                if p is not None:
+                    field[first : first + len(p)] = p
+        return cls(code, *fields, columns)
 
     def values(self, rows: slice = slice(None)) -> torch.Tensor:
         """q, uint8 [rows, K] in the columns' order."""
@@ -224,6 +210,41 @@ class SuperBlockWeight:
                 mins = mins.repeat_interleave(spec.super // GROUP, 1) * self.sub_min[rows]
             w = w + mins[:, :, None]
         return w.reshape(n, -1).to(dtype)
+
+
+def _super_fields(
+    code: GGMLType, raw: torch.Tensor, columns: int
+) -> tuple[torch.Tensor | None, ...]:
+    """Rows' blocks (uint8 [n, row bytes]) -> SuperBlockWeight's fields for them, on
+    the CPU: low, high, d, sub, dm, sub_min."""
+    spec = SUPER_FORMATS[code]
+    dec = decode(code, raw, columns)
+    rows = raw.shape[0]
+    q = dec.values.reshape(rows, -1, 2, CHUNK // 2)  # [N, chunks, half, slot]
+    low = (q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)
+    high = None
+    if spec.high_bits:
+        hb = spec.high_bits
+        slot = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << hb)  # 2*hb bits a slot
+        per_byte = 8 // (2 * hb)
+        slot = slot.reshape(rows, -1, per_byte).to(torch.int32)
+        shifts = torch.arange(per_byte, dtype=torch.int32) * (2 * hb)
+        high = (slot << shifts).sum(-1).to(torch.uint8)
+    if spec.has_sub:  # a K format: d per 256 times integer sub-scales
+        sup = dec.supers
+        d, sub = sup.d, sup.sub.to(torch.int8)
+        dm = -sup.dmin if spec.has_min else None
+        sub_min = sup.sub_mins.to(torch.int8) if spec.has_min else None
+    else:  # the 32-weight formats: their float16 scale and minimum
+        d, sub, dm, sub_min = dec.scales, None, dec.mins, None
+
+    def put(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.reshape(rows, -1).to(dtype or t.dtype).contiguous()
+
+    half = torch.float16
+    return put(low), put(high), put(d, half), put(sub), put(dm, half), put(sub_min)
 
 
 SplitWeight = BlockWeight | SuperBlockWeight
