@@ -79,8 +79,8 @@ def block_kernels() -> None:
     for bits, values in ((4, "*u8"), (8, "*i8")):
         types = {**ints, **pointers, "values_ptr": values}
         tile = dict(BLOCK_N=32, BLOCK_K=256)
-        build(triton_blocks._block_matmul, types, dict(BITS=bits, BLOCK_M=16, **tile))
-        build(triton_blocks._block_gemv, types, dict(BITS=bits, BLOCK_M=1, **tile))
+        build(triton_blocks._block_product, types, dict(BITS=bits, DOT=True, BLOCK_M=16, **tile))
+        build(triton_blocks._block_product, types, dict(BITS=bits, DOT=False, BLOCK_M=1, **tile))
         build(triton_blocks._block_widen, types, dict(BITS=bits, **tile))
     fields = {"low_ptr": "*u8", "high_ptr": "*u8", "d_ptr": "*fp16", "sub_ptr": "*i8",
               "dm_ptr": "*fp16", "sub_min_ptr": "*i8"}  # fmt: skip
@@ -91,8 +91,8 @@ def block_kernels() -> None:
             HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min, BLOCK_N=32, BLOCK_K=256,
         )  # fmt: skip
         print(code.name)
-        build(triton_blocks._super_matmul, types, dict(constants, BLOCK_M=16))
-        build(triton_blocks._super_gemv, types, dict(constants, BLOCK_M=2))
+        build(triton_blocks._super_product, types, dict(constants, DOT=True, BLOCK_M=16))
+        build(triton_blocks._super_product, types, dict(constants, DOT=False, BLOCK_M=2))
         build(triton_blocks._super_widen, types, constants)
 
 

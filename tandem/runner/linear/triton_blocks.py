@@ -91,44 +91,12 @@ if triton is not None:
         return q.to(tl.float32), x
 
     @triton.jit
-    def _block_matmul(
-        out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
-        stride_xm, stride_om, stride_vn, stride_sn, stride_os, splits,
-        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """out[M, N] = x[M, K] @ W[N, K]^T, W's blocks widened in registers, then the
-        matrix units (tl.dot). splits > 1: split s of K writes its partial sums to
-        out + s * stride_os."""
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_real, n_real = m < M, n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, splits, BLOCK_K)
-        for k in range(k_start, k_end, BLOCK_K):
-            scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
-            if BITS == 4:
-                low, high, x_low, x_high = _q4_tile(
-                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
-                )
-                shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
-                w_low = tl.reshape(tl.reshape(low, shape) * scale, (BLOCK_N, BLOCK_K // 2))
-                w_high = tl.reshape(tl.reshape(high, shape) * scale, (BLOCK_N, BLOCK_K // 2))
-                acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
-                acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
-            else:
-                q, x = _q8_tile(
-                    values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
-                )
-                w = tl.reshape(
-                    tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)) * scale, (BLOCK_N, BLOCK_K)
-                )
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        tl.store(
-            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=m_real[:, None] & n_real[None, :],
-        )
+    def _scaled(values, scale, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, WIDTH: tl.constexpr):
+        """values [BLOCK_N, BLOCKS * WIDTH], each run of WIDTH times its block's scale
+        (scale [BLOCK_N, BLOCKS]): a Q4_0 tile's nibbles (16 of a block's 32 a run) or a
+        Q8_0 tile's values, as weights."""
+        runs = tl.reshape(values, (BLOCK_N, BLOCKS, WIDTH)) * scale[:, :, None]
+        return tl.reshape(runs, (BLOCK_N, BLOCKS * WIDTH))
 
     @triton.jit
     def _k_span(K, splits, BLOCK_K: tl.constexpr):
@@ -139,14 +107,15 @@ if triton is not None:
         return start, tl.minimum(K, start + span)
 
     @triton.jit
-    def _block_gemv(
+    def _block_product(
         out_ptr, x_ptr, values_ptr, scales_ptr, M, N, K,
         stride_xm, stride_om, stride_vn, stride_sn, stride_os, splits,
-        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BITS: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M, without the matrix units:
-        each weight widened once and multiplied with every row in registers; each
+        """out[M, N] = x[M, K] @ W[N, K]^T for a BlockWeight W. DOT: the tile's blocks
+        widened in registers, then the matrix units (tl.dot); else (a GEMV for a few
+        rows) each weight widened once and multiplied with every row in registers, a
         32-weight block's products summed before its scale multiplies them. splits > 1:
         split s of K writes its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,16 +129,36 @@ if triton is not None:
                 low, high, x_low, x_high = _q4_tile(
                     values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
                 )
-                products = x_low.to(tl.float32)[:, None, :] * low[None, :, :]
-                products += x_high.to(tl.float32)[:, None, :] * high[None, :, :]
-                per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 16)), 3)
+                if DOT:
+                    w_low = _scaled(low, scale, BLOCK_N, BLOCK_K // 32, 16)
+                    w_high = _scaled(high, scale, BLOCK_N, BLOCK_K // 32, 16)
+                    acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
+                    acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
+                else:
+                    products = x_low.to(tl.float32)[:, None, :] * low[None, :, :]
+                    products += x_high.to(tl.float32)[:, None, :] * high[None, :, :]
+                    per_block = tl.sum(
+                        tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 16)), 3
+                    )
+                    acc += tl.sum(per_block * scale[None, :, :], 2)
             else:
                 q, x = _q8_tile(
                     values_ptr, x_ptr, m, m_real, n, n_real, k, K, stride_vn, stride_xm, BLOCK_K
                 )
-                products = x.to(tl.float32)[:, None, :] * q[None, :, :]
-                per_block = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 32)), 3)
-            acc += tl.sum(per_block * scale[None, :, :], 2)
+                if DOT:
+                    w = _scaled(q, scale, BLOCK_N, BLOCK_K // 32, 32)
+                    acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                else:
+                    products = x.to(tl.float32)[:, None, :] * q[None, :, :]
+                    per_block = tl.sum(
+                        tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // 32, 32)), 3
+                    )
+                    acc += tl.sum(per_block * scale[None, :, :], 2)
+        _store_product(out_ptr, acc, m, m_real, n, n_real, stride_om, stride_os)
+
+    @triton.jit
+    def _store_product(out_ptr, acc, m, m_real, n, n_real, stride_om, stride_os):
+        """A program's sums into out [M, N] (its split's slice: tl.program_id(2))."""
         tl.store(
             out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -251,16 +240,18 @@ if triton is not None:
         return w_low, w_high, x_low, x_high
 
     @triton.jit
-    def _super_matmul(
+    def _super_product(
         out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
         stride_xm, stride_om, stride_os, splits,
         SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
         OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """out[M, N] = x[M, K] @ W[N, K]^T for a SuperBlockWeight W: the tile widened
-        in registers, then the matrix units (tl.dot). splits > 1: split s of K writes
-        its partial sums to out + s * stride_os."""
+        """out[M, N] = x[M, K] @ W[N, K]^T for a SuperBlockWeight W, the tile widened
+        in registers; DOT: then the matrix units (tl.dot), else (a GEMV for a few rows)
+        each weight multiplied with every row in registers. splits > 1: split s of K
+        writes its partial sums to out + s * stride_os."""
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_real, n_real = m < M, n < N
@@ -272,45 +263,14 @@ if triton is not None:
                 m, m_real, n, n_real, k, K, stride_xm,
                 BLOCK_N, BLOCK_K, SUPER, GROUP, HIGH_BITS, OFFSET, HAS_SUB, HAS_MIN,
             )  # fmt: skip
-            acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
-            acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
-        tl.store(
-            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=m_real[:, None] & n_real[None, :],
-        )
-
-    @triton.jit
-    def _super_gemv(
-        out_ptr, x_ptr, low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, M, N, K,
-        stride_xm, stride_om, stride_os, splits,
-        SUPER: tl.constexpr, GROUP: tl.constexpr, HIGH_BITS: tl.constexpr,
-        OFFSET: tl.constexpr, HAS_SUB: tl.constexpr, HAS_MIN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """out[M, N] = x[M, K] @ W[N, K]^T for a few rows M and a SuperBlockWeight W,
-        without the matrix units: each weight widened once and multiplied with every
-        row in registers. splits > 1: split s of K writes its partial sums to out + s *
-        stride_os."""
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_real, n_real = m < M, n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_start, k_end = _k_span(K, splits, BLOCK_K)
-        for k in range(k_start, k_end, BLOCK_K):
-            w_low, w_high, x_low, x_high = _super_tile(
-                low_ptr, high_ptr, d_ptr, sub_ptr, dm_ptr, sub_min_ptr, x_ptr,
-                m, m_real, n, n_real, k, K, stride_xm,
-                BLOCK_N, BLOCK_K, SUPER, GROUP, HIGH_BITS, OFFSET, HAS_SUB, HAS_MIN,
-            )  # fmt: skip
-            products = x_low.to(tl.float32)[:, None, :] * w_low[None, :, :]
-            products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
-            acc += tl.sum(products, 2)
-        tl.store(
-            out_ptr + tl.program_id(2) * stride_os + m[:, None] * stride_om + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=m_real[:, None] & n_real[None, :],
-        )
+            if DOT:
+                acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)))
+                acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)))
+            else:
+                products = x_low.to(tl.float32)[:, None, :] * w_low[None, :, :]
+                products += x_high.to(tl.float32)[:, None, :] * w_high[None, :, :]
+                acc += tl.sum(products, 2)
+        _store_product(out_ptr, acc, m, m_real, n, n_real, stride_om, stride_os)
 
     # Widening for prefill: the tile helpers above with no rows of x (every x load
     # masked off, so none is made), the weights stored in the activations' type.
@@ -327,15 +287,14 @@ if triton is not None:
         k = tl.program_id(1) * BLOCK_K
         n_real = n < N
         none = tl.arange(0, NO_ROWS)
-        scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)[:, :, None]
+        scale = _block_scales(scales_ptr, n, n_real, k, K, stride_sn, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
         if BITS == 4:
             low, high, _, _ = _q4_tile(
                 values_ptr, out_ptr, none, none < 0, n, n_real, k, K, stride_vn, 0, BLOCK_K
             )
-            shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
-            w_low = tl.reshape(tl.reshape(low, shape) * scale, (BLOCK_N, BLOCK_K // 2))
-            w_high = tl.reshape(tl.reshape(high, shape) * scale, (BLOCK_N, BLOCK_K // 2))
+            w_low = _scaled(low, scale, BLOCK_N, BLOCK_K // 32, 16)
+            w_high = _scaled(high, scale, BLOCK_N, BLOCK_K // 32, 16)
             c = tl.arange(0, BLOCK_K // 2)
             low_col = k + (c // 16) * 32 + c % 16
             real = n_real[:, None] & (low_col < K)[None, :]
@@ -346,7 +305,7 @@ if triton is not None:
             q, _ = _q8_tile(
                 values_ptr, out_ptr, none, none < 0, n, n_real, k, K, stride_vn, 0, BLOCK_K
             )
-            w = tl.reshape(tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)) * scale, (BLOCK_N, BLOCK_K))
+            w = _scaled(q, scale, BLOCK_N, BLOCK_K // 32, 32)
             cols = k + tl.arange(0, BLOCK_K)
             real = n_real[:, None] & (cols < K)[None, :]
             tl.store(out_ptr + n[:, None] * stride_on + cols[None, :], w.to(dtype), mask=real)
@@ -418,12 +377,21 @@ if triton is not None:
     SUPER_ARGS = ["SUPER", "GROUP", "HIGH_BITS", "OFFSET", "HAS_SUB", "HAS_MIN"]
     # name -> (the kernel, tuned) for BlockWeight and for SuperBlockWeight
     _KERNELS = {
-        "dot": (_block_matmul, _autotuned(_block_matmul, DOT_SHAPES, ["BITS", "splits"])),
-        "gemv": (_block_gemv, _autotuned(_block_gemv, GEMV_SHAPES, ["BITS", "splits"])),
+        "dot": (_block_product, _autotuned(_block_product, DOT_SHAPES, ["BITS", "DOT", "splits"])),
+        "gemv": (
+            _block_product,
+            _autotuned(_block_product, GEMV_SHAPES, ["BITS", "DOT", "splits"]),
+        ),
     }
     _SUPER_KERNELS = {
-        "dot": (_super_matmul, _autotuned(_super_matmul, DOT_SHAPES, [*SUPER_ARGS, "splits"])),
-        "gemv": (_super_gemv, _autotuned(_super_gemv, GEMV_SHAPES, [*SUPER_ARGS, "splits"])),
+        "dot": (
+            _super_product,
+            _autotuned(_super_product, DOT_SHAPES, [*SUPER_ARGS, "DOT", "splits"]),
+        ),
+        "gemv": (
+            _super_product,
+            _autotuned(_super_product, GEMV_SHAPES, [*SUPER_ARGS, "DOT", "splits"]),
+        ),
     }
 
 GEMV_M = 8  # rows up to which the GEMV kernel is a candidate
@@ -527,7 +495,8 @@ def _run(name: str, x: torch.Tensor, weight: SplitWeight, out: torch.Tensor) -> 
     if splits > 1:  # each split's partial sums, [splits * m, n]
         target = torch.empty(splits * m, n, dtype=torch.float32, device=x.device)
     kernels, args, constants, _ = _launch(x, weight, target)
-    constants.update(splits=splits, stride_os=m * n)  # (run-time values: no compile per split)
+    # (splits and stride_os are run-time values: no compile a split count)
+    constants.update(splits=splits, stride_os=m * n, DOT=kind == "dot")
     rows = _program_rows(kind, m)
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
