@@ -38,7 +38,7 @@ def run(name: str, options: dict, pool: list[int], long_len: int, trace: Path) -
     llm = LLM(str(DEFAULT_MODEL), **options)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    engine.start_trace()
+    llm.start_trace()
     arrivals = {
         0: [(f"decode-{i}", pool[100 * i : 100 * i + 16]) for i in range(4)],
         4: [("long", pool[1000 : 1000 + long_len])],
@@ -52,7 +52,7 @@ def run(name: str, options: dict, pool: list[int], long_len: int, trace: Path) -
             break
         for output in engine.step():
             outputs[output.request_id] = output
-    engine.stop_trace(trace)
+    llm.stop_trace(trace)
     stall = max(
         b - a
         for i in range(4)

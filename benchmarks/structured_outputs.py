@@ -16,9 +16,10 @@ import time
 
 from benchmarks.common import machine
 from tandem import LLM, SamplingParams
-from tandem.grammar import apply_masks, grammar_for, grammar_tokenizer, new_masks
+from tandem.engine.grammar import grammar_for
 from tandem.models.catalog import is_installed
 from tandem.plan.measure import median_time
+from tandem.runner.grammar_masks import apply_masks, grammar_tokenizer, new_masks
 from tandem.sampling import StructuredOutputsParams
 
 PERSON = {
@@ -79,7 +80,7 @@ SCHEMAS = {
 def llguidance_costs(tokenizer, vocab: int, eos: tuple[int, ...], repeats: int) -> dict:
     import llguidance
 
-    from tandem.grammar import GrammarMatcher, fill_masks
+    from tandem.runner.grammar_masks import GrammarMatcher, fill_masks
 
     llg_tokenizer = grammar_tokenizer(tokenizer, vocab, eos)
     results = {}

@@ -101,7 +101,7 @@ def point(model: str, size: int, cpu_bind: str, experts: str = "split") -> dict[
     result = {**decode_and_prefill(llm, warm=True, around_batch_1=timing_batch_1()), **shares}
     result.update(experts.summary())
     if size > 1:
-        llm.engine.runner.close()
+        llm.engine.executor.close()
     return result
 
 

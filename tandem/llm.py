@@ -19,9 +19,11 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
+from tandem.executor import make_executor
 from tandem.models.bundled import default_model
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
+from tandem.trace.recorder import EngineTracing
 
 Conversation = list[dict[str, Any]]
 logger = logging.getLogger("tandem")
@@ -34,19 +36,21 @@ class LLM:
         """``model``: a local Hugging Face folder; the bundled model when omitted.
         ``trace``: record every step and write a Chrome trace there after each call."""
         model = model if model is not None else default_model()
-        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_options))
+        config = EngineConfig.from_kwargs(model, **engine_options)
+        self.engine = Engine(config, make_executor(config))
         self._ids = itertools.count()
+        self.tracing = EngineTracing(self.engine)
         self.trace_path = trace
         if trace is not None:
-            self.engine.start_trace()
+            self.tracing.start()
 
     def start_trace(self) -> None:
         """Record the steps of the following calls (see tandem.trace)."""
-        self.engine.start_trace()
+        self.tracing.start()
 
     def stop_trace(self, path: str) -> None:
         """Stop recording and write the Chrome trace-event file to ``path``."""
-        self.engine.stop_trace(path)
+        self.tracing.stop(path)
         self.trace_path = None
 
     def get_tokenizer(self):
@@ -163,6 +167,6 @@ class LLM:
             raise
         finally:
             bar.close()
-            if self.trace_path is not None and self.engine.tracer is not None:
-                self.engine.tracer.write(self.trace_path)
+            if self.trace_path is not None and self.tracing.tracer is not None:
+                self.tracing.tracer.write(self.trace_path)
         return [finished[request_id] for request_id in request_ids]

@@ -6,9 +6,18 @@ happen; nothing re-derives timings elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.engine.request import RequestTimeline
+
+@dataclass
+class RequestTimeline:
+    """Wall-clock times (time.perf_counter seconds); metrics and traces read these."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
 
 
 @dataclass

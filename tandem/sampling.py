@@ -29,7 +29,7 @@ class StructuredOutputsParams:
     """A constraint on the text generated (vLLM's names): exactly one of a JSON schema
     (``json``, as a dict or its JSON text), any JSON object (``json_object``), a
     regular expression, a list of literal choices, or a grammar (Lark, or llama.cpp's
-    GBNF). tandem/grammar.py turns it into token masks."""
+    GBNF). tandem/engine/grammar.py turns it into token masks."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -89,7 +89,7 @@ class SamplingParams:
     # token id -> a value added to its logit before sampling (OpenAI's logit_bias;
     # -100 bans a token, +100 all but forces it). The logprobs stay the raw model's.
     logit_bias: dict[int, float] | None = None
-    # Generation held to a JSON schema, regex, choice or grammar (tandem/grammar.py).
+    # Generation held to a JSON schema, regex, choice or grammar (tandem/engine/grammar.py).
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -299,7 +299,7 @@ def test_sampling_is_queued_without_waiting_for_the_gpu():
     bans, temperature, top-k/p, min-p, the exponential race, a seeded row) launches
     without a host sync (torch's sync debug mode raises on one) until its tokens are
     read."""
-    from tandem.grammar import apply_masks, new_masks
+    from tandem.runner.grammar_masks import apply_masks, new_masks
     from tandem.runner.sampler import SamplingRow, draw, processed_logits, sampling_probs
 
     vocab = 1000

@@ -279,9 +279,9 @@ def test_a_kv_cache_that_cannot_fit_is_refused_at_start(llama_folder, monkeypatc
         LLM(llama_folder, num_blocks=100_000, max_model_len=64)
     llm = LLM(llama_folder, max_model_len=64, max_num_seqs=64)
     per_block = kv_cache.kv_bytes_per_block(
-        llm.engine.runner.model.config, 16, torch.float32, "auto"
+        llm.engine.executor.model.config, 16, torch.float32, "auto"
     )
-    assert llm.engine.runner.info.num_blocks == int((1 << 20) * 0.8 // per_block)
+    assert llm.engine.executor.info.num_blocks == int((1 << 20) * 0.8 // per_block)
 
 
 def test_the_default_pool_holds_a_full_batch_of_full_length_sequences(llama_folder):
@@ -289,7 +289,7 @@ def test_the_default_pool_holds_a_full_batch_of_full_length_sequences(llama_fold
     of max_model_len tokens when that length is not a whole number of blocks (each
     sequence takes whole blocks): they all run together, none preempted."""
     llm = LLM(llama_folder, max_model_len=38, max_num_seqs=4, max_num_batched_tokens=256)
-    assert llm.engine.runner.info.num_blocks == 4 * 3  # 38 tokens: 3 blocks of 16
+    assert llm.engine.executor.info.num_blocks == 4 * 3  # 38 tokens: 3 blocks of 16
     preempted = []
     schedule = llm.engine.scheduler.schedule
 

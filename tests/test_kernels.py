@@ -98,7 +98,7 @@ def test_small_linear_matches_torch(dtype, rows, out_features, in_features):
 @pytest.mark.parametrize("vocab", [5, 32, 4099, 49152])
 def test_grammar_masks_match_the_exact_bit_test(vocab):
     """The kernel clears exactly the tokens whose bit is 0, in the listed rows only."""
-    from tandem.grammar import apply_masks
+    from tandem.runner.grammar_masks import apply_masks
 
     torch.manual_seed(0)
     logits = torch.randn(6, vocab)

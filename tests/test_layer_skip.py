@@ -7,7 +7,7 @@ import pytest
 
 from tandem.errors import InvalidParameterError
 from tandem.spec_decode.layer_skip import default_layers, format_layers, parse_layers
-from tandem.spec_decode.tune_layer_skip import candidate_sets, estimated_speedup
+from tandem.train.layer_skip_tuning import candidate_sets, estimated_speedup
 
 
 def test_layer_lists_parse_and_print_as_ranges():

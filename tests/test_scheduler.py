@@ -175,7 +175,7 @@ def test_scheduler_output_is_plain_data():
     another process, a simulator can consume it): ids, counts, block diffs, params."""
     import msgspec
 
-    from tandem.engine.scheduler import SchedulerOutput
+    from tandem.step import SchedulerOutput
 
     scheduler, _ = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=16)
     for name, length in (("a", 9), ("b", 7)):

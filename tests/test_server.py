@@ -17,6 +17,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
+from tandem.executor import make_executor
 from tandem.models.tokenizer import Tokenizer
 from tandem.server.api import build_app
 from tandem.server.async_engine import AsyncEngine
@@ -586,7 +587,8 @@ def test_preemptions_are_counted_when_they_happen(model_dirs):
 
 
 def test_a_failing_step_is_an_error_frame_and_the_server_keeps_serving(folder):
-    engine = Engine(EngineConfig.from_kwargs(str(folder)))
+    config = EngineConfig.from_kwargs(str(folder))
+    engine = Engine(config, make_executor(config))
     metrics = ServerMetrics(MODEL)
     async_engine = AsyncEngine(engine, metrics=metrics)
     real_step = engine.step

@@ -158,7 +158,7 @@ def _assert_same(ours, reference, atol: float) -> None:
 
 
 def _close(llm: LLM) -> None:
-    llm.engine.runner.close()
+    llm.engine.executor.close()
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def _ranked_stack_against_layer_calls(monkeypatch, path, ids, spins, check=None,
         monkeypatch.setenv("TANDEM_FUSED_DECODE", mode)
         monkeypatch.setattr(shm_group, "SPIN_US", spin)
         llm = LLM(str(path), max_num_seqs=2, max_model_len=64, tensor_parallel_size=2, **options)
-        worker = llm.engine.runner.workers[0].pid
+        worker = llm.engine.executor.workers[0].pid
         try:
             if check is not None:
                 check(llm)
@@ -331,7 +331,8 @@ def test_a_mixtures_ranks_decode_in_one_call_as_in_their_layer_calls(
     ids = prompts([11, 6], seed=9, vocab=shape.vocab)
 
     def layout(llm) -> None:  # rank 0's (this process's) experts
-        moe = next(m for m in llm.engine.runner.runner.model.modules() if isinstance(m, SparseMoE))
+        modules = llm.engine.executor.runner.model.modules()
+        moe = next(m for m in modules if isinstance(m, SparseMoE))
         width = moe.experts[str(moe.held.start)].down_proj.in_features
         assert (len(moe.held), width) == ((4, 256) if expert_parallel else (8, 128))
 
@@ -354,7 +355,7 @@ def test_gemma3s_file_on_two_ranks_decodes_in_one_call_as_in_its_layer_calls(mon
 def test_a_dead_rank_fails_the_step_with_an_error_not_a_hang(smollm2_like):
     folder, _ = smollm2_like
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
-    worker = llm.engine.runner.workers[0]
+    worker = llm.engine.executor.workers[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
     started = time.monotonic()
@@ -368,7 +369,7 @@ def test_a_hung_rank_fails_the_step_after_the_hang_timeout(smollm2_like, monkeyp
     monkeypatch.setattr(shm_group, "HANG_TIMEOUT_S", 2.0)
     folder, _ = smollm2_like
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
-    worker = llm.engine.runner.workers[0]
+    worker = llm.engine.executor.workers[0]
     os.kill(worker.pid, signal.SIGSTOP)  # alive, and never coming
     try:
         started = time.monotonic()
@@ -391,7 +392,7 @@ def test_over_gloo_an_idle_group_lives_and_a_hung_rank_is_found_on_both_sides(
     folder, _ = smollm2_like
     ids = prompts([5], seed=0)
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
-    worker = llm.engine.runner.workers[0]
+    worker = llm.engine.executor.workers[0]
     try:
         first = [o.outputs[0].token_ids for o in _generate(llm, ids)]
         time.sleep(3 * 2.0)  # idle past the timeout
@@ -406,9 +407,9 @@ def test_over_gloo_an_idle_group_lives_and_a_hung_rank_is_found_on_both_sides(
         os.kill(worker.pid, signal.SIGKILL)
         _close(llm)
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
-    worker = llm.engine.runner.workers[0]
+    worker = llm.engine.executor.workers[0]
     try:
-        llm.engine.runner.channel.stop_beats()  # as if rank 0 hung: the worker gives up
+        llm.engine.executor.channel.stop_beats()  # as if rank 0 hung: the worker gives up
         assert worker.wait(timeout=30) == 1
         with pytest.raises(EngineDeadError, match="rank 1 exited with status 1"):
             _generate(llm, ids)
@@ -422,7 +423,7 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
         LLM(str(folder), tensor_parallel_size=0)
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
-    config = LLM(str(folder)).engine.runner.loaded.config
+    config = LLM(str(folder)).engine.executor.loaded.config
     other = dataclasses.replace(config, architecture="PhiForCausalLM")
     with pytest.raises(ModelLoadError, match="does not split PhiForCausalLM"):
         ShardPlan(other, 0, 2)
@@ -445,7 +446,7 @@ def test_the_executor_of_one_rank_equals_one_process(smollm2_like, monkeypatch, 
     monkeypatch.setattr(tandem.executor, "make_executor", MultiprocExecutor)
     ranked = LLM(str(folder), max_num_seqs=4, device=device, dtype="float32")
     try:
-        executor = ranked.engine.runner
+        executor = ranked.engine.executor
         assert isinstance(executor, MultiprocExecutor)
         group = executor.runner.tp.comm.group
         assert (group is not None) == (device == "cuda")
@@ -552,7 +553,7 @@ def test_gloo_collectives_give_the_same_tokens(smollm2_like, monkeypatch):
     ids = prompts([7, 5], seed=8)
     llm = LLM(str(folder), max_num_seqs=2, tensor_parallel_size=2)
     try:
-        assert llm.engine.runner.channel.shm is None
+        assert llm.engine.executor.channel.shm is None
         ours = _generate(llm, ids)
     finally:
         _close(llm)
@@ -640,7 +641,7 @@ def test_two_nodes_on_loopback_equal_one_process(smollm2_like, monkeypatch, size
         llm = LLM(
             str(folder), max_num_seqs=2, tensor_parallel_size=size, nnodes=2, master_port=port
         )
-        executor = llm.engine.runner
+        executor = llm.engine.executor
         assert len(executor.workers) == size // 2 - 1  # the rest are node 1's
         comm = executor.runner.tp.comm
         assert isinstance(comm, HostGroups if size == 4 else DistCollectives)
@@ -710,7 +711,7 @@ done = llm.generate([{"prompt_token_ids": p} for p in ids], greedy, use_tqdm=Fal
 drawn = llm.generate({"prompt_token_ids": ids[0]}, sampled, use_tqdm=False)
 with open(out + "." + os.environ["RANK"], "w") as f:
     json.dump([[r.outputs[0].token_ids for r in done], drawn[0].outputs[0].token_ids], f)
-llm.engine.runner.close()
+llm.engine.executor.close()
 """
 
 
@@ -870,7 +871,7 @@ def test_an_eagle_head_on_two_ranks_borrows_the_whole_vocabulary(model_dirs, tmp
         "llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=tied,
     )  # fmt: skip
-    config = LLM(str(folder)).engine.runner.loaded.config
+    config = LLM(str(folder)).engine.executor.loaded.config
     torch.manual_seed(0)
     head = EagleHead(config, torch.arange(0, config.vocab_size, 3))
     for parameter in head.parameters():
@@ -885,8 +886,8 @@ def test_an_eagle_head_on_two_ranks_borrows_the_whole_vocabulary(model_dirs, tmp
     two = LLM(str(folder), tensor_parallel_size=2, speculative_config=spec)
     try:
         ours = _generate(two, ids)
-        borrowed = two.engine.runner.runner.proposer.head.lm_head.weight
-        assert torch.allclose(borrowed, one.engine.runner.proposer.head.lm_head.weight)
+        borrowed = two.engine.executor.runner.proposer.head.lm_head.weight
+        assert torch.allclose(borrowed, one.engine.executor.proposer.head.lm_head.weight)
         assert two.engine.spec_stats.num_draft_tokens > 0
     finally:
         _close(two)

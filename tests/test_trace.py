@@ -50,7 +50,7 @@ def test_tracks_agree_with_the_request_metrics(folder, tmp_path):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     trace = json.loads((tmp_path / "t.json").read_text())
     lanes, steps = lanes_of(trace)
-    assert len(steps) == len(llm.engine.tracer.steps)
+    assert len(steps) == len(llm.tracing.tracer.steps)
     assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in itertools.pairwise(steps))
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     for output in outputs:
@@ -87,7 +87,7 @@ def test_an_aborted_request_ends_its_lane(folder):
     engine.add_request("waits", [8, 9], params)
     engine.step()
     engine.abort(["waits", "runs"])
-    lanes, _ = lanes_of(llm.engine.stop_trace().chrome_trace())
+    lanes, _ = lanes_of(llm.tracing.stop().chrome_trace())
     waits = lanes["waits"]
     assert [e["name"] for e in waits] == ["arrival", "waiting", "finished"]
     assert waits[-1]["args"]["reason"] == "abort"

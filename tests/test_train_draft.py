@@ -15,7 +15,7 @@ from tandem.cli import main
 from tandem.errors import InvalidParameterError
 from tandem.spec_decode.draft_settings import DraftTraining
 from tandem.spec_decode.eagle_head import load_head
-from tandem.spec_decode.train_draft import documents, prompts_from, train_draft
+from tandem.train.draft_head import documents, prompts_from, train_draft
 
 TARGET = "stdlib-lm"
 # float32 matmuls: at these sizes bfloat16 autocast costs more than it saves (this
@@ -55,7 +55,7 @@ def test_the_loss_goes_down_and_the_head_folder_loads(trained):
     assert config["target"]["model"] == TARGET and config["draft_vocab_size"] == 1024
     assert config["training"]["heldout_first_guess_agreement"] > 0.2
     llm = LLM(TARGET)
-    head = load_head(out, llm.engine.runner.loaded.model)
+    head = load_head(out, llm.engine.executor.loaded.model)
     assert len(head.draft_vocab) == 1024
 
 

@@ -34,7 +34,7 @@ from tandem.bench.datasets import (
 )
 from tandem.bench.summary import format_table, parse_goodput, summarize
 from tandem.errors import TandemError
-from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import SpecDecodeStats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

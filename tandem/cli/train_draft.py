@@ -1,5 +1,5 @@
 """``tandem train-draft``: train an EAGLE draft head for a target on the target's own
-answers (tandem/spec_decode/train_draft.py), then serve with ``--speculative-method
+answers (tandem/train/draft_head.py), then serve with ``--speculative-method
 eagle --draft-model OUT``. Interrupted, the same command goes on where it stopped."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from tandem.errors import InvalidParameterError
-    from tandem.spec_decode.train_draft import train_draft
+    from tandem.train.draft_head import train_draft
 
     for flag, name in (("--prompts", "prompts"), ("--max-tokens", "max_tokens"),
                        ("--steps", "steps"), ("--batch-size", "batch_size"),

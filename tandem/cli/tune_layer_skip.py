@@ -1,5 +1,5 @@
 """``tandem tune-layer-skip``: the layers a self-speculating draft (method layer_skip)
-should skip, chosen on the target's own answers (tandem/spec_decode/tune_layer_skip.py)."""
+should skip, chosen on the target's own answers (tandem/train/layer_skip_tuning.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def run(args: argparse.Namespace) -> None:
 
     from tandem.errors import InvalidParameterError
     from tandem.llm import LLM
-    from tandem.spec_decode.tune_layer_skip import PROMPTS, tune
+    from tandem.train.layer_skip_tuning import PROMPTS, tune
 
     if not 1 <= args.prompts <= len(PROMPTS) or args.tokens < 8:
         raise InvalidParameterError("--prompts", f"in 1-{len(PROMPTS)}, with --tokens >= 8")
     llm = LLM(args.model)
-    if not hasattr(llm.engine.runner.model, "skipped_layers"):
+    if not hasattr(llm.engine.executor.model, "skipped_layers"):
         raise InvalidParameterError("--model", "layer skipping needs a Llama-family model")
     candidates = tune(llm, args.prompts, args.tokens)
     best = candidates[0]

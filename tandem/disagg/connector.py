@@ -62,7 +62,7 @@ class DisaggConnector:
         self.engine_id = uuid.uuid4().hex[:12]
         self.auth = KVAuth.from_config(config.secret)
         self.agent = make_kv_agent(
-            engine.runner.kv_cache, host, config.kv_port, self._on_notify, transfer_timeout_s,
+            engine.executor.kv_cache, host, config.kv_port, self._on_notify, transfer_timeout_s,
             config.backend, self._authorize_read,
         )  # fmt: skip
         # Prefill side: lease id -> (blocks, deadline); decode side: finished pulls not

@@ -2,8 +2,9 @@
 
     InputProcessor   prompt + params -> validated EngineRequest (before any queue)
     Scheduler        token budget per step; KVCacheManager for blocks and prefix hits
-    runner           the model and the KV memory (tandem.runner; the engine never
-                     imports torch or model code, so it can drive a simulated runner)
+    executor         runs each step's forward (tandem/step.py's Executor: a worker in
+                     this process, tensor-parallel ranks, or a simulated one); the engine
+                     is handed it and never imports torch or model code
     OutputProcessor  tokens -> RequestOutputs: n > 1 fan-out, text, logprobs, stop
                      strings, output kinds
 
@@ -12,8 +13,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.input_processor import EngineRequest, InputProcessor, PromptInput
@@ -22,31 +22,23 @@ from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.observer import EngineObserver, StepStats
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
 from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
-from tandem.trace.recorder import StepTracer
-
-if TYPE_CHECKING:  # the engine drives a runner; it never imports torch or model code
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import Executor, SchedulerOutput, SpecDecodeStats
 
 __all__ = ["Engine", "PromptInput"]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
-        """``runner``: anything with ``info`` (a RunnerInfo) and ``execute``; by default
-        the executor ``config`` asks for (tandem/executor/: a ModelRunner that loads
-        ``config.model``, or tensor-parallel ranks; the one place torch enters)."""
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        """``executor``: whoever runs the model (tandem/step.py's protocol), built by the
+        caller: ``tandem.executor.make_executor(config)`` for the one ``config`` asks
+        for, or a cost model's stand-in (tandem simulate)."""
         self.config = config
-        if runner is None:
-            from tandem.executor import make_executor
-
-            runner = make_executor(config)
-        self.runner = runner
-        self.model_info = info = runner.info
+        self.executor = executor
+        self.model_info = info = executor.info
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.kv_manager = KVCacheManager(
@@ -66,13 +58,12 @@ class Engine:
         self.output_processor = OutputProcessor(
             info.tokenizer, self._stop_at_string, self._fail_child
         )
-        self.tracer: StepTracer | None = None
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
-        return self.runner.spec_stats
+        return self.executor.spec_stats
 
-    # -- observers and tracing ---------------------------------------------------------
+    # -- observers ---------------------------------------------------------------------
 
     def add_observer(self, observer: EngineObserver) -> None:
         self.observers.append(observer)
@@ -103,7 +94,7 @@ class Engine:
         )
 
     def _expert_load(self) -> tuple[tuple[int, ...], ...]:
-        load = getattr(self.runner, "expert_load", None)  # (a runner of a mixture)
+        load = getattr(self.executor, "expert_load", None)  # (a mixture's)
         return load() if load is not None else ()
 
     def notify_changed(self) -> None:
@@ -116,21 +107,6 @@ class Engine:
     def _notify_finished(self, request: Request) -> None:
         for observer in self.observers:
             observer.request_finished(request)
-
-    def start_trace(self) -> None:
-        """Record every step from now on (requests already queued are not drawn)."""
-        if self.tracer is None:
-            self.tracer = StepTracer()
-            self.add_observer(self.tracer)
-
-    def stop_trace(self, path: str | Path | None = None) -> StepTracer | None:
-        """Stop recording; write the Chrome trace to ``path`` if given."""
-        tracer, self.tracer = self.tracer, None
-        if tracer is not None:
-            self.remove_observer(tracer)
-            if path is not None:
-                tracer.write(path)
-        return tracer
 
     # -- requests --------------------------------------------------------------------
 
@@ -223,7 +199,7 @@ class Engine:
         raise fails alone (its output has ``error``); only a failure of the shared
         forward pass raises here, and then every request in the step is lost."""
         scheduler_output = self.scheduler.schedule()
-        result = self.runner.execute(scheduler_output)
+        result = self.executor.execute(scheduler_output)
         for request_id, (first, scored) in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(request_id, first, scored)
         updated = self.scheduler.update(

@@ -95,7 +95,7 @@ class InputProcessor:
             raise InvalidParameterError(
                 "structured_outputs", "needs a model with a tokenizer (grammars are text)"
             )
-        from tandem.grammar import grammar_for
+        from tandem.engine.grammar import grammar_for
 
         return grammar_for(params.structured_outputs)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import SpecDecodeStats
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
-    from tandem.engine.scheduler import SchedulerOutput
+    from tandem.step import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ are not states: a request just has ``num_tokens - num_computed_tokens`` tokens t
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine import clock
 from tandem.engine.kv_connector import KVTransferParams
+from tandem.outputs import RequestTimeline
 from tandem.sampling import SamplingParams
 
 
@@ -29,17 +29,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "error")
-
-
-@dataclass
-class RequestTimeline:
-    """Wall-clock times (time.perf_counter seconds); metrics and traces read these."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
-    preemption_times: list[float] = field(default_factory=list)
 
 
 class Request:

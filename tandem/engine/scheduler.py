@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from tandem.config import SchedulerConfig, SpeculativeConfig
 from tandem.engine import clock
@@ -41,76 +39,7 @@ from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec_control import SpeculationControl
-from tandem.sampling import SamplingParams
-
-
-class SampledToken(Protocol):
-    token_id: int
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """A request the runner has not seen (or has forgotten: preempted), sent once when
-    it is admitted; afterwards only its ScheduledRequest entries say what changed."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated before a preemption (recomputed now)
-    sampling_params: SamplingParams
-    # Banned while the output is shorter than min_tokens: EOS (unless ignored), stop ids.
-    stop_token_ids: tuple[int, ...]
-    grammar: str | None = None  # structured outputs (tandem/grammar.py)
-    cache_salt: str | None = None  # its tenant (suffix decoding keeps tenants apart)
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step, fixed when the step is scheduled. Plain data:
-    the runner keeps each request's tokens and block table itself and applies this."""
-
-    request_id: str
-    num_computed_tokens: int  # before this step
-    num_new_tokens: int  # tokens to run: the request's tokens [computed, computed + new)
-    # Whether this chunk reaches the request's last known token, so that the logits at
-    # its end give the next token (false for all but the last chunk of a prompt).
-    samples: bool
-    # Speculative decoding: slots (budget and KV) reserved for this many draft tokens,
-    # which the runner's proposer fills in (it may find fewer).
-    num_spec_tokens: int = 0
-    # The block table as a diff: keep the runner's copy up to ``block_ids_from`` and
-    # append ``new_block_ids`` (a new request: 0 and its whole table).
-    block_ids_from: int = 0
-    new_block_ids: tuple[int, ...] = ()
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return self.num_new_tokens + self.num_spec_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step, as the runner needs it: serialisable (ints, strings, SamplingParams)."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)  # the runner forgets them
-    # Requests that finished since the previous step: the runner drops their state.
-    finished_ids: list[str] = field(default_factory=list)
-    started_at: float = 0.0
-    num_batched_tokens: int = 0  # kept equal to the sum over ``scheduled``
-
-    def add(self, item: ScheduledRequest, new: NewRequestData | None = None) -> None:
-        self.scheduled.append(item)
-        self.num_batched_tokens += item.num_scheduled_tokens
-        if new is not None:
-            self.new_requests.append(new)
-
-    def remove(self, request_id: str) -> None:
-        """Take back a request's share (it was preempted after being scheduled)."""
-        kept = [s for s in self.scheduled if s.request_id != request_id]
-        self.num_batched_tokens = sum(s.num_scheduled_tokens for s in kept)
-        self.scheduled = kept
-        self.new_requests = [n for n in self.new_requests if n.request_id != request_id]
+from tandem.step import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -26,6 +26,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.observer import EngineObserver
+from tandem.executor import make_executor
 from tandem.plan.cost import ModelShape, Share, StepCostModel, shares_of
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 from tandem.trace.recorder import ENGINE_PID
@@ -112,12 +113,11 @@ def _random_folder(config_path: Path, scratch: str) -> Path:
 def _calibrate_folder(folder: Path, shape: ModelShape, dtype: str, max_model_len: int):
     longest = max(max(PREFILL_LENGTHS), max(DECODE_CONTEXTS)) + DECODE_STEPS + 8
     context = min(max_model_len, longest)
-    engine = Engine(
-        EngineConfig.from_kwargs(
-            str(folder), dtype=dtype, max_model_len=context,
-            max_num_seqs=max(DECODE_BATCHES), enable_prefix_caching=False,
-        )
+    config = EngineConfig.from_kwargs(
+        str(folder), dtype=dtype, max_model_len=context,
+        max_num_seqs=max(DECODE_BATCHES), enable_prefix_caching=False,
     )  # fmt: skip
+    engine = Engine(config, make_executor(config))
     steps = TimedSteps(engine)
     samples: list[tuple[list[Share], float]] = []
 

@@ -81,6 +81,7 @@ def step_overheads(
     twin can be written (tiny_shape)."""
     from tandem.config import EngineConfig
     from tandem.engine.engine import Engine
+    from tandem.executor import make_executor
     from tandem.models.random_gguf import write_random_gguf
     from tandem.plan.calculator import file_weights
     from tandem.plan.calibrate import TimedSteps
@@ -94,12 +95,13 @@ def step_overheads(
     with tempfile.TemporaryDirectory(prefix="tandem-plan-") as scratch:
         tiny = write_random_gguf(Path(scratch) / "tiny.gguf", shape, fmt)
         weights = file_weights(tiny)
-        steps = TimedSteps(Engine(EngineConfig.from_kwargs(
+        config = EngineConfig.from_kwargs(
             str(tiny), max_model_len=depth + DECODE_STEPS + 2,
             max_num_seqs=max(batches), enable_prefix_caching=False,
             # Every prompt in one step, so that the batch decodes together after it.
             max_num_batched_tokens=max(batches) * (depth + 1),
-        )))  # fmt: skip
+        )  # fmt: skip
+        steps = TimedSteps(Engine(config, make_executor(config)))
 
         def decoding(batch: int) -> list[float]:
             """Seconds of each step that decoded all of ``batch`` fresh prompts (a pool

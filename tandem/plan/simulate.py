@@ -34,10 +34,10 @@ from tandem.errors import InvalidParameterError, TandemError
 from tandem.outputs import RequestOutput
 from tandem.plan.cost import ModelShape, StepCostModel, shares_of, transfer_seconds
 from tandem.plan.kv_link import SimulatedConnector
-from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import RequestOutputKind, SamplingParams
-from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import RunnerInfo, RunnerOutput, SpecDecodeStats
+from tandem.trace.recorder import EngineTracing
 
 
 class SimulatedClock:
@@ -151,6 +151,7 @@ class _Node:
     engine: Engine
     runner: SimulatedRunner
     route: Instance  # the router's view of it
+    tracing: EngineTracing | None = None
     stepping: bool = False  # a step is running (its outputs arrive when it ends)
     link_free_at: float = 0.0  # decode: when its link finishes the pulls queued on it
 
@@ -204,7 +205,7 @@ def simulate(
                     shape, cost, sim_clock, num_blocks, config.cache.block_size,
                     max_model_len, vocab_size,
                 )  # fmt: skip
-                node = _Node(role, Engine(config, runner=runner), runner, Instance(name))
+                node = _Node(role, Engine(config, runner), runner, Instance(name))
                 if topology.disaggregated:
                     connector = SimulatedConnector(
                         name, num_blocks, config.cache.block_size,
@@ -212,7 +213,8 @@ def simulate(
                     )  # fmt: skip
                     node.engine.set_kv_connector(connector)
                 if trace is not None:
-                    node.engine.start_trace()
+                    node.tracing = EngineTracing(node.engine)
+                    node.tracing.start()
                 nodes[role].append(node)
         by_name = {node.route.url: node for group in nodes.values() for node in group}
         all_nodes = list(by_name.values())
@@ -316,7 +318,7 @@ def simulate(
         if trace is not None:
             for node in all_nodes:
                 path = trace if len(all_nodes) == 1 else _instance_path(trace, node.route.url)
-                node.engine.stop_trace(path)
+                node.tracing.stop(path)
     results = [_result(finished[i], arrivals[i]) for i in range(len(requests))]
     queries = sum(node.engine.kv_manager.prefix_cache_queries for node in all_nodes)
     hits = sum(node.engine.kv_manager.prefix_cache_hits for node in all_nodes)

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from tandem.engine.scheduler import NewRequestData, ScheduledRequest
-from tandem.grammar import GrammarMatcher
+from tandem.runner.grammar_masks import GrammarMatcher
 from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
 from tandem.sampling import SamplingParams
+from tandem.step import NewRequestData, ScheduledRequest
 
 
 @dataclass

@@ -21,7 +21,6 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
-from tandem.grammar import apply_masks, fill_masks, grammar_tokenizer, new_masks
 from tandem.models.dtypes import torch_dtype_name
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
@@ -30,12 +29,13 @@ from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.attention.triton_paged import TritonPagedAttention
 from tandem.runner.cuda_graphs import DecodeGraphs
+from tandem.runner.grammar_masks import apply_masks, fill_masks, grammar_tokenizer, new_masks
 from tandem.runner.host_to_device import to_device
-from tandem.runner.info import RunnerInfo, RunnerOutput
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
 from tandem.runner.linear import linear_method_for
 from tandem.runner.linear.experts import attach_fused_experts
+from tandem.runner.rejection import verify
 from tandem.runner.sampler import argmax_rows, sample, scored_tokens, unprocessed
 from tandem.runner.tensor_parallel import (
     TensorParallel,
@@ -43,14 +43,13 @@ from tandem.runner.tensor_parallel import (
     parallelize_embedding,
     parallelize_mixtures,
 )
-from tandem.spec_decode.rejection import verify
-from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import RunnerInfo, RunnerOutput, SpecDecodeStats
 
 logger = logging.getLogger("tandem.runner")
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
-    from tandem.engine.scheduler import SchedulerOutput
     from tandem.spec_decode.proposer import Proposer
+    from tandem.step import SchedulerOutput
 
 
 @dataclass

@@ -20,6 +20,7 @@ from tandem.engine.input_processor import EngineRequest
 from tandem.outputs import RequestOutput
 from tandem.server.engine_client import EngineClient
 from tandem.server.metrics import ServerMetrics
+from tandem.trace.recorder import EngineTracing
 
 logger = logging.getLogger("tandem.server")
 
@@ -36,6 +37,7 @@ class AsyncEngine(EngineClient):
         the loop has stopped."""
         super().__init__(engine.config, engine.model_info)
         self.engine = engine
+        self.tracing = EngineTracing(engine)
         self.metrics = metrics
         self.on_shutdown = on_shutdown
         if metrics is not None:
@@ -72,10 +74,10 @@ class AsyncEngine(EngineClient):
         self.core.abort(request_id)
 
     async def start_trace(self) -> None:
-        await asyncio.wrap_future(self.core.call(self.engine.start_trace))
+        await asyncio.wrap_future(self.core.call(self.tracing.start))
 
     async def stop_trace(self):
-        tracer = await asyncio.wrap_future(self.core.call(self.engine.stop_trace))
+        tracer = await asyncio.wrap_future(self.core.call(self.tracing.stop))
         return None if tracer is None else await asyncio.to_thread(tracer.chrome_trace)
 
     async def render_metrics(self) -> str:

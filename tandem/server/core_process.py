@@ -232,7 +232,7 @@ class _CoreProcess:
         self._outbox.put(CallResult(message.call_id))
 
     def _call(self, message: CallCore) -> None:
-        call_id, engine = message.call_id, self.core.engine
+        call_id = message.call_id
         if message.method == "metrics":  # thread-safe; rendered here, off the loop
             self._outbox.put(CallResult(call_id, self.metrics.render()))
             return
@@ -240,7 +240,8 @@ class _CoreProcess:
             error = TandemError(f"unknown call {message.method!r}")
             self._outbox.put(CallResult(call_id, failure=RequestFailure.of("", error)))
             return
-        method = getattr(engine, message.method)
+        tracing = self.served.tracing
+        method = tracing.start if message.method == "start_trace" else tracing.stop
 
         def done(future) -> None:
             if future.exception() is not None:

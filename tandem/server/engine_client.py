@@ -25,8 +25,8 @@ from tandem.engine.core import RequestFailure
 from tandem.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from tandem.errors import EngineDeadError, TandemError
 from tandem.outputs import RequestOutput
-from tandem.runner.info import RunnerInfo
 from tandem.sampling import SamplingParams
+from tandem.step import RunnerInfo
 
 
 class EngineClient:

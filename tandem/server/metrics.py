@@ -24,9 +24,8 @@ from prometheus_client import (
 
 from tandem.engine.observer import EngineObserver, StepStats, load_summary
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import SchedulerOutput
 from tandem.outputs import RequestMetrics
-from tandem.spec_decode.stats import SpecDecodeStats
+from tandem.step import SchedulerOutput, SpecDecodeStats
 
 disable_created_metrics()
 

@@ -197,7 +197,7 @@ class _Sampling(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     # token id (a string, as JSON keys are) -> bias added to its logit, in [-100, 100]
     logit_bias: dict[str, float] | None = None
-    # Structured outputs: at most one of these (tandem/grammar.py). guided_*: vLLM's
+    # Structured outputs: at most one of these (tandem/engine/grammar.py). guided_*: vLLM's
     # older names for the same constraints.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -51,14 +51,17 @@ class ServedEngine:
 
             torch.set_num_threads(options.threads or len(options.cpus))
         from tandem.engine.engine import Engine
+        from tandem.executor import make_executor
         from tandem.server.metrics import ServerMetrics
+        from tandem.trace.recorder import EngineTracing
 
         self.config, self.options = config, options
-        self.engine: Engine = Engine(config)
+        self.engine: Engine = Engine(config, make_executor(config))
         self.metrics: ServerMetrics = ServerMetrics(options.model_name, self.engine.max_model_len)
         self.engine.add_observer(self.metrics)
+        self.tracing = EngineTracing(self.engine)
         if options.trace is not None:
-            self.engine.start_trace()
+            self.tracing.start()
         self.engine.notify_changed()  # the gauges start from the idle engine
         self.connector: DisaggConnector | None = None
 
@@ -74,6 +77,6 @@ class ServedEngine:
         """After the core's loop has stopped: the KV listener, then the trace file."""
         if self.connector is not None:
             self.connector.close()
-        if self.options.trace is not None and self.engine.tracer is not None:
-            self.engine.stop_trace(self.options.trace)
+        if self.options.trace is not None and self.tracing.tracer is not None:
+            self.tracing.stop(self.options.trace)
             logger.info("trace written to %s", self.options.trace)

@@ -1,4 +1,4 @@
-"""The settings of ``tandem train-draft`` (spec_decode/train_draft.py), importable
+"""The settings of ``tandem train-draft`` (train/draft_head.py), importable
 without torch (the command line reads its defaults)."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ training data (EAGLE-3's reduced vocabulary): a draft step reads 8k LM-head rows
 A head folder holds ``config.json`` (architecture ``TandemEagleHead``, the target's
 shape it was trained for, the draft vocabulary size) and ``model.safetensors`` (the
 head's own weights in bfloat16, and the draft vocabulary's token ids); ``tandem
-train-draft`` writes it (spec_decode/train_draft.py), the ``eagle`` proposer runs it
+train-draft`` writes it (train/draft_head.py), the ``eagle`` proposer runs it
 (spec_decode/eagle.py).
 """
 

@@ -13,7 +13,7 @@ A trace left running stays bounded: past ``max_events`` the oldest finished requ
 lanes, then the oldest steps, are dropped (the trace says how many), and a finished
 lane keeps no reference to its request.
 
-The tracer is an EngineObserver (``Engine.start_trace`` attaches one): it hears of
+The tracer is an EngineObserver (``EngineTracing.start`` attaches one): it hears of
 requests being queued and aborted and of every step; everything else is read from the
 step's SchedulerOutput and the requests' own timelines, so the trace and the request
 metrics come from the same clock readings.
@@ -30,7 +30,7 @@ from typing import Any
 from tandem.engine import clock
 from tandem.engine.observer import EngineObserver, StepStats, load_summary
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.step import SchedulerOutput
 
 ENGINE_PID, REQUESTS_PID = 0, 1
 
@@ -220,3 +220,27 @@ class StepTracer(EngineObserver):
 
 def _meta(kind: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+class EngineTracing:
+    """Switches one engine's step trace on and off: its owner (LLM, a served engine,
+    the in-process server client) keeps one, so the engine itself knows no tracer."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tracer: StepTracer | None = None
+
+    def start(self) -> None:
+        """Record every step from now on (requests already queued are not drawn)."""
+        if self.tracer is None:
+            self.tracer = StepTracer()
+            self.engine.add_observer(self.tracer)
+
+    def stop(self, path: str | Path | None = None) -> StepTracer | None:
+        """Stop recording; write the Chrome trace to ``path`` if given."""
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:
+            self.engine.remove_observer(tracer)
+            if path is not None:
+                tracer.write(path)
+        return tracer
