@@ -6,7 +6,7 @@ A small model's step does not use many threads well (a 135M model's matrices are
 small to split over cores without the threads waiting on each other), so two cores,
 each pinned to its own CPUs and running its own batch, can do more than one core
 with both CPUs. The cores are pinned to CPUs of their own where one is left for the
-API server (not on 2 CPUs: server/data_parallel.py). The load generator runs in this
+API server (not on 2 CPUs: serving/data_parallel.py). The load generator runs in this
 process, on the same CPUs: it costs every layout the same.
 
 Then the engines alone, without HTTP: the same requests split between N processes of
@@ -36,7 +36,7 @@ import time
 from benchmarks.common import machine
 from benchmarks.serving import median_run, served
 from tandem.executor.cpus import cpu_share, pin_threads
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.server.launch import tandem_process
 
 

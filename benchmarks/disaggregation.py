@@ -31,7 +31,7 @@ import httpx
 from benchmarks.common import machine
 from tandem.bench.datasets import LocalTokenizer, token_pool
 from tandem.bench.serve import add_arguments, run
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.server.launch import tandem_process
 from tandem.trace.plot import plot_trace
 

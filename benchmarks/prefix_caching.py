@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks.common import machine
 from tandem.bench.datasets import LocalTokenizer, token_pool
 from tandem.bench.serve import add_arguments, run
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.server.launch import tandem_process
 
 

@@ -1,4 +1,4 @@
-"""What a prompt pays the kernel for its temporaries (runner/host_memory.py): prompts of
+"""What a prompt pays the kernel for its temporaries (tandem/host_memory.py): prompts of
 one length back to back, and prompts and decodes mixed, each timed with the process's
 minor page faults and system time beside it.
 

@@ -33,8 +33,7 @@ from benchmarks.common import llama_125m_folder, machine
 from tandem import LLM, SamplingParams
 from tandem.errors import TandemError
 from tandem.eval.run import evaluate, reference_log_probs
-from tandem.models.bundled import DEFAULT_MODEL
-from tandem.models.catalog import is_installed, resolve_model
+from tandem.models.catalog import DEFAULT_MODEL, is_installed, resolve_model
 
 MODULES = ["textwrap.py", "json/decoder.py", "functools.py"]
 SMOLLM2 = "smollm2-135m-instruct"

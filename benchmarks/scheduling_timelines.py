@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks.common import machine
 from tandem import LLM, SamplingParams
 from tandem.bench.datasets import LocalTokenizer, token_pool
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.trace.plot import plot_trace
 
 SETTINGS = {

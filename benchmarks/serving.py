@@ -24,7 +24,7 @@ from tandem import LLM
 from tandem.bench.datasets import LocalTokenizer, random_requests
 from tandem.bench.serve import add_arguments, arrival_gaps, run
 from tandem.bench.summary import percentile
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.sampling import RequestOutputKind
 from tandem.server.launch import tandem_process
 

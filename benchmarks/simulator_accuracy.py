@@ -29,7 +29,7 @@ from tandem.bench.datasets import LocalTokenizer
 from tandem.bench.serve import add_arguments, arrival_gaps, run, workload_requests
 from tandem.bench.summary import summarize
 from tandem.config import EngineConfig
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.plan.calculator import read_model
 from tandem.plan.calibrate import calibrate, frontend_seconds, trace_samples
 from tandem.plan.cost import ModelShape, StepCostModel

@@ -43,7 +43,7 @@ import time
 
 from benchmarks.common import machine
 from tandem import LLM, SamplingParams
-from tandem.models.bundled import DEFAULT_MODEL
+from tandem.models.catalog import DEFAULT_MODEL
 from tandem.models.tokenizer import Tokenizer
 from tandem.train.corpus import split, stdlib_root, stdlib_sources
 

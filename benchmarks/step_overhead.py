@@ -41,7 +41,7 @@ from tandem import LLM, SamplingParams
 
 
 def bundled_folder() -> Path:
-    from tandem.models.bundled import DEFAULT_MODEL
+    from tandem.models.catalog import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 

@@ -230,7 +230,7 @@ KV_ROLES = ("both", "prefill", "decode")
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Disaggregated serving: this instance's role and how its KV connector behaves
-    (tandem/disagg/connector.py; `tandem serve --role`)."""
+    (tandem/serving/disagg_connector.py; `tandem serve --role`)."""
 
     role: str = setting(
         "both", "prefill: run prompts and keep their K/V for a decode instance; decode: "

@@ -20,7 +20,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
 from tandem.executor import make_executor
-from tandem.models.bundled import default_model
+from tandem.models.catalog import default_model
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 from tandem.trace.recorder import EngineTracing

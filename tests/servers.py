@@ -15,7 +15,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.server.launch import free_port, tandem_process, wait_healthy
-from tandem.server.metrics import RENDER_INTERVAL
+from tandem.serving.metrics import RENDER_INTERVAL
 
 MODEL = "tiny"  # the name servers of the test model folders are served as
 KV_SECRET = "test-deployment-secret"  # of the disaggregated test deployments

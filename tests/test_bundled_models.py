@@ -11,8 +11,13 @@ import transformers
 
 from tandem import LLM, SamplingParams
 from tandem.models import catalog
-from tandem.models.bundled import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, default_model
-from tandem.models.catalog import is_installed, resolve_model
+from tandem.models.catalog import (
+    DEFAULT_DRAFT_MODEL,
+    DEFAULT_MODEL,
+    default_model,
+    is_installed,
+    resolve_model,
+)
 from tandem.models.loader import load_model
 from tandem.runner.model_runner import ModelRunner, SequenceChunk, forward_no_cache
 from tandem.train.corpus import split, stdlib_root, stdlib_sources

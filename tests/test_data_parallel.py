@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.disagg.policy import Instance, prefix_affinity
 from tandem.errors import InvalidParameterError
 from tandem.executor.cpus import cpu_share
-from tandem.server.data_parallel import (
+from tandem.server.launch import tandem_server
+from tandem.serving.data_parallel import (
     check_data_parallel,
     core_config,
     core_cpus,
@@ -29,8 +29,8 @@ from tandem.server.data_parallel import (
     merge_metrics,
     merge_traces,
 )
-from tandem.server.launch import tandem_server
-from tandem.server.served_engine import CoreOptions
+from tandem.serving.placement import Instance, prefix_affinity
+from tandem.serving.served_engine import CoreOptions
 from tests.servers import MODEL, core_pids, metric, serve, wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "In 1969, the"]

@@ -19,7 +19,7 @@ from tandem.engine.input_processor import EngineRequest
 from tandem.engine.output_processor import OutputProcessor
 from tandem.errors import RequestFailedError
 from tandem.sampling import RequestOutputKind
-from tandem.server.async_engine import AsyncEngine
+from tandem.serving.async_engine import AsyncEngine
 from tests.hf_models import VOCAB_SIZE, reference_greedy
 
 MAX_NEW = 8

@@ -1,4 +1,4 @@
-"""runner/host_memory.py against glibc itself, in a fresh process: decode-sized
+"""tandem/host_memory.py against glibc itself, in a fresh process: decode-sized
 forwards and prompts of one chunk keep their large temporaries in the heap (reused: no
 page faults next time), prompt chunks over a long context map them afresh (given back
 when freed: no holes in the heap) after giving the heap's free blocks back, and the
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 PROBE = """
 import json, torch
-from tandem.runner import host_memory
+from tandem import host_memory
 
 def heap_kb():
     lines = open("/proc/self/smaps").read().splitlines()

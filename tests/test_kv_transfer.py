@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from tandem.disagg.transfer import KVTransferError, ZmqKVAgent, make_kv_agent
+from tandem.disagg.agents import make_kv_agent
+from tandem.disagg.transfer import KVTransferError, ZmqKVAgent
 
 
 def backend_or_skip(backend: str) -> str:

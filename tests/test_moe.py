@@ -254,7 +254,7 @@ def test_the_trace_and_metrics_show_where_tokens_went(model_dirs):
     observers: the trace's steps say how many experts a layer read and how unevenly,
     /metrics counts tokens per expert; a decode step of one token reads top_k a layer,
     and every token is routed top_k times in each sparse layer."""
-    from tandem.server.metrics import ServerMetrics
+    from tandem.serving.metrics import ServerMetrics
     from tandem.trace.recorder import StepTracer
 
     folder, _ = model_dirs("qwen3_moe")  # 3 layers, the middle one dense; 6 experts, 2 a token

@@ -20,9 +20,9 @@ from tandem.engine.engine import Engine
 from tandem.executor import make_executor
 from tandem.models.tokenizer import Tokenizer
 from tandem.server.api import build_app
-from tandem.server.async_engine import AsyncEngine
 from tandem.server.launch import tandem_process
-from tandem.server.metrics import ServerMetrics
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.metrics import ServerMetrics
 from tests.servers import metric, thread_server, wait_for
 from tests.test_structured_outputs import COLORED  # the schema a random model can finish
 

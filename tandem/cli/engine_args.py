@@ -140,7 +140,7 @@ def model_or_default(args: argparse.Namespace) -> str:
     """``--model``, or the default model, saying on stderr which it is."""
     if args.model:
         return args.model
-    from tandem.models.bundled import default_model_choice
+    from tandem.models.catalog import default_model_choice
 
     model, message = default_model_choice()
     print(f"tandem: {message}", file=sys.stderr)

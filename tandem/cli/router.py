@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from tandem.disagg.router import run_router
+    from tandem.server.pd_router import run_router
 
     run_router(
         args.prefill, args.decode, args.host, args.port, args.local_prefill_threshold,

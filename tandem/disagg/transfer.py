@@ -243,30 +243,3 @@ class ZmqKVAgent:
         self._thread.join(timeout=5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
-
-
-def make_kv_agent(
-    kv_cache,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    on_notify: Callable[[dict], None] | None = None,
-    timeout_s: float = 30.0,
-    backend: str = "auto",
-    authorize: Callable[[str, str, list[int]], str] | None = None,
-) -> ZmqKVAgent:
-    """The NIXL backend when ``nixl`` is installed (``auto``) or asked for, else ZeroMQ
-    (always for a tensor-parallel instance's ranks: NIXL registers one tensor)."""
-    if not isinstance(kv_cache, torch.Tensor):
-        if backend == "nixl":
-            raise KVTransferError("--kv-backend nixl moves one rank's cache: use zmq with "
-                                  "--tensor-parallel-size")  # fmt: skip
-        backend = "zmq"
-    if backend in ("auto", "nixl"):
-        try:
-            from tandem.disagg.nixl_transfer import NixlKVAgent
-        except ImportError:
-            if backend == "nixl":
-                raise KVTransferError("--kv-backend nixl needs the nixl package") from None
-        else:
-            return NixlKVAgent(kv_cache, host, port, on_notify, timeout_s, authorize)
-    return ZmqKVAgent(kv_cache, host, port, on_notify, timeout_s, authorize)

@@ -9,9 +9,9 @@ inbox; busy, it takes what is there and steps again:
                                                     loop: drain inbox, engine.step()
     emit(outputs, failures) <-- after every step (and when a request is failed)
 
-The same loop runs on a thread of the server's process (server/async_engine.py,
+The same loop runs on a thread of the server's process (serving/async_engine.py,
 ``--no-engine-process``) or as the main thread of the engine-core process
-(server/core_process.py), where ``emit`` hands the batch to the thread that sends it.
+(serving/core_process.py), where ``emit`` hands the batch to the thread that sends it.
 
 A request that fails alone (its output has ``error``: the engine isolated it) ends
 with a RequestFailure; an exception out of a whole step (the shared forward pass)

@@ -1,7 +1,7 @@
 """The KV-connector seam: how a request's K/V arrive from, or are kept for, another
 engine instance (disaggregated prefill/decode), in the shape of vLLM's
 KVConnectorBase_V1 scheduler side. The scheduler calls four hooks; an implementation
-(tandem/disagg/connector.py) moves the bytes on its own threads and owns the blocks it
+(tandem/serving/disagg_connector.py) moves the bytes on its own threads and owns the blocks it
 keeps. Nothing about leases, hosts or transfers lives in the scheduler, the KV manager
 or the request::
 
@@ -125,26 +125,6 @@ def _field(raw: dict[str, Any], key: str, kind: type) -> Any:
             f"kv_transfer_params.{key}", f"must be {kind.__name__}, got {value!r}"
         )
     return value
-
-
-def keeps_for_decode(request: Request) -> bool:
-    """Whether a finished request's blocks are for a decode instance to read: it asked
-    for a remote decode and ended as a prefill ends (not aborted, not failed)."""
-    from tandem.engine.request import RequestStatus  # (request.py imports this module)
-
-    transfer = request.kv_transfer
-    return (
-        transfer is not None
-        and transfer.do_remote_decode
-        and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
-    )
-
-
-def remote_prefix(request: Request, block_ids: list[int], block_size: int) -> tuple[int, list]:
-    """What a decode instance reads of a finished prompt: every token but the last (it
-    computes that one itself, for its logits), and the blocks holding them."""
-    num_tokens = len(request.prompt_token_ids) - 1
-    return num_tokens, block_ids[: -(-num_tokens // block_size)]
 
 
 @dataclass(frozen=True)

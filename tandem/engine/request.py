@@ -114,3 +114,21 @@ class Request:
             f"Request({self.request_id!r}, {self.status.value}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def keeps_for_decode(request: Request) -> bool:
+    """Whether a finished request's blocks are for a decode instance to read: it asked
+    for a remote decode and ended as a prefill ends (not aborted, not failed)."""
+    transfer = request.kv_transfer
+    return (
+        transfer is not None
+        and transfer.do_remote_decode
+        and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+    )
+
+
+def remote_prefix(request: Request, block_ids: list[int], block_size: int) -> tuple[int, list]:
+    """What a decode instance reads of a finished prompt: every token but the last (it
+    computes that one itself, for its logits), and the blocks holding them."""
+    num_tokens = len(request.prompt_token_ids) - 1
+    return num_tokens, block_ids[: -(-num_tokens // block_size)]

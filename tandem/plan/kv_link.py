@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.config import KVTransferConfig
-from tandem.engine.kv_connector import FinishedTransfer, keeps_for_decode, remote_prefix
-from tandem.engine.request import Request
+from tandem.engine.kv_connector import FinishedTransfer
+from tandem.engine.request import Request, keeps_for_decode, remote_prefix
 
 
 class SimulatedConnector:

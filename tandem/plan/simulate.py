@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from tandem.bench.client import RequestResult
 from tandem.bench.datasets import BenchRequest
 from tandem.config import EngineConfig
-from tandem.disagg.policy import Instance, least_busy
 from tandem.engine import clock
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError, TandemError
@@ -36,6 +35,7 @@ from tandem.plan.cost import ModelShape, StepCostModel, shares_of, transfer_seco
 from tandem.plan.kv_link import SimulatedConnector
 from tandem.runner.sampler import SampledToken
 from tandem.sampling import RequestOutputKind, SamplingParams
+from tandem.serving.placement import Instance, least_busy
 from tandem.step import RunnerInfo, RunnerOutput, SpecDecodeStats
 from tandem.trace.recorder import EngineTracing
 
@@ -89,7 +89,7 @@ class Topology:
     hardware and settings: ``instances`` colocated ones, or ``prefill`` + ``decode``
     disaggregated ones whose prompts' K/V cross a link (each decode instance pulls
     over its own, one transfer at a time: ``link_latency_s`` + bytes / ``link_gbs``).
-    Requests are routed as `tandem router` routes them (tandem/disagg/policy.py);
+    Requests are routed as `tandem router` routes them (tandem/serving/placement.py);
     the router's own time (HTTP hops) is not counted."""
 
     instances: int = 1

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem import host_memory
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
 from tandem.models.dtypes import torch_dtype_name
 from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel, load_model
 from tandem.models.moe import SparseMoE
-from tandem.runner import host_memory
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.attention.triton_paged import TritonPagedAttention
 from tandem.runner.cuda_graphs import DecodeGraphs

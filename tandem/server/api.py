@@ -42,7 +42,6 @@ from starlette.exceptions import HTTPException
 from tandem.errors import InvalidParameterError, TandemError, require_unicode
 from tandem.sampling import model_sampling_defaults
 from tandem.server import anthropic, responses_api
-from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, as_api_error, invalid_body
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import BodyGuard, ServerLimits
@@ -56,6 +55,7 @@ from tandem.server.protocol import (
 )
 from tandem.server.request_id import EchoRequestId
 from tandem.server.tool_calls import ToolCalling
+from tandem.serving.engine_client import EngineClient
 
 _HTTP_ERROR_TYPES = {
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",

@@ -19,10 +19,10 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams
-from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, as_api_error
 from tandem.server.responses import ChoiceStream, Echo
 from tandem.server.tool_calls import ToolCalling
+from tandem.serving.engine_client import EngineClient
 
 
 class CompletionHandler:

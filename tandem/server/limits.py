@@ -23,8 +23,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tandem import host_memory
 from tandem.errors import InvalidParameterError
-from tandem.runner import host_memory
 from tandem.server.errors import APIError
 
 logger = logging.getLogger("tandem.server")

@@ -15,10 +15,10 @@ import uvicorn
 from tandem.config import EngineConfig
 from tandem.errors import TandemError
 from tandem.server.api import build_app
-from tandem.server.data_parallel import check_data_parallel, start_engine
-from tandem.server.engine_client import EngineClient
 from tandem.server.limits import ServerLimits, h11_protocol
-from tandem.server.served_engine import CoreOptions, ServedEngine
+from tandem.serving.data_parallel import check_data_parallel, start_engine
+from tandem.serving.engine_client import EngineClient
+from tandem.serving.served_engine import CoreOptions, ServedEngine
 
 logger = logging.getLogger("tandem.server")
 
@@ -89,7 +89,7 @@ def run_server(
 
 def _in_process_engine(config: EngineConfig, options: CoreOptions) -> EngineClient:
     """The core on a thread of this process (``--no-engine-process``)."""
-    from tandem.server.async_engine import AsyncEngine
+    from tandem.serving.async_engine import AsyncEngine
 
     served = ServedEngine(config, options)
     client = AsyncEngine(

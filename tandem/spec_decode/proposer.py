@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from tandem.config import SpeculativeConfig
-from tandem.models.bundled import default_draft_model
+from tandem.models.catalog import default_draft_model
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 
 Each core is a whole engine (core_client.py: its own process, scheduler, KV cache and,
 with ``--tensor-parallel-size``, its own group of ranks) on its own run of this host's
-CPUs. Requests are placed by the router's policies (disagg/policy.py): the fewest
+CPUs. Requests are placed by the router's policies (serving/placement.py): the fewest
 requests in flight (round robin among equals), or with ``--data-parallel-routing
 prefix`` the core the prompt's first KV block maps to, whose prefix cache likely
 holds it, unless that core is busier than the others by more than AFFINITY_SLACK. A
@@ -34,14 +34,14 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from tandem.disagg.policy import Instance, prefix_affinity
 from tandem.engine.block_pool import block_digest
 from tandem.engine.input_processor import EngineRequest
 from tandem.errors import EngineDeadError, InvalidParameterError
 from tandem.executor.cpus import allowed_cpus, numa_nodes, rank_cpus
-from tandem.server.core_client import EngineCoreClient
-from tandem.server.engine_client import EngineClient
-from tandem.server.served_engine import CoreOptions
+from tandem.serving.core_client import EngineCoreClient
+from tandem.serving.engine_client import EngineClient
+from tandem.serving.placement import Instance, prefix_affinity
+from tandem.serving.served_engine import CoreOptions
 
 logger = logging.getLogger("tandem.server")
 

@@ -18,8 +18,8 @@ from tandem.engine.core import EngineCore, RequestFailure
 from tandem.engine.engine import Engine
 from tandem.engine.input_processor import EngineRequest
 from tandem.outputs import RequestOutput
-from tandem.server.engine_client import EngineClient
-from tandem.server.metrics import ServerMetrics
+from tandem.serving.engine_client import EngineClient
+from tandem.serving.metrics import ServerMetrics
 from tandem.trace.recorder import EngineTracing
 
 logger = logging.getLogger("tandem.server")

@@ -38,7 +38,7 @@ from tandem.engine.core import EngineCore, RequestFailure
 from tandem.engine.input_processor import EngineRequest
 from tandem.errors import TandemError
 from tandem.outputs import RequestOutput
-from tandem.server.served_engine import CoreOptions, ServedEngine
+from tandem.serving.served_engine import CoreOptions, ServedEngine
 
 logger = logging.getLogger("tandem.server")
 

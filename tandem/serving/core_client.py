@@ -33,7 +33,7 @@ import zmq
 from tandem.config import EngineConfig
 from tandem.engine.input_processor import EngineRequest
 from tandem.errors import EngineDeadError, TandemError
-from tandem.server.core_process import (
+from tandem.serving.core_process import (
     AbortRequests,
     AddRequest,
     CallCore,
@@ -44,7 +44,7 @@ from tandem.server.core_process import (
     StepOutputs,
     run_engine_core,
 )
-from tandem.server.engine_client import EngineClient
+from tandem.serving.engine_client import EngineClient
 
 logger = logging.getLogger("tandem.server")
 

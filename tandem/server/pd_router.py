@@ -38,12 +38,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
-from tandem.disagg.policy import Instance, least_busy
 from tandem.errors import InvalidParameterError
 from tandem.server.errors import APIError, as_api_error, error_response, invalid_body
 from tandem.server.limits import BodyGuard, ServerLimits
-from tandem.server.metrics import LATENCY_BUCKETS
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serving.metrics import LATENCY_BUCKETS
+from tandem.serving.placement import Instance, least_busy
 
 logger = logging.getLogger("tandem.router")
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from tandem.config import EngineConfig
 
 if TYPE_CHECKING:
-    from tandem.disagg.connector import DisaggConnector
     from tandem.engine.core import EngineCore
     from tandem.engine.engine import Engine
-    from tandem.server.metrics import ServerMetrics
+    from tandem.serving.disagg_connector import DisaggConnector
+    from tandem.serving.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.server")
 
@@ -52,7 +52,7 @@ class ServedEngine:
             torch.set_num_threads(options.threads or len(options.cpus))
         from tandem.engine.engine import Engine
         from tandem.executor import make_executor
-        from tandem.server.metrics import ServerMetrics
+        from tandem.serving.metrics import ServerMetrics
         from tandem.trace.recorder import EngineTracing
 
         self.config, self.options = config, options
@@ -69,7 +69,7 @@ class ServedEngine:
         """A disaggregated role's KV connector, driven through the core's loop."""
         transfer = self.config.kv_transfer
         if transfer is not None and transfer.role != "both":
-            from tandem.disagg.connector import DisaggConnector
+            from tandem.serving.disagg_connector import DisaggConnector
 
             self.connector = DisaggConnector(core, self.metrics, transfer, self.options.host)
 

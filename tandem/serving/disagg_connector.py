@@ -34,14 +34,15 @@ import uuid
 from typing import Any
 
 from tandem.config import KVTransferConfig
+from tandem.disagg.agents import make_kv_agent
 from tandem.disagg.auth import KVAuth, prompt_digest
-from tandem.disagg.transfer import KVTransferError, make_kv_agent
+from tandem.disagg.transfer import KVTransferError
 from tandem.engine.core import EngineCore
 from tandem.engine.input_processor import EngineRequest
-from tandem.engine.kv_connector import FinishedTransfer, keeps_for_decode, remote_prefix
-from tandem.engine.request import Request
+from tandem.engine.kv_connector import FinishedTransfer
+from tandem.engine.request import Request, keeps_for_decode, remote_prefix
 from tandem.errors import InvalidParameterError, TandemError
-from tandem.server.metrics import ServerMetrics
+from tandem.serving.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.disagg")
 
