@@ -73,9 +73,9 @@ def main() -> None:
     for dtype in args.dtype:
         llm = LLM(str(folder), dtype=dtype, max_num_seqs=max(args.batch))
         weight_bytes = sum(
-            p.numel() * p.element_size() for p in llm.engine.executor.model.parameters()
+            p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters()
         )
-        params = sum(p.numel() for p in llm.engine.executor.model.parameters())
+        params = sum(p.numel() for p in llm.engine.executor.runner.model.parameters())
         tflops = matmul_tflops(getattr(torch, dtype))
         memory_floor = weight_bytes / (bandwidth * 1e9)
         hf_model = None

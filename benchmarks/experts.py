@@ -70,7 +70,7 @@ def main() -> None:
         def random_logits(_module, _args, logits):
             return torch.randn(logits.shape, generator=routing)
 
-        for module in llm.engine.executor.model.modules():
+        for module in llm.engine.executor.runner.model.modules():
             if isinstance(module, SparseMoE):
                 module.gate.register_forward_hook(random_logits)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -88,7 +88,7 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
 
 def tandem_figures(path: Path, repeats: int, quantization: str = "auto") -> dict[str, float]:
     llm = LLM(str(path), max_num_seqs=16, max_num_batched_tokens=2048, quantization=quantization)
-    vocab = llm.engine.executor.model.config.vocab_size
+    vocab = llm.engine.executor.runner.model.config.vocab_size
     tandem_step_seconds(llm, 1, 128, 128)  # warm-up, as llama-bench does one
     b1 = statistics.median(tandem_step_seconds(llm, 1, 128, 128) for _ in range(repeats))
     b16 = statistics.median(tandem_step_seconds(llm, 16, 128, 128) for _ in range(repeats))

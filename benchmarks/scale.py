@@ -78,7 +78,7 @@ def tandem_point(
         model, max_model_len=context, max_num_seqs=1, kv_cache_memory=8 << 30,
         long_prefill_token_threshold=long_prefill, **kv,
     )  # fmt: skip
-    vocab = llm.engine.executor.model.config.vocab_size
+    vocab = llm.engine.executor.runner.model.config.vocab_size
     prompt = torch.randint(0, vocab, (depth,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     output = llm.generate({"prompt_token_ids": prompt.tolist()}, params, use_tqdm=False)[0]

@@ -82,7 +82,7 @@ def measure(
     for i in range(batch):
         prompt = [(i * 131 + j * 7 + 3) % vocab for j in range(prompt_len)]
         engine.add_request(f"ovh-{batch}-{i}", {"prompt_token_ids": prompt}, params)
-    model = engine.executor.model
+    model = engine.executor.runner.model
     timer = ForwardTimer(model)
     steps: list[tuple[float, float]] = []
     matmul = num_ops = None
@@ -235,7 +235,7 @@ def main() -> None:
     for name in args.models:
         folder = folders[name]() if name in folders else name  # or a path / catalog name
         llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.batch))
-        vocab = llm.engine.executor.model.config.vocab_size
+        vocab = llm.engine.executor.runner.model.config.vocab_size
         hf_model = None
         if args.transformers and vocab >= 32000:  # its prompts use ids below 32000
             import transformers

@@ -93,7 +93,7 @@ def test_quantize_writes_a_gguf_file_generate_runs(model_dirs, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     llm = LLM(str(out))
-    assert llm.engine.executor.model.model.layers[0].mlp.down_proj.packed_parts
+    assert llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.packed_parts
     expected = llm.generate(
         "The quick brown", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
     )[0]

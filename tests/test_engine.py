@@ -279,7 +279,7 @@ def test_a_kv_cache_that_cannot_fit_is_refused_at_start(llama_folder, monkeypatc
         LLM(llama_folder, num_blocks=100_000, max_model_len=64)
     llm = LLM(llama_folder, max_model_len=64, max_num_seqs=64)
     per_block = kv_cache.kv_bytes_per_block(
-        llm.engine.executor.model.config, 16, torch.float32, "auto"
+        llm.engine.executor.runner.model.config, 16, torch.float32, "auto"
     )
     assert llm.engine.executor.info.num_blocks == int((1 << 20) * 0.8 // per_block)
 

@@ -64,8 +64,8 @@ def _kept(ids: list[int], prompt_len: int) -> torch.Tensor:
 
 def _logits(llm: LLM, ids: list[int], kept: torch.Tensor) -> torch.Tensor:
     """The model's logits at the positions ``kept`` of ``ids`` (one causal pass)."""
-    model = llm.engine.executor.model
-    attn = CausalAttention(1, len(ids), llm.engine.executor.config.layer_windows())
+    model = llm.engine.executor.runner.model
+    attn = CausalAttention(1, len(ids), llm.engine.executor.runner.config.layer_windows())
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
         return model.compute_logits(hidden[kept])
@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(models):
     compared positions, `_kept` above); the quantized kernels (int8 activations, as
     llama.cpp) mostly choose the same."""
     reference, exact, quantized = models
-    tokenizer = exact.engine.executor.loaded.tokenizer
+    tokenizer = exact.engine.executor.runner.loaded.tokenizer
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     long_ids = tokenizer.encode(LONG_PROMPT)
     assert len(long_ids) > 512 + 100

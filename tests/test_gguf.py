@@ -512,7 +512,7 @@ def test_unsupported_types_and_architectures_get_one_clear_error(hf_folders, tmp
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits after every prefix of ``ids``, on the engine's own model (its linear
     methods: quantized kernels where the weights are quantized)."""
-    model = llm.engine.executor.model
+    model = llm.engine.executor.runner.model
     attn = CausalAttention(1, len(ids))
     with torch.no_grad():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
@@ -574,7 +574,7 @@ def test_whole_layer_decode_equals_layer_by_layer(
         monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
         llm = LLM(path, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        layers = llm.engine.executor.model.model.layers
+        layers = llm.engine.executor.runner.model.model.layers
         used = getattr(layers[0], "_fused_decode", None) is not None
         stacked = bool(getattr(layers, "_fused_stack", None))
         return used, stacked, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
@@ -724,7 +724,7 @@ QUESTIONS = [
 @needs_smollm2
 def test_smollm2_answers_from_the_quantized_file():
     llm = LLM("smollm2-135m-instruct")
-    model = llm.engine.executor.model
+    model = llm.engine.executor.runner.model
     # The tied LM head multiplies the embedding's Q8_0 table itself: one copy, quantized.
     assert packed_parts(model.lm_head)[0][1] is model.model.embed_tokens.packed
     out = llm.chat(
@@ -747,7 +747,7 @@ def test_smollm2_greedy_tokens_equal_transformers():
     reference = from_gguf(SMOLLM2)
     exact = LLM(str(SMOLLM2), quantization="none")
     quantized = LLM(str(SMOLLM2))
-    tokenizer = exact.engine.executor.loaded.tokenizer
+    tokenizer = exact.engine.executor.runner.loaded.tokenizer
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for question in QUESTIONS:
         ids = tokenizer.encode_chat([{"role": "user", "content": question}])

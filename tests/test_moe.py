@@ -215,7 +215,7 @@ def test_the_fused_experts_kernel_equals_the_loop_over_experts(
                   expert_intermediate=256)  # fmt: skip
     path = write_random_gguf(tmp_path / "moe.gguf", shape, fmt)
     llm = LLM(str(path))
-    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, SparseMoE)]
+    layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, SparseMoE)]
     assert layers and all(hasattr(m, "fused_experts") for m in layers)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
     with torch.inference_mode():
@@ -240,7 +240,7 @@ def test_a_random_qwen2_moe_file_runs_its_experts_fused_beside_the_shared_one(tm
                   experts=4, experts_used=2, expert_intermediate=96,
                   shared_intermediate=160)  # fmt: skip
     llm = LLM(str(write_random_gguf(tmp_path / "moe.gguf", shape, "q4_0")))
-    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, SparseMoE)]
+    layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, SparseMoE)]
     assert len(layers) == 2 and all(hasattr(m, "fused_experts") for m in layers)
     assert all(m.shared_expert is not None and not m.normalize for m in layers)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(), use_tqdm=False)[0]

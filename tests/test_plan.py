@@ -327,7 +327,7 @@ def test_a_gguf_file_is_priced_as_the_engine_holds_it(tmp_path):
     assert planned["dtype"] == "gguf" and planned["weight_formats"] == "Q4_K"
     assert planned["kv_dtype"] == "fp32"
     llm = LLM(str(path), max_num_seqs=4)  # the engine's capacity does not depend on it...
-    model = llm.engine.executor.model
+    model = llm.engine.executor.runner.model
     packed = {id(w): w.nbytes for m in model.modules() for _, w in packed_parts(m)}
     packed[id(model.model.embed_tokens.packed)] = model.model.embed_tokens.packed.nbytes
     held = sum(packed.values()) + sum(p.nbytes for p in model.parameters())

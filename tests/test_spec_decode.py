@@ -341,7 +341,7 @@ def test_the_runner_copy_of_every_request_matches_the_scheduler(target, bad_draf
     for i, prompt in enumerate([*prompts, prompts[0]]):  # the last one: a prefix hit
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     preempted = 0
-    batch = engine.executor.input_batch
+    batch = engine.executor.runner.input_batch
     while engine.has_unfinished_requests():
         engine.step()
         preempted += sum(len(r.timeline.preemption_times) for r in engine.scheduler.waiting)
@@ -400,7 +400,7 @@ def test_tune_layer_skip_ranks_candidates_by_measured_agreement(target):
     candidates = tune(llm, num_prompts=2, num_tokens=16)
     assert [c.speedup for c in candidates] == sorted((c.speedup for c in candidates),
                                                       reverse=True)  # fmt: skip
-    loaded = llm.engine.executor.loaded
+    loaded = llm.engine.executor.runner.loaded
     texts = calibration_text(llm, 2, 16)
     one = candidates[0]
     agree = total = 0

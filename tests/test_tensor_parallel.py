@@ -423,7 +423,7 @@ def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
         LLM(str(folder), tensor_parallel_size=0)
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
-    config = LLM(str(folder)).engine.executor.loaded.config
+    config = LLM(str(folder)).engine.executor.runner.loaded.config
     other = dataclasses.replace(config, architecture="PhiForCausalLM")
     with pytest.raises(ModelLoadError, match="does not split PhiForCausalLM"):
         ShardPlan(other, 0, 2)
@@ -437,13 +437,13 @@ def test_the_executor_of_one_rank_equals_one_process(smollm2_like, monkeypatch, 
     give one process's tokens and log-probabilities."""
     import torch.distributed as dist
 
-    import tandem.executor
+    import tandem.llm
     from tandem.executor.multiproc import MultiprocExecutor
 
     folder, _ = smollm2_like
     ids = prompts([7, 13, 5], seed=4)
     reference = _generate(LLM(str(folder), max_num_seqs=4, device=device, dtype="float32"), ids)
-    monkeypatch.setattr(tandem.executor, "make_executor", MultiprocExecutor)
+    monkeypatch.setattr(tandem.llm, "make_executor", MultiprocExecutor)
     ranked = LLM(str(folder), max_num_seqs=4, device=device, dtype="float32")
     try:
         executor = ranked.engine.executor
@@ -871,7 +871,7 @@ def test_an_eagle_head_on_two_ranks_borrows_the_whole_vocabulary(model_dirs, tmp
         "llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=tied,
     )  # fmt: skip
-    config = LLM(str(folder)).engine.executor.loaded.config
+    config = LLM(str(folder)).engine.executor.runner.loaded.config
     torch.manual_seed(0)
     head = EagleHead(config, torch.arange(0, config.vocab_size, 3))
     for parameter in head.parameters():
@@ -887,7 +887,7 @@ def test_an_eagle_head_on_two_ranks_borrows_the_whole_vocabulary(model_dirs, tmp
     try:
         ours = _generate(two, ids)
         borrowed = two.engine.executor.runner.proposer.head.lm_head.weight
-        assert torch.allclose(borrowed, one.engine.executor.proposer.head.lm_head.weight)
+        assert torch.allclose(borrowed, one.engine.executor.runner.proposer.head.lm_head.weight)
         assert two.engine.spec_stats.num_draft_tokens > 0
     finally:
         _close(two)

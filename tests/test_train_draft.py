@@ -55,7 +55,7 @@ def test_the_loss_goes_down_and_the_head_folder_loads(trained):
     assert config["target"]["model"] == TARGET and config["draft_vocab_size"] == 1024
     assert config["training"]["heldout_first_guess_agreement"] > 0.2
     llm = LLM(TARGET)
-    head = load_head(out, llm.engine.executor.loaded.model)
+    head = load_head(out, llm.engine.executor.runner.loaded.model)
     assert len(head.draft_vocab) == 1024
 
 

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> None:
     if not 1 <= args.prompts <= len(PROMPTS) or args.tokens < 8:
         raise InvalidParameterError("--prompts", f"in 1-{len(PROMPTS)}, with --tokens >= 8")
     llm = LLM(args.model)
-    if not hasattr(llm.engine.executor.model, "skipped_layers"):
+    if not hasattr(llm.engine.executor.runner.model, "skipped_layers"):
         raise InvalidParameterError("--model", "layer skipping needs a Llama-family model")
     candidates = tune(llm, args.prompts, args.tokens)
     best = candidates[0]

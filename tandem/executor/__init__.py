@@ -1,7 +1,7 @@
 """Between the engine core and the model: who runs each step's forward.
 
-    one process     the engine drives a ModelRunner directly (the runner is its own
-                    executor: ``info``, ``execute``, ``spec_stats``)
+    local.py        one process: the steps run on this process's runner (the worker,
+                    tandem/worker/, loads it and sizes its cache)
     multiproc.py    tensor parallelism: this process is rank 0 and starts ranks
                     1..N-1 as processes of their own (worker.py; other hosts' with
                     `tandem worker`, node.py); every step's SchedulerOutput goes to all
@@ -10,26 +10,26 @@
     external.py     ranks started by torchrun, each running the same program with its
                     own engine; deterministic scheduling keeps them in step
 
-The engine calls ``make_executor``; it never learns how many processes there are.
+Each implements tandem/step.py's Executor. Whoever builds an engine calls
+``make_executor`` and hands the result over; the engine never learns how many
+processes there are.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tandem.config import EngineConfig
 from tandem.errors import InvalidParameterError
-
-if TYPE_CHECKING:
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.runner.tensor_parallel import TensorParallel
+from tandem.step import Executor
 
 
-def make_executor(config: EngineConfig):
-    """The runner (one process) or the tensor-parallel executor the config asks for."""
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor the config asks for: one process, or tensor-parallel ranks."""
     size = config.parallel.tensor_parallel_size
     if size == 1:
-        return build_runner(config)
+        from tandem.executor.local import LocalExecutor
+        from tandem.worker.worker import build_runner
+
+        return LocalExecutor(build_runner(config))
     check_parallel(config)
     if config.parallel.distributed_executor_backend == "external_launcher":
         from tandem.executor.external import ExternalLauncherExecutor
@@ -38,22 +38,6 @@ def make_executor(config: EngineConfig):
     from tandem.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config)
-
-
-def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner:
-    """One rank's runner and its speculative proposer: spec_decode builds runners of
-    its own (a draft model's), so the runner is handed its proposer from here rather
-    than importing spec_decode."""
-    from tandem.runner.model_runner import ModelRunner
-    from tandem.spec_decode.proposer import make_proposer
-
-    runner = ModelRunner.from_config(config, tp)
-    runner.use_proposer(
-        make_proposer(
-            config.speculative, runner.loaded, runner.info.num_blocks, runner.block_size, tp
-        )
-    )
-    return runner
 
 
 def check_gpus(config: EngineConfig) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError, InvalidParameterError
 from tandem.executor import ranks
+from tandem.executor.local import LocalExecutor
 from tandem.executor.step_channel import hung_after, set_hang_timeout
 from tandem.runner.shm_group import ShmGroup, create_segment
 
@@ -43,7 +44,7 @@ def _peer_gone(pids: list[int]) -> str | None:
     return None
 
 
-class ExternalLauncherExecutor:
+class ExternalLauncherExecutor(LocalExecutor):
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel.tensor_parallel_size
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -73,26 +74,16 @@ class ExternalLauncherExecutor:
                 os.unlink(box[0])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", size if one_host else 1))
         self.host_settings = ranks.HostSettings()
-        self.runner = ranks.build_rank(config, rank, shm, local)
-        self.info = self.runner.info
+        super().__init__(ranks.build_rank(config, rank, shm, local))
         self.hang_timeout_s: float | None = None
         if shm is None:
             dist.barrier()  # every rank has loaded (loads differ in length)
             self.hang_timeout_s = set_hang_timeout(self.runner.tp.comm)
 
-    @property
-    def spec_stats(self):
-        return self.runner.spec_stats
-
-    def expert_load(self) -> tuple[tuple[int, ...], ...]:
-        """A mixture's last step, tokens per expert (every rank routes over all the
-        experts, so this rank's counts are the whole model's)."""
-        return self.runner.expert_load()
-
     def execute(self, scheduler_output):
         started = time.monotonic()
         try:
-            return self.runner.execute(scheduler_output)
+            return super().execute(scheduler_output)
         except RuntimeError as exc:  # a collective failed: a rank went away or hung
             hung = hung_after(started, self.hang_timeout_s)
             raise EngineDeadError(hung or f"a tensor-parallel collective failed: {exc}") from exc

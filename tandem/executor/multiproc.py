@@ -1,6 +1,6 @@
 """Tensor parallelism: this process is rank 0, ranks 1..N-1 are worker processes.
 
-    __init__   start this host's workers (python -m tandem.executor.worker; other
+    __init__   start this host's workers (python -m tandem.executor.rank_process; other
                hosts' come from `tandem worker` there, node.py), wait for every rank
                at the rendezvous, send them the config; every rank loads its shard
                (models/sharding.py) and sizes the same KV pool
@@ -36,8 +36,9 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.errors import EngineDeadError
 from tandem.executor import ranks
+from tandem.executor.local import LocalExecutor
+from tandem.executor.rank_process import STOP
 from tandem.executor.step_channel import StepChannel, hung_after
-from tandem.executor.worker import STOP
 from tandem.runner.shared_kv import RankedKVCache, remove_files
 from tandem.runner.shm_group import ShmGroup
 
@@ -71,7 +72,7 @@ class StepWatch:
                 return
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(LocalExecutor):
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         size, local = parallel.tensor_parallel_size, parallel.ranks_per_node
@@ -112,7 +113,7 @@ class MultiprocExecutor:
             self.channel = StepChannel(shm if parallel.nnodes == 1 else None, 0)
             ranks.send_config(config)
             kv_prefix = ranks.shared_kv_prefix(config, rendezvous)
-            self.runner = ranks.build_rank(config, 0, shm, local, kv_prefix)
+            super().__init__(ranks.build_rank(config, 0, shm, local, kv_prefix))
             # A disaggregated role's connector moves every rank's blocks from here.
             self.kv_cache = self.runner.kv_cache
             if kv_prefix is not None:
@@ -134,17 +135,7 @@ class MultiprocExecutor:
         finally:
             if shared:  # every rank has mapped it (they met in the load's collectives)
                 os.unlink(segment)
-        self.info = self.runner.info
         atexit.register(self.close)
-
-    @property
-    def spec_stats(self):
-        return self.runner.spec_stats
-
-    def expert_load(self) -> tuple[tuple[int, ...], ...]:
-        """A mixture's last step, tokens per expert (every rank routes over all the
-        experts, so this rank's counts are the whole model's)."""
-        return self.runner.expert_load()
 
     def execute(self, scheduler_output):
         watch = self.watch
@@ -158,7 +149,7 @@ class MultiprocExecutor:
                 watch.since = started
             try:
                 self.channel.send(scheduler_output)
-                output = self.runner.execute(scheduler_output)
+                output = super().execute(scheduler_output)
             except RuntimeError as exc:  # a rank went away, hung, or failed mid-step
                 self.channel.stop_beats()
                 self.broken = (

@@ -173,7 +173,7 @@ def join_as_worker(rendezvous: str, rank: int, size: int) -> None:
 
 
 def worker_command(rendezvous: str, rank: int, size: int, segment: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.executor.worker", rendezvous, str(rank), str(size),
+    return [sys.executable, "-m", "tandem.executor.rank_process", rendezvous, str(rank), str(size),
             segment]  # fmt: skip
 
 
@@ -235,9 +235,9 @@ def build_rank(
     """This rank's runner, its collectives in shared memory or over gloo, the host's
     CPUs split between its ``ranks_on_host`` (ranks of a host are numbered in a run);
     ``kv_prefix``: its KV cache in a shared-memory file there (shared_kv_prefix)."""
-    from tandem.executor import build_runner
     from tandem.runner.shared_kv import kv_file
     from tandem.runner.tensor_parallel import TensorParallel
+    from tandem.worker.worker import build_runner
 
     split_threads(ranks_on_host, rank % ranks_on_host, config.parallel.cpu_bind == "auto")
     size = config.parallel.tensor_parallel_size

@@ -1,15 +1,14 @@
 """ModelRunner: sequences' token chunks -> tensors -> one forward pass -> logits.
 
-The runner owns the model and the KV cache memory: ``ModelRunner.from_config`` loads
-the model, sizes and allocates the cache, and reports what the engine needs as a
-``RunnerInfo``. Which blocks a sequence uses is decided by the engine's block manager
-and arrives as block tables.
+The runner owns the forward and sampling over a loaded model and its KV cache (the
+worker loads the model and sizes the cache: tandem/worker/), and reports what the
+engine needs as a ``RunnerInfo``. Which blocks a sequence uses is decided by the
+engine's block manager and arrives as block tables.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -20,11 +19,8 @@ import numpy as np
 import torch
 
 from tandem import host_memory
-from tandem.config import EngineConfig
-from tandem.errors import InvalidParameterError
-from tandem.models.dtypes import torch_dtype_name
 from tandem.models.linear import set_linear_method
-from tandem.models.loader import LoadedModel, load_model
+from tandem.models.loader import LoadedModel
 from tandem.models.moe import SparseMoE
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.attention.triton_paged import TritonPagedAttention
@@ -32,9 +28,10 @@ from tandem.runner.cuda_graphs import DecodeGraphs
 from tandem.runner.grammar_masks import apply_masks, fill_masks, grammar_tokenizer, new_masks
 from tandem.runner.host_to_device import to_device
 from tandem.runner.input_batch import InputBatch, RequestState
-from tandem.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for
+from tandem.runner.kv_cache import allocate_kv_cache
 from tandem.runner.linear import linear_method_for
 from tandem.runner.linear.experts import attach_fused_experts
+from tandem.runner.proposing import SpecItem
 from tandem.runner.rejection import verify
 from tandem.runner.sampler import argmax_rows, sample, scored_tokens, unprocessed
 from tandem.runner.tensor_parallel import (
@@ -48,7 +45,7 @@ from tandem.step import RunnerInfo, RunnerOutput, SpecDecodeStats
 logger = logging.getLogger("tandem.runner")
 
 if TYPE_CHECKING:  # the runner reads the scheduler's output but never imports the engine
-    from tandem.spec_decode.proposer import Proposer
+    from tandem.runner.proposing import Proposer
     from tandem.step import SchedulerOutput
 
 
@@ -60,19 +57,6 @@ class SequenceChunk:
     num_computed_tokens: int  # tokens of this sequence already in the cache before them
     block_table: Sequence[int]  # blocks holding this sequence, covering all its tokens
     verifies: bool = False  # a decode and its draft tokens (attended as decodes are)
-
-
-@dataclass
-class SpecItem:
-    """What a proposer sees of a speculating request (spec_decode/proposer.py)."""
-
-    request: RequestState  # its tokens (all_token_ids, num_tokens) and sampling
-    num_spec_tokens: int
-
-    @property
-    def block_table(self) -> list[int]:
-        """Covers every position a draft writes this step."""
-        return self.request.block_ids
 
 
 # Prompt positions whose logits are made at once when scoring a prompt (memory bound).
@@ -155,8 +139,9 @@ class ModelRunner:
         return tuple(tuple(layer.expert_load) for layer in self.moe_layers)
 
     def use_proposer(self, proposer: Proposer | None) -> None:
-        """Speculate with ``proposer`` (the executor builds it: the proposers import
-        the runner, a draft model having one of its own, never the reverse)."""
+        """Speculate with ``proposer`` (runner/proposing.py's interface; the worker
+        builds it: the proposers import the runner, a draft model having one of its
+        own, never the reverse)."""
         self.proposer = proposer
         if hasattr(proposer, "attach"):  # a draft made of this runner's model (layer_skip)
             proposer.attach(self)
@@ -167,76 +152,6 @@ class ModelRunner:
         return grammar_tokenizer(
             self.loaded.tokenizer, self.config.vocab_size, self.loaded.eos_token_ids
         )
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner:
-        """Load ``config.model`` (``tp``: this rank's shard) and size the KV pool from
-        the memory settings (the proposer, if any, comes after: ``use_proposer``). Every
-        rank of a group calls it together: a load that fails on any rank raises on all
-        of them, and all take the smallest pool any rank can hold."""
-        torch.manual_seed(config.seed)
-        try:
-            loaded = load_model(
-                config.model,
-                dtype=config.dtype,
-                device=config.device,
-                quantization=config.quantization,
-                tensor_parallel=None if tp is None else (tp.rank, tp.size),
-                expert_parallel=config.parallel.enable_expert_parallel,
-            )
-            failure = None
-        except Exception as exc:
-            if tp is None:
-                raise
-            failure = exc
-        if tp is not None:
-            tp.raise_any(failure)
-        limit = loaded.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise InvalidParameterError(
-                "max_model_len", f"{config.max_model_len} exceeds the model's context of {limit}"
-            )
-        max_model_len = config.max_model_len or limit
-        cache = config.cache
-        num_blocks = num_blocks_for(
-            loaded.config,
-            cache.block_size,
-            loaded.dtype,
-            loaded.device,
-            cache.num_blocks,
-            cache.kv_cache_memory,
-            cache.gpu_memory_utilization,
-            config.scheduler.max_num_seqs,
-            max_model_len,
-            cache.kv_cache_dtype,
-        )
-        if tp is not None:
-            num_blocks = tp.smallest(num_blocks)
-        per_block = kv_bytes_per_block(
-            loaded.config, cache.block_size, loaded.dtype, cache.kv_cache_dtype
-        )
-        capacity = num_blocks * cache.block_size
-        logger.info(
-            "KV cache: %d tokens (%d blocks of %d, %.2f GiB, %s); context %d tokens",
-            capacity, num_blocks, cache.block_size, num_blocks * per_block / (1 << 30),
-            torch_dtype_name(loaded.dtype) if cache.kv_cache_dtype == "auto"
-            else cache.kv_cache_dtype,
-            max_model_len,
-        )  # fmt: skip
-        if capacity < max_model_len:
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than the context of %d: longer requests "
-                "are refused (raise kv_cache_memory or num_blocks, or lower max_model_len)",
-                capacity, max_model_len,
-            )  # fmt: skip
-        runner = cls(
-            loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp,
-            0 if config.enforce_eager else config.scheduler.max_num_seqs,
-        )  # fmt: skip
-        if tp is not None and tp.kv_file is not None:
-            tp.smallest(0)  # every rank's cache file exists before rank 0 maps them
-        runner.info = dataclasses.replace(runner.info, max_model_len=max_model_len)
-        return runner
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -172,7 +172,7 @@ def build_data(llm, text: list[str] | None, settings: DraftTraining, progress: b
         data[part] = {
             "sequences": sequences,
             "prompt_lens": [n for _, n in pairs],
-            "features": target_features(llm.engine.executor.loaded, sequences, progress),
+            "features": target_features(llm.engine.executor.runner.loaded, sequences, progress),
         }
     return data
 
@@ -315,7 +315,7 @@ def train_draft(
     out.mkdir(parents=True, exist_ok=True)
     _same_run(out, {**asdict(settings), "target": str(target), "text": text})
     llm = LLM(target)
-    loaded = llm.engine.executor.loaded
+    loaded = llm.engine.executor.runner.loaded
     data_path = out / "data.pt"
     if data_path.is_file():
         data = torch.load(data_path, weights_only=False)

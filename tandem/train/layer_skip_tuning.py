@@ -99,7 +99,7 @@ def calibration_text(llm, num_prompts: int, num_tokens: int) -> list[tuple[list[
 @torch.inference_mode()
 def tune(llm, num_prompts: int = 3, num_tokens: int = 64) -> list[Candidate]:
     """Every candidate set with its agreement and estimated speedup, best first."""
-    loaded = llm.engine.executor.loaded
+    loaded = llm.engine.executor.runner.loaded
     model = loaded.model
     texts = calibration_text(llm, num_prompts, num_tokens)
 

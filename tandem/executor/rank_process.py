@@ -1,6 +1,6 @@
 """A tensor-parallel worker: rank 1..N-1 of a model, started by the driver (rank 0).
 
-    python -m tandem.executor.worker RENDEZVOUS RANK SIZE SEGMENT
+    python -m tandem.executor.rank_process RENDEZVOUS RANK SIZE SEGMENT
 
 It joins the group at the rendezvous (ranks.py), receives the engine config from
 rank 0, maps its host's shared segment (a path, or ``-``: everything over gloo),
