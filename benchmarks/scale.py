@@ -125,7 +125,7 @@ def tandem_file_point(model: str, batch_1_only: bool = False) -> dict[str, float
     load_s = time.perf_counter() - start
     peak_gb = _status_gb("VmHWM:")
     steady = _status_gb("VmRSS:")
-    runner = llm.engine.executor
+    runner = llm.engine.executor.runner
     kv_gb = (
         runner.info.num_blocks
         * kv_bytes_per_block(

@@ -260,7 +260,7 @@ def test_abort_frees_blocks_and_others_finish(llama, prompts, hf_greedy):
 def test_the_kv_capacity_is_stated_at_start(llama_folder, caplog):
     """One line says how many tokens the cache holds; a cache smaller than the context
     says that longer requests will be refused."""
-    with caplog.at_level("INFO", logger="tandem.runner"):
+    with caplog.at_level("INFO", logger="tandem.worker"):
         LLM(llama_folder, num_blocks=3, block_size=4, max_model_len=64)
     assert "KV cache: 12 tokens (3 blocks of 4, " in caplog.text
     assert "holds 12 tokens, fewer than the context of 64" in caplog.text

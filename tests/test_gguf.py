@@ -623,7 +623,7 @@ def test_a_mixtures_whole_layer_decode_equals_layer_by_layer(gguf_files, monkeyp
         llm = LLM(path, max_num_seqs=6)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         # The last step decoded one token: each layer's experts took top_k slots.
-        runner = llm.engine.executor
+        runner = llm.engine.executor.runner
         top_k = [m.top_k for m in runner.moe_layers]
         assert [sum(load) for load in runner.expert_load()] == top_k
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]

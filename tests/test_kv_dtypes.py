@@ -67,8 +67,9 @@ def test_outputs_stay_with_the_float_cache(model_dirs, chunk, kv_dtype, device):
 def test_the_same_budget_holds_more_tokens(model_dirs, kv_dtype, element_bytes):
     folder, _ = model_dirs("llama")
     budget = 1 << 20
-    exact = LLM(str(folder), kv_cache_memory=budget).engine.executor
-    smaller = LLM(str(folder), kv_cache_memory=budget, kv_cache_dtype=kv_dtype).engine.executor
+    exact = LLM(str(folder), kv_cache_memory=budget).engine.executor.runner
+    smaller = LLM(str(folder), kv_cache_memory=budget, kv_cache_dtype=kv_dtype)
+    smaller = smaller.engine.executor.runner
     config = exact.config
     ratio = kv_bytes_per_block(config, 16, exact.loaded.dtype) / kv_bytes_per_block(
         config, 16, exact.loaded.dtype, kv_dtype

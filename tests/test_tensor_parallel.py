@@ -527,7 +527,7 @@ def test_served_on_two_ranks_with_the_openai_sdk(smollm2_like):
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         (rank1,) = [pid for pid in descendants(server.process.pid)
-                    if b"tandem.executor.worker" in cmdline(pid)]  # fmt: skip
+                    if b"tandem.executor.rank_process" in cmdline(pid)]  # fmt: skip
         body = {"model": "tp", "prompt": ids, "max_tokens": 400, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:

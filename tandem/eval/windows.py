@@ -63,7 +63,7 @@ def score_windows(
         raise InvalidParameterError(
             "ctx", f"{ctx} exceeds the model's context ({engine.max_model_len})"
         )
-    runner, kv = engine.executor, engine.kv_manager
+    runner, kv = engine.executor.runner, engine.kv_manager
     needed = kv.blocks_needed(ctx)
     if needed > kv.num_blocks - kv.num_blocks_in_use:
         raise InvalidParameterError("ctx", "the KV cache cannot hold one window")
