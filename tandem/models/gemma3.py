@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, parse_rope, require
+from tandem.models.family import Family
 from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.linear import Linear
 from tandem.models.llama import (
@@ -209,3 +210,49 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _read_gguf_keys(reader, config: dict) -> None:
+    """Not in a GGUF file: llama.cpp scales scores by 1/sqrt(head_dim), except for the
+    27B model (62 layers): 1/sqrt(hidden / heads). Local layers (5 of each 6) use
+    rotary base 10,000, the parser's default."""
+    is_27b = config["num_hidden_layers"] == 62
+    heads_width = config["hidden_size"] // config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = heads_width if is_27b else config["head_dim"]
+
+
+def _write_gguf_keys(writer, config: ModelConfig) -> None:
+    """llama.cpp's gemma3 reads the sliding window from the file and fixes the rest:
+    5 local layers to 1 global, local rotary base 10,000, scores scaled by
+    1/sqrt(head_dim). A model that differs cannot be written faithfully."""
+    expected = tuple(None if (i + 1) % 6 == 0 else config.sliding_window
+                     for i in range(config.num_layers))  # fmt: skip
+    options = config.family_options
+    if (
+        config.layer_windows() != expected
+        or options["local_rope"].theta != 10000.0
+        or options["local_rope"].scaling_type != "default"
+        or options["query_pre_attn_scalar"] != config.head_dim
+        or options["final_logit_softcapping"]
+    ):
+        raise ModelLoadError(
+            "this Gemma 3 config differs from what llama.cpp's gemma3 assumes (5 local "
+            "layers to 1 global, local rope base 10000, query_pre_attn_scalar = head_dim, "
+            "no logit soft-capping): it cannot be exported faithfully"
+        )
+    writer.add_sliding_window(config.sliding_window)
+
+
+GEMMA3 = Family(
+    "Gemma 3", ("Gemma3ForCausalLM",), Gemma3ForCausalLM, gguf_architecture="gemma3",
+    gguf_norm_plus_one=True,
+    # A norm before and after attention and the MLP.
+    gguf_layer_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    gguf_read_keys=_read_gguf_keys,
+    gguf_write_keys=_write_gguf_keys,
+    tensor_parallel=True, fused_decode=True,
+)

@@ -31,27 +31,13 @@ from typing import Any
 import torch
 
 from tandem.errors import ModelLoadError
+from tandem.models.family import Family
 from tandem.models.gguf_file import GGUFFile, TensorInfo
+from tandem.models.registry import GGUF_ARCHITECTURES, gguf_family
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import FLOAT_TYPES, GGMLType, check_supported
 
-# GGUF architecture name -> the model class name of config.json's "architectures".
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
-# llama with experts (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it.
-MIXTURE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
-# Architectures whose converter permuted q / k rows for llama.cpp's rotary layout.
-PERMUTED_QK = {"llama", "mistral"}
-# Architectures whose converter wrote norm weights as 1 + weight.
-NORM_PLUS_ONE = {"gemma3"}
-
+# GGUF tensor names -> Hugging Face's (a family's own differences: Family.gguf_layer_names).
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -84,18 +70,15 @@ EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
-# Gemma's blocks have a norm before and after attention and the MLP.
-GEMMA_LAYER_NAMES = {
-    **LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-ARCHITECTURE_LAYER_NAMES = {"gemma3": GEMMA_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(name: str, architecture: str = "llama") -> str | None:
+def layer_names(family: Family | None) -> dict[str, str]:
+    """GGUF layer tensor names -> Hugging Face's, for ``family`` (None: the common ones)."""
+    return LAYER_NAMES if family is None else {**LAYER_NAMES, **family.gguf_layer_names}
+
+
+def hf_name(name: str, family: Family | None = None) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for a
     tensor tandem does not use."""
     match = _LAYER_TENSOR.fullmatch(name)
@@ -103,7 +86,7 @@ def hf_name(name: str, architecture: str = "llama") -> str | None:
         layer, part, kind = match.groups()
         if part in EXPERT_NAMES:  # {expert} is filled in per expert
             return f"model.layers.{layer}.mlp.experts.{{expert}}.{EXPERT_NAMES[part]}.{kind}"
-        names = ARCHITECTURE_LAYER_NAMES.get(architecture, LAYER_NAMES)
+        names = layer_names(family)
         if part not in names:
             return None
         return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -126,12 +109,13 @@ class GGUFCheckpoint:
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from None
         self.architecture = str(self.value("general.architecture", ""))
-        if self.architecture not in ARCHITECTURES:
-            supported = ", ".join(ARCHITECTURES)
+        family = gguf_family(self.architecture, bool(self._arch("expert_count")))
+        if family is None:
             raise ModelLoadError(
                 f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported "
-                f"(supported: {supported})"
+                f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
             )
+        self.family: Family = family
         self.tensor_names = {t.name for t in self._file.tensors}
 
     def close(self) -> None:
@@ -176,9 +160,7 @@ class GGUFCheckpoint:
         if vocab is None:
             raise ModelLoadError(f"{self.path.name} states no vocabulary size")
         experts = self._arch("expert_count") or 0
-        architecture = ARCHITECTURES[self.architecture]
-        if experts:
-            architecture = MIXTURE_ARCHITECTURES.get(self.architecture, architecture)
+        architecture = self.family.architectures[0]
         config: dict[str, Any] = {
             "architectures": [architecture],
             "hidden_size": hidden,
@@ -202,27 +184,22 @@ class GGUFCheckpoint:
             "sliding_window": self._arch("attention.sliding_window"),
         }
         if experts:
-            # llama.cpp's graphs make every layer sparse; they renormalize the picked
-            # experts' weights for Qwen3-MoE and Mixtral, not for Qwen2-MoE.
+            # llama.cpp's graphs make every layer sparse.
             config.update(
                 num_experts=experts,
                 num_local_experts=experts,
                 num_experts_per_tok=self._required("expert_used_count"),
                 moe_intermediate_size=self._arch("expert_feed_forward_length"),
-                norm_topk_prob=self.architecture != "qwen2moe",
+                norm_topk_prob=self.family.gguf_renormalizes_experts,
             )
-            if self.architecture == "qwen2moe":
+            if self.family.gguf_shared_expert:
                 config["shared_expert_intermediate_size"] = self._required(
                     "expert_shared_feed_forward_length"
                 )
-        elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        elif self.family.gguf_has_experts:
             raise ModelLoadError(f"{self.path.name} has no {self.architecture}.expert_count")
-        if self.architecture == "gemma3":
-            # Not in the file: llama.cpp scales scores by 1/sqrt(head_dim), except for
-            # the 27B model (62 layers): 1/sqrt(hidden / heads). Local layers (5 of
-            # each 6) use rotary base 10,000, the parser's default.
-            is_27b = config["num_hidden_layers"] == 62
-            config["query_pre_attn_scalar"] = hidden // heads if is_27b else config["head_dim"]
+        if self.family.gguf_read_keys is not None:
+            self.family.gguf_read_keys(self, config)
         rotary = self._arch("rope.dimension_count")
         if rotary is not None and rotary != config["head_dim"]:
             config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -241,14 +218,14 @@ class GGUFCheckpoint:
         """Every tensor tandem uses, lazily (CheckpointTensor: read on demand, pages
         released after)."""
         heads = {}
-        if self.architecture in PERMUTED_QK:
+        if self.family.gguf_permuted_qk:
             config = self.hf_config()
             heads = {
                 "attn_q": config["num_attention_heads"],
                 "attn_k": config["num_key_value_heads"],
             }
         for info in self._file.tensors:
-            name = hf_name(info.name, self.architecture)
+            name = hf_name(info.name, self.family)
             if name is None:
                 continue
             code = check_supported(info.type, info.name)
@@ -285,7 +262,7 @@ class GGUFCheckpoint:
         part = info.name.split(".")[-2]
         if part in heads:
             data = _unpermute_rows(data, heads[part])
-        if self.architecture in NORM_PLUS_ONE and name.endswith("norm.weight"):
+        if self.family.gguf_norm_plus_one and name.endswith("norm.weight"):
             data = data - 1
         return data
 

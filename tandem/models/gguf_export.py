@@ -20,32 +20,15 @@ import torch
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
-from tandem.models.gguf_checkpoint import (
-    ARCHITECTURE_LAYER_NAMES,
-    EXPERT_NAMES,
-    GLOBAL_NAMES,
-    LAYER_NAMES,
-    NORM_PLUS_ONE,
-    PERMUTED_QK,
-)
+from tandem.models.family import Family
+from tandem.models.gguf_checkpoint import EXPERT_NAMES, GLOBAL_NAMES, layer_names
 from tandem.models.loader import read_config
-from tandem.models.mixtral import hf_expert_name
+from tandem.models.mixtral import MIXTRAL, hf_expert_name
+from tandem.models.registry import FAMILIES, family_for
 from tandem.models.weight_source import SafetensorsCheckpoint
 from tandem.quant.blocks import BLOCK, GGMLType
 from tandem.quant.quantize import FORMATS, quantize
 
-# Model class -> GGUF architecture. Mistral is written as llama, as llama.cpp's
-# converter does (without a sliding window: llama.cpp's llama has none).
-EXPORT_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3moe",
-    "Qwen2MoeForCausalLM": "qwen2moe",
-    "MixtralForCausalLM": "llama",
-    "Gemma3ForCausalLM": "gemma3",
-}
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 EXPORT_TYPES.update(FORMATS)
 
@@ -66,12 +49,11 @@ def expert_of(name: str) -> tuple[str, int] | None:
     return f"blk.{layer}.{_STACKED[projection]}.weight", int(expert)
 
 
-def gguf_name(name: str, arch: str = "llama") -> str | None:
+def gguf_name(name: str, family: Family | None = None) -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
     if name.startswith("model.layers."):
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        names = ARCHITECTURE_LAYER_NAMES.get(arch, LAYER_NAMES)
-        for gguf, hf in names.items():
+        for gguf, hf in layer_names(family).items():
             hf, gguf = f"{hf}.", f"{gguf}."
             if rest.startswith(hf):
                 return f"blk.{layer}.{gguf}{rest.removeprefix(hf)}"
@@ -182,38 +164,19 @@ def add_shape_keys(writer, config: ModelConfig) -> None:
             raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
 
 
-def _add_gemma3_keys(writer, config) -> None:
-    """llama.cpp's gemma3 reads the sliding window from the file and fixes the rest:
-    5 local layers to 1 global, local rotary base 10,000, scores scaled by
-    1/sqrt(head_dim). A model that differs cannot be written faithfully."""
-    expected = tuple(None if (i + 1) % 6 == 0 else config.sliding_window
-                     for i in range(config.num_layers))  # fmt: skip
-    options = config.family_options
-    if (
-        config.layer_windows() != expected
-        or options["local_rope"].theta != 10000.0
-        or options["local_rope"].scaling_type != "default"
-        or options["query_pre_attn_scalar"] != config.head_dim
-        or options["final_logit_softcapping"]
-    ):
-        raise ModelLoadError(
-            "this Gemma 3 config differs from what llama.cpp's gemma3 assumes (5 local "
-            "layers to 1 global, local rope base 10000, query_pre_attn_scalar = head_dim, "
-            "no logit soft-capping): it cannot be exported faithfully"
-        )
-    writer.add_sliding_window(config.sliding_window)
-
-
-def _check_moe(config, arch: str) -> None:
-    """llama.cpp's graphs make every layer of a mixture sparse; they renormalize the
-    picked experts' weights for Qwen3-MoE and Mixtral, not for Qwen2-MoE, and only
-    Qwen2-MoE has a shared expert. A model that differs cannot be written faithfully."""
+def _check_moe(config, family: Family) -> None:
+    """llama.cpp's graphs make every layer of a mixture sparse, and renormalize the
+    picked experts' weights and have a shared expert as the family says
+    (Family.gguf_renormalizes_experts, gguf_shared_expert: only Qwen2-MoE differs). A
+    model that differs cannot be written faithfully."""
     moe = config.moe
     if moe is None:
         return
-    qwen2 = arch == "qwen2moe"
     shared = bool(moe.shared_intermediate_size)
-    if moe.dense_layers or moe.normalize_top_k == qwen2 or shared != qwen2:
+    renormalizes = family.gguf_renormalizes_experts
+    if moe.dense_layers or moe.normalize_top_k != renormalizes or (
+        shared != family.gguf_shared_expert
+    ):
         raise ModelLoadError(
             "this mixture of experts differs from what llama.cpp assumes (every layer "
             "sparse; the picked experts' weights renormalized, except for Qwen2-MoE; a "
@@ -238,21 +201,20 @@ def export_gguf(
     code = EXPORT_TYPES[fmt]
     folder, out = Path(folder), Path(out)
     raw, config, _ = read_config(folder)
-    arch = next(
-        (EXPORT_ARCHITECTURES[a] for a in raw["architectures"] if a in EXPORT_ARCHITECTURES), None
-    )
+    family = family_for(raw)
+    arch = family.exported_as
     if arch is None:
+        writable = ", ".join(name for f in FAMILIES if f.exported_as for name in f.architectures)
         raise ModelLoadError(
-            f"cannot export {raw['architectures']} to GGUF (supported: "
-            f"{', '.join(EXPORT_ARCHITECTURES)})"
+            f"cannot export {raw['architectures']} to GGUF (supported: {writable})"
         )
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(folder.name)
     writer.add_file_type(_file_type(code))
     add_shape_keys(writer, config)
-    if arch == "gemma3":
-        _add_gemma3_keys(writer, config)
-    _check_moe(config, arch)
+    if family.gguf_write_keys is not None:
+        family.gguf_write_keys(writer, config)
+    _check_moe(config, family)
     _add_tokenizer(writer, folder, raw)
 
     # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
@@ -261,7 +223,7 @@ def export_gguf(
     with SafetensorsCheckpoint(folder) as checkpoint:
         for tensor in checkpoint.tensors():
             name = tensor.name
-            if "MixtralForCausalLM" in raw["architectures"]:
+            if family is MIXTRAL:
                 name = hf_expert_name(name)
             expert = expert_of(name)
             if expert is not None and config.moe is not None:
@@ -270,12 +232,12 @@ def export_gguf(
                 stack[index] = tensor.read().float()
                 if len(stack) == config.moe.num_experts:
                     whole = torch.stack([stack[i] for i in range(len(stack))])
-                    _add_tensor(writer, target, whole, arch, config, code, encoder)
+                    _add_tensor(writer, target, whole, family, config, code, encoder)
                     del stacks[target]
                 continue
-            target = gguf_name(name, arch)
+            target = gguf_name(name, family)
             if target is not None:
-                _add_tensor(writer, target, tensor.read().float(), arch, config, code, encoder)
+                _add_tensor(writer, target, tensor.read().float(), family, config, code, encoder)
     if stacks:
         raise ModelLoadError(f"{folder}: experts missing from {', '.join(sorted(stacks))}")
     writer.write_header_to_file()
@@ -285,14 +247,14 @@ def export_gguf(
     return out
 
 
-def _add_tensor(writer, target: str, t: torch.Tensor, arch: str, config, code: GGMLType,
+def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, code: GGMLType,
                 encoder: Encoder | None) -> None:  # fmt: skip
     """One matrix or vector, in llama.cpp's layout and the chosen format."""
     import gguf
 
-    if arch in NORM_PLUS_ONE and target.endswith("norm.weight"):
+    if family.gguf_norm_plus_one and target.endswith("norm.weight"):
         t = t + 1
-    if arch in PERMUTED_QK and (".attn_q." in target or ".attn_k." in target):
+    if family.gguf_permuted_qk and (".attn_q." in target or ".attn_k." in target):
         heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
         t = _permute_rows(t, heads)
     if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's

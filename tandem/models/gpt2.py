@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tandem.models.config import ModelConfig, architecture_of, checkpoint_dtype, eos_ids, require
+from tandem.models.family import Family
 from tandem.models.layers import AttentionContext, activation
 from tandem.models.linear import Linear
 
@@ -127,3 +128,8 @@ class GPT2LMHeadModel(nn.Module):
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.t() if self.stores_transposed(name) else tensor
+
+
+# No GGUF reading (llama.cpp's gpt2 files are rare) and no fused decode hook: GPT-2's
+# blocks (LayerNorm, learned positions) run layer by layer.
+GPT2 = Family("GPT-2", ("GPT2LMHeadModel",), GPT2LMHeadModel, tensor_parallel=True)

@@ -21,6 +21,7 @@ from tandem.models.config import (
     parse_rope,
     require,
 )
+from tandem.models.family import Family
 from tandem.models.layers import (
     FUSED_ACTIVATIONS,
     AttentionContext,
@@ -261,3 +262,15 @@ class LlamaForCausalLM(nn.Module):
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+LLAMA = Family(
+    "Llama 3", ("LlamaForCausalLM",), LlamaForCausalLM, gguf_architecture="llama",
+    gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+)
+# Mistral 7B: Llama's layers with a sliding window (written to GGUF as llama, without
+# the window: llama.cpp's llama has none).
+MISTRAL = Family(
+    "Mistral", ("MistralForCausalLM",), LlamaForCausalLM, gguf_architecture="mistral",
+    gguf_export_as="llama", gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+)

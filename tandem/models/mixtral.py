@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.models.config import ModelConfig, MoEConfig, require
+from tandem.models.family import Family
 from tandem.models.llama import LlamaForCausalLM, parse_llama_config
 
 EXPERT_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -39,3 +40,10 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         return super().checkpoint_target(hf_expert_name(name))
+
+
+# llama.cpp's converter writes Mixtral as llama with experts (``llama.expert_count``).
+MIXTRAL = Family(
+    "Mixtral", ("MixtralForCausalLM",), MixtralForCausalLM, gguf_architecture="llama",
+    gguf_has_experts=True, gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+)

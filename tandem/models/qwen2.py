@@ -6,6 +6,7 @@ from typing import Any
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
+from tandem.models.family import Family
 from tandem.models.llama import LlamaForCausalLM, parse_llama_config
 
 
@@ -15,3 +16,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if raw.get("use_sliding_window"):
             raise ModelLoadError("Qwen2 with use_sliding_window=true is not supported")
         return parse_llama_config(raw, attention_bias=True, attention_out_bias=False)
+
+
+QWEN2 = Family(
+    "Qwen 2 / 2.5", ("Qwen2ForCausalLM",), Qwen2ForCausalLM, gguf_architecture="qwen2",
+    tensor_parallel=True, fused_decode=True,
+)

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from tandem.models.config import ModelConfig
+from tandem.models.family import Family
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.models.qwen3_moe import parse_qwen3_moe
 
@@ -29,3 +30,10 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         )
         config = Qwen2ForCausalLM.parse_config(raw)
         return dataclasses.replace(config, attention_bias=bool(raw.get("qkv_bias", True)), moe=moe)
+
+
+QWEN2_MOE = Family(
+    "Qwen 2 MoE", ("Qwen2MoeForCausalLM",), Qwen2MoeForCausalLM,
+    gguf_architecture="qwen2moe", gguf_has_experts=True, gguf_renormalizes_experts=False,
+    gguf_shared_expert=True, tensor_parallel=True, fused_decode=True,
+)

@@ -6,6 +6,7 @@ from typing import Any
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
+from tandem.models.family import Family
 from tandem.models.llama import LlamaForCausalLM, parse_llama_config
 
 
@@ -15,3 +16,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         if raw.get("use_sliding_window"):
             raise ModelLoadError("Qwen3 with use_sliding_window=true is not supported")
         return parse_llama_config(raw, qk_norm=True)
+
+
+QWEN3 = Family(
+    "Qwen 3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, gguf_architecture="qwen3",
+    tensor_parallel=True, fused_decode=True,
+)

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from tandem.models.config import ModelConfig, MoEConfig, require
+from tandem.models.family import Family
 from tandem.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -34,3 +35,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return dataclasses.replace(Qwen3ForCausalLM.parse_config(raw), moe=parse_qwen3_moe(raw))
+
+
+QWEN3_MOE = Family(
+    "Qwen 3 MoE", ("Qwen3MoeForCausalLM",), Qwen3MoeForCausalLM,
+    gguf_architecture="qwen3moe", gguf_has_experts=True, tensor_parallel=True,
+    fused_decode=True,
+)

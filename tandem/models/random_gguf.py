@@ -34,7 +34,8 @@ import numpy as np
 from tandem.models.config import ModelConfig
 from tandem.models.gguf_export import add_shape_keys
 from tandem.models.gguf_file import GGUFFile
-from tandem.models.registry import model_class_for
+from tandem.models.mixtral import MIXTRAL
+from tandem.models.registry import gguf_family, model_class_for
 from tandem.quant.blocks import BLOCK, GGMLType
 
 
@@ -69,25 +70,23 @@ class Shape:
 
     def raw_config(self) -> dict:
         """The shape as a config.json's keys."""
+        family = gguf_family(self.architecture, bool(self.experts))
         raw = {
-            "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden,
+            "architectures": list(family.architectures[:1]), "hidden_size": self.hidden,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
             "vocab_size": self.vocab, "rope_theta": self.rope_theta, "rms_norm_eps": 1e-5,
             "max_position_embeddings": self.context, "tie_word_embeddings": self.tied,
             "head_dim": self.head_dim,
         }  # fmt: skip
-        if self.experts:
+        if self.experts:  # as llama.cpp's graph runs the family's mixture
             raw.update(num_experts=self.experts, num_local_experts=self.experts,
-                       num_experts_per_tok=self.experts_used, norm_topk_prob=True,
+                       num_experts_per_tok=self.experts_used,
+                       norm_topk_prob=family.gguf_renormalizes_experts,
                        moe_intermediate_size=self.expert_intermediate)  # fmt: skip
-            raw["architectures"] = ["MixtralForCausalLM"]
-            if self.architecture == "qwen3moe":
-                raw["architectures"] = ["Qwen3MoeForCausalLM"]
-            elif self.architecture == "qwen2moe":  # (not renormalized, as llama.cpp's graph)
-                raw.update(architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=False,
-                           shared_expert_intermediate_size=self.shared_intermediate)  # fmt: skip
-            else:
+            if family.gguf_shared_expert:
+                raw["shared_expert_intermediate_size"] = self.shared_intermediate
+            if family is MIXTRAL:  # (its experts' width is the MLP's)
                 raw["intermediate_size"] = self.expert_intermediate
         return raw
 

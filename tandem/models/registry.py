@@ -1,5 +1,8 @@
-"""Architecture name (config.json ``architectures``) -> model class, and the shape
-every model class has (``CausalLM``): what the loader, the runner and the saver call."""
+"""Every model family tandem runs (one Family descriptor each, models/family.py), the
+lookups by config.json architecture and by GGUF architecture, and the shape every
+model class has (``CausalLM``): what the loader, the runner and the saver call.
+
+A new family: its module (the model class and its Family) and one entry in FAMILIES."""
 
 from __future__ import annotations
 
@@ -9,15 +12,16 @@ import torch
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
-from tandem.models.gemma3 import Gemma3ForCausalLM
-from tandem.models.gpt2 import GPT2LMHeadModel
+from tandem.models.family import Family
+from tandem.models.gemma3 import GEMMA3
+from tandem.models.gpt2 import GPT2
 from tandem.models.layers import AttentionContext
-from tandem.models.llama import LlamaForCausalLM
-from tandem.models.mixtral import MixtralForCausalLM
-from tandem.models.qwen2 import Qwen2ForCausalLM
-from tandem.models.qwen2_moe import Qwen2MoeForCausalLM
-from tandem.models.qwen3 import Qwen3ForCausalLM
-from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
+from tandem.models.llama import LLAMA, MISTRAL
+from tandem.models.mixtral import MIXTRAL
+from tandem.models.qwen2 import QWEN2
+from tandem.models.qwen2_moe import QWEN2_MOE
+from tandem.models.qwen3 import QWEN3
+from tandem.models.qwen3_moe import QWEN3_MOE
 
 
 class CausalLM(Protocol):
@@ -56,25 +60,45 @@ class CausalLM(Protocol):
         ...
 
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "GPT2LMHeadModel": GPT2LMHeadModel,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
+FAMILIES: tuple[Family, ...] = (
+    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MIXTRAL, GEMMA3, GPT2,
+)
+_BY_ARCHITECTURE = {name: family for family in FAMILIES for name in family.architectures}
+
+
+def family_of(architecture: str) -> Family:
+    """The family of a config.json architecture name (a ModelConfig's ``architecture``)."""
+    family = _BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        raise ModelLoadError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(_BY_ARCHITECTURE)}"
+        )
+    return family
+
+
+def family_for(raw_config: dict[str, Any]) -> Family:
+    """The family of a config.json (the first of its ``architectures`` tandem runs)."""
+    names = raw_config.get("architectures") or []
+    for name in names:
+        if name in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[name]
+    shown = ", ".join(names) if names else "none given in config.json"
+    raise ModelLoadError(
+        f"unsupported architecture ({shown}); supported: {', '.join(_BY_ARCHITECTURE)}"
+    )
 
 
 def model_class_for(raw_config: dict[str, Any]) -> type[CausalLM]:
-    names = raw_config.get("architectures") or []
-    for name in names:
-        if name in MODEL_CLASSES:
-            return MODEL_CLASSES[name]
-    shown = ", ".join(names) if names else "none given in config.json"
-    raise ModelLoadError(
-        f"unsupported architecture ({shown}); supported: {', '.join(MODEL_CLASSES)}"
-    )
+    return family_for(raw_config).model_class
+
+
+GGUF_ARCHITECTURES = sorted({f.gguf_architecture for f in FAMILIES if f.gguf_architecture})
+
+
+def gguf_family(architecture: str, has_experts: bool) -> Family | None:
+    """The family a GGUF file's ``general.architecture`` names (llama with experts is
+    Mixtral); None when tandem reads no such file."""
+    named = [f for f in FAMILIES if f.gguf_architecture == architecture]
+    if len(named) > 1:
+        named = [f for f in named if f.gguf_has_experts == has_experts] or named
+    return named[0] if named else None

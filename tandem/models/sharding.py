@@ -41,6 +41,7 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
+from tandem.models.registry import FAMILIES, family_of
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import BLOCK
 from tandem.quant.packed import ROWS
@@ -69,10 +70,6 @@ LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.c_proj": (ROW, ("mlp",)),
     "wte": (VOCAB, ("vocab",)),
 }
-# Families whose modules LAYOUT names.
-SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
-             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # fmt: skip
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's module, by its number
 # A routed expert's matrices where the ranks split every expert ("expert": its
 # intermediate columns); its down projection's sums are the mixture's to complete.
@@ -159,10 +156,11 @@ class ShardPlan:
     expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if self.full.architecture not in SHARDABLE:
+        if not family_of(self.full.architecture).tensor_parallel:  # (LAYOUT names its modules)
+            splits = ", ".join(n for f in FAMILIES if f.tensor_parallel for n in f.architectures)
             raise ModelLoadError(
                 f"tensor parallelism does not split {self.full.architecture} yet "
-                f"(it splits {', '.join(SHARDABLE)})"
+                f"(it splits {splits})"
             )
         full, moe = self.full, self.full.moe
         dense = any(not full.is_moe_layer(i) for i in range(full.num_layers))

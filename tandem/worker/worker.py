@@ -18,6 +18,7 @@ from tandem.errors import InvalidParameterError
 from tandem.models.catalog import default_draft_model
 from tandem.models.dtypes import torch_dtype_name
 from tandem.models.loader import load_model
+from tandem.models.registry import family_of
 from tandem.runner.kv_cache import kv_bytes_per_block, num_blocks_for
 from tandem.runner.model_runner import ModelRunner
 from tandem.runner.proposing import Proposer
@@ -60,6 +61,12 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
         failure = exc
     if tp is not None:
         tp.raise_any(failure)
+    family = family_of(loaded.config.architecture)
+    if loaded.device.type == "cpu" and not family.fused_decode:
+        logger.info(
+            "%s: decode steps run layer by layer (the family declares no fused-decode hook, "
+            "runner/fused_decode.py)", family.name,
+        )  # fmt: skip
     limit = loaded.config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         raise InvalidParameterError(

@@ -1,0 +1,54 @@
+"""Family: everything tandem knows about one model family, in one row.
+
+Each family's module (llama.py, qwen3.py, gemma3.py, ...) ends with its descriptor;
+models/registry.py lists them. The Hugging Face loader, the GGUF reader and writer,
+tensor parallelism and the fused decode path read a family's facts from here and
+nowhere else, so adding a Llama-shaped family is its module and one line in the
+registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as the docs' table and the errors name it
+    # config.json ``architectures`` names this family answers to.
+    architectures: tuple[str, ...]
+    model_class: Any  # a models.registry.CausalLM class
+    # GGUF (llama.cpp's ``general.architecture``): the name it reads, or None when no
+    # GGUF file of the family is read; the name its files are written as (llama.cpp's
+    # converter writes Mistral and Mixtral as llama); whether that name holds experts
+    # (llama with ``expert_count`` is Mixtral).
+    gguf_architecture: str | None = None
+    gguf_export_as: str | None = None
+    gguf_has_experts: bool = False
+    # How llama.cpp's converter changed the tensors: q/k rows permuted for its rotary
+    # layout; norm weights written as 1 + weight.
+    gguf_permuted_qk: bool = False
+    gguf_norm_plus_one: bool = False
+    # GGUF layer tensor names that differ from gguf_checkpoint.LAYER_NAMES.
+    gguf_layer_names: dict[str, str] = field(default_factory=dict)
+    # A mixture as llama.cpp's graph runs it: the picked experts' weights renormalized
+    # (not for Qwen2-MoE); a shared expert.
+    gguf_renormalizes_experts: bool = True
+    gguf_shared_expert: bool = False
+    # What the family adds to the config read from a file's metadata, ``(reader,
+    # config dict)`` (reader: gguf_checkpoint.GGUFCheckpoint); and what it checks and
+    # writes beyond the common keys when exported, ``(gguf.GGUFWriter, ModelConfig)``.
+    gguf_read_keys: Callable[[Any, dict[str, Any]], None] | None = None
+    gguf_write_keys: Callable[[Any, Any], None] | None = None
+    # Tensor parallelism: its modules are the ones models/sharding.py's LAYOUT names.
+    tensor_parallel: bool = False
+    # Its decoder layers offer runner/fused_decode.py's hook (``attn.decode_layer``,
+    # ``attn.decode_stack``): decode steps on the CPU's quantized path run a layer, or
+    # all of them, in one compiled call. Without it every layer runs as PyTorch calls.
+    fused_decode: bool = False
+
+    @property
+    def exported_as(self) -> str | None:
+        return self.gguf_export_as or self.gguf_architecture
