@@ -287,3 +287,33 @@ def test_the_gpu_keeps_a_matrix_in_blocks_where_its_kernels_read_it():
         raw = random_blocks(code, rows, 256, seed=start)
         parts.append((start, split_blocks.from_ggml(code, raw, 256, torch.device("cpu"))))
     assert [(start, w.rows) for start, w in split_blocks.join(parts)] == [(0, 4), (4, 4)]
+
+
+# -- the one table of block formats ------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
+    """blocks.FORMATS is the one row a format has: its sizes are gguf-py's, and the C++
+    packer (kernels/pack_ops.cpp) knows the same codes and packed bits."""
+    import re
+    from pathlib import Path
+
+    from tandem.quant.blocks import FORMATS
+
+    for code, spec in FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(code))] == (
+            spec.weights, spec.nbytes
+        ), code.name  # fmt: skip
+    source = (Path(cpu_kernels.__file__).parent / "pack_ops.cpp").read_text()
+    enum = re.search(r"enum Code : int64_t \{([^}]*)\}", source).group(1)
+    cpp_codes = {name.strip(): int(value) for name, value in
+                 (item.split("=") for item in enum.split(","))}  # fmt: skip
+    assert cpp_codes == {code.name: int(code) for code in FORMATS}
+    body = re.search(r"inline int value_bits\(int64_t code\) \{(.*?)\n\}", source, re.S).group(1)
+    cpp_bits = {}
+    for cases, bits in re.findall(r"((?:case \w+: )+)return (\d+);", body):
+        cpp_bits.update({name: int(bits) for name in re.findall(r"case (\w+):", cases)})
+    default = int(re.search(r"default: return (\d+);", body).group(1))
+    for code, spec in FORMATS.items():
+        assert cpp_bits.get(code.name, default) == spec.packed_bits, code.name

@@ -244,7 +244,10 @@ def _write_gguf_keys(writer, config: ModelConfig) -> None:
 
 
 GEMMA3 = Family(
-    "Gemma 3", ("Gemma3ForCausalLM",), Gemma3ForCausalLM, gguf_architecture="gemma3",
+    "Gemma 3",
+    ("Gemma3ForCausalLM",),
+    Gemma3ForCausalLM,
+    gguf_architecture="gemma3",
     gguf_norm_plus_one=True,
     # A norm before and after attention and the MLP.
     gguf_layer_names={
@@ -254,5 +257,6 @@ GEMMA3 = Family(
     },
     gguf_read_keys=_read_gguf_keys,
     gguf_write_keys=_write_gguf_keys,
-    tensor_parallel=True, fused_decode=True,
+    tensor_parallel=True,
+    fused_decode=True,
 )

@@ -174,8 +174,10 @@ def _check_moe(config, family: Family) -> None:
         return
     shared = bool(moe.shared_intermediate_size)
     renormalizes = family.gguf_renormalizes_experts
-    if moe.dense_layers or moe.normalize_top_k != renormalizes or (
-        shared != family.gguf_shared_expert
+    if (
+        moe.dense_layers
+        or moe.normalize_top_k != renormalizes
+        or (shared != family.gguf_shared_expert)
     ):
         raise ModelLoadError(
             "this mixture of experts differs from what llama.cpp assumes (every layer "

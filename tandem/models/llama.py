@@ -265,12 +265,23 @@ class LlamaForCausalLM(nn.Module):
 
 
 LLAMA = Family(
-    "Llama 3", ("LlamaForCausalLM",), LlamaForCausalLM, gguf_architecture="llama",
-    gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+    "Llama 3",
+    ("LlamaForCausalLM",),
+    LlamaForCausalLM,
+    gguf_architecture="llama",
+    gguf_permuted_qk=True,
+    tensor_parallel=True,
+    fused_decode=True,
 )
 # Mistral 7B: Llama's layers with a sliding window (written to GGUF as llama, without
 # the window: llama.cpp's llama has none).
 MISTRAL = Family(
-    "Mistral", ("MistralForCausalLM",), LlamaForCausalLM, gguf_architecture="mistral",
-    gguf_export_as="llama", gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+    "Mistral",
+    ("MistralForCausalLM",),
+    LlamaForCausalLM,
+    gguf_architecture="mistral",
+    gguf_export_as="llama",
+    gguf_permuted_qk=True,
+    tensor_parallel=True,
+    fused_decode=True,
 )

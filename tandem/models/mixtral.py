@@ -44,6 +44,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 # llama.cpp's converter writes Mixtral as llama with experts (``llama.expert_count``).
 MIXTRAL = Family(
-    "Mixtral", ("MixtralForCausalLM",), MixtralForCausalLM, gguf_architecture="llama",
-    gguf_has_experts=True, gguf_permuted_qk=True, tensor_parallel=True, fused_decode=True,
+    "Mixtral",
+    ("MixtralForCausalLM",),
+    MixtralForCausalLM,
+    gguf_architecture="llama",
+    gguf_has_experts=True,
+    gguf_permuted_qk=True,
+    tensor_parallel=True,
+    fused_decode=True,
 )

@@ -19,6 +19,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 QWEN2 = Family(
-    "Qwen 2 / 2.5", ("Qwen2ForCausalLM",), Qwen2ForCausalLM, gguf_architecture="qwen2",
-    tensor_parallel=True, fused_decode=True,
+    "Qwen 2 / 2.5",
+    ("Qwen2ForCausalLM",),
+    Qwen2ForCausalLM,
+    gguf_architecture="qwen2",
+    tensor_parallel=True,
+    fused_decode=True,
 )

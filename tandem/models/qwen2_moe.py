@@ -33,7 +33,13 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
 
 QWEN2_MOE = Family(
-    "Qwen 2 MoE", ("Qwen2MoeForCausalLM",), Qwen2MoeForCausalLM,
-    gguf_architecture="qwen2moe", gguf_has_experts=True, gguf_renormalizes_experts=False,
-    gguf_shared_expert=True, tensor_parallel=True, fused_decode=True,
+    "Qwen 2 MoE",
+    ("Qwen2MoeForCausalLM",),
+    Qwen2MoeForCausalLM,
+    gguf_architecture="qwen2moe",
+    gguf_has_experts=True,
+    gguf_renormalizes_experts=False,
+    gguf_shared_expert=True,
+    tensor_parallel=True,
+    fused_decode=True,
 )

@@ -19,6 +19,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 QWEN3 = Family(
-    "Qwen 3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, gguf_architecture="qwen3",
-    tensor_parallel=True, fused_decode=True,
+    "Qwen 3",
+    ("Qwen3ForCausalLM",),
+    Qwen3ForCausalLM,
+    gguf_architecture="qwen3",
+    tensor_parallel=True,
+    fused_decode=True,
 )

@@ -38,7 +38,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 
 QWEN3_MOE = Family(
-    "Qwen 3 MoE", ("Qwen3MoeForCausalLM",), Qwen3MoeForCausalLM,
-    gguf_architecture="qwen3moe", gguf_has_experts=True, tensor_parallel=True,
+    "Qwen 3 MoE",
+    ("Qwen3MoeForCausalLM",),
+    Qwen3MoeForCausalLM,
+    gguf_architecture="qwen3moe",
+    gguf_has_experts=True,
+    tensor_parallel=True,
     fused_decode=True,
 )

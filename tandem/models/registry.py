@@ -61,7 +61,15 @@ class CausalLM(Protocol):
 
 
 FAMILIES: tuple[Family, ...] = (
-    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MIXTRAL, GEMMA3, GPT2,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    MIXTRAL,
+    GEMMA3,
+    GPT2,
 )
 _BY_ARCHITECTURE = {name: family for family in FAMILIES for name in family.architectures}
 

@@ -23,6 +23,9 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
 
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
+
+``FORMATS`` is the one table of block formats: a new format is its row there, its
+branch in ``decode``, and its case in the C++ packer (kernels/pack_ops.cpp).
 """
 
 from __future__ import annotations
@@ -57,17 +60,69 @@ FLOAT_TYPES = {
     GGMLType.BF16: torch.bfloat16,
 }
 
-# Weights and bytes per block.
-BLOCK = {
-    GGMLType.Q8_0: (32, 34),
-    GGMLType.Q4_0: (32, 18),
-    GGMLType.Q4_1: (32, 20),
-    GGMLType.Q5_0: (32, 22),
-    GGMLType.Q5_1: (32, 24),
-    GGMLType.Q4_K: (256, 144),
-    GGMLType.Q5_K: (256, 176),
-    GGMLType.Q6_K: (256, 210),
-}
+
+@dataclass(frozen=True)
+class SuperFormat:
+    """How a format fills the GPU's SuperBlockWeight formula (split_blocks.py)."""
+
+    super: int  # weights per d (and dm)
+    group: int  # weights per sub (== super where there is none)
+    high_bits: int  # bits of q above its low 4
+    offset: int
+    has_sub: bool
+    has_min: bool
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """Everything tandem knows about one block format, in one row (llama.cpp's
+    ``ggml_type_traits``): its bytes, and the layouts it is packed to. ``decode`` below
+    reads it; kernels/pack_ops.cpp's ``Code`` and ``bits`` mirror the packed layout
+    (tests/test_quant.py checks the two agree)."""
+
+    code: GGMLType
+    weights: int  # per block
+    nbytes: int  # per block
+    # The CPU kernel's packed layout (packed.py): bits a value, weights per scale, the
+    # values' offset, stored minimums (``corr``), and the bytes of a K format's
+    # super-block record (0: float16 scales, no records).
+    packed_bits: int
+    group: int
+    offset: float
+    has_corr: bool
+    record_bytes: int
+    # The GPU's split layout (split_blocks.py): BlockWeight's bits a value (Q4_0,
+    # Q8_0: their values as the file lays them out), or SuperBlockWeight's formula.
+    split: int | SuperFormat
+    quantized_by_tandem: bool = False  # quantize.py writes it (quantize on load, export)
+
+    @property
+    def name(self) -> str:
+        return self.code.name
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """The file's bytes a weight, scales included (the planner's price)."""
+        return self.nbytes / self.weights
+
+
+FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
+    BlockFormat(GGMLType.Q8_0, 32, 34, 8, 32, 0.0, False, 0, 8, quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q4_0, 32, 18, 4, 32, 8.0, False, 0, 4, quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q4_1, 32, 20, 4, 32, 0.0, True, 0, SuperFormat(32, 32, 0, 0, False, True)),
+    BlockFormat(GGMLType.Q5_0, 32, 22, 5, 32, 16.0, False, 0,
+                SuperFormat(32, 32, 1, 16, False, False)),
+    BlockFormat(GGMLType.Q5_1, 32, 24, 5, 32, 0.0, True, 0, SuperFormat(32, 32, 1, 0, False, True)),
+    BlockFormat(GGMLType.Q4_K, 256, 144, 4, 32, 0.0, False, 320,
+                SuperFormat(256, 32, 0, 0, True, True), quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q5_K, 256, 176, 5, 32, 0.0, False, 320,
+                SuperFormat(256, 32, 1, 0, True, True)),
+    BlockFormat(GGMLType.Q6_K, 256, 210, 6, 16, 32.0, False, 288,
+                SuperFormat(256, 16, 2, 32, True, False)),
+)}  # fmt: skip
+
+# Weights and bytes per block (FORMATS' sizes, as most readers want them).
+BLOCK = {code: (f.weights, f.nbytes) for code, f in FORMATS.items()}
 
 SUPPORTED = sorted([*FLOAT_TYPES, *BLOCK], key=int)
 

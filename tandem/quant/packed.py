@@ -31,30 +31,23 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.quant.blocks import Decoded, GGMLType, check_row_bytes, decode, dequantize_decoded
+from tandem.quant.blocks import (
+    FORMATS,
+    Decoded,
+    GGMLType,
+    check_row_bytes,
+    decode,
+    dequantize_decoded,
+)
 
 BLOCK = 32
 ROWS = 16  # rows per tile (the kernel's layout)
 SUPER = 256  # weights per K-format super-block
 
-# What each format packs to (as from_decoded makes it): bits a value, group size, the
-# values' offset, stored constants or not, and the bytes of a super-block record
-# (0: float16 scales, no records).
-_LAYOUT = {
-    GGMLType.Q4_0: (4, 32, 8.0, False, 0),
-    GGMLType.Q4_1: (4, 32, 0.0, True, 0),
-    GGMLType.Q5_0: (5, 32, 16.0, False, 0),
-    GGMLType.Q5_1: (5, 32, 0.0, True, 0),
-    GGMLType.Q8_0: (8, 32, 0.0, False, 0),
-    GGMLType.Q4_K: (4, 32, 0.0, False, 320),
-    GGMLType.Q5_K: (5, 32, 0.0, False, 320),
-    GGMLType.Q6_K: (6, 16, 32.0, False, 288),
-}
-
 
 def record_bytes(group: int) -> int:
     """Bytes of one tile's record per super-block: group 32 (with minimums) or 16."""
-    return _LAYOUT[GGMLType.Q4_K if group == 32 else GGMLType.Q6_K][4]
+    return FORMATS[GGMLType.Q4_K if group == 32 else GGMLType.Q6_K].record_bytes
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -140,7 +133,7 @@ class PackedWeight:
         values = torch.empty(values, dtype=values_dtype)
         scales = torch.empty(scales, dtype=scales_dtype)
         corr = torch.empty_like(scales) if has_corr else None
-        _, group, offset, _, _ = _LAYOUT[code]
+        group, offset = FORMATS[code].group, FORMATS[code].offset
         return cls(values, scales, corr, rows, group, code.name, offset)
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
@@ -291,7 +284,8 @@ def _unrecord(records: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 def _packed_shapes(code: GGMLType, rows: int, columns: int):
     """((values shape, dtype), (scales shape, dtype), whether corr is stored) of a
     [rows, columns] matrix of ``code`` packed (as ``allocate`` makes it)."""
-    bits, group, _, has_corr, record = _LAYOUT[code]
+    spec = FORMATS[code]
+    bits, group, has_corr, record = spec.packed_bits, spec.group, spec.has_corr, spec.record_bytes
     tiles = -(-rows // ROWS)
     values = ((tiles, columns * 2 * bits), torch.int8 if bits == 8 else torch.uint8)
     if record:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from tandem.quant.blocks import FORMATS as BLOCK_FORMATS
 from tandem.quant.blocks import GGMLType
 
-FORMATS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_k": GGMLType.Q4_K}
+# What tandem writes (blocks.FORMATS' quantized_by_tandem), by the name users give.
+FORMATS = {code.name.lower(): code for code, f in BLOCK_FORMATS.items() if f.quantized_by_tandem}
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:

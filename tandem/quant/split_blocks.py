@@ -45,9 +45,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.quant.blocks import BLOCK, GGMLType, decode
+from tandem.quant.blocks import BLOCK, GGMLType, SuperFormat, decode
+from tandem.quant.blocks import FORMATS as BLOCK_FORMATS
 
-FORMATS = {GGMLType.Q4_0: 4, GGMLType.Q8_0: 8}  # BlockWeight's formats, and bits a value
+# BlockWeight's formats and bits a value; SuperBlockWeight's formats and formulas.
+FORMATS = {code: f.split for code, f in BLOCK_FORMATS.items() if isinstance(f.split, int)}
+SUPER_FORMATS = {
+    code: f.split for code, f in BLOCK_FORMATS.items() if isinstance(f.split, SuperFormat)
+}
 GROUP = 32  # weights per block (and per scale)
 CHUNK = 64  # SuperBlockWeight: weights whose low nibbles share 32 bytes
 CONVERT_ROWS = 1024  # rows of a SuperBlockWeight converted from the file's blocks at a time
@@ -94,28 +99,6 @@ class BlockWeight:
             packed = values.view(values.shape[0], -1, GROUP // 2)
             q = torch.cat([packed & 15, packed >> 4], dim=-1).to(dtype) - 8
         return (q * scales.to(dtype)[:, :, None]).reshape(values.shape[0], -1)
-
-
-@dataclass(frozen=True)
-class SuperFormat:
-    """How a format fills SuperBlockWeight's formula (see the module's docstring)."""
-
-    super: int  # weights per d (and dm)
-    group: int  # weights per sub (== super where there is none)
-    high_bits: int  # bits of q above its low 4
-    offset: int
-    has_sub: bool
-    has_min: bool
-
-
-SUPER_FORMATS = {
-    GGMLType.Q4_1: SuperFormat(32, 32, 0, 0, has_sub=False, has_min=True),
-    GGMLType.Q5_0: SuperFormat(32, 32, 1, 16, has_sub=False, has_min=False),
-    GGMLType.Q5_1: SuperFormat(32, 32, 1, 0, has_sub=False, has_min=True),
-    GGMLType.Q4_K: SuperFormat(256, 32, 0, 0, has_sub=True, has_min=True),
-    GGMLType.Q5_K: SuperFormat(256, 32, 1, 0, has_sub=True, has_min=True),
-    GGMLType.Q6_K: SuperFormat(256, 16, 2, 32, has_sub=True, has_min=False),
-}
 
 
 def kept_in_blocks(code: int, columns: int) -> bool:
