@@ -1,0 +1,132 @@
+"""What every route of one server shares: the engine client, the served model's name
+and card, the limits, the key, and the chat path that the OpenAI, Anthropic and
+Responses routes all answer through. ``build_app`` (api.py) makes one and keeps it as
+``app.state.served``; routes reach it through ``served(request)``."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
+from typing import Any
+
+from fastapi import Request
+
+from tandem.errors import InvalidParameterError
+from tandem.sampling import model_sampling_defaults
+from tandem.server.errors import APIError
+from tandem.server.handlers import CompletionHandler, engine_prompt
+from tandem.server.limits import ServerLimits
+from tandem.server.protocol import ChatCompletionRequest, ErrorResponse
+from tandem.server.tool_calls import ToolCalling
+from tandem.serving.engine_client import EngineClient
+
+# What each route documents besides its 200 (the framework's 422 is never sent).
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 500, 503)}
+STREAMING = {
+    200: {
+        "description": "A JSON response, or with stream=true server-sent events: "
+        "'data: <chunk JSON>' lines, an error chunk on failure, then 'data: [DONE]'.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **ERRORS,
+}
+
+
+def package_version() -> str:
+    try:
+        return distribution_version("tandem")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
+@dataclass
+class ServedModel:
+    engine: EngineClient
+    model_name: str
+    api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    enable_trace_endpoints: bool = False
+    tool_call_parser: str = "hermes"  # how chat answers are read for tool calls
+
+    def __post_init__(self) -> None:
+        info = self.engine.info
+        self.handler = CompletionHandler(self.engine, self.model_name)
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.defaults = model_sampling_defaults(info.generation_config)
+        self.card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tandem",
+            "root": str(self.engine.config.model),
+            "max_model_len": self.max_model_len,
+        }
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def need_tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise InvalidParameterError(param, "this model has no tokenizer; send token ids")
+        return self.tokenizer
+
+    async def chat_prompt(self, body: ChatCompletionRequest, tools: ToolCalling | None):
+        encoder = self.need_tokenizer("messages")
+        template_variables = dict(body.chat_template_kwargs or {})
+        if tools is not None:
+            template_variables["tools"] = tools.tools
+        return await asyncio.to_thread(  # long conversations: off the event loop
+            encoder.encode_chat,
+            body.conversation(),
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **template_variables,
+        )
+
+    def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling | None:
+        return body.tool_calling(self.tool_call_parser, self.limits.max_tool_calls)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request, events=None) -> Any:
+        """A chat completion, the path every chat-shaped API takes (``events``: how a
+        stream is told in that API's own events)."""
+        self.check_model(body.model)
+        self.limits.check(body)
+        tools = self.tool_calling(body)
+        params = body.sampling_params(self.defaults, tools)
+        prompt = engine_prompt(await self.chat_prompt(body, tools), body.cache_salt)
+        return await self.handler.serve(
+            request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
+            chat=True, kv_transfer_params=body.kv_transfer_params,
+            continuous_usage=body.continuous_usage_in_stream, tools=tools, events=events,
+        )  # fmt: skip
+
+
+def served(request: Request) -> ServedModel:
+    return request.app.state.served
+
+
+async def check_key(request: Request) -> None:
+    """With --api-key, every route but /health, /metrics and /version needs it."""
+    api_key = served(request).api_key
+    if api_key is None:
+        return
+    # The scheme is case-insensitive (RFC 7235): "bearer", "Bearer", "BEARER".
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = request.headers.get("x-api-key", "")  # Anthropic's header
+    if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+        raise APIError(
+            401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
+        )
