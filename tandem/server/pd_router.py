@@ -48,164 +48,147 @@ from tandem.serving.placement import Instance, least_busy
 logger = logging.getLogger("tandem.router")
 
 
-def build_router_app(
-    prefill_urls: list[str],
-    decode_urls: list[str],
-    local_prefill_threshold: int = 0,
-    timeout_s: float = 600.0,
-    api_key: str | None = None,
-    limits: ServerLimits | None = None,
-) -> FastAPI:
-    """``limits``: body size and timeouts for clients (limits.py; the instances check
-    the rest)."""
-    limits = limits or ServerLimits()
-    prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
-    decodes = [Instance(u.rstrip("/")) for u in decode_urls]
-    http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(
-        max_connections=None, max_keepalive_connections=64))  # fmt: skip
+class PDRouter:
+    """The router's state (its instances, HTTP client, metrics) and what it does with a
+    request; ``build_router_app`` puts its routes on a FastAPI app."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        yield
-        await http.aclose()
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        local_prefill_threshold: int = 0,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
+        self.decodes = [Instance(u.rstrip("/")) for u in decode_urls]
+        self.local_prefill_threshold = local_prefill_threshold
+        self.api_key = api_key
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.registry = registry = CollectorRegistry()
+        self.requests_total = Counter(
+            "tandem:router_requests", "Requests by path taken.", ["path"], registry=registry
+        )
+        self.failures = Counter(
+            "tandem:router_failures", "Failed requests.", ["reason"], registry=registry
+        )
+        self.ttft = Histogram(
+            "tandem:router_time_to_first_token_seconds",
+            "Arrival at the router to the first token, transfer included.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_time = Histogram(
+            "tandem:router_prefill_seconds", "The prefill call.", buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
 
-    app = FastAPI(title="tandem router", lifespan=lifespan)
-    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
-    registry = CollectorRegistry()
-    requests_total = Counter(
-        "tandem:router_requests", "Requests by path taken.", ["path"], registry=registry
-    )
-    failures = Counter("tandem:router_failures", "Failed requests.", ["reason"], registry=registry)
-    ttft = Histogram(
-        "tandem:router_time_to_first_token_seconds",
-        "Arrival at the router to the first token, transfer included.",
-        buckets=LATENCY_BUCKETS,
-        registry=registry,
-    )
-    prefill_time = Histogram(
-        "tandem:router_prefill_seconds", "The prefill call.", buckets=LATENCY_BUCKETS,
-        registry=registry,
-    )  # fmt: skip
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException):
-        error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if not (
             scheme.lower() == "bearer"
-            and secrets.compare_digest(given.strip().encode(), api_key.encode())
+            and secrets.compare_digest(given.strip().encode(), self.api_key.encode())
         ):
             raise APIError(
                 401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
             )
 
-    def forwarded(request: Request) -> dict[str, str]:
+    def forwarded(self, request: Request) -> dict[str, str]:
         """The client's credentials, for instances that have an --api-key too."""
         key = request.headers.get("authorization")
         return {"authorization": key} if key else {}
 
-    async def healthy(instance: Instance) -> bool:
+    async def healthy(self, instance: Instance) -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            return (await http.get(f"{instance.url}/health", timeout=2.0)).status_code == 200
+            return (await self.http.get(f"{instance.url}/health", timeout=2.0)).status_code == 200
         return False
 
-    @app.get("/health")
-    async def health():
+    async def health(self):
         """200 while at least one instance of each role answers; 503 otherwise. The
         body says which instances are down."""
-        checks = await asyncio.gather(*(healthy(i) for i in (*prefills, *decodes)))
-        up = dict(zip([i.url for i in (*prefills, *decodes)], checks, strict=True))
-        ok = any(up[i.url] for i in prefills) and any(up[i.url] for i in decodes)
-        body = {"prefill": {i.url: up[i.url] for i in prefills},
-                "decode": {i.url: up[i.url] for i in decodes}}  # fmt: skip
+        checks = await asyncio.gather(*(self.healthy(i) for i in (*self.prefills, *self.decodes)))
+        up = dict(zip([i.url for i in (*self.prefills, *self.decodes)], checks, strict=True))
+        ok = any(up[i.url] for i in self.prefills) and any(up[i.url] for i in self.decodes)
+        body = {"prefill": {i.url: up[i.url] for i in self.prefills},
+                "decode": {i.url: up[i.url] for i in self.decodes}}  # fmt: skip
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request)
-        for instance in decodes:
+    async def models(self, request: Request):
+        self.check_key(request)
+        for instance in self.decodes:
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                response = await http.get(
-                    f"{instance.url}/v1/models", headers=forwarded(request), timeout=10.0
+                response = await self.http.get(
+                    f"{instance.url}/v1/models", headers=self.forwarded(request), timeout=10.0
                 )
                 if response.status_code < 500:
                     return JSONResponse(response.json(), status_code=response.status_code)
         raise APIError(503, "no decode instance answered", "service_unavailable")
 
-    async def post(instance: Instance, role: str, path: str, body: dict, headers: dict):
+    async def post(self, instance: Instance, role: str, path: str, body: dict, headers: dict):
         """The instance's response, or the error to give the client: 504 on a timeout,
         502 when it cannot be reached."""
         instance.in_flight += 1
         try:
-            return await http.post(f"{instance.url}{path}", json=body, headers=headers)
+            return await self.http.post(f"{instance.url}{path}", json=body, headers=headers)
         except httpx.TimeoutException:
-            failures.labels(f"{role} timeout").inc()
+            self.failures.labels(f"{role} timeout").inc()
             return error_response(504, f"{role} instance {instance.url} timed out", code="timeout")
         except httpx.TransportError as exc:
-            failures.labels(f"{role} unreachable").inc()
+            self.failures.labels(f"{role} unreachable").inc()
             return error_response(
                 502, f"{role} instance {instance.url} unreachable: {exc}", code="bad_gateway"
             )
         finally:
             instance.in_flight -= 1
 
-    async def prompt_tokens(path: str, body: dict, headers: dict) -> int:
+    async def prompt_tokens(self, path: str, body: dict, headers: dict) -> int:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return len(prompt)
         query = {"messages": body.get("messages")} if path.endswith("chat/completions") else {
             "prompt": prompt if isinstance(prompt, str) else ""}  # fmt: skip
-        for instance in decodes:
+        for instance in self.decodes:
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                response = await http.post(
+                response = await self.http.post(
                     f"{instance.url}/tokenize", json=query, headers=headers, timeout=30.0
                 )
                 return response.json().get("count", 0) if response.status_code == 200 else 0
         return 0
 
-    async def prefill(path: str, body: dict, headers: dict) -> dict | JSONResponse | None:
+    async def prefill(self, path: str, body: dict, headers: dict) -> dict | JSONResponse | None:
         """The prefill call: the transfer parameters, None when the prefill instance
         did not keep the blocks (the decode instance computes the prompt), or an error
         response."""
-        """The prefill call; the transfer parameters, or an error response."""
         request = {**body, "max_tokens": 1, "stream": False,
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
         request.pop("stream_options", None)
         if "max_completion_tokens" in request:
             request["max_completion_tokens"] = 1
         tried: set[str] = set()
-        while (instance := least_busy(prefills, tried)) is not None:
+        while (instance := least_busy(self.prefills, tried)) is not None:
             tried.add(instance.url)
             started = time.perf_counter()
-            response = await post(instance, "prefill", path, request, headers)
+            response = await self.post(instance, "prefill", path, request, headers)
             if isinstance(response, JSONResponse):
                 if response.status_code == 502:  # unreachable: the next one may answer
                     logger.warning("prefill instance %s unreachable; trying another",
                                    instance.url)  # fmt: skip
                     continue
                 return response
-            prefill_time.observe(time.perf_counter() - started)
+            self.prefill_time.observe(time.perf_counter() - started)
             if response.status_code != 200:
                 return JSONResponse(response.json(), status_code=response.status_code)
             # None: its lease cap was reached (the decode instance computes the prompt).
             return response.json().get("kv_transfer_params")
-        failures.labels("no prefill instance").inc()
+        self.failures.labels("no prefill instance").inc()
         return error_response(502, "no prefill instance could be reached", code="bad_gateway")
 
-    async def read_body(path: str, request: Request) -> dict:
+    async def read_body(self, path: str, request: Request) -> dict:
         """The client's JSON body, checked as the instances will check it (a 400 here
         costs nothing; after a prefill it would pin a lease for nothing)."""
         try:
@@ -230,30 +213,30 @@ def build_router_app(
             raise as_api_error(exc) from None
         return body
 
-    async def route(path: str, request: Request):
+    async def route(self, path: str, request: Request):
         started = time.perf_counter()
-        check_key(request)
-        body = await read_body(path, request)
-        headers = forwarded(request)
+        self.check_key(request)
+        body = await self.read_body(path, request)
+        headers = self.forwarded(request)
         # n > 1 samples need blocks each: the decode instance computes those prompts.
         remote = body.get("n", 1) == 1 and (
-            not local_prefill_threshold
-            or await prompt_tokens(path, body, headers) >= local_prefill_threshold
+            not self.local_prefill_threshold
+            or await self.prompt_tokens(path, body, headers) >= self.local_prefill_threshold
         )
         if remote:
-            params = await prefill(path, body, headers)
+            params = await self.prefill(path, body, headers)
             if isinstance(params, JSONResponse):
                 return params
             if params is not None:
                 body = {**body, "kv_transfer_params": params}
-        requests_total.labels("disaggregated" if remote else "decode only").inc()
+        self.requests_total.labels("disaggregated" if remote else "decode only").inc()
         tried: set[str] = set()
-        while (instance := least_busy(decodes, tried)) is not None:
+        while (instance := least_busy(self.decodes, tried)) is not None:
             tried.add(instance.url)
             if body.get("stream"):
-                response = await stream(instance, path, body, headers, started)
+                response = await self.stream(instance, path, body, headers, started)
             else:
-                response = await post(instance, "decode", path, body, headers)
+                response = await self.post(instance, "decode", path, body, headers)
             if isinstance(response, JSONResponse) and response.status_code == 502:
                 logger.warning("decode instance %s unreachable; trying another", instance.url)
                 continue
@@ -263,17 +246,19 @@ def build_router_app(
                 "%s via %s: %.1f ms", path, instance.url, (time.perf_counter() - started) * 1e3
             )
             return JSONResponse(response.json(), status_code=response.status_code)
-        failures.labels("no decode instance").inc()
+        self.failures.labels("no decode instance").inc()
         return error_response(502, "no decode instance could be reached", code="bad_gateway")
 
-    async def stream(instance: Instance, path: str, body: dict, headers: dict, started: float):
+    async def stream(
+        self, instance: Instance, path: str, body: dict, headers: dict, started: float
+    ):
         instance.in_flight += 1
-        upstream = http.stream("POST", f"{instance.url}{path}", json=body, headers=headers)
+        upstream = self.http.stream("POST", f"{instance.url}{path}", json=body, headers=headers)
         try:
             response = await upstream.__aenter__()
         except httpx.TransportError as exc:
             instance.in_flight -= 1
-            failures.labels("decode unreachable").inc()
+            self.failures.labels("decode unreachable").inc()
             return error_response(
                 502, f"decode instance {instance.url} unreachable: {exc}", code="bad_gateway"
             )
@@ -291,13 +276,13 @@ def build_router_app(
                     # The first chunk with generated text (a chat stream opens with
                     # a role-only chunk, which is not a token yet).
                     if first and (b'"text": ' in chunk or b'"delta": {"content"' in chunk):
-                        ttft.observe(time.perf_counter() - started)
+                        self.ttft.observe(time.perf_counter() - started)
                         logger.info("%s via %s: TTFT %.1f ms", path, instance.url,
                                     (time.perf_counter() - started) * 1e3)  # fmt: skip
                         first = False
                     yield chunk
             except httpx.HTTPError as exc:  # the decode instance died mid-stream
-                failures.labels("decode lost mid-stream").inc()
+                self.failures.labels("decode lost mid-stream").inc()
                 error = APIError(
                     502, f"decode instance {instance.url} failed mid-stream: {exc}",
                     "server_error", code="bad_gateway",
@@ -310,13 +295,56 @@ def build_router_app(
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
+
+def build_router_app(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    local_prefill_threshold: int = 0,
+    timeout_s: float = 600.0,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
+    """``limits``: body size and timeouts for clients (limits.py; the instances check
+    the rest)."""
+    limits = limits or ServerLimits()
+    router = PDRouter(prefill_urls, decode_urls, local_prefill_threshold, timeout_s, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await router.http.aclose()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.models(request)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await route("/v1/completions", request)
+        return await router.route("/v1/completions", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await route("/v1/chat/completions", request)
+        return await router.route("/v1/chat/completions", request)
 
     return app
 
