@@ -184,7 +184,7 @@ class SpeculativeConfig:
         "--draft-model",
     )
     # On the bundled pair on a 2-core CPU, n-gram lookup on code still paid at 64
-    # (1.14x throughput, down from 1.67x at 32); see docs/BENCHMARKS.md.
+    # (docs/lab-notes/speculative-decoding.md).
     disable_by_batch_size: int | None = setting(
         64, "no speculation while this many requests run: verifying k more tokens each "
         "then costs more than it saves (None: never)", "N",

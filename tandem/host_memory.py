@@ -5,32 +5,28 @@ glibc serves allocations above its mmap threshold (128 KiB at start, raised as s
 blocks are freed, to at most 32 MiB) with a new mapping each time, and returns heap
 memory above the trim threshold to the system at every free. A decode step allocates
 and frees the same multi-MB tensors every time (activations, [batch, vocab] logits),
-so each step then pays a minor page fault per 4 KiB page touched: 2,500-6,000 faults
-a step at batch 64 on a 135M model, 13% of the step (``python -m
-benchmarks.step_overhead``, its ``faults`` column; 240-330 with this). Raising both
-thresholds once lets
-those buffers be reused from the heap; the price is that up to the peak of such
-temporaries stays resident between steps, which an inference process wants anyway.
+so each step then pays a minor page fault per 4 KiB page touched, thousands a step at
+large batches (``python -m benchmarks.step_overhead``, its ``faults`` column). Raising
+both thresholds once lets those buffers be reused from the heap; the price is that up
+to the peak of such temporaries stays resident between steps, which an inference
+process wants anyway.
 
 Prompt chunks over a long context are another matter: a 2,048-token chunk's
 temporaries are 8-32 MB each with interleaved lifetimes (the residual stream, q/k/v,
 attention's outputs), and the ones attention takes for a long prefix (its spans of
 cached rows, its query slices' partial outputs) change size as the context grows; in
-the heap they fragment it: on a 1B model the heap grew by 40-60 MB a layer to hold
-0.4-0.6 GB of free holes, a third of the process's growth during a 4k prefill. So a
+the heap they fragment it (the process grows by the free holes left between them). So a
 forward of many tokens over a context longer than LONG_CONTEXT_TOKENS
 (``for_forward``) lowers the mmap threshold to 4 MiB for its duration: its
 temporaries of a few MB and more (attention's query slices of 4 MB included) are
 fresh mappings, given back when freed, and the heap keeps the decode steps' sizes
 (the heap's free blocks are given back first, so that a shorter forward's do not
-stay resident beside them). The price is a page fault per 4 KiB they touch: about
-1.5M a 2,048-token chunk of a 1B model, about 1 us each. A prompt that fits in one
-chunk keeps its temporaries in the heap: its shapes are the same in every layer, so
-they are faulted in once per prompt (or once for prompts back to back), not once per
-layer; on a Zen 5 EPYC that made a 512-token prompt 1.25x as fast (a fifth of its
-CPU time had gone to the kernel's page faults) for about 0.1 GB more at its peak on
-the 1B file. The first decode step after it gives those blocks back
-(docs/BENCHMARKS.md).
+stay resident beside them). The price is a page fault per 4 KiB they touch. A prompt
+that fits in one chunk keeps its temporaries in the heap: its shapes are the same in
+every layer, so they are faulted in once per prompt (or once for prompts back to
+back), not once per layer, for a little more memory at its peak. The first decode
+step after it gives those blocks back. The measurements behind both choices:
+docs/lab-notes/real-size-files.md.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def test_measure_puts_achieved_beside_the_floor(model_dirs):
     assert measured["prefill_of_floor"] == pytest.approx(
         planned["prefill_floor_s"] / measured["prefill_s"]
     )
-    # (How near the floor a run comes is a timing: docs/BENCHMARKS.md's `tandem plan
+    # (How near the floor a run comes is a timing: docs/lab-notes/planning.md's `tandem plan
     # --measure` section records it; beside other test workers it read up to 2.6x.)
 
 

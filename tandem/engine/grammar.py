@@ -2,10 +2,10 @@
 hold its generation to it. The grammar engine is llguidance.
 
 Why llguidance rather than xgrammar (``python -m benchmarks.structured_outputs``;
-the figures, machine and flags in docs/BENCHMARKS.md): it compiles a JSON schema in
-0.5-3.3 ms where xgrammar took 7-300 ms (a compile per request sits between two
-steps), and it needs nothing else installed (xgrammar pulls in triton); its masks are
-slower (10-114 us a token against 3-9 us) but small beside a CPU decode step.
+docs/BENCHMARKS.md, "Serving"): it compiles a JSON schema one to two orders of
+magnitude faster (a compile per request sits between two steps), and it needs nothing
+else installed (xgrammar pulls in triton); its masks are slower, but small beside a
+CPU decode step.
 
     StructuredOutputsParams (sampling.py)
       -> grammar_for(params), here (torch-free): llguidance's grammar text (checked

@@ -11,9 +11,9 @@ and rank 0 fails the step and every one after it.
 
 The config goes to the workers once over gloo. The model's collectives and each
 step's message (the SchedulerOutput, pickled) go through a shared-memory segment
-(runner/shm_group.py) where the compiled kernels are there: gloo over loopback took
-1.2 ms a collective on a 2-core VM; without them, over gloo. benchmarks/
-tensor_parallel.py times both.
+(runner/shm_group.py) where the compiled kernels are there (a collective over gloo's
+loopback costs many times more); without them, over gloo.
+benchmarks/tensor_parallel.py times both.
 """
 
 from __future__ import annotations

@@ -71,11 +71,12 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     first), then by the left and right pieces' lengths (longer first); equal keys keep
     the order of ``scores``.
 
-    The order is built without sorting every merge (half a million for Gemma's vocabulary;
-    docs/BENCHMARKS.md, "A tokenizer of 262,144 SentencePiece pieces"): the tokens are
-    sorted by score, and the cuts of one token never tie (their left pieces differ in
-    length), so a token whose score no other token has gives its cuts longest left piece
-    first, and only tokens that share a score are sorted together."""
+    The order is built without sorting every merge (half a million for Gemma's
+    vocabulary; docs/lab-notes/real-size-files.md, "A tokenizer of 262,144
+    SentencePiece pieces"): the tokens are sorted by score, and the cuts of one token
+    never tie (their left pieces differ in length), so a token whose score no other
+    token has gives its cuts longest left piece first, and only tokens that share a
+    score are sorted together."""
     by_score = sorted(scores.items(), key=itemgetter(1), reverse=True)
     merges: list[tuple[str, str]] = []
     for _, same_score in groupby(by_score, key=itemgetter(1)):

@@ -59,7 +59,7 @@ MEMORY_UTILIZATION = 0.9  # the share of device memory given to weights + KV cac
 def read_model(path: str | Path) -> tuple[ModelConfig, int]:
     """A model folder or a config.json file -> (ModelConfig, parameter count). The model
     is built on the meta device, so no weights are needed and nothing is allocated (nor
-    initialized: torch's first meta initializer took 2-3 s of a plan's 7 here)."""
+    initialized: torch's first meta initializer takes seconds)."""
     _, config, cls = read_config(path)
     with torch.device("meta"), initializers_skipped():
         model = cls(config)

@@ -266,8 +266,8 @@ class StepCostModel:
         of a step and its seconds), minimising the squared relative error with every
         cost non-negative (a term whose best value would be negative is dropped: noisy
         steps can ask for that, and a model that cannot hold a negative cost must not
-        be fitted with one: a negative fixed cost clamped to 0 after the fit once
-        predicted a CI machine's steps at 4x their time).
+        be fitted with one: a negative fixed cost clamped to 0 after the fit
+        mispredicts every step).
 
         A step is memory-bound exactly when its FLOPs per byte are below the machine's
         ridge point (peak / bandwidth), so the steps sorted by that ratio split into a

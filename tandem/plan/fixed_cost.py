@@ -4,8 +4,8 @@ on this machine (``tandem plan --hardware cpu`` and ``--measure`` on a GGUF file
 The plan's floors price a step's bytes and FLOPs at the kernels' rates. A real step
 also pays for what does not grow with the weights: the scheduler and the sampler in
 Python, and every layer's calls (norms, rope, attention over a short context, the
-threads meeting after each parallel loop). On a 1B file at batch 1 that was a sixth
-of the step on an Intel Xeon VM (docs/BENCHMARKS.md); on a 135M model, more.
+threads meeting after each parallel loop): on a 1B file at batch 1 a noticeable share
+of the step, on a 135M model more (docs/lab-notes/real-size-files.md).
 
 It is measured, not modelled: the engine runs a tiny model of the file's own
 architecture, layer count, head dimension, attention grouping, vocabulary and

@@ -1,36 +1,36 @@
 """A whole decoder layer in one compiled call, for steps that only decode.
 
 At batch 1 on a small model the Python between a layer's compiled calls (module calls,
-views, dispatch: ~100 us a layer on 2 cores) costs as much as its matmuls.
+views, dispatch) costs as much as its matmuls.
 ``llama_decode_layer`` (kernels/decode_layer.cpp) makes the same calls, in the same
 order, from C++: outputs equal the layer-by-layer path bit for bit.
 
-It applies when every token of the step is a decode, or a decode with its draft
-tokens (speculative verification: a few query rows per sequence, up to ``ROWS_MAX``),
-and they are the step's tokens in order, and the layer is a shape the kernel knows on the
+It applies when every token of the step is a decode, or a decode with its draft tokens
+(speculative verification: a few query rows per sequence, up to ``ROWS_MAX``), and
+they are the step's tokens in order, and the layer is a shape the kernel knows on the
 CPU kernels: float32, rotary on the kernel path, a silu or GELU-tanh gated MLP, no
 biases but q/k/v's (Qwen2's), each linear layer one packed quantized matrix
-(runner/linear/quantized.py);
-q/k norms (Qwen3, Gemma 3) and Gemma's norms after attention and MLP are optional
-parts. A mixture-of-experts layer runs whole in one call too (attention, the router,
-the experts: kernels/moe_ops.cpp) where it has no shared expert and a float32 router;
-otherwise its attention half compiled, then the mixture's own forward, whose experts
-take their own kernel call (runner/linear/experts.py; on a tensor-parallel rank, the
-experts it holds, all-reduced by the mixture). On a tensor-parallel rank the
-layer runs as two compiled halves, each ending in the rank's partial sums of a
-row-parallel projection (o, down), all-reduced between them as the layer-by-layer
-path does. Anything else runs layer by layer. The attention backend offers it to
-the model as ``attn.decode_layer``; the model file only asks.
+(runner/linear/quantized.py); q/k norms (Qwen3, Gemma 3) and Gemma's norms after
+attention and MLP are optional parts. A mixture-of-experts layer runs whole in one
+call too (attention, the router, the experts: kernels/moe_ops.cpp) where it has no
+shared expert and a float32 router; otherwise its attention half compiled, then the
+mixture's own forward, whose experts take their own kernel call
+(runner/linear/experts.py; on a tensor-parallel rank, the experts it holds,
+all-reduced by the mixture). On a tensor-parallel rank the layer runs as two compiled
+halves, each ending in the rank's partial sums of a row-parallel projection (o, down),
+all-reduced between them as the layer-by-layer path does. Anything else runs layer by
+layer. The attention backend offers it to the model as ``attn.decode_layer``; the
+model file only asks.
 
 Where every layer of the model runs whole in one process (dense, or a mixture's whole
 layer), the step goes further: ``attn.decode_stack`` runs all of them in one call
 (kernels/decode_stack.cpp), the same per-layer calls made from C++ with the stream
-passed along, so the Python between layers is gone too (batch-1 steps 1.02-1.04x on
-2 cores). So does a tensor-parallel rank whose ranks meet in one host's shared memory
-(runner/shm_group.py), its layers dense or mixtures that run whole: its halves and the
-all-reduces between them run in one call (``llama_decode_stack_ranked``), which hands
-a long wait back to the group so that a dead or hung rank is still found. TANDEM_FUSED_DECODE=layers
-keeps the per-layer calls (for comparisons), 0 turns both off.
+passed along, so the Python between layers is gone too. So does a tensor-parallel rank
+whose ranks meet in one host's shared memory (runner/shm_group.py), its layers dense
+or mixtures that run whole: its halves and the all-reduces between them run in one
+call (``llama_decode_stack_ranked``), which hands a long wait back to the group so
+that a dead or hung rank is still found. TANDEM_FUSED_DECODE=layers keeps the
+per-layer calls (for comparisons), 0 turns both off.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ _BIT = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int3
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: list[int]) -> None:
     """In place: in each of ``rows`` of ``logits`` [S, vocab], the tokens the matching
     row of ``masks`` leaves out become -inf (the compiled kernel on CPU: a bit test per
-    token; docs/BENCHMARKS.md has its cost beside torch's unpack and masked_fill)."""
+    token; docs/lab-notes/serving.md has its cost beside torch's unpack and masked_fill)."""
     if not rows:
         return
     fits = logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32

@@ -1,8 +1,8 @@
 """Tensor-parallel ranks on one host, meeting in shared memory instead of over TCP.
 
-gloo over loopback took 1.2 ms for one all-reduce of a token's hidden state on a
-2-core VM (benchmarks/tensor_parallel.py): a decode step of a 30-layer model makes 61
-collectives, so two ranks decoded 13x slower than one process. Here every rank maps
+gloo over loopback costs about a millisecond for one all-reduce of a token's hidden
+state (benchmarks/tensor_parallel.py), and a decode step of a 30-layer model makes 61
+collectives: two ranks decoded many times slower than one process. Here every rank maps
 one segment (a file in /dev/shm, unlinked once all have mapped it) and collectives are
 memory copies and counters (kernels/shm_ops.cpp: fences and acquire/release, spinning):
 
@@ -14,9 +14,8 @@ memory copies and counters (kernels/shm_ops.cpp: fences and acquire/release, spi
 
 all_reduce: each rank copies its tensor into its slot, posts, waits for every rank,
 then sums the slots in rank order (every rank the same sum, bit for bit); for float32,
-all in one compiled call (through torch and Python, a token's all-reduce took 1.6x as
-long). all_gather: the same, each rank reading every slot. Tensors larger than a slot
-go in pieces.
+all in one compiled call (faster than through torch and Python). all_gather: the same,
+each rank reading every slot. Tensors larger than a slot go in pieces.
 
 A wait checks between spins that the ranks it waits for are alive (``alive``: rank 0
 polls its worker processes, a worker checks that rank 0, its parent, is): a dead rank

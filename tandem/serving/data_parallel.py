@@ -102,7 +102,7 @@ def core_cpus(cpus: list[int], size: int, index: int) -> list[int]:
     """Core ``index``'s own CPUs: a run of them, the first CPU left to the API server
     (it encodes every stream's chunks). Where there is no CPU to spare, none: pinned
     cores would stall whenever the server ran on their CPUs (measured on 2 vCPUs:
-    1.21x one core's throughput pinned, 1.33x free; docs/BENCHMARKS.md)."""
+    docs/lab-notes/parallelism.md)."""
     if len(cpus) <= size:
         return []
     rest = cpus[1:]

@@ -8,11 +8,9 @@ row while they sit in L1, threads taking disjoint row ranges.
 
 It only pays while the batch is small: each further row costs FMAs that BLAS's
 blocked GEMM does better. ``python -m benchmarks.cpu_kernels`` measures both on the
-machine at hand; on a 2-core AMD EPYC (avx2 fma avx512f avx512_vnni avx512_bf16), all
-linear layers of a SmolLM2-135M-shaped Llama: float32 16.8-18.3 against 10.6-11.7
-GB/s at 1 row, still ahead at 8, behind at 16; bfloat16 12.9-13.5 against 8.6-10.2 at
-1 row, even at 4 (docs/BENCHMARKS.md). Above ``MAX_ROWS`` the layer goes to torch; a
-CPU with other vector units may move the crossover, which that benchmark shows.
+machine at hand (on the 2-core EPYCs of the lab notes the kernel leads at one row and
+torch from about 16). Above ``MAX_ROWS`` the layer goes to torch; a CPU with other
+vector units may move the crossover, which that benchmark shows.
 """
 
 from __future__ import annotations
