@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_transfer_params import KVTransferParams
 from tandem.errors import InvalidParameterError
 
 GOOD = {

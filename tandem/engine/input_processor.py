@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine import clock
-from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_transfer_params import KVTransferParams
 from tandem.errors import InvalidParameterError, require_unicode
 from tandem.sampling import SamplingParams
 

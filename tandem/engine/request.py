@@ -11,7 +11,7 @@ import enum
 from typing import Any
 
 from tandem.engine import clock
-from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_transfer_params import KVTransferParams
 from tandem.outputs import RequestTimeline
 from tandem.sampling import SamplingParams
 
