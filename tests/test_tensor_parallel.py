@@ -417,13 +417,20 @@ def test_over_gloo_an_idle_group_lives_and_a_hung_rank_is_found_on_both_sides(
         _close(llm)
 
 
-def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like):
+def test_what_cannot_run_on_several_ranks_is_refused_by_name(smollm2_like, monkeypatch):
+    from tandem.models import registry
+    from tandem.models.family import Family
+    from tandem.models.llama import LlamaForCausalLM
+
     folder, _ = smollm2_like
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
         LLM(str(folder), tensor_parallel_size=0)
     with pytest.raises(ModelLoadError, match="without attention heads"):
         LLM(str(folder), tensor_parallel_size=10)  # 9 heads in 3 groups: 4 ranks on one
     config = LLM(str(folder)).engine.executor.runner.loaded.config
+    # A family whose descriptor does not declare tensor parallelism.
+    unsplit = Family("Phi", ("PhiForCausalLM",), LlamaForCausalLM)
+    monkeypatch.setitem(registry._BY_ARCHITECTURE, "PhiForCausalLM", unsplit)
     other = dataclasses.replace(config, architecture="PhiForCausalLM")
     with pytest.raises(ModelLoadError, match="does not split PhiForCausalLM"):
         ShardPlan(other, 0, 2)

@@ -11,12 +11,17 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from tandem.models.loader import LoadedModel
     from tandem.runner.input_batch import RequestState
+    from tandem.runner.model_runner import ModelRunner
     from tandem.runner.sampler import SamplingRow
 
 # How a request samples the token after some draft tokens (penalties, min_tokens and
 # seeds see the drafts as output): the proposer draws its guesses the same way.
 MakeRow = Callable[["RequestState", Sequence[int]], "SamplingRow"]
+# A draft model's own runner, on the target's block ids (draft.py, eagle.py): the
+# worker hands a proposer this factory rather than the proposer building a runner.
+MakeDraftRunner = Callable[["LoadedModel"], "ModelRunner"]
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The draft-model proposer: a smaller model with the target's tokenizer proposes k
 tokens autoregressively, from the same sampling settings as the target.
 
-Its K/V live in a paged cache of its own (a second ModelRunner) that uses the target's
+Its K/V live in a paged cache of its own (a second runner, which the worker builds:
+runner/proposing.py's MakeDraftRunner) that uses the target's
 block ids: the target's block table for this step already covers every position the
 draft writes (up to the last draft token), so the draft needs no allocation of its own.
 Per request it remembers how many leading tokens have valid draft K/V; each proposal
@@ -17,12 +18,13 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_model
 from tandem.runner.host_to_device import to_device
-from tandem.runner.model_runner import ModelRunner, SequenceChunk
+from tandem.runner.model_runner import SequenceChunk
+from tandem.runner.proposing import MakeDraftRunner
 from tandem.runner.sampler import argmax_rows, draw, processed_logits, sampling_probs
 
 
 class DraftProposer:
-    def __init__(self, folder: str, target, num_blocks: int, block_size: int) -> None:
+    def __init__(self, folder: str, target, make_runner: MakeDraftRunner) -> None:
         loaded = load_model(folder, dtype=target.dtype, device=target.device)
         if loaded.config.vocab_size != target.config.vocab_size:
             raise InvalidParameterError(
@@ -30,7 +32,7 @@ class DraftProposer:
                 f"the draft's vocabulary ({loaded.config.vocab_size}) differs from the "
                 f"target's ({target.config.vocab_size}); they must share a tokenizer",
             )
-        self.runner = ModelRunner(loaded, num_blocks, block_size)
+        self.runner = make_runner(loaded)
         self.num_valid: dict[str, int] = {}  # request -> leading tokens with draft K/V
 
     @torch.inference_mode()

@@ -25,7 +25,8 @@ import torch
 from tandem.models.loader import LoadedModel
 from tandem.models.quantized import quantize_linear_layers
 from tandem.runner.host_to_device import to_device
-from tandem.runner.model_runner import ModelRunner, SequenceChunk
+from tandem.runner.model_runner import SequenceChunk
+from tandem.runner.proposing import MakeDraftRunner
 from tandem.spec_decode.draft import DraftProposer
 from tandem.spec_decode.eagle_head import load_head
 
@@ -62,7 +63,7 @@ class PendingFeatures:
 
 
 class EagleProposer(DraftProposer):
-    def __init__(self, folder: str, target: LoadedModel, num_blocks: int, block_size: int, tp=None):
+    def __init__(self, folder: str, target: LoadedModel, make_runner: MakeDraftRunner, tp=None):
         """``tp``: the target is a tensor-parallel rank's shard; the head is whole on
         every rank (the runner aligns the ranks' drafts to rank 0's)."""
         full = target.shard.full if target.shard is not None else target.config
@@ -70,7 +71,7 @@ class EagleProposer(DraftProposer):
         if target.device.type == "cpu":  # int8 weights: a draft step reads a quarter
             quantize_linear_layers(head, "q8_0", target.device)
         loaded = LoadedModel(folder, head.config, head, None, torch.float32, target.device)
-        self.runner = ModelRunner(loaded, num_blocks, block_size)
+        self.runner = make_runner(loaded)
         self.head = head
         self.vocab_size = target.config.vocab_size
         self.num_valid: dict[str, int] = {}  # leading positions whose head K/V are exact

@@ -44,7 +44,7 @@ FIELD = "speculative_config.model"
 
 class EagleHead(nn.Module):
     """``forward(input_ids, positions, attn)`` is a model's forward (the ``eagle``
-    proposer runs it on a ModelRunner of its own, with a paged K/V cache of one layer):
+    proposer runs it on a runner of its own, with a paged K/V cache of one layer):
     the tokens are those at t + 1, and ``self.features`` must hold f_t for the same rows
     (set just before each call). It returns the predicted f_{t+1}; ``compute_logits``
     scores them over the draft vocabulary."""

@@ -134,10 +134,14 @@ def make_proposer(
         from tandem.spec_decode.layer_skip import LayerSkipProposer
 
         return LayerSkipProposer(target, spec.skip_layers)
+
+    def draft_runner(loaded):  # a draft's own paged cache, on the target's block ids
+        return ModelRunner(loaded, num_blocks, block_size)
+
     if spec.method == "eagle":  # a trained head over the target's hidden states
         from tandem.spec_decode.eagle import EagleProposer
 
-        return EagleProposer(spec.model, target, num_blocks, block_size, tp)
-    from tandem.spec_decode.draft import DraftProposer  # it builds a ModelRunner of its own
+        return EagleProposer(spec.model, target, draft_runner, tp)
+    from tandem.spec_decode.draft import DraftProposer
 
-    return DraftProposer(spec.model or default_draft_model(), target, num_blocks, block_size)
+    return DraftProposer(spec.model or default_draft_model(), target, draft_runner)
