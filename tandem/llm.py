@@ -21,6 +21,7 @@ from tandem.engine.engine import Engine, PromptInput
 from tandem.errors import InvalidParameterError
 from tandem.executor import make_executor
 from tandem.models.catalog import default_model
+from tandem.models.hub import parse_hub_id, resolve
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
 from tandem.trace.recorder import EngineTracing
@@ -31,11 +32,19 @@ logger = logging.getLogger("tandem")
 
 class LLM:
     def __init__(
-        self, model: str | None = None, trace: str | None = None, **engine_options: Any
+        self,
+        model: str | None = None,
+        trace: str | None = None,
+        revision: str | None = None,
+        **engine_options: Any,
     ) -> None:
-        """``model``: a local Hugging Face folder; the bundled model when omitted.
-        ``trace``: record every step and write a Chrome trace there after each call."""
+        """``model``: a local Hugging Face folder or GGUF file, a Hugging Face id
+        (``org/repo``, ``org/repo:Q4_K_M``; ``revision``: its branch, tag or commit),
+        or a catalog name; the default model when omitted. ``trace``: record every step
+        and write a Chrome trace there after each call."""
         model = model if model is not None else default_model()
+        if parse_hub_id(model) is not None:
+            model = str(resolve(model, revision))
         config = EngineConfig.from_kwargs(model, **engine_options)
         self.engine = Engine(config, make_executor(config))
         self._ids = itertools.count()

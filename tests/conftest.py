@@ -45,13 +45,14 @@ UNIT = {
     "test_kv_transfer", "test_detokenizer", "test_tokenizer", "test_kv_transfer_params",
     "test_quant", "test_kernel_build", "test_cost_model", "test_simulate", "test_suffix_decoding",
     "test_spec_control", "test_layer_skip", "test_eagle", "test_readme_commands",
+    "test_families", "test_docs",
 }  # fmt: skip
 SYSTEM = {
     "test_server", "test_disagg", "test_bench_serve", "test_cli", "test_readme", "test_trace",
     "test_training", "test_plan", "test_server_hardening", "test_disagg_security",
     "test_openapi_fuzz", "test_engine_process", "test_tool_calls", "test_third_party_clients",
     "test_train_draft", "test_host_memory", "test_tensor_parallel", "test_data_parallel",
-    "test_gpu_kernels_interpreted", "test_gpu_kernels_compile",
+    "test_gpu_kernels_interpreted", "test_gpu_kernels_compile", "test_hub",
 }  # fmt: skip
 
 

@@ -8,12 +8,8 @@ import ast
 import inspect
 from pathlib import Path
 
-import pytest
-
 from tandem.models import registry
 from tandem.models.registry import FAMILIES, family_for, gguf_family
-
-pytestmark = pytest.mark.unit
 
 PACKAGE = Path(registry.__file__).resolve().parents[1]
 

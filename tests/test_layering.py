@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 PACKAGE = Path(__file__).resolve().parent.parent / "tandem"
 
 # From the top floor down: a room imports only rooms after it.

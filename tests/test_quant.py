@@ -292,7 +292,6 @@ def test_the_gpu_keeps_a_matrix_in_blocks_where_its_kernels_read_it():
 # -- the one table of block formats ------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     """blocks.FORMATS is the one row a format has: its sizes are gguf-py's, and the C++
     packer (kernels/pack_ops.cpp) knows the same codes and packed bits."""

@@ -13,7 +13,9 @@ from tandem.cli import (
     eval_kld,
     eval_perplexity,
     generate,
+    models,
     plan,
+    pull,
     quantize,
     router,
     serve,
@@ -35,6 +37,8 @@ examples:
   tandem chat "Name three primary colors."   (no message: an interactive chat)
   tandem generate "import os" --max-tokens 32 --model stdlib-lm
   tandem serve --port 8000                  (then any OpenAI client at /v1)
+  tandem serve --model Qwen/Qwen3-0.6B       (or org/repo:Q4_K_M: a GGUF repository's file)
+  tandem pull org/repo:Q4_K_M               (download only; tandem models lists the cache)
   tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 50
   tandem plan --model DIR --hardware h100-sxm --prompt-len 2048
   tandem quantize DIR model-q4_0.gguf --type q4_0   (then --model model-q4_0.gguf)
@@ -90,6 +94,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add(commands, "plan", plan)
     add(commands, "simulate", simulate)
     add(commands, "quantize", quantize)
+    add(commands, "pull", pull)
+    add(commands, "models", models)
     add(commands, "tune-layer-skip", tune_layer_skip)
     add(commands, "train-draft", train_draft)
     traces = commands.add_parser("trace", help="step traces").add_subparsers(

@@ -99,9 +99,15 @@ def _groups(kv_transfer: bool) -> list[FlagGroup]:
 def add_engine_arguments(parser: argparse.ArgumentParser, kv_transfer: bool = False) -> None:
     """The engine's flags; with ``kv_transfer``, the disaggregated-serving ones too."""
     parser.add_argument(
-        "--model", default=None, metavar="DIR",
-        help="a local Hugging Face model folder, a GGUF file (or a folder holding one), or "
-        "smollm2-135m-instruct (default: the bundled stdlib-lm)",
+        "--model", default=None, metavar="MODEL",
+        help="a local Hugging Face model folder, a GGUF file (or a folder holding one), a "
+        "Hugging Face id (org/repo, org/repo:Q4_K_M, org/repo/file.gguf: downloaded into "
+        "the hub's cache), or smollm2-135m-instruct (default: SmolLM2 when installed, "
+        "else the bundled stdlib-lm)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--revision", default=None, metavar="REV",
+        help="with a Hugging Face id: the branch, tag or commit (default: main)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=0, metavar="N",
@@ -137,8 +143,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_or_default(args: argparse.Namespace) -> str:
-    """``--model``, or the default model, saying on stderr which it is."""
+    """``--model`` (a Hugging Face id downloaded, or found in the cache, first: the
+    local path), or the default model, saying on stderr which it is."""
     if args.model:
+        from tandem.models.hub import parse_hub_id, resolve
+
+        if parse_hub_id(args.model) is not None:
+            return str(resolve(args.model, getattr(args, "revision", None)))
         return args.model
     from tandem.models.catalog import default_model_choice
 

@@ -104,15 +104,18 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 
 
 def run(args: argparse.Namespace) -> None:
+    from tandem.models.hub import parse_hub_id
     from tandem.server.serve import run_server
 
+    # A Hugging Face model is served under its id, as vLLM does.
+    hub_id = parse_hub_id(args.model) if args.model else None
     run_server(
         model_or_default(args),
         engine_options(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or (str(hub_id) if hub_id else None),
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         trace=args.trace,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.errors import ModelLoadError
+from tandem.models.hub import parse_hub_id
+from tandem.models.hub import resolve as resolve_hub_id
 
 
 @dataclass(frozen=True)
@@ -74,13 +76,14 @@ def is_installed(name: str) -> bool:
 
 
 def resolve_model(name: str | Path) -> str | Path:
-    """A catalog name -> its installed file, a bundled name -> its folder; anything
-    else is returned as given."""
+    """A catalog name -> its installed file, a bundled name -> its folder, a Hugging
+    Face id -> its files in the hub's cache (models/hub.py); anything else is
+    returned as given."""
     if str(name) in BUNDLED:
         return BUNDLED[str(name)]
     entry = CATALOG.get(str(name))
     if entry is None:
-        return name
+        return resolve_hub_id(name) if parse_hub_id(name) is not None else name
     path = _installed_file(entry)
     if path is None:
         raise ModelLoadError(f"model {name!r} is not installed; install it with `{entry.install}`")
