@@ -20,14 +20,14 @@ from tests.fake_hub import FakeHub, serving
 # -- the names, without a hub ----------------------------------------------------------
 
 
-def test_ids_are_told_from_paths_and_catalog_names(tmp_path):
+def test_ids_are_told_from_paths_and_catalog_names(tmp_path, monkeypatch):
     assert parse_hub_id("Qwen/Qwen3-0.6B") == HubId("Qwen/Qwen3-0.6B")
     assert parse_hub_id("org/repo:Q4_K_M") == HubId("org/repo", tag="Q4_K_M")
     assert parse_hub_id("org/repo/sub/m-Q8_0.gguf") == HubId("org/repo", filename="sub/m-Q8_0.gguf")
     for local in ("smollm2-135m-instruct", "./org/repo", "/abs/folder", "a/b/c", "org/repo:"):
         assert parse_hub_id(local) is None, local
     (tmp_path / "org" / "repo").mkdir(parents=True)
-    os.chdir(tmp_path)  # an existing path is a path, even when it reads as an id
+    monkeypatch.chdir(tmp_path)  # an existing path is a path, even when it reads as an id
     assert parse_hub_id("org/repo") is None
 
 
