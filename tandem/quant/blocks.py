@@ -24,14 +24,16 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
 
-``FORMATS`` is the one table of block formats: a new format is its row there, its
-branch in ``decode``, and its case in the C++ packer (kernels/pack_ops.cpp).
+``FORMATS`` is the one table of block formats: a new format is its row there (its
+decoder among the row's fields), and its case in the C++ packer (kernels/pack_ops.cpp).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import partial
 
 import torch
 
@@ -59,102 +61,6 @@ FLOAT_TYPES = {
     GGMLType.F16: torch.float16,
     GGMLType.BF16: torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class SuperFormat:
-    """How a format fills the GPU's SuperBlockWeight formula (split_blocks.py)."""
-
-    super: int  # weights per d (and dm)
-    group: int  # weights per sub (== super where there is none)
-    high_bits: int  # bits of q above its low 4
-    offset: int
-    has_sub: bool
-    has_min: bool
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """Everything tandem knows about one block format, in one row (llama.cpp's
-    ``ggml_type_traits``): its bytes, and the layouts it is packed to. ``decode`` below
-    reads it; kernels/pack_ops.cpp's ``Code`` and ``bits`` mirror the packed layout
-    (tests/test_quant.py checks the two agree)."""
-
-    code: GGMLType
-    weights: int  # per block
-    nbytes: int  # per block
-    # The CPU kernel's packed layout (packed.py): bits a value, weights per scale, the
-    # values' offset, stored minimums (``corr``), and the bytes of a K format's
-    # super-block record (0: float16 scales, no records).
-    packed_bits: int
-    group: int
-    offset: float
-    has_corr: bool
-    record_bytes: int
-    # The GPU's split layout (split_blocks.py): BlockWeight's bits a value (Q4_0,
-    # Q8_0: their values as the file lays them out), or SuperBlockWeight's formula.
-    split: int | SuperFormat
-    quantized_by_tandem: bool = False  # quantize.py writes it (quantize on load, export)
-
-    @property
-    def name(self) -> str:
-        return self.code.name
-
-    @property
-    def bytes_per_weight(self) -> float:
-        """The file's bytes a weight, scales included (the planner's price)."""
-        return self.nbytes / self.weights
-
-
-FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
-    BlockFormat(GGMLType.Q8_0, 32, 34, 8, 32, 0.0, False, 0, 8, quantized_by_tandem=True),
-    BlockFormat(GGMLType.Q4_0, 32, 18, 4, 32, 8.0, False, 0, 4, quantized_by_tandem=True),
-    BlockFormat(GGMLType.Q4_1, 32, 20, 4, 32, 0.0, True, 0, SuperFormat(32, 32, 0, 0, False, True)),
-    BlockFormat(GGMLType.Q5_0, 32, 22, 5, 32, 16.0, False, 0,
-                SuperFormat(32, 32, 1, 16, False, False)),
-    BlockFormat(GGMLType.Q5_1, 32, 24, 5, 32, 0.0, True, 0, SuperFormat(32, 32, 1, 0, False, True)),
-    BlockFormat(GGMLType.Q4_K, 256, 144, 4, 32, 0.0, False, 320,
-                SuperFormat(256, 32, 0, 0, True, True), quantized_by_tandem=True),
-    BlockFormat(GGMLType.Q5_K, 256, 176, 5, 32, 0.0, False, 320,
-                SuperFormat(256, 32, 1, 0, True, True)),
-    BlockFormat(GGMLType.Q6_K, 256, 210, 6, 16, 32.0, False, 288,
-                SuperFormat(256, 16, 2, 32, True, False)),
-)}  # fmt: skip
-
-# Weights and bytes per block (FORMATS' sizes, as most readers want them).
-BLOCK = {code: (f.weights, f.nbytes) for code, f in FORMATS.items()}
-
-SUPPORTED = sorted([*FLOAT_TYPES, *BLOCK], key=int)
-
-
-def type_name(code: int) -> str:
-    try:
-        return GGMLType(code).name
-    except ValueError:
-        return f"type {code}"
-
-
-def check_supported(code: int, tensor: str) -> GGMLType:
-    if code not in FLOAT_TYPES and code not in BLOCK:
-        try:
-            import gguf
-
-            name = gguf.GGMLQuantizationType(code).name
-        except Exception:
-            name = f"type {code}"
-        supported = ", ".join(GGMLType(c).name for c in SUPPORTED)
-        raise ModelLoadError(
-            f"tensor {tensor!r} is stored as {name}, which tandem does not read "
-            f"(supported: {supported})"
-        )
-    return GGMLType(code)
-
-
-def row_bytes(code: GGMLType, columns: int) -> int:
-    weights, nbytes = BLOCK[code]
-    if columns % weights:
-        raise ModelLoadError(f"a {code.name} row of {columns} weights is not whole blocks")
-    return columns // weights * nbytes
 
 
 @dataclass
@@ -226,59 +132,186 @@ def check_row_bytes(code: GGMLType, raw: torch.Tensor, columns: int) -> None:
         )
 
 
+# -- one decoder a format: [rows, blocks, block bytes] -> Decoded ------------------------
+
+
+def _flat(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.reshape(rows, -1)
+
+
+def _decode_q8_0(blocks: torch.Tensor) -> Decoded:
+    rows = blocks.shape[0]
+    d, q = _f16(blocks[..., :2]), blocks[..., 2:].contiguous().view(torch.int8)
+    return Decoded(_flat(q, rows), d, None, 0, 32, 8)
+
+
+def _decode_q4(blocks: torch.Tensor, has_min: bool) -> Decoded:
+    """Q4_0 (w = d*(q-8)) and Q4_1 (w = d*q + m)."""
+    rows, start = blocks.shape[0], 4 if has_min else 2
+    q = _nibbles32(blocks[..., start:])
+    mins = _f16(blocks[..., 2:4]) if has_min else None
+    return Decoded(_flat(q, rows), _f16(blocks[..., :2]), mins, 0 if has_min else 8, 32, 4)
+
+
+def _decode_q5(blocks: torch.Tensor, has_min: bool) -> Decoded:
+    """Q5_0 (w = d*(q-16)) and Q5_1 (w = d*q + m): Q4's nibbles plus a u32 of 5th bits."""
+    rows, start = blocks.shape[0], 4 if has_min else 2
+    qh = _high_bits32(blocks[..., start : start + 4])
+    q = _nibbles32(blocks[..., start + 4 :]) | (qh << 4)
+    mins = _f16(blocks[..., 2:4]) if has_min else None
+    return Decoded(_flat(q, rows), _f16(blocks[..., :2]), mins, 0 if has_min else 16, 32, 5)
+
+
+def _decode_q45_k(blocks: torch.Tensor, bits: int) -> Decoded:
+    """Q4_K and Q5_K: w = d*sc*q - dmin*mn, 8 groups of 32 a super-block."""
+    rows = blocks.shape[0]
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mn = _k_scales(blocks[..., 4:16])
+    if bits == 4:
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 4 pairs of groups
+        q = torch.stack([qs & 0x0F, qs >> 4], dim=-2)  # [rows, blocks, 4, 2, 32]
+    else:
+        qh = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
+        low = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)
+        q = low | ((qh & 1) << 4)
+    scales = d.unsqueeze(-1) * sc.float()
+    mins = -(dmin.unsqueeze(-1) * mn.float())
+    supers = SuperScales(d, _flat(sc, rows), dmin, _flat(mn, rows))
+    return Decoded(_flat(q, rows), _flat(scales, rows), _flat(mins, rows), 0, 32, bits, supers)
+
+
+def _decode_q6_k(blocks: torch.Tensor) -> Decoded:
+    """Q6_K: w = d*sc*(q-32), 16 groups of 16 a super-block."""
+    rows = blocks.shape[0]
+    ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)
+    d = _f16(blocks[..., 208:210])
+    low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
+    q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
+    scales = d.unsqueeze(-1) * sc.float()
+    supers = SuperScales(d, _flat(sc, rows))
+    return Decoded(_flat(q, rows), _flat(scales, rows), None, 32, 16, 6, supers)
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SuperFormat:
+    """How a format fills the GPU's SuperBlockWeight formula (split_blocks.py)."""
+
+    super: int  # weights per d (and dm)
+    group: int  # weights per sub (== super where there is none)
+    high_bits: int  # bits of q above its low 4
+    offset: int
+    has_sub: bool
+    has_min: bool
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """Everything tandem knows about one block format, in one row (llama.cpp's
+    ``ggml_type_traits``): its bytes, its exact decoder, and the layouts it is packed
+    to. kernels/pack_ops.cpp's ``Code`` and ``value_bits`` mirror the packed layout
+    (tests/test_quant.py checks the two agree, and every decoder against gguf-py's)."""
+
+    code: GGMLType
+    weights: int  # per block
+    nbytes: int  # per block
+    decoder: Callable[[torch.Tensor], Decoded]  # uint8 [rows, blocks, nbytes] -> Decoded
+    # The CPU kernel's packed layout (packed.py): bits a value, weights per scale, the
+    # values' offset, stored minimums (``corr``), and the bytes of a K format's
+    # super-block record (0: float16 scales, no records).
+    packed_bits: int
+    group: int
+    offset: float
+    has_corr: bool
+    record_bytes: int
+    # The GPU's split layout (split_blocks.py): BlockWeight's bits a value (Q4_0,
+    # Q8_0: their values as the file lays them out), or SuperBlockWeight's formula.
+    split: int | SuperFormat
+    quantized_by_tandem: bool = False  # quantize.py writes it (quantize on load, export)
+
+    @property
+    def name(self) -> str:
+        return self.code.name
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """The file's bytes a weight, scales included (the planner's price)."""
+        return self.nbytes / self.weights
+
+
+_q4_0, _q4_1 = partial(_decode_q4, has_min=False), partial(_decode_q4, has_min=True)
+_q5_0, _q5_1 = partial(_decode_q5, has_min=False), partial(_decode_q5, has_min=True)
+_q4_k, _q5_k = partial(_decode_q45_k, bits=4), partial(_decode_q45_k, bits=5)
+FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
+    # format, weights and bytes a block, decoder; packed: bits, group, offset, corr,
+    # record bytes; split
+    BlockFormat(GGMLType.Q8_0, 32, 34, _decode_q8_0, 8, 32, 0.0, False, 0, 8,
+                quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q4_0, 32, 18, _q4_0, 4, 32, 8.0, False, 0, 4, quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q4_1, 32, 20, _q4_1, 4, 32, 0.0, True, 0,
+                SuperFormat(32, 32, 0, 0, False, True)),
+    BlockFormat(GGMLType.Q5_0, 32, 22, _q5_0, 5, 32, 16.0, False, 0,
+                SuperFormat(32, 32, 1, 16, False, False)),
+    BlockFormat(GGMLType.Q5_1, 32, 24, _q5_1, 5, 32, 0.0, True, 0,
+                SuperFormat(32, 32, 1, 0, False, True)),
+    BlockFormat(GGMLType.Q4_K, 256, 144, _q4_k, 4, 32, 0.0, False, 320,
+                SuperFormat(256, 32, 0, 0, True, True), quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q5_K, 256, 176, _q5_k, 5, 32, 0.0, False, 320,
+                SuperFormat(256, 32, 1, 0, True, True)),
+    BlockFormat(GGMLType.Q6_K, 256, 210, _decode_q6_k, 6, 16, 32.0, False, 288,
+                SuperFormat(256, 16, 2, 32, True, False)),
+)}  # fmt: skip
+
+# Weights and bytes per block (FORMATS' sizes, as most readers want them).
+BLOCK = {code: (f.weights, f.nbytes) for code, f in FORMATS.items()}
+
+SUPPORTED = sorted([*FLOAT_TYPES, *BLOCK], key=int)
+
+
+def type_name(code: int) -> str:
+    try:
+        return GGMLType(code).name
+    except ValueError:
+        return f"type {code}"
+
+
+def check_supported(code: int, tensor: str) -> GGMLType:
+    if code not in FLOAT_TYPES and code not in BLOCK:
+        try:
+            import gguf
+
+            name = gguf.GGMLQuantizationType(code).name
+        except Exception:
+            name = f"type {code}"
+        supported = ", ".join(GGMLType(c).name for c in SUPPORTED)
+        raise ModelLoadError(
+            f"tensor {tensor!r} is stored as {name}, which tandem does not read "
+            f"(supported: {supported})"
+        )
+    return GGMLType(code)
+
+
+def row_bytes(code: GGMLType, columns: int) -> int:
+    weights, nbytes = BLOCK[code]
+    if columns % weights:
+        raise ModelLoadError(f"a {code.name} row of {columns} weights is not whole blocks")
+    return columns // weights * nbytes
+
+
 def decode(code: GGMLType, raw: torch.Tensor, columns: int) -> Decoded:
-    """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales."""
-    rows = raw.shape[0]
-    per_block, nbytes = BLOCK[code]
+    """raw: uint8 [rows, row_bytes] -> the rows' integer values and scales (the
+    format's own decoder, FORMATS[code].decoder)."""
+    if code not in FORMATS:
+        raise ModelLoadError(f"no decoder for {GGMLType(code).name}")
     check_row_bytes(code, raw, columns)
-    blocks = raw.reshape(rows, columns // per_block, nbytes)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(rows, -1)
-
-    if code == GGMLType.Q8_0:
-        d, q = _f16(blocks[..., :2]), blocks[..., 2:].contiguous().view(torch.int8)
-        return Decoded(flat(q), d, None, 0, 32, 8)
-    if code in (GGMLType.Q4_0, GGMLType.Q4_1):
-        has_min = code == GGMLType.Q4_1
-        start = 4 if has_min else 2
-        q = _nibbles32(blocks[..., start:])
-        mins = _f16(blocks[..., 2:4]) if has_min else None
-        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 8, 32, 4)
-    if code in (GGMLType.Q5_0, GGMLType.Q5_1):
-        has_min = code == GGMLType.Q5_1
-        start = 4 if has_min else 2
-        qh = _high_bits32(blocks[..., start : start + 4])
-        q = _nibbles32(blocks[..., start + 4 :]) | (qh << 4)
-        mins = _f16(blocks[..., 2:4]) if has_min else None
-        return Decoded(flat(q), _f16(blocks[..., :2]), mins, 0 if has_min else 16, 32, 5)
-    if code in (GGMLType.Q4_K, GGMLType.Q5_K):
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = _k_scales(blocks[..., 4:16])
-        if code == GGMLType.Q4_K:
-            qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 4 pairs of groups
-            q = torch.stack([qs & 0x0F, qs >> 4], dim=-2)  # [rows, blocks, 4, 2, 32]
-        else:
-            qh = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
-            qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
-            low = torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)
-            q = low | ((qh & 1) << 4)
-        scales = d.unsqueeze(-1) * sc.float()
-        mins = -(dmin.unsqueeze(-1) * mn.float())
-        supers = SuperScales(d, flat(sc), dmin, flat(mn))
-        bits = 4 if code == GGMLType.Q4_K else 5
-        return Decoded(flat(q), flat(scales), flat(mins), 0, 32, bits, supers)
-    if code == GGMLType.Q6_K:
-        ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
-        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
-        sc = blocks[..., 192:208].contiguous().view(torch.int8)
-        d = _f16(blocks[..., 208:210])
-        low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
-        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
-        q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
-        scales = d.unsqueeze(-1) * sc.float()
-        return Decoded(flat(q), flat(scales), None, 32, 16, 6, SuperScales(d, flat(sc)))
-    raise ModelLoadError(f"no decoder for {code.name}")
+    spec = FORMATS[code]
+    return spec.decoder(raw.reshape(raw.shape[0], columns // spec.weights, spec.nbytes))
 
 
 def dequantize_decoded(dec: Decoded) -> torch.Tensor:
