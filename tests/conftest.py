@@ -52,7 +52,7 @@ SYSTEM = {
     "test_training", "test_plan", "test_server_hardening", "test_disagg_security",
     "test_openapi_fuzz", "test_engine_process", "test_tool_calls", "test_third_party_clients",
     "test_train_draft", "test_host_memory", "test_tensor_parallel", "test_data_parallel",
-    "test_gpu_kernels_interpreted", "test_gpu_kernels_compile", "test_hub",
+    "test_gpu_kernels_interpreted", "test_gpu_kernels_compile", "test_hub", "test_reasoning",
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from tandem.cli.engine_args import (
     model_or_default,
 )
 from tandem.server.limits import ServerLimits
+from tandem.server.reasoning import CHOICES as REASONING_CHOICES
 from tandem.server.tool_calls import PARSERS
 
 HELP = "an OpenAI-compatible HTTP server"
@@ -63,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser", choices=PARSERS, default="hermes",
         help="how chat answers are read for tool calls: hermes (<tool_call> blocks: "
         "Hermes, Qwen) or json (a JSON call object or list: Llama 3) (default: hermes)",
+    )  # fmt: skip
+    http.add_argument(
+        "--reasoning-parser", choices=REASONING_CHOICES, default="auto",
+        help="how a thinking model's answers are split into reasoning_content and "
+        "content: think (<think>...</think>: Qwen3, DeepSeek-R1, SmolLM3; also named "
+        "deepseek_r1, qwen3), none, or auto: think when the chat template uses the tag",
     )  # fmt: skip
     http.add_argument(
         "--no-engine-process", action="store_true",
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> None:
         enable_trace_endpoints=args.enable_trace_endpoints,
         engine_process=not args.no_engine_process,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         threads=checked_threads(args),
         data_parallel_size=args.data_parallel_size,
         data_parallel_routing=args.data_parallel_routing,

@@ -65,10 +65,12 @@ def build_app(
     limits: ServerLimits | None = None,
     enable_trace_endpoints: bool = False,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """``enable_trace_endpoints``: allow /trace/* without an API key (they are always
     allowed, behind the key, when the server has one); ``tool_call_parser``: how chat
-    answers are read for tool calls (tool_calls.py)."""
+    answers are read for tool calls (tool_calls.py); ``reasoning_parser``: how a
+    thinking model's answers are split (reasoning.py; auto: from the chat template)."""
     limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
@@ -81,8 +83,9 @@ def build_app(
 
     app = FastAPI(title="tandem", version=package_version(), lifespan=lifespan)
     app.state.served = ServedModel(
-        engine, model_name, api_key, limits, enable_trace_endpoints, tool_call_parser
-    )
+        engine, model_name, api_key, limits, enable_trace_endpoints, tool_call_parser,
+        reasoning_parser,
+    )  # fmt: skip
     app.add_middleware(
         BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout,
         body_of=error_body,

@@ -20,6 +20,7 @@ from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.server.errors import APIError, as_api_error
+from tandem.server.reasoning import ThinkParser
 from tandem.server.responses import ChoiceStream, Echo
 from tandem.server.tool_calls import ToolCalling
 from tandem.serving.engine_client import EngineClient
@@ -44,6 +45,7 @@ class CompletionHandler:
         echo: bool = False,
         drop_generated: bool = False,
         tools: ToolCalling | None = None,
+        reasoning: ThinkParser | None = None,
         events: Callable[[AsyncIterator[dict[str, Any] | APIError]], AsyncIterator[str]]
         | None = None,
     ):
@@ -80,6 +82,7 @@ class CompletionHandler:
             want_logprobs=params.logprobs is not None,
             echo=Echo(self._decode, drop_generated) if echo else None,
             tools=tools,
+            reasoning=reasoning,
         )
         if stream:
             chunks = self._chunks(state, outputs, engine_ids, include_usage, continuous_usage)

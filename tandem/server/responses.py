@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.outputs import Logprob, RequestOutput
+from tandem.server.reasoning import ThinkParser
 from tandem.server.tool_calls import ToolCalling, call_id
 
 # JSON has no -Infinity; a token the model rules out entirely gets this instead.
@@ -41,7 +42,8 @@ class _Choice:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # tokens whose logprobs were streamed
     sent_offset: int = 0  # characters those tokens decode to (completions' text_offset)
-    sent_content: int = 0  # with tools: characters of text streamed as content
+    sent_content: int = 0  # with tools or thinking: characters of the reply streamed
+    sent_thinking: int = 0  # with a reasoning parser: characters of thinking streamed
     sent_arguments: list[int] = field(default_factory=list)  # per streamed call: its
     # characters of arguments sent (grammar-held tool answers)
 
@@ -58,9 +60,14 @@ class ChoiceStream:
         want_logprobs: bool,
         echo: Echo | None = None,
         tools: ToolCalling | None = None,
+        reasoning: ThinkParser | None = None,
     ) -> None:
-        """``tools``: a chat whose answers may be tool calls (tool_calls.py)."""
+        """``tools``: a chat whose answers may be tool calls (tool_calls.py);
+        ``reasoning``: a chat whose answers may think first (reasoning.py): the
+        thinking goes out as ``reasoning_content`` (and vLLM's newer ``reasoning``),
+        and the rest (content, tool calls) is read from the reply alone."""
         self.response_id, self.model, self.created = response_id, model, created
+        self.reasoning = reasoning
         self.chat = chat
         self.n = n
         self.want_logprobs = want_logprobs
@@ -186,11 +193,15 @@ class ChoiceStream:
         back because it may be a tool call)."""
         if self.chat:
             finish = delta["finish_reason"]
-            if self.tools is None:
+            state = self.choices[index]
+            if self.tools is None and self.reasoning is None:
                 message = {"content": delta["text"]} if delta["text"] else {}
             else:
-                state = self.choices[index]
-                message = self._tool_delta(state, finish is not None)
+                message = self._thinking_delta(state, finish is not None)
+                if self.tools is None:
+                    message.update(self._reply_delta(state, finish is not None))
+                else:
+                    message.update(self._tool_delta(state, finish is not None))
                 if (message.get("tool_calls") or state.sent_arguments) and finish == "stop":
                     finish = "tool_calls"
                 if not message and finish is None and delta["logprobs"] is None:
@@ -206,28 +217,56 @@ class ChoiceStream:
             choice = {"index": index, **delta}
         return {**self.header("chunk"), "choices": [choice]}
 
+    def _reply(self, choice: _Choice, finishing: bool) -> str:
+        """The part of the answer that is the reply (after any thinking); while the
+        answer grows, only as far as it cannot be taken back."""
+        if self.reasoning is None:
+            return choice.text
+        parts = self.reasoning.parts(choice.text, final=finishing)
+        return choice.text[parts.reply_start : parts.reply_end]
+
+    def _thinking_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
+        if self.reasoning is None:
+            return {}
+        parts = self.reasoning.parts(choice.text, final=finishing)
+        thinking = choice.text[parts.thinking_start : parts.thinking_end]
+        if len(thinking) <= choice.sent_thinking:
+            return {}
+        piece = thinking[choice.sent_thinking :]
+        choice.sent_thinking = len(thinking)
+        return {"reasoning_content": piece, "reasoning": piece}
+
+    def _reply_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
+        reply = self._reply(choice, finishing)
+        if len(reply) <= choice.sent_content:
+            return {}
+        piece = reply[choice.sent_content :]
+        choice.sent_content = len(reply)
+        return {"content": piece}
+
     def _tool_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
         """The content that may go out now; when the choice ends, the rest of the
         content and its tool calls. Grammar-held answers stream their calls instead."""
+        reply = self._reply(choice, finishing)
         if self.tools.choice != "auto":
-            return self._call_deltas(choice)  # (a required answer is calls only: no content)
+            return self._call_deltas(choice, reply)  # (calls only: no content)
         if not finishing:
-            end, calls = self.tools.streamable(choice.text), []
+            end, calls = self.tools.streamable(reply), []
         else:
-            end, calls = self.tools.split(choice.text)
+            end, calls = self.tools.split(reply)
         message: dict[str, Any] = {}
         if end > choice.sent_content:
-            message["content"] = choice.text[choice.sent_content : end]
+            message["content"] = reply[choice.sent_content : end]
             choice.sent_content = end
         if calls:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return message
 
-    def _call_deltas(self, choice: _Choice) -> dict[str, Any]:
+    def _call_deltas(self, choice: _Choice, reply: str) -> dict[str, Any]:
         """The calls' news since the last chunk: a new call's id and name, then each
         call's arguments as far as the model wrote them."""
         deltas = []
-        for index, (name, arguments) in enumerate(self.tools.partial_calls(choice.text)):
+        for index, (name, arguments) in enumerate(self.tools.partial_calls(reply)):
             if index == len(choice.sent_arguments):
                 choice.sent_arguments.append(len(arguments))
                 deltas.append({
@@ -249,13 +288,18 @@ class ChoiceStream:
             base = len(self.echoed[index // self.n][0]) if self.echo is not None else 0
             logprobs = self._logprobs(choice, 0, len(choice.token_ids), base)
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                thinking, reply = None, choice.text
+                if self.reasoning is not None:
+                    thinking, reply = self.reasoning.split(choice.text)
+                message: dict[str, Any] = {"role": "assistant", "content": reply}
                 finish = choice.finish_reason
                 if self.tools is not None:
-                    content, calls = self.tools.parse(choice.text)
+                    content, calls = self.tools.parse(reply)
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
                         finish = "tool_calls" if finish == "stop" else finish
+                if thinking is not None:
+                    message["reasoning_content"] = message["reasoning"] = thinking
                 choices.append(
                     {
                         "index": index,

@@ -41,6 +41,7 @@ def run_server(
     engine_process: bool = True,
     threads: int = 0,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str = "auto",
     data_parallel_size: int = 1,
     data_parallel_routing: str = "least-busy",
 ) -> None:
@@ -70,8 +71,9 @@ def run_server(
     else:
         client = _in_process_engine(config, options)
     app = build_app(
-        client, name, api_key, client.shutdown, limits, enable_trace_endpoints, tool_call_parser
-    )
+        client, name, api_key, client.shutdown, limits, enable_trace_endpoints, tool_call_parser,
+        reasoning_parser,
+    )  # fmt: skip
     info = client.info
     logger.info(
         "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d, "

@@ -21,6 +21,7 @@ from tandem.server.errors import APIError
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import ServerLimits
 from tandem.server.protocol import ChatCompletionRequest, ErrorResponse
+from tandem.server.reasoning import ThinkParser, parser_for, starts_inside
 from tandem.server.tool_calls import ToolCalling
 from tandem.serving.engine_client import EngineClient
 
@@ -51,6 +52,8 @@ class ServedModel:
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_trace_endpoints: bool = False
     tool_call_parser: str = "hermes"  # how chat answers are read for tool calls
+    # How a thinking model's answers are split (reasoning.py): auto, none, think, ...
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         info = self.engine.info
@@ -58,6 +61,8 @@ class ServedModel:
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.defaults = model_sampling_defaults(info.generation_config)
+        template = getattr(self.tokenizer, "chat_template_source", None)
+        self.reasoning = parser_for(self.reasoning_parser, template)
         self.card = {
             "id": self.model_name,
             "object": "model",
@@ -83,12 +88,18 @@ class ServedModel:
         return self.tokenizer
 
     async def chat_prompt(self, body: ChatCompletionRequest, tools: ToolCalling | None):
+        """The conversation rendered by the chat template, as token ids."""
+        encoder = self.need_tokenizer("messages")
+        text = await self.chat_text(body, tools)
+        return await asyncio.to_thread(encoder.encode, text, False)
+
+    async def chat_text(self, body: ChatCompletionRequest, tools: ToolCalling | None) -> str:
         encoder = self.need_tokenizer("messages")
         template_variables = dict(body.chat_template_kwargs or {})
         if tools is not None:
             template_variables["tools"] = tools.tools
         return await asyncio.to_thread(  # long conversations: off the event loop
-            encoder.encode_chat,
+            encoder.apply_chat_template,
             body.conversation(),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
@@ -105,11 +116,15 @@ class ServedModel:
         self.limits.check(body)
         tools = self.tool_calling(body)
         params = body.sampling_params(self.defaults, tools)
-        prompt = engine_prompt(await self.chat_prompt(body, tools), body.cache_salt)
+        text = await self.chat_text(body, tools)
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
+        # A template that opened the thinking leaves the model inside it.
+        reasoning = None if self.reasoning is None else ThinkParser(starts_inside(text[-64:]))
         return await self.handler.serve(
-            request, "chatcmpl", [prompt], params, body.stream, body.include_usage_in_stream,
-            chat=True, kv_transfer_params=body.kv_transfer_params,
-            continuous_usage=body.continuous_usage_in_stream, tools=tools, events=events,
+            request, "chatcmpl", [engine_prompt(ids, body.cache_salt)], params, body.stream,
+            body.include_usage_in_stream, chat=True, kv_transfer_params=body.kv_transfer_params,
+            continuous_usage=body.continuous_usage_in_stream, tools=tools, reasoning=reasoning,
+            events=events,
         )  # fmt: skip
 
 

@@ -1,0 +1,99 @@
+"""Reasoning parsers: a thinking model's answer split into its thinking and its reply.
+
+Qwen3, DeepSeek-R1 and its distills, SmolLM3 and others think between ``<think>`` and
+``</think>`` before they answer (vLLM's ``deepseek_r1`` and ``qwen3`` parsers; one
+parser here, ``think``). Some chat templates open the tag in the prompt (the
+generation prompt ends with ``<think>``), and the model's text then starts inside the
+thinking; others let the model write it. A chat whose thinking was turned off in the
+template (``chat_template_kwargs: {"enable_thinking": false}``) closes it in the
+prompt, and the whole text is the reply.
+
+    text          <think>Paris is in France.</think>\\n\\nParis.
+    thinking      Paris is in France.
+    reply         Paris.
+
+``split`` parses a whole text; ``streamable`` says how much of a growing text can go
+out as thinking and as reply without being taken back (a tag cut between two steps is
+held until it is whole). Tool calls and the reply's other parsing apply to the reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+# --reasoning-parser: what each name parses (vLLM's names for the same tags too).
+PARSERS = ("think", "deepseek_r1", "qwen3")
+CHOICES = ("auto", "none", *PARSERS)
+
+
+def parser_for(name: str, chat_template: str | None) -> str | None:
+    """The parser a server uses: ``auto`` takes ``think`` when the chat template
+    mentions the tag, else none."""
+    if name == "none":
+        return None
+    if name == "auto":
+        return "think" if chat_template is not None and END in chat_template else None
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(CHOICES)})")
+    return "think"
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may be the start of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Where a text's thinking and reply lie: text[thinking_start:thinking_end] and
+    text[reply_start:reply_end] (thinking_end == thinking_start: none yet)."""
+
+    thinking_start: int
+    thinking_end: int
+    reply_start: int
+    reply_end: int
+
+
+class ThinkParser:
+    def __init__(self, starts_inside: bool) -> None:
+        """``starts_inside``: the prompt opened the thinking (its generation prompt
+        ends with ``<think>``)."""
+        self.starts_inside = starts_inside
+
+    def parts(self, text: str, final: bool) -> Parts:
+        """The thinking and the reply in ``text``; unless ``final``, what might still
+        turn out to be a tag is left out of both."""
+        body = len(text) - len(text.lstrip())
+        if self.starts_inside:
+            start = 0
+        elif text[body:].startswith(START):
+            start = body + len(START)
+        elif not final and START.startswith(text[body:]):  # "<thi": maybe the tag
+            return Parts(0, 0, 0, 0)
+        else:  # no thinking: the whole text is the reply
+            return Parts(0, 0, 0, len(text))
+        end = text.find(END, start)
+        if end < 0:  # still thinking
+            stop = len(text) if final else len(text) - _held(text, END)
+            return Parts(start, stop, stop, stop)
+        reply = end + len(END)
+        while reply < len(text) and text[reply] in "\n\r \t":
+            reply += 1
+        return Parts(start, end, reply, len(text))
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(thinking, reply) of a whole answer; thinking is None when there was none."""
+        parts = self.parts(text, final=True)
+        thinking = text[parts.thinking_start : parts.thinking_end]
+        has_thinking = self.starts_inside or parts.thinking_start > 0
+        return (thinking if has_thinking else None), text[parts.reply_start : parts.reply_end]
+
+
+def starts_inside(prompt_tail: str) -> bool:
+    """Whether a rendered prompt (its last characters) leaves the model thinking."""
+    tail = prompt_tail.rstrip()
+    return tail.endswith(START)
