@@ -67,6 +67,31 @@ STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
+class ThinkingParams:
+    """A thinking model's answer, which starts inside its thinking (the prompt opened
+    it) and leaves it with ``end_token_ids`` (``</think>`` as the tokenizer writes it).
+
+    ``budget``: how many thinking tokens it may write; at the budget the end is forced,
+    a token at a time, and the answer follows (the engine enforces it: the runner's
+    ThinkingGate). A structured-output constraint holds the answer only: it starts
+    after the end."""
+
+    end_token_ids: tuple[int, ...]
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        ids = self.end_token_ids
+        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise InvalidParameterError("thinking", "end_token_ids must be token ids (>= 0)")
+        self.end_token_ids = tuple(ids)
+        budget = self.budget
+        valid = budget is None or (type(budget) is int and budget >= 0)
+        if not valid:
+            message = f"must be an integer >= 0, got {budget!r}"
+            raise InvalidParameterError("thinking_budget", message)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -91,6 +116,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Generation held to a JSON schema, regex, choice or grammar (tandem/engine/grammar.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # A thinking model's thinking: where it ends, and its budget (ThinkingParams).
+    thinking: ThinkingParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -133,6 +133,8 @@ class InputProcessor:
             raise InvalidParameterError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias or ()):
             raise InvalidParameterError("logit_bias", f"keys must be token ids in [0, {vocab})")
+        if params.thinking is not None and max(params.thinking.end_token_ids) >= vocab:
+            raise InvalidParameterError("thinking", f"end_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

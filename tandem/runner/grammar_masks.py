@@ -82,6 +82,13 @@ def new_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
+def allow_only(masks: torch.Tensor, row: int, token_id: int) -> None:
+    """Row ``row`` of ``masks``: ``token_id`` alone allowed (a forced token)."""
+    masks[row] = 0
+    bit = token_id % 32
+    masks[row, token_id // 32] = -(1 << 31) if bit == 31 else 1 << bit
+
+
 def fill_masks(matchers: list[tuple[GrammarMatcher, int]], masks: torch.Tensor) -> None:
     """Each matcher's allowed next tokens into its row of ``masks`` (in parallel, on
     llguidance's threads)."""

@@ -23,6 +23,7 @@ import torch
 
 from tandem.runner.grammar_masks import GrammarMatcher
 from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
+from tandem.runner.thinking import ThinkingGate
 from tandem.sampling import SamplingParams
 from tandem.step import NewRequestData, ScheduledRequest
 
@@ -39,6 +40,7 @@ class RequestState:
     generator: torch.Generator | None  # its own, when it has a seed and samples
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
     grammar: GrammarMatcher | None = None  # structured outputs: where it is in its grammar
+    thinking: ThinkingGate | None = None  # a thinking model's: its end, its budget
     cache_salt: str | None = None  # its tenant
 
     @property
@@ -50,8 +52,21 @@ class RequestState:
         self.all_token_ids.extend(token_ids)
         if self.penalty_counts is not None:
             self.penalty_counts.add(token_ids)
-        if self.grammar is not None:
-            self.grammar.consume(token_ids)
+        self._advance(token_ids)
+
+    def _advance(self, token_ids: list[int]) -> None:
+        """The thinking gate, then the grammar, past accepted tokens (the grammar
+        holds the answer only: it sees what follows the thinking)."""
+        answer = token_ids if self.thinking is None else self.thinking.advance(token_ids)
+        if self.grammar is not None and answer:
+            self.grammar.consume(answer)
+
+    def answer_grammar(self) -> GrammarMatcher | None:
+        """The grammar that holds the next position: None without one, or while the
+        model is still thinking."""
+        if self.thinking is not None and not self.thinking.done:
+            return None
+        return self.grammar
 
     def sampling_row(self, drafts: list[int] | tuple[int, ...] = ()) -> SamplingRow:
         """How this request samples its next token; with ``drafts``, the token after
@@ -115,8 +130,12 @@ class InputBatch:
             if self.grammar_tokenizer is None:
                 raise ValueError("structured outputs need a model with a tokenizer")
             state.grammar = GrammarMatcher(new.grammar, self.grammar_tokenizer())
-            if new.output_token_ids:  # resumed after a preemption: where it was
-                state.grammar.consume(list(new.output_token_ids))
+        if params.thinking is not None:
+            if max(params.thinking.end_token_ids) >= self.vocab_size:
+                raise ValueError(f"thinking's end holds token ids outside [0, {self.vocab_size})")
+            state.thinking = ThinkingGate(params.thinking)
+        if new.output_token_ids:  # resumed after a preemption: where it was
+            state._advance(list(new.output_token_ids))
 
     def update_blocks(self, item: ScheduledRequest) -> RequestState:
         state = self.requests[item.request_id]

@@ -25,7 +25,13 @@ from tandem.models.moe import SparseMoE
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
 from tandem.runner.attention.triton_paged import TritonPagedAttention
 from tandem.runner.cuda_graphs import DecodeGraphs
-from tandem.runner.grammar_masks import apply_masks, fill_masks, grammar_tokenizer, new_masks
+from tandem.runner.grammar_masks import (
+    allow_only,
+    apply_masks,
+    fill_masks,
+    grammar_tokenizer,
+    new_masks,
+)
 from tandem.runner.host_to_device import to_device
 from tandem.runner.input_batch import InputBatch, RequestState
 from tandem.runner.kv_cache import allocate_kv_cache
@@ -257,12 +263,16 @@ class ModelRunner:
             proposals = self.tp.rank0_drafts(proposals, slots)
         drafts = {}
         for item, (guess, guess_probs) in zip(speculating, proposals, strict=True):
-            grammar = item.request.grammar
-            if grammar is not None and guess:  # cut at the first token the grammar refuses
-                valid = grammar.valid_prefix(guess)
+            state, valid = item.request, len(guess)
+            if state.thinking is not None:  # below the budget, and inside the thinking
+                valid = state.thinking.drafts_allowed(guess, state.grammar is not None)
+            grammar = state.answer_grammar()
+            if grammar is not None and valid:  # cut at the first token the grammar refuses
+                valid = grammar.valid_prefix(guess[:valid])
+            if valid < len(guess):
                 guess = guess[:valid]
                 guess_probs = None if guess_probs is None else guess_probs[:valid]
-            drafts[item.request.request_id] = (guess, guess_probs)
+            drafts[state.request_id] = (guess, guess_probs)
         return drafts
 
     def _new_tokens(self, scheduled, drafts, logits, result: RunnerOutput) -> None:
@@ -281,9 +291,10 @@ class ModelRunner:
                 continue
             first, row = row, row + len(guess) + 1
             with self._failing_alone(item.request_id, result):
-                if state.grammar is not None:  # each position under the drafts before it
+                grammar = state.answer_grammar()
+                if grammar is not None:  # each position under the drafts before it
                     masks = new_masks(len(guess) + 1, self.config.vocab_size)
-                    state.grammar.fill_after(list(guess), masks, 0)
+                    grammar.fill_after(list(guess), masks, 0)
                     apply_masks(logits[first:row], masks, list(range(len(guess) + 1)))
                 rows = [state.sampling_row(guess[:i]) for i in range(len(guess) + 1)]
                 speculating.append((item, guess, guess_probs, first, rows))
@@ -311,11 +322,17 @@ class ModelRunner:
             return
         if len(plain_rows) != len(logits):  # else every row, in order: no copy
             logits = logits[to_device(plain_rows, self.device)]
-        constrained = [i for i, state in enumerate(plain) if state.grammar is not None]
-        if constrained:
-            masks = new_masks(len(constrained), self.config.vocab_size)
-            fill_masks([(plain[i].grammar, j) for j, i in enumerate(constrained)], masks)
-            apply_masks(logits, masks, constrained)
+        grammars = [(i, state.answer_grammar()) for i, state in enumerate(plain)]
+        constrained = [(i, grammar) for i, grammar in grammars if grammar is not None]
+        # Thinking past its budget: the end's next token, forced.
+        forced = [(i, state.thinking.forced()) for i, state in enumerate(plain) if state.thinking]
+        forced = [(i, token) for i, token in forced if token is not None]
+        if constrained or forced:
+            masks = new_masks(len(constrained) + len(forced), self.config.vocab_size)
+            fill_masks([(grammar, j) for j, (_, grammar) in enumerate(constrained)], masks)
+            for j, (_, token) in enumerate(forced, start=len(constrained)):
+                allow_only(masks, j, token)
+            apply_masks(logits, masks, [i for i, _ in constrained + forced])
         try:
             tokens = sample(
                 logits, [state.sampling_row() for state in plain], self.shared_generator
