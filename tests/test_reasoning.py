@@ -160,3 +160,109 @@ def test_thinking_turned_off_in_the_template_is_all_content(servers):
     raw = _ask(plain, **off).choices[0].message.content
     message = _ask(thinking, **off).choices[0].message
     assert message.content == raw and getattr(message, "reasoning_content", None) is None
+
+
+# -- the thinking budget, and the Anthropic and Responses APIs ---------------------------
+
+
+def _plain_thinking(servers, tokens: int) -> str:
+    """What the model thinks in its first ``tokens`` tokens (the parser-less server)."""
+    return _ask(servers[1], max_tokens=tokens).choices[0].message.content
+
+
+def test_a_thinking_budget_ends_the_thinking_and_the_reply_follows(servers):
+    thinking, _ = servers
+    budget = _ask(thinking, thinking_budget=3, max_tokens=14)
+    message = budget.choices[0].message
+    assert message.reasoning_content == _plain_thinking(servers, 3)
+    assert message.content and budget.usage.completion_tokens == 14
+    # OpenAI's effort names a budget: none ends the thinking at once.
+    none = _ask(thinking, reasoning_effort="none", max_tokens=12).choices[0].message
+    assert none.reasoning_content == "" and none.content
+
+
+def test_a_structured_reply_comes_after_free_thinking(servers):
+    thinking, _ = servers
+    choices = ["yes", "no"]
+    answer = thinking.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Is Paris in France?"}],
+        max_tokens=20, temperature=0, extra_body={"structured_outputs": {"choice": choices},
+                                                  "thinking_budget": 4},
+    ).choices[0]  # fmt: skip
+    assert answer.message.reasoning_content and answer.message.content in choices
+    assert answer.finish_reason == "stop"
+
+
+def test_a_budget_without_a_thinking_model_is_refused_naming_the_field(servers):
+    with pytest.raises(openai.BadRequestError) as refused:
+        _ask(servers[1], thinking_budget=3)
+    assert refused.value.body["param"] == "thinking_budget"
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(servers):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=str(servers[0].base_url).removesuffix("/v1/"),
+                               api_key="x", max_retries=0)  # fmt: skip
+
+
+def _message(client, **options):
+    return dict(model="m", max_tokens=14, extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": "Where is Paris?"}], **options)  # fmt: skip
+
+
+def test_anthropic_thinking_comes_as_a_thinking_block_whole_and_streamed(servers, anthropic_client):
+    options = _message(anthropic_client, thinking={"type": "enabled", "budget_tokens": 3})
+    message = anthropic_client.messages.create(**options)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == _plain_thinking(servers, 3)
+    with anthropic_client.messages.stream(**options) as stream:
+        kinds = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert {"thinking_delta", "signature_delta", "text_delta"} <= set(kinds)
+
+    def blocks(content):
+        return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in content]
+
+    assert blocks(streamed.content) == blocks(message.content)
+
+
+def test_anthropic_thinking_disabled_turns_it_off_in_the_template(servers, anthropic_client):
+    options = _message(anthropic_client, thinking={"type": "disabled"})
+    message = anthropic_client.messages.create(**options)
+    off = _ask(servers[1], max_tokens=14, chat_template_kwargs={"enable_thinking": False})
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == off.choices[0].message.content.strip()
+
+
+def test_a_budget_as_large_as_max_tokens_is_anthropics_400(anthropic_client):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        anthropic_client.messages.create(**_message(
+            anthropic_client, thinking={"type": "enabled", "budget_tokens": 14}))  # fmt: skip
+
+
+def test_the_responses_api_returns_a_reasoning_item_whole_and_streamed(servers):
+    client = servers[0]
+    options = dict(model="m", input="Where is Paris?", max_output_tokens=8, temperature=0)
+    response = client.responses.create(**options)
+    assert [item.type for item in response.output] == ["reasoning"]  # 8 tokens: all thinking
+    assert response.output[0].content[0].text == _plain_thinking(servers, 8)
+    minimal = client.responses.create(**options, reasoning={"effort": "minimal"})
+    assert [item.type for item in minimal.output] == ["message"]  # no thinking: no item
+    assert minimal.output_text
+    # (the SDK's responses.stream accumulates completed responses only; these stop at
+    # max_output_tokens: incomplete)
+    events = list(client.responses.create(**options, reasoning={"effort": "minimal"},
+                                          stream=True))  # fmt: skip
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["message"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        minimal.output_text
+    )
+    streamed = client.responses.create(**options, stream=True)
+    done = {e.type: e for e in streamed if e.type.startswith("response.reasoning_text")}
+    assert done["response.reasoning_text.done"].text == response.output[0].content[0].text
+    with pytest.raises(openai.BadRequestError, match=r"reasoning\.effort"):
+        client.responses.create(**options, reasoning={"effort": "extreme"})

@@ -87,9 +87,9 @@ def test_at_the_budget_the_end_is_forced_and_the_answer_follows(tiny):
     thinking = ThinkingParams(END, budget)
     got = _greedy(tiny, PROMPTS, total, thinking=thinking)
     free = _greedy(tiny, PROMPTS, budget)  # what the model thinks, unforced
-    after = _greedy(tiny, [p + f + list(END) for p, f in zip(PROMPTS, free)],
+    after = _greedy(tiny, [p + f + list(END) for p, f in zip(PROMPTS, free, strict=True)],
                     total - budget - len(END))  # fmt: skip
-    assert got == [f + list(END) + a for f, a in zip(free, after)]
+    assert got == [f + list(END) + a for f, a in zip(free, after, strict=True)]
 
 
 def test_a_constraint_holds_the_answer_only(tiny):
@@ -101,7 +101,7 @@ def test_a_constraint_holds_the_answer_only(tiny):
     outputs = tiny.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     free = _greedy(tiny, PROMPTS, 4)
     tokenizer = tiny.get_tokenizer()
-    for output, thought in zip(outputs, free):
+    for output, thought in zip(outputs, free, strict=True):
         ids = list(output.outputs[0].token_ids)
         assert ids[:4] == thought and tuple(ids[4:7]) == END  # the thinking ran free
         assert tokenizer.decode(ids[7:], True) in choices  # the answer held to the choice

@@ -17,9 +17,13 @@ Mapped: ``system`` -> a system turn; text blocks -> content parts; ``tool_use`` 
 text, as Anthropic orders them); ``tools`` (name, description, input_schema) ->
 function tools; ``tool_choice`` auto / any / tool / none -> auto / required / a named
 function / none, ``disable_parallel_tool_use`` -> parallel_tool_calls false;
-``stop_sequences`` -> stop. Refused with a 400 naming the field: image and document
-blocks, extended thinking. ``metadata`` and cache_control marks are accepted and
-ignored.
+``stop_sequences`` -> stop; ``thinking`` -> the chat template's ``enable_thinking``
+(``enabled`` / ``adaptive``: on, ``disabled``: off, absent: the template's default)
+and ``budget_tokens`` -> the thinking budget the engine enforces. A thinking model's
+thinking (server/reasoning.py) comes back as a ``thinking`` block before the text,
+streamed as thinking_delta events (its signature is empty: nothing here signs it).
+Refused with a 400 naming the field: image and document blocks. ``metadata`` and
+cache_control marks are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ _ERROR_TYPES = {
     429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
 }  # fmt: skip
 # Chat fields whose Anthropic names differ, for error messages.
-_FIELD_NAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
+_FIELD_NAMES = {
+    "stop": "stop_sequences", "parallel_tool_calls": "tool_choice",
+    "thinking_budget": "thinking.budget_tokens",
+}  # fmt: skip
 
 
 class AnthropicErrorDetail(BaseModel):
@@ -115,8 +122,6 @@ class MessagesRequest(CountTokensRequest):
 def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that answers ``body`` (InvalidParameterError names the
     Messages API's field)."""
-    if body.thinking is not None and body.thinking.get("type") != "disabled":
-        raise InvalidParameterError("thinking", "extended thinking is not supported")
     messages = []
     system = joined_text(body.system, "system", ("text",)) if body.system is not None else ""
     if system:
@@ -124,6 +129,8 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     for index, message in enumerate(body.messages):
         messages += _chat_messages(message, f"messages[{index}]")
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    if body.thinking is not None:
+        chat.update(_thinking(body.thinking, getattr(body, "max_tokens", None)))
     if isinstance(body, MessagesRequest):
         chat.update(max_tokens=body.max_tokens, stream=body.stream)
         if body.stream:  # the usage in every chunk: message_start needs the prompt's
@@ -151,6 +158,22 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         }[choice.type]  # fmt: skip
         chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     return ChatCompletionRequest.model_validate(chat)
+
+
+def _thinking(thinking: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """The chat fields for Anthropic's ``thinking``: the template's switch, the budget."""
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise InvalidParameterError("thinking.type", "must be enabled, adaptive or disabled")
+    fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and budget is not None:
+        if type(budget) is not int or budget < 1:
+            raise InvalidParameterError("thinking.budget_tokens", "must be an integer >= 1")
+        if max_tokens is not None and budget >= max_tokens:
+            raise InvalidParameterError("thinking.budget_tokens", "must be less than max_tokens")
+        fields["thinking_budget"] = budget
+    return fields
 
 
 def _chat_messages(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
@@ -240,7 +263,12 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (one choice) as a message."""
     choice = response["choices"][0]
     message = choice["message"]
-    content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    content = []
+    if message.get("reasoning_content"):  # (an empty thinking: no block, as when streamed)
+        content.append({"type": "thinking", "thinking": message["reasoning_content"],
+                        "signature": ""})  # fmt: skip
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
         block = _tool_use(call)
         content.append(block or {"type": "text", "text": call["function"]["arguments"]})
@@ -273,7 +301,11 @@ async def message_events(chunks: AsyncIterator[dict[str, Any] | APIError], model
         nonlocal open_block
         if open_block is None:
             return None
-        event, open_block = _event("content_block_stop", {"index": open_block}), None
+        event = _event("content_block_stop", {"index": open_block})
+        if kind == "thinking":  # a thinking block ends with its signature (none here)
+            signature = {"type": "signature_delta", "signature": ""}
+            event = _event("content_block_delta", {"index": open_block, "delta": signature}) + event
+        open_block = None
         return event
 
     def start(content_block: dict[str, Any]) -> str:
@@ -298,6 +330,15 @@ async def message_events(chunks: AsyncIterator[dict[str, Any] | APIError], model
             yield _event("ping", {})
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                if kind != "thinking" or open_block is None:
+                    if (event := close()) is not None:
+                        yield event
+                    yield start({"type": "thinking", "thinking": "", "signature": ""})
+                yield _event("content_block_delta", {
+                    "index": open_block,
+                    "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]},
+                })  # fmt: skip
             if delta.get("content"):
                 if kind != "text" or open_block is None:
                     if (event := close()) is not None:

@@ -342,6 +342,10 @@ class ChatCompletionRequest(_Sampling):
     # Assistant prefill: continue the last message (needs add_generation_prompt false).
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Thinking models (server/reasoning.py): the most tokens the thinking may take before
+    # its end is forced, or OpenAI's effort, which names such a budget (EFFORT_BUDGETS).
+    thinking_budget: int | None = Field(None, ge=0, le=INT_LIMIT)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # Tool calling (tool_calls.py): OpenAI's function tools, rendered by the chat template.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -12,9 +12,16 @@ prompt, and the whole text is the reply.
     thinking      Paris is in France.
     reply         Paris.
 
-``split`` parses a whole text; ``streamable`` says how much of a growing text can go
-out as thinking and as reply without being taken back (a tag cut between two steps is
-held until it is whole). Tool calls and the reply's other parsing apply to the reply.
+``split`` parses a whole text; ``parts`` says how much of a growing text can go out as
+thinking and as reply without being taken back (a tag cut between two steps is held
+until it is whole). Tool calls and the reply's other parsing apply to the reply.
+
+The engine's part (``plan``): a request with a thinking budget, a structured output or
+a required tool call gets a ThinkingParams (sampling.py): the end of the thinking is
+forced at the budget, and the constraint holds the reply only. Its prompt must open the
+thinking: a template that leaves it to the model (Qwen3's) gets ``<think>\n`` appended,
+as the model would write first; a template that closed it (thinking turned off) gets
+neither budget nor gate.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ def parser_for(name: str, chat_template: str | None) -> str | None:
     if name not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(CHOICES)})")
     return "think"
+
+
+# OpenAI's reasoning_effort as a thinking budget in tokens (None: unbounded).
+EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 512, "medium": 2048, "high": None}
 
 
 def _held(text: str, tag: str) -> int:
@@ -97,3 +108,26 @@ def starts_inside(prompt_tail: str) -> bool:
     """Whether a rendered prompt (its last characters) leaves the model thinking."""
     tail = prompt_tail.rstrip()
     return tail.endswith(START)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one chat request thinks: its prompt text, whether the answer starts inside
+    the thinking, and whether the engine holds the thinking (a ThinkingParams)."""
+
+    prompt: str
+    starts_inside: bool
+    gated: bool
+
+
+def plan(prompt: str, budget: int | None, constrained: bool) -> Plan:
+    """The thinking of a request whose rendered prompt is ``prompt``, with a thinking
+    ``budget`` (or None) and a constraint on its reply (``constrained``)."""
+    tail = prompt[-64:].rstrip()
+    if tail.endswith(END):  # the template closed it: no thinking to hold
+        return Plan(prompt, False, False)
+    inside = tail.endswith(START)
+    gated = budget is not None or constrained
+    if gated and not inside:  # what the model would write first
+        return Plan(prompt + START + "\n", True, True)
+    return Plan(prompt, inside, gated)

@@ -11,8 +11,11 @@ Served: ``input`` as a string or items (messages with input_text / output_text p
 ``function_call`` and ``function_call_output`` items; reasoning items are skipped),
 ``instructions``, function ``tools``, ``tool_choice`` (auto, none, required, a named
 function), ``parallel_tool_calls``, ``text.format`` (text, json_object, json_schema),
-``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning``, ``metadata`` and
-``user`` are accepted and change nothing (the model has no reasoning mode here).
+``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` (a thinking
+budget, reasoning.EFFORT_BUDGETS) and a thinking model's thinking as a ``reasoning``
+item before the message (its text in ``content`` as reasoning_text, streamed as
+response.reasoning_text.delta; no summary is written); ``metadata`` and ``user`` are
+accepted and change nothing.
 Refused with a 400 naming the field, since each would change what is answered:
 stored responses (``store: true``), ``previous_response_id``, ``conversation``,
 ``background``, prompt templates (``prompt``), ``include``, ``truncation: "auto"``,
@@ -38,6 +41,7 @@ from tandem.server.protocol import (
     joined_text,
     string_field,
 )
+from tandem.server.reasoning import EFFORT_BUDGETS
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -54,8 +58,8 @@ class ResponsesRequest(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
+    reasoning: dict[str, Any] | None = None  # its effort: a thinking budget
     # Accepted: they change nothing here.
-    reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     # Refused unless off (see to_chat).
@@ -104,6 +108,12 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     for name in ("temperature", "top_p"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            choices = ", ".join(EFFORT_BUDGETS)
+            raise InvalidParameterError("reasoning.effort", f"must be one of {choices}")
+        chat["reasoning_effort"] = effort
     if body.tools:
         chat["tools"] = [_function_tool(tool, f"tools[{i}]") for i, tool in enumerate(body.tools)]
         chat["parallel_tool_calls"] = body.parallel_tool_calls
@@ -201,6 +211,13 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning", "id": item_id, "status": status, "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else [],
+    }  # fmt: skip
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str):
     return {
         "type": "function_call", "id": item_id, "call_id": call_id, "name": name,
@@ -235,7 +252,8 @@ class ResponseShape:
             "max_output_tokens": body.max_output_tokens,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
-            "reasoning": None, "store": False, "truncation": "disabled", "user": body.user,
+            "reasoning": body.reasoning, "store": False, "truncation": "disabled",
+            "user": body.user,
             "usage": usage,
         }  # fmt: skip
 
@@ -257,6 +275,8 @@ def to_response(answer: dict[str, Any], shape: ResponseShape) -> dict[str, Any]:
     choice = answer["choices"][0]
     message = choice["message"]
     output = []
+    if message.get("reasoning_content"):  # (an empty thinking: no item, as when streamed)
+        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"], "completed"))
     if message.get("content"):
         output.append(_message_item(_item_id("msg"), message["content"], "completed"))
     for call in message.get("tool_calls") or []:
@@ -293,7 +313,13 @@ async def response_events(
         if current is None:
             return []
         index, item_id = len(output), current["id"]
-        if current["type"] == "message":
+        if current["type"] == "reasoning":
+            done = _reasoning_item(item_id, text, "completed")
+            events = [
+                event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                      content_index=0, text=text),
+            ]  # fmt: skip
+        elif current["type"] == "message":
             done = _message_item(item_id, text, "completed")
             events = [
                 event("response.output_text.done", item_id=item_id, output_index=index,
@@ -323,6 +349,18 @@ async def response_events(
             usage = _usage(chunk["usage"])
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                if current is None or current["type"] != "reasoning":
+                    for done in close():
+                        yield done
+                    current = _reasoning_item(_item_id("rs"), "", "in_progress")
+                    yield event(
+                        "response.output_item.added", output_index=len(output), item=current
+                    )
+                text += delta["reasoning_content"]
+                yield event("response.reasoning_text.delta", item_id=current["id"],
+                            output_index=len(output), content_index=0,
+                            delta=delta["reasoning_content"])  # fmt: skip
             if delta.get("content"):
                 if current is None or current["type"] != "message":
                     for done in close():

@@ -6,6 +6,7 @@ Responses routes all answer through. ``build_app`` (api.py) makes one and keeps 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -16,12 +17,13 @@ from typing import Any
 from fastapi import Request
 
 from tandem.errors import InvalidParameterError
-from tandem.sampling import model_sampling_defaults
+from tandem.sampling import SamplingParams, ThinkingParams, model_sampling_defaults
 from tandem.server.errors import APIError
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import ServerLimits
 from tandem.server.protocol import ChatCompletionRequest, ErrorResponse
-from tandem.server.reasoning import ThinkParser, parser_for, starts_inside
+from tandem.server.reasoning import EFFORT_BUDGETS, END, ThinkParser, parser_for
+from tandem.server.reasoning import plan as reasoning_plan
 from tandem.server.tool_calls import ToolCalling
 from tandem.serving.engine_client import EngineClient
 
@@ -63,6 +65,7 @@ class ServedModel:
         self.defaults = model_sampling_defaults(info.generation_config)
         template = getattr(self.tokenizer, "chat_template_source", None)
         self.reasoning = parser_for(self.reasoning_parser, template)
+        self._thinking_end: tuple[int, ...] | None = None  # </think>'s token ids
         self.card = {
             "id": self.model_name,
             "object": "model",
@@ -117,15 +120,35 @@ class ServedModel:
         tools = self.tool_calling(body)
         params = body.sampling_params(self.defaults, tools)
         text = await self.chat_text(body, tools)
+        reasoning = None
+        if self.reasoning is not None:
+            text, params, reasoning = self._thinking(body, text, params)
+        elif body.thinking_budget is not None:
+            raise InvalidParameterError(
+                "thinking_budget",
+                "this model is served without thinking (see tandem serve --reasoning-parser)",
+            )
         ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
-        # A template that opened the thinking leaves the model inside it.
-        reasoning = None if self.reasoning is None else ThinkParser(starts_inside(text[-64:]))
         return await self.handler.serve(
             request, "chatcmpl", [engine_prompt(ids, body.cache_salt)], params, body.stream,
             body.include_usage_in_stream, chat=True, kv_transfer_params=body.kv_transfer_params,
             continuous_usage=body.continuous_usage_in_stream, tools=tools, reasoning=reasoning,
             events=events,
         )  # fmt: skip
+
+    def _thinking(self, body: ChatCompletionRequest, text: str, params: SamplingParams):
+        """(prompt text, params, parser) of a chat on a thinking model: the budget and
+        the reply's constraint held by the engine (reasoning.plan)."""
+        budget = body.thinking_budget
+        if budget is None and body.reasoning_effort is not None:
+            budget = EFFORT_BUDGETS[body.reasoning_effort]
+        plan = reasoning_plan(text, budget, params.structured_outputs is not None)
+        if plan.gated:
+            if self._thinking_end is None:
+                self._thinking_end = tuple(self.tokenizer.encode(END, False))
+            thinking = ThinkingParams(self._thinking_end, budget)
+            params = dataclasses.replace(params, thinking=thinking)
+        return plan.prompt, params, ThinkParser(plan.starts_inside)
 
 
 def served(request: Request) -> ServedModel:
