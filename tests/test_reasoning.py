@@ -67,7 +67,7 @@ def _stream(text: str, parser: ThinkParser, tools: ToolCalling | None, seed: int
             assert message.get("reasoning_content") == message.get("reasoning")
             thinking += message.get("reasoning_content") or ""
             content += message.get("content") or ""
-            calls += message.get("tool_calls") or []
+            calls += [c for c in message.get("tool_calls") or [] if c.get("id")]  # new ones
     return thinking, content, calls, state.final_response()["choices"][0]["message"]
 
 

@@ -72,7 +72,7 @@ LITELLM = """
     tool = {"type": "function", "function": {"name": "ping", "parameters": {
         "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
         "additionalProperties": False}}}
-    called = litellm.completion(**{**common, "max_tokens": 40, "tools": [tool],
+    called = litellm.completion(**{**common, "max_tokens": 80, "tools": [tool],
                                    "tool_choice": "required", "parallel_tool_calls": False})
     print(json.dumps({
         "text": plain.choices[0].message.content,

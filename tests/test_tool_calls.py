@@ -58,7 +58,7 @@ Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks.<|im_e
 {% endif %}
 {%- for message in messages %}
 {%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}</tool_call>{% endfor %}<|im_end|>
+{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
 {% elif message.role == "tool" %}<|im_start|>user
 <tool_response>{{ message.content }}</tool_response><|im_end|>
 {% else %}<|im_start|>{{ message.role }}
@@ -97,34 +97,29 @@ def test_json_answers_are_calls_llama_style():
     _, calls = tools.parse('{"name": "add", "parameters": {"a": 3, "b": 4}}')
     assert calls[0]["function"]["name"] == "add"
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4}
-    assert len(tools.parse('[{"name": "add", "arguments": {}}, {"name": "add"}]')[1]) == 2
+    two = '{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"b": 2}}'
+    assert len(tools.parse(two)[1]) == 2
     assert tools.parse("The answer is 7.") == ("The answer is 7.", [])
 
 
 def test_streaming_holds_back_only_what_may_become_a_call():
     hermes = calling()
-    assert hermes.streamable("Hello there") == len("Hello there")
-    assert hermes.streamable("Sure <tool_") == len("Sure ")
-    assert hermes.streamable('Ok <tool_call>{"na') == len("Ok ")
-    assert calling(parser="json").streamable('  {"name"') == 0
-    assert calling("required").streamable("[") == 0
+    assert hermes.read("Hello there", final=False).content_end == len("Hello there")
+    assert hermes.read("Sure <tool_", final=False).content_end == len("Sure ")
+    growing = hermes.read('Ok <tool_call>{"name": "add", "arguments": {"a": 1', final=False)
+    assert growing.content_end == len("Ok ")
+    assert [(c.name, c.arguments, c.complete) for c in growing.calls] == [("add", '{"a": 1', False)]
+    assert calling(parser="json").read('  {"name"', final=False).content_end == 0
 
 
-def test_required_and_named_constraints():
-    schema = calling("required", parallel=False).constraint().json
-    jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}], schema)
-    with pytest.raises(jsonschema.ValidationError):  # one call only
-        jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 2, schema)
-    with pytest.raises(jsonschema.ValidationError):  # arguments held to the parameters
-        jsonschema.validate([{"name": "add", "arguments": {"a": "x", "b": 2}}], schema)
-    parallel = calling("required", max_calls=3).constraint().json
-    jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 3, parallel)
-    with pytest.raises(jsonschema.ValidationError):  # at most max_calls: the array ends
-        jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 4, parallel)
-    named = calling({"type": "function", "function": {"name": "add"}})
-    assert named.constraint().json == PARAMETERS["add"]
-    _, calls = named.parse('{"a": 5, "b": 6}')
-    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 5, "b": 6}'}
+def test_required_and_named_constraints_are_grammars_in_the_format():
+    required = calling("required", parallel=False).constraint()
+    assert required.source == "tool_choice" and "<tool_call>" in required.grammar
+    assert 'name\\": \\"add' in required.grammar  # the name as the template spells it
+    assert "{0," not in required.grammar  # parallel off: one call
+    assert "{0,2}" in calling("required", max_calls=3).constraint().grammar
+    named = calling({"type": "function", "function": {"name": "add"}}).constraint().grammar
+    assert "add" in named and "get_weather" not in named
 
 
 OPEN_WEATHER = {  # as clients write tools: no additionalProperties
@@ -143,29 +138,26 @@ OPEN_WEATHER = {  # as clients write tools: no additionalProperties
 
 def test_arguments_are_held_to_the_declared_properties():
     """A model held to an open object added undeclared properties until max_tokens."""
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        schema = ToolCalling.of([OPEN_WEATHER], choice, "hermes").constraint().json
-        if choice == "required":
-            schema = schema["items"]["anyOf"][0]["properties"]["arguments"]
-        jsonschema.validate({"city": "Oslo", "where": {"lat": 59.9}}, schema)
-        for extra in ({"city": "Oslo", "season": "winter"}, {"city": "O", "where": {"x": 1}}):
-            with pytest.raises(jsonschema.ValidationError):
-                jsonschema.validate(extra, schema)
+    schema = ToolCalling.of([OPEN_WEATHER], "required", "hermes").schemas["get_weather"]
+    jsonschema.validate({"city": "Oslo", "where": {"lat": 59.9}}, schema)
+    for extra in ({"city": "Oslo", "season": "winter"}, {"city": "O", "where": {"x": 1}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(extra, schema)
     # what the client said stays: an explicit additionalProperties is kept
     open_tool = json.loads(json.dumps(OPEN_WEATHER))
     open_tool["function"]["parameters"]["additionalProperties"] = True
-    schema = ToolCalling.of([open_tool], "required", "hermes").constraint().json
-    arguments = schema["items"]["anyOf"][0]["properties"]["arguments"]
+    arguments = ToolCalling.of([open_tool], "required", "hermes").schemas["get_weather"]
     jsonschema.validate({"city": "Oslo", "season": "winter"}, arguments)
 
 
 def test_a_required_answer_cut_short_keeps_its_completed_calls():
-    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
-    content, calls = calling("required").parse(f'[{call}, {call}, {{"name": "get_w')
+    arguments = '{"city": "Oslo", "unit": "celsius"}'
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    content, calls = calling("required").parse(f'{call}\n{call}\n<tool_call>\n{{"name": "get_w')
     assert content is None and len(calls) == 2
     assert json.loads(calls[1]["function"]["arguments"])["city"] == "Oslo"
-    # cut before any call was whole: no calls, and never the raw JSON as content
-    assert calling("required").parse('[{"name": "get_w') == (None, [])
+    # cut before any call was whole: no calls, and never the raw text as content
+    assert calling("required").parse('<tool_call>\n{"name": "get_w') == (None, [])
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from tandem.cli.engine_args import (
 )
 from tandem.server.limits import ServerLimits
 from tandem.server.reasoning import CHOICES as REASONING_CHOICES
-from tandem.server.tool_calls import PARSERS
+from tandem.server.tool_formats import CHOICES as TOOL_CALL_CHOICES
 
 HELP = "an OpenAI-compatible HTTP server"
 LIMIT_HELP = {
@@ -61,9 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allow POST /trace/start and /trace/stop without --api-key (off by default)",
     )  # fmt: skip
     http.add_argument(
-        "--tool-call-parser", choices=PARSERS, default="hermes",
-        help="how chat answers are read for tool calls: hermes (<tool_call> blocks: "
-        "Hermes, Qwen) or json (a JSON call object or list: Llama 3) (default: hermes)",
+        "--tool-call-parser", choices=TOOL_CALL_CHOICES, default="auto", metavar="PARSER",
+        help="the format chat answers write tool calls in: hermes (<tool_call> JSON: "
+        "Hermes, Qwen 2.5/3), qwen3_xml (<function=...>: Qwen3-Coder, Qwen3.5), "
+        "llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), deepseek_v3, pythonic "
+        "([f(x=1)]), or vLLM's names for them; auto (the default): the one the chat "
+        "template writes, else hermes",
     )  # fmt: skip
     http.add_argument(
         "--reasoning-parser", choices=REASONING_CHOICES, default="auto",

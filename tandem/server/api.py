@@ -64,7 +64,7 @@ def build_app(
     on_shutdown: Callable[[], None] | None = None,
     limits: ServerLimits | None = None,
     enable_trace_endpoints: bool = False,
-    tool_call_parser: str = "hermes",
+    tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
 ) -> FastAPI:
     """``enable_trace_endpoints``: allow /trace/* without an API key (they are always

@@ -14,6 +14,7 @@ SamplingParams, so the HTTP API and the Python API reject exactly the same thing
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +28,7 @@ from tandem.sampling import (
     StructuredOutputsParams,
 )
 from tandem.server.tool_calls import ToolCalling
+from tandem.server.tool_formats.base import Spelling, ToolFormat, text_literal
 
 # Every integer a client sends is at most this: above any count, token id or top_k a
 # model can use, and far inside the 64-bit integers of the engine's wire format (a
@@ -153,7 +155,26 @@ def render_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "".join(part.text for part in content)
         require_unicode(content, f"messages[{index}].content")
         rendered.append({**message.model_dump(exclude_none=True), "content": content})
+    for message in rendered:
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_with_decoded_arguments(c) for c in message["tool_calls"]]
     return rendered
+
+
+def _with_decoded_arguments(call: Any) -> Any:
+    """A call whose JSON-text arguments (OpenAI's shape) are an object again, as chat
+    templates take them (transformers' convention: Llama's and Qwen3-Coder's templates
+    iterate or re-encode them); text that is not a JSON object stays text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # Fields of OpenAI's API (and vLLM's) that change what the answer means and that tandem
@@ -354,10 +375,13 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    def tool_calling(self, parser: str, max_calls: int = 8) -> ToolCalling | None:
-        """The tools this answer may call (None: none may be called)."""
+    def tool_calling(
+        self, format: ToolFormat | str, max_calls: int = 8, literal: Spelling = text_literal
+    ) -> ToolCalling | None:
+        """The tools this answer may call (None: none may be called); ``format``: the
+        ToolFormat (or its name) the model writes calls in."""
         return ToolCalling.of(
-            self.tools, self.tool_choice, parser, self.parallel_tool_calls, max_calls
+            self.tools, self.tool_choice, format, self.parallel_tool_calls, max_calls, literal
         )
 
     def sampling_params(

@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.outputs import Logprob, RequestOutput
 from tandem.server.reasoning import ThinkParser
-from tandem.server.tool_calls import ToolCalling, call_id
+from tandem.server.tool_calls import ToolCalling
 
 # JSON has no -Infinity; a token the model rules out entirely gets this instead.
 MIN_LOGPROB = -9999.0
@@ -45,7 +45,8 @@ class _Choice:
     sent_content: int = 0  # with tools or thinking: characters of the reply streamed
     sent_thinking: int = 0  # with a reasoning parser: characters of thinking streamed
     sent_arguments: list[int] = field(default_factory=list)  # per streamed call: its
-    # characters of arguments sent (grammar-held tool answers)
+    # characters of arguments sent
+    calls_from: int = 0  # where the reply's calls start (content stops there)
 
 
 class ChoiceStream:
@@ -245,39 +246,35 @@ class ChoiceStream:
         return {"content": piece}
 
     def _tool_delta(self, choice: _Choice, finishing: bool) -> dict[str, Any]:
-        """The content that may go out now; when the choice ends, the rest of the
-        content and its tool calls. Grammar-held answers stream their calls instead."""
+        """The content that may go out now, and the calls' news: a new call's id and
+        name, then its arguments as far as the model wrote them. Content stops where
+        the first call starts: a call once sent stays a call (one cut short by
+        max_tokens and not yet begun is never sent, as the whole answer leaves it out)."""
         reply = self._reply(choice, finishing)
-        if self.tools.choice != "auto":
-            return self._call_deltas(choice, reply)  # (calls only: no content)
-        if not finishing:
-            end, calls = self.tools.streamable(reply), []
-        else:
-            end, calls = self.tools.split(reply)
+        reading = self.tools.read(reply, finishing)
+        deltas = []
+        for index, call in enumerate(reading.calls):
+            if index == len(choice.sent_arguments):
+                if finishing and not call.complete:
+                    break
+                if not choice.sent_arguments:
+                    choice.calls_from = reading.content_end
+                choice.sent_arguments.append(len(call.arguments))
+                deltas.append({"index": index, **self.tools.call(call.name, call.arguments)})
+            elif len(call.arguments) > choice.sent_arguments[index]:
+                piece = call.arguments[choice.sent_arguments[index] :]
+                choice.sent_arguments[index] = len(call.arguments)
+                deltas.append({"index": index, "function": {"arguments": piece}})
+        end = reading.content_end
+        if choice.sent_arguments:
+            end = min(end, choice.calls_from)
         message: dict[str, Any] = {}
-        if end > choice.sent_content:
+        if self.tools.choice == "auto" and end > choice.sent_content:
             message["content"] = reply[choice.sent_content : end]
             choice.sent_content = end
-        if calls:
-            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        if deltas:
+            message["tool_calls"] = deltas
         return message
-
-    def _call_deltas(self, choice: _Choice, reply: str) -> dict[str, Any]:
-        """The calls' news since the last chunk: a new call's id and name, then each
-        call's arguments as far as the model wrote them."""
-        deltas = []
-        for index, (name, arguments) in enumerate(self.tools.partial_calls(reply)):
-            if index == len(choice.sent_arguments):
-                choice.sent_arguments.append(len(arguments))
-                deltas.append({
-                    "index": index, "id": call_id(), "type": "function",
-                    "function": {"name": name, "arguments": arguments},
-                })  # fmt: skip
-            elif len(arguments) > choice.sent_arguments[index]:
-                piece = arguments[choice.sent_arguments[index] :]
-                choice.sent_arguments[index] = len(arguments)
-                deltas.append({"index": index, "function": {"arguments": piece}})
-        return {"tool_calls": deltas} if deltas else {}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header("chunk"), "choices": [], "usage": self.usage()}

@@ -40,7 +40,7 @@ def run_server(
     enable_trace_endpoints: bool = False,
     engine_process: bool = True,
     threads: int = 0,
-    tool_call_parser: str = "hermes",
+    tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
     data_parallel_size: int = 1,
     data_parallel_routing: str = "least-busy",

@@ -24,7 +24,8 @@ from tandem.server.limits import ServerLimits
 from tandem.server.protocol import ChatCompletionRequest, ErrorResponse
 from tandem.server.reasoning import EFFORT_BUDGETS, END, ThinkParser, parser_for
 from tandem.server.reasoning import plan as reasoning_plan
-from tandem.server.tool_calls import ToolCalling
+from tandem.server.tool_calls import ToolCalling, special_literal
+from tandem.server.tool_formats import tool_format
 from tandem.serving.engine_client import EngineClient
 
 # What each route documents besides its 200 (the framework's 422 is never sent).
@@ -53,7 +54,7 @@ class ServedModel:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_trace_endpoints: bool = False
-    tool_call_parser: str = "hermes"  # how chat answers are read for tool calls
+    tool_call_parser: str = "auto"  # the format chat answers write tool calls in
     # How a thinking model's answers are split (reasoning.py): auto, none, think, ...
     reasoning_parser: str = "auto"
 
@@ -65,6 +66,7 @@ class ServedModel:
         self.defaults = model_sampling_defaults(info.generation_config)
         template = getattr(self.tokenizer, "chat_template_source", None)
         self.reasoning = parser_for(self.reasoning_parser, template)
+        self.tool_format = tool_format(self.tool_call_parser, template)
         self._thinking_end: tuple[int, ...] | None = None  # </think>'s token ids
         self.card = {
             "id": self.model_name,
@@ -110,7 +112,8 @@ class ServedModel:
         )
 
     def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling | None:
-        return body.tool_calling(self.tool_call_parser, self.limits.max_tool_calls)
+        literal = special_literal(self.tokenizer)
+        return body.tool_calling(self.tool_format, self.limits.max_tool_calls, literal)
 
     async def chat(self, body: ChatCompletionRequest, request: Request, events=None) -> Any:
         """A chat completion, the path every chat-shaped API takes (``events``: how a
@@ -119,6 +122,8 @@ class ServedModel:
         self.limits.check(body)
         tools = self.tool_calling(body)
         params = body.sampling_params(self.defaults, tools)
+        if tools is not None and tools.format.special:  # its markers are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         text = await self.chat_text(body, tools)
         reasoning = None
         if self.reasoning is not None:

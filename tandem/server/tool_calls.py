@@ -1,64 +1,67 @@
 """Tool calling for chat completions: the tools into the chat template, the model's
-answer out as ``tool_calls``.
+answer out as ``tool_calls``, in the format of the model's family (tool_formats/).
 
-    tools, tool_choice  -> ToolCalling.of(body, parser)
-      the chat template gets ``tools`` (transformers' variable; Qwen, Hermes, Llama 3
-      templates render them); tool_choice "none" leaves them out
-      "required"       -> a structured-output constraint: a JSON array of one or more
-                          {"name", "arguments"} calls, each tool's arguments held to its
-                          ``parameters`` schema with no undeclared properties (one call
-                          if parallel_tool_calls is off); an array cut short by
-                          max_tokens still gives the calls it completed
-      {"function": f}  -> the constraint is f's parameters: the answer is the arguments
-      "auto"           -> free text, parsed by the server's --tool-call-parser:
-                          hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>
-                          blocks (Hermes, Qwen 2.5/3), the text around them the content
-                          json:   an answer that is a JSON call object or list of them
-                          (Llama 3 style; "parameters" is read as "arguments")
+    tools, tool_choice  -> ToolCalling.of(tools, tool_choice, format)
+      the chat template gets ``tools`` (transformers' variable); tool_choice "none"
+      leaves them out
+      "auto"           -> free text, read by the format: the content, then its calls
+      "required"       -> a grammar in the format's own syntax: one or more calls
+                          (one if parallel_tool_calls is off, at most max_calls), each
+                          tool's arguments held to its ``parameters`` schema with no
+                          undeclared properties
+      {"function": f}  -> the same grammar, one call of f
 
-Streaming with tools: a grammar-held answer (required, a named function) streams its
-calls as OpenAI does: a call's first delta has its id and name, the next ones pieces of
-its arguments as the model writes them. An "auto" answer's content is sent as it comes
-until it may be the start of a call (a "<tool_call>" prefix, or an answer starting with
-"{" or "["); the rest is held and parsed when the choice ends (the model may not have
-written a call after all), then sent as one ``tool_calls`` delta.
+Streaming: content goes out as it comes until it may be the start of a call (the
+format holds back a partial marker); a call goes out as soon as its name is written
+(its id and name), then its arguments in pieces as the model writes them. Nothing
+sent as content is ever a call, and a call is never sent as content.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.errors import InvalidParameterError
 from tandem.sampling import StructuredOutputsParams
-
-PARSERS = ("hermes", "json")
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+from tandem.server.tool_formats import tool_format
+from tandem.server.tool_formats.base import Reading, Spelling, ToolFormat, text_literal
 
 
 @dataclass
 class ToolCalling:
     tools: list[dict[str, Any]]  # OpenAI's tool objects, as given (the template's input)
     choice: str  # "auto" | "required" | "named"
-    parser: str  # how "auto" answers are read (PARSERS)
+    format: ToolFormat  # how the model writes calls (tool_formats/)
     parallel: bool = True
     named: str | None = None  # the function tool_choice names
     max_calls: int = 8  # calls a required answer may hold with parallel on (then it ends)
+    # How the grammar spells a marker: as the tokenizer's special token where it has one.
+    literal: Spelling = text_literal
+    schemas: dict[str, dict[str, Any]] = field(init=False)  # name -> closed parameters
+
+    def __post_init__(self) -> None:
+        self.schemas = {
+            tool["function"]["name"]: _closed(tool["function"].get("parameters") or
+                                              {"type": "object"})
+            for tool in self.tools
+        }  # fmt: skip
 
     @classmethod
     def of(
         cls,
         tools: list[dict[str, Any]] | None,
         tool_choice: str | dict[str, Any] | None,
-        parser: str,
+        format: ToolFormat | str,
         parallel: bool = True,
         max_calls: int = 8,
+        literal: Spelling = text_literal,
     ) -> ToolCalling | None:
-        """None when no tool may be called (no tools, or tool_choice "none")."""
+        """None when no tool may be called (no tools, or tool_choice "none");
+        ``format``: a ToolFormat, or a parser's name."""
+        if isinstance(format, str):
+            format = tool_format(format, None)
         if tool_choice is not None and not tools and tool_choice != "none":
             raise InvalidParameterError("tool_choice", "needs tools")
         if not tools or tool_choice == "none":
@@ -83,205 +86,53 @@ class ToolCalling:
             names.append(name)
         if len(set(names)) != len(names):
             raise InvalidParameterError("tools", "function names must be unique")
-        if tool_choice in (None, "auto"):
-            return cls(tools, "auto", parser, parallel, max_calls=max_calls)
-        if tool_choice == "required":
-            return cls(tools, "required", parser, parallel, max_calls=max_calls)
+        if tool_choice in (None, "auto", "required"):
+            choice = "auto" if tool_choice in (None, "auto") else "required"
+            return cls(tools, choice, format, parallel, max_calls=max_calls, literal=literal)
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name")
             if tool_choice.get("type") != "function" or name not in names:
                 raise InvalidParameterError(
                     "tool_choice", f"must name one of the tools ({', '.join(names)})"
                 )
-            return cls(tools, "named", parser, parallel, name, max_calls)
+            return cls(tools, "named", format, parallel, name, max_calls, literal)
         raise InvalidParameterError(
             "tool_choice", 'must be "none", "auto", "required" or {"type": "function", ...}'
         )
 
-    def _parameters(self, name: str) -> dict[str, Any]:
-        """The schema a call's arguments are held to (see _closed)."""
-        for tool in self.tools:
-            if tool["function"]["name"] == name:
-                return _closed(tool["function"].get("parameters") or {"type": "object"})
-        raise KeyError(name)
-
     def constraint(self) -> StructuredOutputsParams | None:
-        """What "required" and a named function hold the answer to (None for auto)."""
-        if self.choice == "named":
-            return StructuredOutputsParams(json=self._parameters(self.named), source="tool_choice")
-        if self.choice != "required":
+        """What "required" and a named function hold the answer to, in the format's
+        own syntax (None for auto)."""
+        if self.choice == "auto":
             return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool["function"]["name"]},
-                    "arguments": self._parameters(tool["function"]["name"]),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        # Bounded: a model that repeats a call (small ones do) still ends the array.
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
-                  "maxItems": self.max_calls if self.parallel else 1}  # fmt: skip
-        return StructuredOutputsParams(json=schema, source="tool_choice")
+        if self.choice == "named":
+            tools, most = {self.named: self.schemas[self.named]}, 1
+        else:
+            tools, most = self.schemas, (self.max_calls if self.parallel else 1)
+        grammar = self.format.grammar(tools, most, self.literal)
+        return StructuredOutputsParams(grammar=grammar, source="tool_choice")
 
     # -- reading the answer -------------------------------------------------------------
 
+    def read(self, text: str, final: bool) -> Reading:
+        """The content and the calls of an answer, whole (``final``) or growing."""
+        return self.format.read(text, final, self.schemas)
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(the message content, the tool calls in OpenAI's shape) of a whole answer.
-        Text that does not parse as a call stays content."""
-        end, calls = self.split(text)
+        A call cut short (max_tokens) is left out; text that holds no whole call stays
+        content (none for a grammar-held answer, which is calls only)."""
+        reading = self.read(text, final=True)
+        calls = [self.call(c.name, c.arguments) for c in reading.calls if c.complete]
         if not calls:
-            # a required answer is calls only: cut short before one was whole, nothing
-            return (None if self.choice == "required" else text), []
-        return text[:end].strip() or None, calls
+            return (text if self.choice == "auto" else None), []
+        return text[: reading.content_end].strip() or None, calls
 
-    def split(self, text: str) -> tuple[int, list[dict[str, Any]]]:
-        """(where the content ends, the calls after it): (len(text), []) without calls."""
-        if self.choice == "named":
-            return 0, [_call(self.named, text)]
-        if self.choice == "required":
-            # The grammar makes the answer an array of calls; one cut short by max_tokens
-            # still gives the calls it completed.
-            calls = _json_calls(text) or _completed_calls(text)
-            return (0, calls) if calls else (len(text), [])
-        if self.parser == "json":
-            calls = _json_calls(text)
-            return (0, calls) if calls else (len(text), [])
-        calls = []
-        for block in _HERMES_BLOCK.findall(text):
-            found = _json_calls(block)
-            if not found:
-                return len(text), []  # a malformed block: the text as the model wrote it
-            calls += found
-        return (text.index(HERMES_OPEN), calls) if calls else (len(text), [])
-
-    def partial_calls(self, text: str) -> list[tuple[str, str]]:
-        """A grammar-held answer (required, a named function) as it streams: its calls
-        so far, each once its name is whole, as (name, the raw text of its arguments so
-        far). The text only grows, so each call's arguments only grow."""
-        if self.choice == "named":
-            return [(self.named, text)] if text else []
-        return _partial_calls(text)
-
-    def streamable(self, text: str) -> int:
-        """How much of a partial answer can go out as content now (the rest may
-        become a tool call)."""
-        if self.choice != "auto":
-            return 0
-        if self.parser == "json":
-            stripped = text.lstrip()
-            return 0 if not stripped or stripped[0] in "{[" else len(text)
-        at = text.find(HERMES_OPEN)
-        if at >= 0:
-            return at
-        for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):  # a partial tag
-            if HERMES_OPEN.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
-
-
-def _json_calls(text: str) -> list[dict[str, Any]]:
-    """A call object or a list of them (name + arguments, or Llama 3's parameters)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return []
-        arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(_call(item["name"], arguments))
-    return calls
-
-
-def _partial_calls(text: str) -> list[tuple[str, str]]:
-    """The calls of a JSON array of {"name": ..., "arguments": ...} objects that may be
-    unfinished (see ToolCalling.partial_calls), read by one pass over its characters:
-    depth 1 is the array, 2 a call object, deeper the inside of its arguments."""
-    calls: list[list[Any]] = []  # [name, arguments start, arguments end]
-    depth, in_string, escaped, string_start = 0, False, False, 0
-    key, expect_key = None, False
-
-    def arguments_begin(at: int) -> None:
-        if depth == 2 and not expect_key and key == "arguments" and calls and calls[-1][1] is None:
-            calls[-1][1] = at
-
-    def arguments_end(at: int) -> None:
-        if calls and calls[-1][1] is not None and calls[-1][2] is None:
-            calls[-1][2] = at
-
-    for at, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 2 and expect_key:
-                    key = json.loads(text[string_start : at + 1])
-                elif depth == 2 and key == "name" and calls:
-                    calls[-1][0] = json.loads(text[string_start : at + 1])
-                elif depth == 2 and key == "arguments":
-                    arguments_end(at + 1)
-            continue
-        if ch.isspace():
-            continue
-        if ch == '"':
-            arguments_begin(at)
-            in_string, string_start = True, at
-        elif ch in "{[":
-            if depth == 1 and ch == "{":
-                calls.append([None, None, None])
-                expect_key, key = True, None
-            arguments_begin(at)
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 2 and key == "arguments":
-                arguments_end(at + 1)  # an object or array value closed
-            elif depth == 1:
-                arguments_end(at)  # the call closed after a scalar value
-        elif depth == 2 and ch == ":":
-            expect_key = False
-        elif depth == 2 and ch == ",":
-            if key == "arguments":
-                arguments_end(at)
-            expect_key, key = True, None
-        else:
-            arguments_begin(at)  # a number, true, false or null
-    return [
-        (
-            name,
-            text[start : len(text) if end is None else end].rstrip() if start is not None else "",
-        )
-        for name, start, end in calls
-        if name is not None
-    ]
-
-
-def _completed_calls(text: str) -> list[dict[str, Any]]:
-    """The whole call objects at the start of a JSON array that may be cut short."""
-    decoder = json.JSONDecoder()
-    at = len(text) - len(text.lstrip())
-    if not text.startswith("[", at):
-        return []
-    items, at = [], at + 1
-    while True:
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            break
-        items.append(item)
-    return _json_calls(json.dumps(items)) if items else []
+    def call(self, name: str, arguments: str) -> dict[str, Any]:
+        return {
+            "id": self.format.call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }  # fmt: skip
 
 
 def _closed(schema: Any) -> Any:
@@ -300,14 +151,15 @@ def _closed(schema: Any) -> Any:
     return closed
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def special_literal(tokenizer: Any) -> Spelling:
+    """How a tool grammar spells a marker for this tokenizer: the special token it has
+    for the text (a model writes "[TOOL_CALLS]" as one token, which the text's bytes
+    would never give), else the text."""
 
+    def literal(text: str) -> str:
+        ids = tokenizer.encode(text, False) if tokenizer is not None else []
+        if len(ids) == 1 and tokenizer.decode(ids, True) == "":
+            return f"<[{ids[0]}]>"
+        return text_literal(text)
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": call_id(),
-        "type": "function",
-        "function": {"name": name, "arguments": text},
-    }
+    return literal
