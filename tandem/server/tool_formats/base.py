@@ -87,6 +87,12 @@ _NAME_FIRST = re.compile(
 )
 
 
+# A JSON string (group 1: its closing quote; missing while it is still being written)
+# or a bracket: what a scan of a value steps over, a match at a time (a long string
+# argument is one step, not one per character).
+_JSON_PIECE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:(")|\\?\Z)|[{}\[\]]')
+
+
 def value_end(text: str, start: int, final: bool) -> int | None:
     """Where the JSON value starting at ``text[start]`` ends (None: not yet whole, or
     not JSON). A number at the end of a growing text may still grow."""
@@ -94,35 +100,22 @@ def value_end(text: str, start: int, final: bool) -> int | None:
         return None
     first = text[start]
     if first in "{[":
-        depth, in_string, escaped = 0, False, False
-        for at in range(start, len(text)):
-            ch = text[at]
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    in_string = False
-            elif ch == '"':
-                in_string = True
-            elif ch in "{[":
+        depth = 0
+        for piece in _JSON_PIECE.finditer(text, start):
+            token = piece.group()
+            if token[0] == '"':
+                if piece.group(1) is None:
+                    return None  # a string still open
+            elif token in "{[":
                 depth += 1
-            elif ch in "}]":
+            else:
                 depth -= 1
                 if depth == 0:
-                    return at + 1
+                    return piece.end()
         return None
     if first == '"':
-        escaped = False
-        for at in range(start + 1, len(text)):
-            if escaped:
-                escaped = False
-            elif text[at] == "\\":
-                escaped = True
-            elif text[at] == '"':
-                return at + 1
-        return None
+        piece = _JSON_PIECE.match(text, start)
+        return piece.end() if piece is not None and piece.group(1) is not None else None
     match = _SCALAR.match(text, start)
     if match is None or (match.end() == len(text) and not final):
         return None
