@@ -18,12 +18,18 @@ from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, PromptInput
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, TandemError
 from tandem.executor import make_executor
 from tandem.models.catalog import default_model
 from tandem.models.hub import parse_hub_id, resolve
-from tandem.outputs import RequestOutput
-from tandem.sampling import RequestOutputKind, SamplingParams, model_sampling_defaults
+from tandem.outputs import EmbeddingOutput, RequestOutput
+from tandem.sampling import (
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+    model_pooling_defaults,
+    model_sampling_defaults,
+)
 from tandem.trace.recorder import EngineTracing
 
 Conversation = list[dict[str, Any]]
@@ -104,6 +110,48 @@ class LLM:
         for request in processed:
             self.engine.add(request)
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's vector, in order (``pooling_params``: how it is read; the
+        model's own settings when omitted). Prompts run through the same scheduler as
+        generation, batched with whatever else runs."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        pooling = pooling_params or model_pooling_defaults(self.engine.model_info.pooling_config)
+        params = SamplingParams(
+            max_tokens=1, pooling=pooling, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        processed = [
+            self.engine.input_processor.process(request_id, prompt, params)
+            for request_id, prompt in zip(request_ids, prompts, strict=True)
+        ]
+        for request in processed:
+            self.engine.add(request)
+        outputs = self._run(request_ids, use_tqdm)
+        for output in outputs:
+            if output.error is not None or output.pooled is None:
+                raise TandemError(f"embedding {output.request_id} failed: {output.error}")
+        return [EmbeddingOutput(o.request_id, o.prompt_token_ids, o.pooled) for o in outputs]
+
+    def score(
+        self, text_1: PromptInput, text_2: Sequence[PromptInput], use_tqdm: bool = True
+    ) -> list[float]:
+        """The cosine similarity of ``text_1`` to each of ``text_2`` (their normalised
+        embeddings' dot product), as vLLM scores with an embedding model."""
+        pooling = dataclasses.replace(
+            model_pooling_defaults(self.engine.model_info.pooling_config), normalize=True
+        )
+        first, *others = self.embed([text_1, *text_2], pooling, use_tqdm)
+        return [sum(a * b for a, b in zip(first.embedding, o.embedding, strict=True))
+                for o in others]  # fmt: skip
 
     def stream(
         self,

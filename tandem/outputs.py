@@ -95,6 +95,17 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then each
     # prompt token's entry (the token and the top ones), as for generated tokens.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An embedding request (SamplingParams.pooling): its prompt's vector.
+    pooled: list[float] | None = None
     # Set when the request failed alone (its samples finish with "error"; what they
     # had generated is dropped); the other requests of the step are unaffected.
     error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's result (LLM.embed): its prompt's vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]

@@ -66,6 +66,34 @@ class StructuredOutputsParams:
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass
+class PoolingParams:
+    """A request for a vector of its prompt instead of tokens (an embedding): the final
+    hidden states pooled, as the model was trained to be read (``last``: the last
+    token's, decoders such as Qwen3-Embedding; ``mean``: the average over the prompt;
+    ``cls``: the first token's), cut to its first ``dimensions`` values (models
+    trained for such truncation), and scaled to length 1 when ``normalize``. It runs
+    its prompt through the same scheduler and batches as generation, and samples
+    nothing."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise InvalidParameterError("pooling", f"must be one of {', '.join(POOLING_TYPES)}")
+        if self.dimensions is not None and (
+            type(self.dimensions) is not int or self.dimensions < 1
+        ):
+            raise InvalidParameterError(
+                "dimensions", f"must be an integer >= 1, got {self.dimensions!r}"
+            )
+
+
 @dataclass
 class ThinkingParams:
     """A thinking model's answer, which starts inside its thinking (the prompt opened
@@ -118,6 +146,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # A thinking model's thinking: where it ends, and its budget (ThinkingParams).
     thinking: ThinkingParams | None = None
+    # An embedding request: the prompt's vector instead of tokens (PoolingParams).
+    pooling: PoolingParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -226,3 +256,12 @@ def model_sampling_defaults(generation_config: dict) -> dict:
     if generation_config.get("do_sample") is False:
         defaults["temperature"] = 0.0
     return defaults
+
+
+def model_pooling_defaults(pooling_config: dict) -> PoolingParams:
+    """How a model's embeddings are read when a request does not say: its folder's
+    sentence-transformers settings, else the last token, normalised (decoder
+    embedding models such as Qwen3-Embedding)."""
+    return PoolingParams(
+        **{k: v for k, v in pooling_config.items() if k in ("pooling", "normalize")}
+    )

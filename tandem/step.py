@@ -98,6 +98,9 @@ class RunnerInfo:
     eos_token_ids: tuple[int, ...]  # every id that ends generation
     tokenizer: Any  # tandem.models.tokenizer.Tokenizer, or None for a tokenizer-less model
     generation_config: dict[str, Any] = field(default_factory=dict)  # as the folder has it
+    hidden_size: int = 0  # the width of an embedding (of the final hidden states)
+    # How its embeddings are read, as the folder says ({"pooling", "normalize"} or {}).
+    pooling_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +119,8 @@ class RunnerOutput:
     # Requests that want prompt logprobs: (the prompt position of the first entry, one
     # SampledToken per prompt token from there: the token, its logprob, the top ones).
     prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
+    # Embedding requests whose prompt is done: their pooled vector (PoolingParams).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

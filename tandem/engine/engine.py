@@ -52,9 +52,7 @@ class Engine:
             config.speculative,
             on_finish=self._notify_finished,
         )
-        self.input_processor = InputProcessor(
-            info.tokenizer, info.vocab_size, info.max_model_len, info.block_size, info.num_blocks
-        )
+        self.input_processor = InputProcessor.of(info)
         self.output_processor = OutputProcessor(
             info.tokenizer, self._stop_at_string, self._fail_child
         )
@@ -203,7 +201,7 @@ class Engine:
         for request_id, (first, scored) in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(request_id, first, scored)
         updated = self.scheduler.update(
-            scheduler_output, result.sampled, result.failed, result.drafted
+            scheduler_output, result.sampled, result.failed, result.drafted, result.pooled
         )
         outputs = self.output_processor.process(updated)
         if self.observers:

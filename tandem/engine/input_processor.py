@@ -22,6 +22,7 @@ from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tandem.models.tokenizer import Tokenizer
+    from tandem.step import RunnerInfo
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -48,12 +49,23 @@ class InputProcessor:
         max_model_len: int,
         block_size: int,
         num_blocks: int,
+        hidden_size: int = 0,
     ) -> None:
+        """``hidden_size``: the width of an embedding (0: not known, not checked)."""
+        self.hidden_size = hidden_size
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    @classmethod
+    def of(cls, info: RunnerInfo) -> InputProcessor:
+        """The input processor for the model a runner describes."""
+        return cls(
+            info.tokenizer, info.vocab_size, info.max_model_len, info.block_size,
+            info.num_blocks, info.hidden_size,
+        )  # fmt: skip
 
     def process(
         self,
@@ -120,6 +132,24 @@ class InputProcessor:
             "prompt", "must be a string, a list of token ids or {'prompt_token_ids': [...]}"
         )
 
+    def _validate_pooling(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """An embedding request: its prompt within the context, its dimensions within
+        the model's; it generates nothing (max_tokens is 1: the step that pools)."""
+        if params.n != 1:
+            raise InvalidParameterError("n", "an embedding request has one result")
+        if len(prompt_ids) > self.max_model_len:
+            raise InvalidParameterError(
+                "input", f"is {len(prompt_ids)} tokens; the context is {self.max_model_len}"
+            )
+        dimensions = params.pooling.dimensions
+        if dimensions is not None and self.hidden_size and dimensions > self.hidden_size:
+            raise InvalidParameterError(
+                "dimensions", f"is {dimensions}; this model's embeddings have {self.hidden_size}"
+            )
+        if -(-len(prompt_ids) // self.block_size) > self.num_blocks:
+            raise InvalidParameterError("input", "needs more KV blocks than the cache holds")
+        return 1
+
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Check the prompt and the token budget; returns max_tokens resolved."""
         if not prompt_ids:
@@ -135,6 +165,8 @@ class InputProcessor:
             raise InvalidParameterError("logit_bias", f"keys must be token ids in [0, {vocab})")
         if params.thinking is not None and max(params.thinking.end_token_ids) >= vocab:
             raise InvalidParameterError("thinking", f"end_token_ids must be in [0, {vocab})")
+        if params.pooling is not None:
+            return self._validate_pooling(prompt_ids, params)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

@@ -264,6 +264,7 @@ class OutputProcessor:
             metrics=metrics,
             kv_transfer_params=transfer,
             prompt_logprobs=prompt_logprobs,
+            pooled=first.pooled,
         )
 
     def _completion(self, sample: _Sample, kind: RequestOutputKind) -> CompletionOutput | None:

@@ -51,6 +51,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why it failed, when its status is FINISHED_ERROR
+        self.pooled: list[float] | None = None  # an embedding request's vector, when done
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         # Prefix cache: requests with different salts never share blocks; the digests of
         # the full blocks so far (see kv_manager.py).

@@ -270,9 +270,10 @@ class Scheduler:
             request = self.waiting[0]
             # A prefix cache hit starts the request past the tokens found there. (A request
             # whose K/V came from another instance starts past them already; one that
-            # wants its prompt's logprobs computes every prompt token.)
+            # wants its prompt's logprobs, or an embedding of it, computes every token.)
             base = request.num_computed_tokens
-            scores_prompt = request.sampling_params.prompt_logprobs is not None
+            params = request.sampling_params
+            scores_prompt = params.prompt_logprobs is not None or params.pooling is not None
             cached = [] if base or scores_prompt else self.kv.find_cached_prefix(request)
             request.num_computed_tokens = base or len(cached) * self.kv.block_size
             num_new = self._chunk_size(request, self._budget_left(out), whole)
@@ -308,6 +309,7 @@ class Scheduler:
         sampled: Mapping[str, Sequence[SampledToken]],
         failed: Mapping[str, str] | None = None,
         drafted: Mapping[str, int] | None = None,
+        pooled: Mapping[str, list[float]] | None = None,
     ) -> list[tuple[Request, list[SampledToken]]]:
         """Advance each scheduled request by the tokens whose K/V it now has, append its
         new tokens (several when drafts were accepted) up to the first stop condition,
@@ -315,7 +317,9 @@ class Scheduler:
         request had verified, for the speculation control). Returns each request that
         received tokens, with the tokens it kept; then each request in ``failed`` (id ->
         why: the runner could not run or sample it) with no tokens, finished as
-        FINISHED_ERROR. A failed request's K/V from this step is never cached."""
+        FINISHED_ERROR. A failed request's K/V from this step is never cached.
+        ``pooled``: embedding requests whose prompt is done (id -> vector): each keeps its
+        vector and finishes, with no tokens."""
         now = clock.now()
         updated = []
         failed = failed or {}
@@ -331,6 +335,12 @@ class Scheduler:
             else:
                 request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            if pooled and item.request_id in pooled:
+                request.pooled = pooled[item.request_id]
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                updated.append((request, []))
+                continue
             if not tokens:
                 continue
             kept = []

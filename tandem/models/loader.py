@@ -50,6 +50,8 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     # A tensor-parallel rank's plan (``config`` is then the rank's share of the model).
     shard: ShardPlan | None = None
+    # How the model's embeddings are read (sentence_transformers_pooling): {} if unsaid.
+    pooling_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -207,4 +209,26 @@ def load_model(
         generation_path = path / "generation_config.json"
         if generation_path.is_file():
             generation_config = read_json(generation_path)
-    return LoadedModel(folder, config, model, tokenizer, dtype, device, generation_config, shard)
+    return LoadedModel(
+        folder, config, model, tokenizer, dtype, device, generation_config, shard,
+        sentence_transformers_pooling(path) if gguf_file is None else {},
+    )  # fmt: skip
+
+
+def sentence_transformers_pooling(folder: Path) -> dict[str, Any]:
+    """How a sentence-transformers folder says its embeddings are read: its Pooling
+    module's mode and whether a Normalize module follows ({} when it says nothing)."""
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return {}
+    modules = read_json(modules_path)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    found: dict[str, Any] = {"normalize": "Normalize" in kinds}
+    if "Pooling" in kinds and (folder / kinds["Pooling"] / "config.json").is_file():
+        pooling = read_json(folder / kinds["Pooling"] / "config.json")
+        for key, mode in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                          ("pooling_mode_cls_token", "cls")):  # fmt: skip
+            if pooling.get(key):
+                found["pooling"] = mode
+                break
+    return found

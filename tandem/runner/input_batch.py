@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tandem.runner.grammar_masks import GrammarMatcher
+from tandem.runner.pooling import PromptPooler
 from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
 from tandem.runner.thinking import ThinkingGate
 from tandem.sampling import SamplingParams
@@ -41,6 +42,7 @@ class RequestState:
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
     grammar: GrammarMatcher | None = None  # structured outputs: where it is in its grammar
     thinking: ThinkingGate | None = None  # a thinking model's: its end, its budget
+    pooler: PromptPooler | None = None  # an embedding request's vector, as it gathers
     cache_salt: str | None = None  # its tenant
 
     @property
@@ -130,6 +132,8 @@ class InputBatch:
             if self.grammar_tokenizer is None:
                 raise ValueError("structured outputs need a model with a tokenizer")
             state.grammar = GrammarMatcher(new.grammar, self.grammar_tokenizer())
+        if params.pooling is not None:
+            state.pooler = PromptPooler(params.pooling)
         if params.thinking is not None:
             if max(params.thinking.end_token_ids) >= self.vocab_size:
                 raise ValueError(f"thinking's end holds token ids outside [0, {self.vocab_size})")

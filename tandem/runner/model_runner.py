@@ -137,6 +137,8 @@ class ModelRunner:
             eos_token_ids=loaded.eos_token_ids,
             tokenizer=loaded.tokenizer,
             generation_config=loaded.generation_config,
+            hidden_size=loaded.config.hidden_size,
+            pooling_config=loaded.pooling_config,
         )
 
     def expert_load(self) -> tuple[tuple[int, ...], ...]:
@@ -190,6 +192,7 @@ class ModelRunner:
         # Prompt tokens to score: (state, flat-batch row, its position + 1, count); the
         # logits of position j score prompt token j + 1.
         prompt_spans: list[tuple[RequestState, int, int, int]] = []
+        pooling = []  # (item, state, flat-batch row, count): embedding requests' chunks
         for item, state in scheduled:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
@@ -199,8 +202,10 @@ class ModelRunner:
                 count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
                 if count > 0:
                     prompt_spans.append((state, position, start + 1, count))
+            if state.pooler is not None:
+                pooling.append((item, state, position, len(tokens)))
             position += len(tokens) + len(guess)
-            if item.samples:  # the last token's logits, and each draft's
+            if item.samples and state.pooler is None:  # the last token's logits, and drafts'
                 logit_rows.extend(range(position - 1 - len(guess), position))
         hidden = self.hidden_states(chunks)
         observe = getattr(self.proposer, "observe", None)
@@ -209,6 +214,11 @@ class ModelRunner:
             observe([(item.request_id, chunk) for (item, _), chunk in pairs], hidden)
         if prompt_spans:
             self._prompt_logprobs(hidden, prompt_spans, result)
+        for item, state, row, count in pooling:
+            with self._failing_alone(item.request_id, result):
+                state.pooler.add(hidden[row : row + count], item.num_computed_tokens)
+                if item.samples:  # its prompt is done: the vector, and no token
+                    result.pooled[item.request_id] = state.pooler.result()
         if logit_rows:
             logits = self.model.compute_logits(self._rows(hidden, logit_rows))
             self._new_tokens(scheduled, drafts, logits, result)
@@ -281,7 +291,7 @@ class ModelRunner:
         one. Tokens go to ``result.sampled``, requests that raise to ``result.failed``."""
         plain, plain_rows, speculating, row = [], [], [], 0
         for item, state in scheduled:
-            if not item.samples:
+            if not item.samples or state.pooler is not None:
                 continue
             guess, guess_probs = drafts.get(item.request_id, ((), None))
             if not guess:

@@ -42,6 +42,7 @@ from tandem.server.request_id import EchoRequestId
 from tandem.server.routes import admin
 from tandem.server.routes import anthropic as anthropic_routes
 from tandem.server.routes import openai as openai_routes
+from tandem.server.routes import pooling as pooling_routes
 from tandem.server.routes import responses as responses_routes
 from tandem.server.state import ServedModel, package_version
 from tandem.serving.engine_client import EngineClient
@@ -92,7 +93,7 @@ def build_app(
     )  # fmt: skip
     app.add_middleware(EchoRequestId)  # outermost: its errors carry the id too
     _handle_errors(app)
-    for routes in (admin, openai_routes, anthropic_routes, responses_routes):
+    for routes in (admin, openai_routes, anthropic_routes, responses_routes, pooling_routes):
         app.include_router(routes.router)
     app.openapi = lambda: _openapi(app)
     return app

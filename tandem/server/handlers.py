@@ -87,7 +87,7 @@ class CompletionHandler:
         if stream:
             chunks = self._chunks(state, outputs, engine_ids, include_usage, continuous_usage)
             return StreamingResponse((events or _sse)(chunks), media_type="text/event-stream")
-        return await _until_disconnect(request, self._collect(state, outputs, engine_ids))
+        return await until_disconnect(request, self._collect(state, outputs, engine_ids))
 
     def _decode(self, token_ids: list[int]) -> str:
         tokenizer = self.engine.info.tokenizer
@@ -169,7 +169,7 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]):
+async def until_disconnect(request: Request, work: Awaitable[dict[str, Any]]):
     """Await ``work``; if the client disconnects first, cancel it (which aborts its
     engine requests) instead of finishing a response nobody will read."""
     work_task = asyncio.ensure_future(work)

@@ -42,6 +42,7 @@ class ServerLimits:
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # entries of logit_bias
     max_tool_calls: int = 8  # calls in one answer held to tool_choice required
+    max_inputs: int = 2048  # texts in one embeddings, score or rerank request (OpenAI's)
     header_timeout: float = 15.0  # seconds
     body_timeout: float = 60.0
 

@@ -33,9 +33,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig, info: RunnerInfo) -> None:
         self.config = config
         self.info = info
-        self.input_processor = InputProcessor(
-            info.tokenizer, info.vocab_size, info.max_model_len, info.block_size, info.num_blocks
-        )
+        self.input_processor = InputProcessor.of(info)
         # Only a disaggregated role (an engine with a KV connector) can keep blocks or
         # pull them; a colocated server computes such a request as any other.
         transfer = config.kv_transfer

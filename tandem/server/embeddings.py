@@ -1,0 +1,172 @@
+"""Embeddings, scores and reranking: the routes a retrieval app calls first, in the
+shapes OpenAI (``/v1/embeddings``), vLLM (``/v1/score``) and Jina / Cohere
+(``/v1/rerank``) serve them. Each input is a prompt-only request (SamplingParams
+.pooling) through the same engine and scheduler as generation; a score is the cosine
+similarity of two normalised embeddings (a bi-encoder: the model embeds each text
+alone).
+
+    EmbeddingRequest  input: a string, strings, token ids, or lists of token ids;
+                      encoding_format float or base64 (little-endian float32, as
+                      OpenAI's SDK decodes it); dimensions (the first values, for
+                      models trained to be cut); usage counts the prompt tokens
+    ScoreRequest      text_1 against each text_2 (or pairwise, lists of one length)
+    RerankRequest     query against documents, best first, top_n of them
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import struct
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request
+from pydantic import Field
+
+from tandem.errors import InvalidParameterError, require_unicode
+from tandem.outputs import RequestOutput
+from tandem.sampling import RequestOutputKind, SamplingParams, model_pooling_defaults
+from tandem.server.handlers import until_disconnect
+from tandem.server.protocol import INT_LIMIT, TokenId, _Body
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=INT_LIMIT)
+    normalize: bool | None = None  # vLLM's: the model's own setting when unset
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            value = [value]
+        if not value:
+            raise InvalidParameterError("input", "is empty")
+        for index, item in enumerate(value):
+            if not item:
+                raise InvalidParameterError(f"input[{index}]", "is empty")
+            if isinstance(item, str):
+                require_unicode(item, f"input[{index}]")
+        return list(value)
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1, le=INT_LIMIT)
+    return_documents: bool = True
+
+
+async def embed(state, texts: list[str | list[int]], request: Request, **pooling: Any):
+    """Each input's RequestOutput (its ``pooled`` vector), in order; ``pooling``
+    overrides the model's PoolingParams. A client that goes away aborts them all."""
+    limit = state.limits.max_inputs
+    if len(texts) > limit:
+        raise InvalidParameterError("input", f"holds {len(texts)} inputs; at most {limit}")
+    defaults = model_pooling_defaults(state.engine.info.pooling_config)
+    pooling = dataclasses.replace(defaults, **{k: v for k, v in pooling.items() if v is not None})
+    params = SamplingParams(max_tokens=1, pooling=pooling,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    prefix = f"embd-{uuid.uuid4().hex}"
+    ids = [f"{prefix}-{i}" for i in range(len(texts))]
+    outputs: asyncio.Queue = asyncio.Queue()
+    added: list[str] = []
+    done: dict[str, RequestOutput] = {}
+
+    async def run() -> list[RequestOutput]:
+        try:
+            for engine_id, text in zip(ids, texts, strict=True):
+                key = "prompt" if isinstance(text, str) else "prompt_token_ids"
+                await state.engine.add_request(engine_id, {key: text}, params, outputs)
+                added.append(engine_id)
+            while len(done) < len(ids):
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    if item.error is not None or item.pooled is None:
+                        raise RuntimeError(f"an input could not be embedded: {item.error}")
+                    done[item.request_id] = item
+            return [done[engine_id] for engine_id in ids]
+        finally:  # (a failure, or the client gone: the unfinished ones stop)
+            for engine_id in added:
+                if engine_id not in done:
+                    state.engine.abort(engine_id)
+
+    return await until_disconnect(request, run())
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+def embeddings_response(model: str, outputs: list[RequestOutput], encoding: str) -> dict:
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {
+        "object": "list", "model": model,
+        "data": [{"object": "embedding", "index": i, "embedding": _encoded(o.pooled, encoding)}
+                 for i, o in enumerate(outputs)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }  # fmt: skip
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def score_pairs(body: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
+    """The texts to embed and the (left, right) pairs to score: text_1 against each
+    text_2, or pairwise when both are lists of one length."""
+    left = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+    right = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+    if not left or not right:
+        raise InvalidParameterError("text_1" if not left else "text_2", "is empty")
+    if len(left) != 1 and len(left) != len(right):
+        raise InvalidParameterError("text_1", "holds one text, or as many as text_2")
+    pairs = [(0 if len(left) == 1 else i, len(left) + i) for i in range(len(right))]
+    return [*left, *right], pairs
+
+
+def score_response(model: str, outputs: list[RequestOutput], pairs) -> dict:
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": model,
+        "data": [{"index": i, "object": "score",
+                  "score": _cosine(outputs[a].pooled, outputs[b].pooled)}
+                 for i, (a, b) in enumerate(pairs)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }  # fmt: skip
+
+
+def rerank_response(model: str, body: RerankRequest, outputs: list[RequestOutput]) -> dict:
+    query, documents = outputs[0], outputs[1:]
+    scored = sorted(
+        ((i, _cosine(query.pooled, d.pooled)) for i, d in enumerate(documents)),
+        key=lambda pair: -pair[1],
+    )[: body.top_n]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    results = []
+    for index, score in scored:
+        result: dict[str, Any] = {"index": index, "relevance_score": score}
+        if body.return_documents:
+            result["document"] = {"text": body.documents[index]}
+        results.append(result)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }  # fmt: skip
