@@ -3,6 +3,7 @@ and matmul measurements live in tandem.plan.measure, which `tandem plan --measur
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 from pathlib import Path
@@ -53,6 +54,22 @@ def llama_125m_folder() -> Path:
 
 def smollm2_shaped_folder() -> Path:
     return random_llama_folder("smollm2-135m-shape", SMOLLM2_SHAPE)
+
+
+def smollm2_shaped_with_tokenizer() -> Path:
+    """The SmolLM2-shaped folder with the bundled SmolLM2's tokenizer, so that other
+    programs (sentence-transformers, huggingface_hub) load it as a whole model folder."""
+    folder = smollm2_shaped_folder()
+    if not (folder / "tokenizer.json").is_file():
+        from tandem import LLM
+        from tandem.models.catalog import default_model
+
+        tokenizer = LLM(default_model()).get_tokenizer()
+        (folder / "tokenizer.json").write_text(tokenizer.backend_json())
+        special = {k: v for k, v in tokenizer.special_tokens.items() if v is not None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 # The instruction sets CPU kernels dispatch on; a figure is only comparable with

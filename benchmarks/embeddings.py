@@ -23,22 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, smollm2_shaped_folder
+from benchmarks.common import machine, smollm2_shaped_with_tokenizer
 from tandem import LLM
-from tandem.models.catalog import default_model
 from tandem.sampling import PoolingParams
-
-
-def _smollm2_shaped_with_tokenizer() -> Path:
-    """The random SmolLM2-shaped folder, given the bundled model's tokenizer."""
-    folder = smollm2_shaped_folder()
-    if not (folder / "tokenizer.json").is_file():
-        tokenizer = LLM(default_model()).get_tokenizer()
-        (folder / "tokenizer.json").write_text(tokenizer.backend_json())
-        special = {k: v for k, v in tokenizer.special_tokens.items() if v is not None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _without_chat_template(folder: Path, into: Path) -> Path:
@@ -75,7 +62,7 @@ def main() -> None:
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.models import Normalize, Pooling, Transformer
     print(machine())
-    folder = Path(args.model) if args.model else _smollm2_shaped_with_tokenizer()
+    folder = Path(args.model) if args.model else smollm2_shaped_with_tokenizer()
     llm = LLM(str(folder), dtype=args.dtype, max_num_batched_tokens=args.batch * args.tokens)
     tokenizer = llm.get_tokenizer()
     words = "retrieval augmented generation reads the nearest passages of a corpus first "

@@ -5,6 +5,7 @@ HF_ENDPOINT. Every request is logged in ``requests`` (method, path)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -23,7 +24,9 @@ def _commit(folder: Path) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def _etag(path: Path) -> str:
+    """A file's content hash (once a file: a benchmark HEADs large ones repeatedly)."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

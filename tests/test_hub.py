@@ -132,3 +132,20 @@ def test_an_uncached_model_offline_is_refused_by_name(tmp_path):
     assert "tandem pull org/elsewhere" in result.stderr and "Traceback" not in result.stderr
     unreachable = tandem(tmp_path, "pull", "org/elsewhere:Q4_K_M")  # no hub listening
     assert unreachable.returncode == 2 and "not in the Hugging Face cache" in unreachable.stderr
+
+
+def test_the_cache_folder_is_named_as_huggingface_hub_names_it(tmp_path, monkeypatch):
+    """Offline, tandem finds a snapshot without the client's HTTP imports: its folder
+    name must stay the one huggingface_hub gives it."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    from tandem.models.hub import _cached
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = tmp_path / repo_folder_name(repo_id="org/my-repo", repo_type="model")
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text("abc123")
+    (snapshot / "snapshots" / "abc123").mkdir(parents=True)
+    (snapshot / "snapshots" / "abc123" / "config.json").write_text("{}")
+    assert _cached(parse_hub_id("org/my-repo"), None) == snapshot / "snapshots" / "abc123"
