@@ -42,8 +42,10 @@ def test_a_tag_picks_one_gguf_file_and_says_what_else_there_is():
     with pytest.raises(ModelLoadError, match="several GGUF files; pick one"):
         choose_gguf(HubId("o/r"), ["a-Q4_0.gguf", "a-Q8_0.gguf"])
     split = ["b-Q4_K_M-00001-of-00002.gguf", "b-Q4_K_M-00002-of-00002.gguf"]
-    with pytest.raises(ModelLoadError, match="split into parts"):
-        choose_gguf(HubId("o/r", tag="Q4_K_M"), split)
+    assert choose_gguf(HubId("o/r", tag="Q4_K_M"), [*split, "b-Q8_0.gguf"]) == split
+    assert choose_gguf(HubId("o/r", filename=split[1]), split) == split  # any part: all
+    with pytest.raises(ModelLoadError, match=r"missing: b-Q4_K_M-00002-of-00002\.gguf"):
+        choose_gguf(HubId("o/r", tag="Q4_K_M"), split[:1])
 
 
 # -- the real client against a stand-in hub ---------------------------------------------
@@ -64,7 +66,9 @@ def hub_repos(tmp_path_factory, model_dirs):
     export_gguf(folder, gguf / "tiny-Q8_0.gguf", "q8_0")
     export_gguf(folder, gguf / "tiny-Q4_0.gguf", "q4_0")
     (gguf / "mmproj-tiny-F16.gguf").write_bytes(b"not a model")
-    return {"org/tiny": tiny, "org/tiny-gguf": gguf}, folder
+    split = tmp_path_factory.mktemp("tiny-split")  # llama.cpp's gguf-split naming
+    export_gguf(folder, split / "tiny-BF16.gguf", "bf16", split_max_tensors=6)
+    return {"org/tiny": tiny, "org/tiny-gguf": gguf, "org/tiny-split": split}, folder
 
 
 def tandem(home: Path, *args: str, endpoint: str | None = None, offline: bool = False):
@@ -123,6 +127,23 @@ def test_a_gguf_repository_by_tag(tmp_path, hub_repos):
     assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr
     listed = tandem(tmp_path, "models").stdout
     assert "org/tiny-gguf" in listed and "Q4_0, Q8_0" in listed
+
+
+def test_a_split_gguf_is_pulled_whole_and_runs_as_one_file(tmp_path, hub_repos):
+    from tandem.models.gguf_export import export_gguf
+
+    repos, folder = hub_repos
+    parts = sorted(p.name for p in repos["org/tiny-split"].iterdir())
+    assert len(parts) > 2 and parts[0] == f"tiny-BF16-00001-of-{len(parts):05d}.gguf"
+    with serving(FakeHub(repos)) as url:
+        pulled = tandem(tmp_path, "pull", "org/tiny-split:BF16", endpoint=url)
+    assert pulled.returncode == 0 and pulled.stdout.strip().endswith(parts[0]), pulled.stderr
+    beside = sorted(p.name for p in Path(pulled.stdout.strip()).parent.iterdir())
+    assert beside == parts  # every part downloaded, beside the first
+    whole = export_gguf(folder, tmp_path / "whole-BF16.gguf", "bf16")
+    by_id = generate(tmp_path, "org/tiny-split:BF16", offline=True)
+    local = generate(tmp_path, str(whole), offline=True)
+    assert by_id.returncode == 0 and by_id.stdout == local.stdout, by_id.stderr
 
 
 def test_an_uncached_model_offline_is_refused_by_name(tmp_path):

@@ -18,6 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--type", default="q8_0", choices=list(EXPORT_TYPES),
         help="the matrices' format (norms stay float32): default q8_0",
     )  # fmt: skip
+    parser.add_argument(
+        "--split-max-tensors", type=int, default=0, metavar="N",
+        help="write parts of at most N tensors (OUT-00001-of-0000K.gguf ..., as llama.cpp's "
+        "gguf-split); tandem and llama.cpp load a split model from its first part",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -25,5 +30,5 @@ def run(args: argparse.Namespace) -> None:
 
     from tandem.models.gguf_export import export_gguf
 
-    out = export_gguf(args.model, args.out, args.type)
+    out = export_gguf(args.model, args.out, args.type, split_max_tensors=args.split_max_tensors)
     print(f"wrote {out} ({Path(out).stat().st_size / 1e6:.1f} MB, {args.type})")

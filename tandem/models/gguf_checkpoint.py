@@ -32,7 +32,8 @@ import torch
 
 from tandem.errors import ModelLoadError
 from tandem.models.family import Family
-from tandem.models.gguf_file import GGUFFile, TensorInfo
+from tandem.models.gguf_file import TensorInfo
+from tandem.models.gguf_split import open_gguf, split_parts
 from tandem.models.registry import GGUF_ARCHITECTURES, gguf_family
 from tandem.models.weight_source import CheckpointTensor
 from tandem.quant.blocks import FLOAT_TYPES, GGMLType, check_supported
@@ -105,7 +106,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._file = GGUFFile(self.path)
+            self._file = open_gguf(self.path)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {exc}") from None
         self.architecture = str(self.value("general.architecture", ""))
@@ -268,12 +269,15 @@ class GGUFCheckpoint:
 
 
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file ``path`` names: the file itself, or a folder's only .gguf file."""
+    """The GGUF file ``path`` names: the file itself, or a folder's only .gguf file (or
+    the first part of its only split model)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "config.json").is_file():
         files = sorted(path.glob("*.gguf"))
+        if len(files) > 1 and files == split_parts(files[0]):
+            return files[0]
         if len(files) > 1:
             names = ", ".join(f.name for f in files)
             raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass one of them")

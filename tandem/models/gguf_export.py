@@ -190,12 +190,18 @@ Encoder = Callable[[str, torch.Tensor], "tuple[GGMLType, np.ndarray] | None"]
 
 
 def export_gguf(
-    folder: str | Path, out: str | Path, fmt: str, encoder: Encoder | None = None
+    folder: str | Path,
+    out: str | Path,
+    fmt: str,
+    encoder: Encoder | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write the Hugging Face folder as a GGUF file in ``fmt`` (f32, f16, bf16, q8_0,
     q4_0, q4_k); returns the file written. ``encoder(gguf_name, float_tensor)`` may
     choose another format for any matrix: (type, raw block bytes), or None to leave
-    it to ``fmt`` (how mixed files, such as llama.cpp's Q4_K_M, are made)."""
+    it to ``fmt`` (how mixed files, such as llama.cpp's Q4_K_M, are made).
+    ``split_max_tensors``: write parts of at most that many tensors, as llama.cpp's
+    gguf-split does (``OUT-00001-of-0000N.gguf`` ...; the first part is returned)."""
     import gguf
 
     if fmt not in EXPORT_TYPES:
@@ -210,7 +216,7 @@ def export_gguf(
         raise ModelLoadError(
             f"cannot export {raw['architectures']} to GGUF (supported: {writable})"
         )
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_name(folder.name)
     writer.add_file_type(_file_type(code))
     add_shape_keys(writer, config)
@@ -246,7 +252,8 @@ def export_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    parts = sorted(out.parent.glob(f"{out.stem}-00001-of-*{out.suffix}"))
+    return parts[0] if split_max_tensors and parts else out
 
 
 def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, code: GGMLType,

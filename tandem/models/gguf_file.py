@@ -53,6 +53,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # GGUF order: innermost (row length) first
     type: int
     offset: int  # from the start of the data section
+    part: int = 0  # of a split model (gguf_split.py): the file it is in
 
     @property
     def nbytes(self) -> int | None:

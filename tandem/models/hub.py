@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.errors import ModelLoadError
+from tandem.models.gguf_split import PART, split_parts
 
 logger = logging.getLogger("tandem.hub")
 
@@ -36,7 +37,6 @@ FOLDER_FILES = [
     "*.safetensors", "model.safetensors.index.json",
 ]  # fmt: skip
 DEFAULT_TAG = "Q4_K_M"
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def parse_hub_id(name: str | Path) -> HubId | None:
 
 def gguf_tag(filename: str) -> str | None:
     """The quantization a GGUF file's name states (``...-Q4_K_M.gguf`` -> Q4_K_M)."""
-    stem = _SPLIT.sub(".gguf", filename).removesuffix(".gguf")
+    part = PART.match(Path(filename).name)
+    stem = part["stem"] if part else filename.removesuffix(".gguf")
     match = re.search(r"[-_.]((?:I?Q\d[\w]*)|F16|BF16|F32|MXFP4\w*|TQ\d_\d)$", stem, re.I)
     return match[1].upper() if match else None
 
@@ -96,12 +97,16 @@ def choose_gguf(hub_id: HubId, files: list[str]) -> list[str]:
             what = f"no {hub_id.tag} file" if hub_id.tag else "several GGUF files; pick one"
             raise ModelLoadError(f"{hub_id.repo_id} has {what} (it offers: {offered})")
         chosen = sorted(tags[tag])
-    if len(chosen) > 1 or _SPLIT.search(chosen[0]):
-        raise ModelLoadError(
-            f"{hub_id}: {chosen[0]} is split into parts, which tandem does not read yet "
-            "(join them with llama.cpp's llama-gguf-split --merge, then pass the file)"
-        )
-    return chosen
+    parts = split_parts(chosen[0])
+    if parts is None:
+        if len(chosen) > 1:
+            raise ModelLoadError(f"{hub_id}: several files match ({', '.join(chosen)}); name one")
+        return chosen
+    wanted = [str(p) for p in parts]  # every part of the split model (gguf_split.py)
+    missing = sorted(set(wanted) - set(files))
+    if missing:
+        raise ModelLoadError(f"{hub_id}: parts of {chosen[0]} are missing: {', '.join(missing)}")
+    return wanted
 
 
 def _offline_error(hub_id: HubId, revision: str | None) -> ModelLoadError:
@@ -144,8 +149,9 @@ def resolve(name: str | Path, revision: str | None = None) -> Path:
                 hub_id.repo_id, revision=revision, allow_patterns=FOLDER_FILES
             )
             return Path(folder)
-        (filename,) = choose_gguf(hub_id, files)
-        return Path(huggingface_hub.hf_hub_download(hub_id.repo_id, filename, revision=revision))
+        paths = [huggingface_hub.hf_hub_download(hub_id.repo_id, name, revision=revision)
+                 for name in choose_gguf(hub_id, files)]  # fmt: skip
+        return Path(paths[0])  # (a split model: its first part; the others beside it)
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelLoadError(
             f"{hub_id.repo_id}: the hub refused it ({type(exc).__name__}): check the id, "
@@ -199,8 +205,7 @@ def _cached(hub_id: HubId, revision: str | None) -> Path:
     files = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
     if hub_id.tag is None and hub_id.filename is None and "config.json" in files:
         return folder
-    (filename,) = choose_gguf(hub_id, files)
-    return folder / filename
+    return folder / choose_gguf(hub_id, files)[0]
 
 
 @dataclass(frozen=True)

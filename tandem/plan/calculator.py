@@ -184,10 +184,10 @@ class FileWeights:
 
 
 def file_weights(path: Path) -> FileWeights:
-    from tandem.models.gguf_file import GGUFFile
+    from tandem.models.gguf_split import open_gguf
     from tandem.quant.packed import packed_nbytes
 
-    tensors = GGUFFile(path).tensors
+    tensors = open_gguf(path).tensors
     names = {t.name for t in tensors}
     held = read = 0
     mix: dict[GGMLType, tuple[int, int]] = {}

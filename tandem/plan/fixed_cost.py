@@ -44,11 +44,11 @@ def tiny_shape(path: Path):
     """The tiny twin of the GGUF file at ``path`` (a random_gguf Shape and its format),
     or None where it cannot be written: an architecture random_gguf does not write, or
     a head dimension that does not divide TINY_WIDTH."""
-    from tandem.models.gguf_file import GGUFFile
+    from tandem.models.gguf_split import open_gguf
     from tandem.models.random_gguf import Shape
     from tandem.plan.calculator import file_weights, read_model
 
-    architecture = GGUFFile(path).fields.get("general.architecture")
+    architecture = open_gguf(path).fields.get("general.architecture")
     config, _ = read_model(path)
     if architecture not in ARCHITECTURES or TINY_WIDTH % config.head_dim:
         return None
