@@ -115,6 +115,7 @@ def test_a_gguf_repository_by_tag(tmp_path, hub_repos):
         pulled = tandem(tmp_path, "pull", "org/tiny-gguf:Q8_0", endpoint=url)
         assert pulled.returncode == 0, pulled.stderr
         assert pulled.stdout.strip().endswith("tiny-Q8_0.gguf")
+        assert "image projector (mmproj-tiny-F16.gguf): not downloaded" in pulled.stderr
         by_name = tandem(tmp_path, "pull", "org/tiny-gguf/tiny-Q4_0.gguf", endpoint=url)
         assert by_name.stdout.strip().endswith("tiny-Q4_0.gguf"), by_name.stderr
         missing = tandem(tmp_path, "pull", "org/tiny-gguf:Q2_K", endpoint=url)

@@ -149,8 +149,15 @@ def resolve(name: str | Path, revision: str | None = None) -> Path:
                 hub_id.repo_id, revision=revision, allow_patterns=FOLDER_FILES
             )
             return Path(folder)
+        chosen = choose_gguf(hub_id, files)
+        projectors = [f for f in files if f.endswith(".gguf") and _is_mmproj(f)]
+        if projectors:  # (for the vision models: not read yet)
+            logger.warning(
+                "%s also has an image projector (%s): not downloaded; tandem reads no "
+                "images yet", hub_id.repo_id, ", ".join(projectors),
+            )  # fmt: skip
         paths = [huggingface_hub.hf_hub_download(hub_id.repo_id, name, revision=revision)
-                 for name in choose_gguf(hub_id, files)]  # fmt: skip
+                 for name in chosen]  # fmt: skip
         return Path(paths[0])  # (a split model: its first part; the others beside it)
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelLoadError(
