@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from tandem.errors import ModelLoadError
-from tandem.models.gguf_file import GGUFFile, TensorInfo
+
+if TYPE_CHECKING:  # (the file reader imports torch: the names below must not, the Hub
+    # client reads them in torch-free commands such as `tandem router`)
+    import numpy as np
+
+    from tandem.models.gguf_file import GGUFFile, TensorInfo
 
 PART = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -42,6 +46,8 @@ class SplitGGUF:
                 f"{parts[0].name} is split into {len(parts)} parts; missing beside it: "
                 f"{', '.join(missing)}"
             )
+        from tandem.models.gguf_file import GGUFFile
+
         self.path = parts[0]
         self.parts = [GGUFFile(p) for p in parts]
         self.fields = self.parts[0].fields
@@ -72,6 +78,8 @@ class SplitGGUF:
 
 def open_gguf(path: str | Path) -> GGUFFile | SplitGGUF:
     """A GGUF model: one file, or every part of a split one (any part may be named)."""
+    from tandem.models.gguf_file import GGUFFile
+
     parts = split_parts(path)
     if parts is None or len(parts) == 1:
         return GGUFFile(path)
