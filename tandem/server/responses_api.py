@@ -338,6 +338,13 @@ async def response_events(
         current, text = None, ""
         return events
 
+    def open_item(item: dict[str, Any]) -> list[str]:
+        """Close the item being streamed, start ``item``: their events."""
+        nonlocal current
+        events = close()
+        current = item
+        return [*events, event("response.output_item.added", output_index=len(output), item=item)]
+
     yield event("response.created", response=shape.object("in_progress", []))
     yield event("response.in_progress", response=shape.object("in_progress", []))
     async for chunk in chunks:
@@ -351,24 +358,16 @@ async def response_events(
             delta = choice["delta"]
             if delta.get("reasoning_content"):
                 if current is None or current["type"] != "reasoning":
-                    for done in close():
-                        yield done
-                    current = _reasoning_item(_item_id("rs"), "", "in_progress")
-                    yield event(
-                        "response.output_item.added", output_index=len(output), item=current
-                    )
+                    for opened in open_item(_reasoning_item(_item_id("rs"), "", "in_progress")):
+                        yield opened
                 text += delta["reasoning_content"]
                 yield event("response.reasoning_text.delta", item_id=current["id"],
                             output_index=len(output), content_index=0,
                             delta=delta["reasoning_content"])  # fmt: skip
             if delta.get("content"):
                 if current is None or current["type"] != "message":
-                    for done in close():
-                        yield done
-                    current = _message_item(_item_id("msg"), "", "in_progress")
-                    yield event(
-                        "response.output_item.added", output_index=len(output), item=current
-                    )
+                    for opened in open_item(_message_item(_item_id("msg"), "", "in_progress")):
+                        yield opened
                     yield event(
                         "response.content_part.added", item_id=current["id"],
                         output_index=len(output), content_index=0, part=_text_part(""),
@@ -379,14 +378,10 @@ async def response_events(
                             logprobs=[])  # fmt: skip
             for call in delta.get("tool_calls") or []:
                 if call.get("id"):  # a new call
-                    for done in close():
-                        yield done
-                    current = _call_item(
-                        _item_id("fc"), call["id"], call["function"]["name"], "", "in_progress"
-                    )
-                    yield event(
-                        "response.output_item.added", output_index=len(output), item=current
-                    )
+                    name = call["function"]["name"]
+                    item = _call_item(_item_id("fc"), call["id"], name, "", "in_progress")
+                    for opened in open_item(item):
+                        yield opened
                 piece = call["function"].get("arguments") or ""
                 if piece:
                     current["arguments"] += piece

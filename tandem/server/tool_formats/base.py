@@ -158,6 +158,56 @@ def call_of(value: Any) -> Call | None:
     return Call(value["name"], arguments)
 
 
+def content_only(text: str, final: bool, *tags: str) -> Reading:
+    """A reply with no call begun: all content, less (while it grows) what may be the
+    start of one of ``tags``."""
+    return Reading(len(text) if final else len(text) - max(held_prefix(text, t) for t in tags))
+
+
+def calls_or_text(text: str, final: bool, content_end: int, calls: list[Call]) -> Reading:
+    """The content before the calls and the calls; a whole reply that holds no whole
+    call is the text as the model wrote it."""
+    if final and not any(call.complete for call in calls):
+        return Reading(len(text))
+    return Reading(content_end, calls)
+
+
+ReadCall = Callable[[str, int, bool], "tuple[Call | None, int | None]"]
+
+
+def opened_calls(text: str, final: bool, first: int, opener: str, read_call: ReadCall) -> Reading:
+    """A reply whose content ends at ``first`` and whose calls each open with
+    ``opener``; ``read_call(text, after_opener, final)`` reads one: (the call so far
+    or None, where it ends or None while it is open)."""
+    calls, at = [], text.find(opener, first)
+    while at >= 0:
+        call, end = read_call(text, at + len(opener), final)
+        if call is None:
+            break
+        calls.append(call)
+        if end is None:
+            break
+        at = text.find(opener, end)
+    return calls_or_text(text, final, first, calls)
+
+
+def json_calls(text: str, at: int, final: bool, separator: str) -> list[Call]:
+    """JSON call objects from ``text[at]`` on, one after another with ``separator``
+    between them."""
+    calls = []
+    while True:
+        call, end = json_call(text, at, final)
+        if call is None:
+            return calls
+        calls.append(call)
+        if end is None:
+            return calls
+        after = text[end:].lstrip()
+        if not after.startswith(separator):
+            return calls
+        at = len(text) - len(after) + len(separator)
+
+
 def held_prefix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` may be the start of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -171,22 +221,52 @@ def schema_rule(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
 
 
+# (index, tool name, its parameters' schema) -> (the call's Lark expression, its rules)
+WriteCall = Callable[[int, str, dict[str, Any]], "tuple[str, list[str]]"]
+
+
+def json_arguments(call: Callable[[str, str], str]) -> WriteCall:
+    """A call whose arguments are one JSON object: ``call(name, rule)`` spells the
+    call of tool ``name`` around the rule ``rule`` of its arguments."""
+
+    def write(index: int, name: str, schema: dict[str, Any]) -> tuple[str, list[str]]:
+        rule = f"args_{index}"
+        return call(name, rule), [f"{rule}: {schema_rule(schema)}"]
+
+    return write
+
+
+def parameters(
+    index: int, schema: dict[str, Any], value_rule: Callable[[dict[str, Any]], str]
+) -> tuple[list[tuple[str, str, bool]], list[str]]:
+    """A call written a parameter at a time: (each declared parameter as (key, the
+    rule of its value, required), the value rules; ``value_rule(schema)`` is a value's
+    grammar)."""
+    required = set(schema.get("required") or ())
+    parts, lines = [], []
+    for number, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+        rule = f"value_{index}_{number}"
+        lines.append(f"{rule}: {value_rule(sub)}")
+        parts.append((key, rule, key in required))
+    return parts, lines
+
+
 def calls_grammar(
     tools: dict[str, dict[str, Any]],
     max_calls: int,
-    call: Callable[[str, str], str],
+    call: WriteCall,
     before: str = "",
     between: str = "",
     after: str = "",
 ) -> str:
     """A Lark grammar of 1 to ``max_calls`` calls: ``before``, the calls with
-    ``between`` them, ``after`` (each a Lark expression or ""); ``call(name, rule)`` is
-    one call of tool ``name`` whose arguments are the rule ``rule``."""
+    ``between`` them, ``after`` (each a Lark expression or ""); ``call`` writes one
+    call of a tool (json_arguments, or a format's own a parameter at a time)."""
     lines = []
     alternatives = []
     for index, (name, schema) in enumerate(tools.items()):
-        lines.append(f"call_{index}: {call(name, f'args_{index}')}")
-        lines.append(f"args_{index}: {schema_rule(schema)}")
+        expression, rules = call(index, name, schema)
+        lines += [f"call_{index}: {expression}", *rules]
         alternatives.append(f"call_{index}")
     repeat = f"({between} call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
     parts = " ".join(part for part in (before, "call", repeat, after) if part)

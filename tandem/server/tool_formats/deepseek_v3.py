@@ -20,7 +20,9 @@ from tandem.server.tool_formats.base import (
     Spelling,
     ToolFormat,
     calls_grammar,
-    held_prefix,
+    content_only,
+    json_arguments,
+    opened_calls,
     value_end,
 )
 
@@ -40,20 +42,8 @@ class DeepSeekV3(ToolFormat):
         if first < 0:
             first = text.find(CALL_BEGIN)  # (some answers open the first call only)
         if first < 0:
-            held = max(held_prefix(text, CALLS_BEGIN), held_prefix(text, CALL_BEGIN))
-            return Reading(len(text) if final else len(text) - held)
-        calls, at = [], text.find(CALL_BEGIN, first)
-        while at >= 0:
-            call, end = self._call(text, at + len(CALL_BEGIN), final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            at = text.find(CALL_BEGIN, end)
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))
-        return Reading(first, calls)
+            return content_only(text, final, CALLS_BEGIN, CALL_BEGIN)
+        return opened_calls(text, final, first, CALL_BEGIN, self._call)
 
     @staticmethod
     def _call(text: str, at: int, final: bool) -> tuple[Call | None, int | None]:
@@ -79,5 +69,6 @@ class DeepSeekV3(ToolFormat):
             return f"{head} {rule} {literal(CALL_END)}"
 
         return calls_grammar(
-            tools, max_calls, call, before=literal(CALLS_BEGIN), after=literal(CALLS_END)
-        )
+            tools, max_calls, json_arguments(call), before=literal(CALLS_BEGIN),
+            after=literal(CALLS_END),
+        )  # fmt: skip

@@ -16,8 +16,10 @@ from tandem.server.tool_formats.base import (
     Spelling,
     ToolFormat,
     calls_grammar,
-    held_prefix,
+    content_only,
+    json_arguments,
     json_call,
+    opened_calls,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -31,19 +33,8 @@ class Hermes(ToolFormat):
     def read(self, text: str, final: bool, schemas: dict[str, dict[str, Any]]) -> Reading:
         first = text.find(OPEN)
         if first < 0:
-            return Reading(len(text) if final else len(text) - held_prefix(text, OPEN))
-        calls, at = [], first
-        while at >= 0:
-            call, end = json_call(text, at + len(OPEN), final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            at = text.find(OPEN, end)
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))  # no whole call: the text as the model wrote it
-        return Reading(first, calls)
+            return content_only(text, final, OPEN)
+        return opened_calls(text, final, first, OPEN, json_call)
 
     def grammar(self, tools: dict[str, dict[str, Any]], max_calls: int, literal: Spelling) -> str:
         def call(name: str, rule: str) -> str:
@@ -51,4 +42,4 @@ class Hermes(ToolFormat):
             tail = json.dumps("}\n")
             return f"{literal(OPEN)} {head} {rule} {tail} {literal(CLOSE)}"
 
-        return calls_grammar(tools, max_calls, call, between=json.dumps("\n"))
+        return calls_grammar(tools, max_calls, json_arguments(call), between=json.dumps("\n"))

@@ -10,7 +10,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tandem.server.tool_formats.base import Reading, Spelling, ToolFormat, calls_grammar, json_call
+from tandem.server.tool_formats.base import (
+    Reading,
+    Spelling,
+    ToolFormat,
+    calls_grammar,
+    calls_or_text,
+    json_arguments,
+    json_calls,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -30,25 +38,11 @@ class Llama3Json(ToolFormat):
             return Reading(0)  # may still become a call
         if not rest.startswith("{"):
             return Reading(len(text))
-        calls, at = [], start
-        while True:
-            call, end = json_call(text, at, final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            after = text[end:].lstrip()
-            if not after.startswith(";"):
-                break
-            at = len(text) - len(after) + 1
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))
-        return Reading(0, calls)
+        return calls_or_text(text, final, 0, json_calls(text, start, final, ";"))
 
     def grammar(self, tools: dict[str, dict[str, Any]], max_calls: int, literal: Spelling) -> str:
         def call(name: str, rule: str) -> str:
             head = json.dumps(f'{{"name": {json.dumps(name)}, "parameters": ')
             return f"{head} {rule} {json.dumps('}')}"
 
-        return calls_grammar(tools, max_calls, call, between=json.dumps("; "))
+        return calls_grammar(tools, max_calls, json_arguments(call), between=json.dumps("; "))

@@ -24,8 +24,10 @@ from tandem.server.tool_formats.base import (
     Spelling,
     ToolFormat,
     calls_grammar,
-    held_prefix,
-    json_call,
+    calls_or_text,
+    content_only,
+    json_arguments,
+    json_calls,
     value_end,
 )
 
@@ -52,31 +54,14 @@ class Mistral(ToolFormat):
     def read(self, text: str, final: bool, schemas: dict[str, dict[str, Any]]) -> Reading:
         first = text.find(TOOL_CALLS)
         if first < 0:
-            return Reading(len(text) if final else len(text) - held_prefix(text, TOOL_CALLS))
+            return content_only(text, final, TOOL_CALLS)
         at = first + len(TOOL_CALLS)
         body = text[at:].lstrip()
         if body.startswith("["):
-            calls = self._listed(text, len(text) - len(body) + 1, final)
+            calls = json_calls(text, len(text) - len(body) + 1, final, ",")
         else:
             calls = self._named(text, at, final)
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))
-        return Reading(first, calls)
-
-    @staticmethod
-    def _listed(text: str, at: int, final: bool) -> list[Call]:
-        calls = []
-        while True:
-            call, end = json_call(text, at, final)
-            if call is None:
-                return calls
-            calls.append(call)
-            if end is None:
-                return calls
-            after = text[end:].lstrip()
-            if not after.startswith(","):
-                return calls
-            at = len(text) - len(after) + 1
+        return calls_or_text(text, final, first, calls)
 
     @staticmethod
     def _named(text: str, at: int, final: bool) -> list[Call]:
@@ -110,7 +95,7 @@ class Mistral(ToolFormat):
                 call_id = f"({literal(CALL_ID)} /[A-Za-z0-9]{{9}}/)?"
                 return f"{literal(TOOL_CALLS)} {json.dumps(name)} {call_id} {literal(ARGS)} {rule}"
 
-            return calls_grammar(tools, max_calls, spelled)
+            return calls_grammar(tools, max_calls, json_arguments(spelled))
 
         id_key, id_end = json.dumps(', "id": "'), json.dumps('"}')
 
@@ -119,6 +104,6 @@ class Mistral(ToolFormat):
             return f"{head} {rule} {id_key} /[A-Za-z0-9]{{9}}/ {id_end}"
 
         return calls_grammar(
-            tools, max_calls, listed, before=f'{literal(TOOL_CALLS)} "["',
+            tools, max_calls, json_arguments(listed), before=f'{literal(TOOL_CALLS)} "["',
             between=json.dumps(", "), after='"]"',
         )  # fmt: skip

@@ -14,7 +14,16 @@ import json
 import re
 from typing import Any
 
-from tandem.server.tool_formats.base import JSON_STYLE, Call, Reading, Spelling, ToolFormat
+from tandem.server.tool_formats.base import (
+    JSON_STYLE,
+    Call,
+    Reading,
+    Spelling,
+    ToolFormat,
+    calls_grammar,
+    calls_or_text,
+    parameters,
+)
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.]*)\s*\(")
@@ -49,25 +58,16 @@ class Pythonic(ToolFormat):
             at = close + 1
             while at < len(text) and text[at] in " ,\n":
                 at += 1
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))
-        return Reading(0, calls)
+        return calls_or_text(text, final, 0, calls)
 
     def grammar(self, tools: dict[str, dict[str, Any]], max_calls: int, literal: Spelling) -> str:
-        lines, alternatives = [], []
-        for index, (name, schema) in enumerate(tools.items()):
-            required = set(schema.get("required") or ())
-            parts = []
-            for number, (key, sub) in enumerate((schema.get("properties") or {}).items()):
-                rule = f"value_{index}_{number}"
-                lines.append(f"{rule}: {_value_rule(sub)}")
-                parts.append((f"{json.dumps(key + '=')} {rule}", key in required))
-            lines.append(f'call_{index}: {json.dumps(name + "(")} {_keywords(parts)} ")"')
-            alternatives.append(f"call_{index}")
-        repeat = f' (", " call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-        return "\n".join(
-            [f'start: "[" call{repeat} "]"', f"call: {' | '.join(alternatives)}", *lines]
-        )
+        def call(index: int, name: str, schema: dict[str, Any]) -> tuple[str, list[str]]:
+            parts, rules = parameters(index, schema, _value_rule)
+            keywords = _keywords([(f"{json.dumps(key + '=')} {rule}", required)
+                                  for key, rule, required in parts])  # fmt: skip
+            return f'{json.dumps(name + "(")} {keywords} ")"', rules
+
+        return calls_grammar(tools, max_calls, call, before='"["', between='", "', after='"]"')
 
 
 def _keywords(parts: list[tuple[str, bool]]) -> str:

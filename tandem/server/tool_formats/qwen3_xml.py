@@ -25,7 +25,10 @@ from tandem.server.tool_formats.base import (
     Reading,
     Spelling,
     ToolFormat,
-    held_prefix,
+    calls_grammar,
+    content_only,
+    opened_calls,
+    parameters,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,21 +45,12 @@ class Qwen3Xml(ToolFormat):
     def read(self, text: str, final: bool, schemas: dict[str, dict[str, Any]]) -> Reading:
         starts = [at for at in (text.find(OPEN), text.find(FUNCTION)) if at >= 0]
         if not starts:
-            held = max(held_prefix(text, OPEN), held_prefix(text, FUNCTION))
-            return Reading(len(text) if final else len(text) - held)
-        first = min(starts)
-        calls, at = [], text.find(FUNCTION, first)
-        while at >= 0:
-            call, end = self._call(text, at + len(FUNCTION), final, schemas)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            at = text.find(FUNCTION, end)
-        if final and not any(call.complete for call in calls):
-            return Reading(len(text))
-        return Reading(first, calls)
+            return content_only(text, final, OPEN, FUNCTION)
+
+        def read_call(text: str, at: int, final: bool):
+            return self._call(text, at, final, schemas)
+
+        return opened_calls(text, final, min(starts), FUNCTION, read_call)
 
     @staticmethod
     def _call(text: str, at: int, final: bool, schemas) -> tuple[Call | None, int | None]:
@@ -88,23 +82,18 @@ class Qwen3Xml(ToolFormat):
         return Call(name, arguments + "}"), end
 
     def grammar(self, tools: dict[str, dict[str, Any]], max_calls: int, literal: Spelling) -> str:
-        lines, alternatives = [], []
-        for index, (name, schema) in enumerate(tools.items()):
-            required = set(schema.get("required") or ())
-            parts = []
-            for number, (key, sub) in enumerate((schema.get("properties") or {}).items()):
-                rule = f"value_{index}_{number}"
-                lines.append(f"{rule}: {_value_rule(sub)}")
+        def call(index: int, name: str, schema: dict[str, Any]) -> tuple[str, list[str]]:
+            parts, rules = parameters(index, schema, _value_rule)
+            written = []
+            for key, rule, required in parts:
                 part = f'{json.dumps(f"<parameter={key}>{chr(10)}")} {rule} "\\n</parameter>\\n"'
-                parts.append(part if key in required else f"({part})?")
+                written.append(part if required else f"({part})?")
             head = f"{literal(OPEN)} " + json.dumps(f"\n{FUNCTION}{name}>\n")
             tail = json.dumps(f"{FUNCTION_END}\n") + f" {literal(CLOSE)}"
-            lines.append(f"call_{index}: {head} {' '.join(parts)} {tail}")
-            alternatives.append(f"call_{index}")
-        repeat = f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+            return f"{head} {' '.join(written)} {tail}", rules
+
         # (Qwen3-Coder's template writes a newline before every call, the first too)
-        start = f'start: "\\n"? call{repeat}'
-        return "\n".join([start, f"call: {' | '.join(alternatives)}", *lines])
+        return calls_grammar(tools, max_calls, call, before='"\\n"?', between='"\\n"')
 
 
 def _value(raw: str, schema: dict[str, Any] | None) -> str:
