@@ -22,7 +22,7 @@ from tandem.errors import InvalidParameterError, TandemError
 from tandem.executor import make_executor
 from tandem.models.catalog import default_model
 from tandem.models.hub import parse_hub_id, resolve
-from tandem.outputs import EmbeddingOutput, RequestOutput
+from tandem.outputs import EmbeddingOutput, RequestOutput, similarity
 from tandem.sampling import (
     PoolingParams,
     RequestOutputKind,
@@ -87,11 +87,7 @@ class LLM:
         queued, so one bad prompt fails the call without leaving work behind. A request
         that fails inside the engine fails alone: its output has ``error`` (and the
         finish reason "error"), the others complete."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -102,6 +98,10 @@ class LLM:
         # Batch generation reads only the end: no per-step outputs, text decoded once.
         final_only = RequestOutputKind.FINAL_ONLY
         params = [dataclasses.replace(p, output_kind=final_only) for p in params]
+        return self._run(self._add(prompts, params), use_tqdm)
+
+    def _add(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+        """Queue the requests, each validated before any is queued; their ids."""
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         processed = [
             self.engine.input_processor.process(request_id, prompt, p)
@@ -109,7 +109,7 @@ class LLM:
         ]
         for request in processed:
             self.engine.add(request)
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def embed(
         self,
@@ -120,22 +120,12 @@ class LLM:
         """Each prompt's vector, in order (``pooling_params``: how it is read; the
         model's own settings when omitted). Prompts run through the same scheduler as
         generation, batched with whatever else runs."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         pooling = pooling_params or model_pooling_defaults(self.engine.model_info.pooling_config)
         params = SamplingParams(
             max_tokens=1, pooling=pooling, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        processed = [
-            self.engine.input_processor.process(request_id, prompt, params)
-            for request_id, prompt in zip(request_ids, prompts, strict=True)
-        ]
-        for request in processed:
-            self.engine.add(request)
-        outputs = self._run(request_ids, use_tqdm)
+        outputs = self._run(self._add(prompts, [params] * len(prompts)), use_tqdm)
         for output in outputs:
             if output.error is not None or output.pooled is None:
                 raise TandemError(f"embedding {output.request_id} failed: {output.error}")
@@ -150,8 +140,7 @@ class LLM:
             model_pooling_defaults(self.engine.model_info.pooling_config), normalize=True
         )
         first, *others = self.embed([text_1, *text_2], pooling, use_tqdm)
-        return [sum(a * b for a, b in zip(first.embedding, o.embedding, strict=True))
-                for o in others]  # fmt: skip
+        return [similarity(first.embedding, other.embedding) for other in others]
 
     def stream(
         self,
@@ -227,3 +216,12 @@ class LLM:
             if self.trace_path is not None and self.tracing.tracer is not None:
                 self.tracing.tracer.write(self.trace_path)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, token ids, or a dict) or several, as a list."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

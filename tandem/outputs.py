@@ -109,3 +109,8 @@ class EmbeddingOutput:
     request_id: str
     prompt_token_ids: list[int]
     embedding: list[float]
+
+
+def similarity(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two normalised embeddings (their dot product)."""
+    return sum(x * y for x, y in zip(a, b, strict=True))

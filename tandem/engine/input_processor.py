@@ -146,8 +146,7 @@ class InputProcessor:
             raise InvalidParameterError(
                 "dimensions", f"is {dimensions}; this model's embeddings have {self.hidden_size}"
             )
-        if -(-len(prompt_ids) // self.block_size) > self.num_blocks:
-            raise InvalidParameterError("input", "needs more KV blocks than the cache holds")
+        self._check_blocks(len(prompt_ids), "input")
         return 1
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -181,11 +180,14 @@ class InputProcessor:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})",
             )
-        needed = -(-(len(prompt_ids) + max_tokens) // self.block_size)
+        self._check_blocks(len(prompt_ids) + max_tokens, "max_tokens")
+        return max_tokens
+
+    def _check_blocks(self, tokens: int, param: str) -> None:
+        needed = -(-tokens // self.block_size)
         if needed > self.num_blocks:
             raise InvalidParameterError(
-                "max_tokens",
+                param,
                 f"the request needs {needed} KV blocks but the cache has only "
                 f"{self.num_blocks}; raise num_blocks or kv_cache_memory",
             )
-        return max_tokens

@@ -25,7 +25,7 @@ class PromptPooler:
             if first_position == 0:
                 self._kept = rows[0].float()
         else:
-            total = rows.float().sum(dim=0)
+            total = rows.sum(dim=0, dtype=torch.float32)  # (no float copy of the chunk)
             self._kept = total if self._kept is None else self._kept + total
             self._count += rows.shape[0]
 

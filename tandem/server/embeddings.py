@@ -27,9 +27,9 @@ from fastapi import Request
 from pydantic import Field
 
 from tandem.errors import InvalidParameterError, require_unicode
-from tandem.outputs import RequestOutput
+from tandem.outputs import RequestOutput, similarity
 from tandem.sampling import RequestOutputKind, SamplingParams, model_pooling_defaults
-from tandem.server.handlers import until_disconnect
+from tandem.server.handlers import add_requests, engine_prompt, next_outputs, until_disconnect
 from tandem.server.protocol import INT_LIMIT, TokenId, _Body
 
 
@@ -82,30 +82,19 @@ async def embed(state, texts: list[str | list[int]], request: Request, **pooling
     prefix = f"embd-{uuid.uuid4().hex}"
     ids = [f"{prefix}-{i}" for i in range(len(texts))]
     outputs: asyncio.Queue = asyncio.Queue()
-    added: list[str] = []
-    done: dict[str, RequestOutput] = {}
+    prompts = [engine_prompt(text, None) for text in texts]
+    await add_requests(state.engine, ids, prompts, params, outputs)
 
-    async def run() -> list[RequestOutput]:
-        try:
-            for engine_id, text in zip(ids, texts, strict=True):
-                key = "prompt" if isinstance(text, str) else "prompt_token_ids"
-                await state.engine.add_request(engine_id, {key: text}, params, outputs)
-                added.append(engine_id)
-            while len(done) < len(ids):
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    if item.error is not None or item.pooled is None:
-                        raise RuntimeError(f"an input could not be embedded: {item.error}")
-                    done[item.request_id] = item
-            return [done[engine_id] for engine_id in ids]
-        finally:  # (a failure, or the client gone: the unfinished ones stop)
-            for engine_id in added:
-                if engine_id not in done:
-                    state.engine.abort(engine_id)
+    async def gathered() -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        async for item in next_outputs(state.engine, outputs, ids):
+            if item.finished:
+                if item.error is not None or item.pooled is None:
+                    raise RuntimeError(f"an input could not be embedded: {item.error}")
+                done[item.request_id] = item
+        return [done[engine_id] for engine_id in ids]
 
-    return await until_disconnect(request, run())
+    return await until_disconnect(request, gathered())
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
@@ -122,10 +111,6 @@ def embeddings_response(model: str, outputs: list[RequestOutput], encoding: str)
                  for i, o in enumerate(outputs)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }  # fmt: skip
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True))
 
 
 def score_pairs(body: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
@@ -147,7 +132,7 @@ def score_response(model: str, outputs: list[RequestOutput], pairs) -> dict:
         "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
         "model": model,
         "data": [{"index": i, "object": "score",
-                  "score": _cosine(outputs[a].pooled, outputs[b].pooled)}
+                  "score": similarity(outputs[a].pooled, outputs[b].pooled)}
                  for i, (a, b) in enumerate(pairs)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }  # fmt: skip
@@ -156,7 +141,7 @@ def score_response(model: str, outputs: list[RequestOutput], pairs) -> dict:
 def rerank_response(model: str, body: RerankRequest, outputs: list[RequestOutput]) -> dict:
     query, documents = outputs[0], outputs[1:]
     scored = sorted(
-        ((i, _cosine(query.pooled, d.pooled)) for i, d in enumerate(documents)),
+        ((i, similarity(query.pooled, d.pooled)) for i, d in enumerate(documents)),
         key=lambda pair: -pair[1],
     )[: body.top_n]
     tokens = sum(len(o.prompt_token_ids) for o in outputs)

@@ -61,17 +61,7 @@ class CompletionHandler:
             raise InvalidParameterError("kv_transfer_params", "takes a single prompt")
         outputs: asyncio.Queue = asyncio.Queue()
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        added: list[str] = []
-        try:
-            for engine_id, prompt in zip(engine_ids, prompts, strict=True):
-                await self.engine.add_request(
-                    engine_id, prompt, params, outputs, kv_transfer_params
-                )
-                added.append(engine_id)
-        except BaseException:
-            for engine_id in added:
-                self.engine.abort(engine_id)
-            raise
+        await add_requests(self.engine, engine_ids, prompts, params, outputs, kv_transfer_params)
         state = ChoiceStream(
             response_id,
             self.model_name,
@@ -93,27 +83,9 @@ class CompletionHandler:
         tokenizer = self.engine.info.tokenizer
         return tokenizer.decode(token_ids, False) if tokenizer is not None else ""
 
-    async def _next_outputs(
-        self, outputs: asyncio.Queue, engine_ids: list[str]
-    ) -> AsyncIterator[RequestOutput]:
-        """RequestOutputs of this HTTP request's engine requests until all finish; aborts
-        the unfinished ones if the consumer goes away (disconnect, error)."""
-        pending = set(engine_ids)
-        try:
-            while pending:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    pending.discard(item.request_id)
-                yield item
-        finally:
-            for engine_id in pending:
-                self.engine.abort(engine_id)
-
     async def _collect(self, state: ChoiceStream, outputs: asyncio.Queue, engine_ids: list[str]):
         transfer = None
-        async for output in self._next_outputs(outputs, engine_ids):
+        async for output in next_outputs(self.engine, outputs, engine_ids):
             state.update(output)
             transfer = output.kv_transfer_params or transfer
         response = state.final_response()
@@ -137,7 +109,7 @@ class CompletionHandler:
 
         try:
             roles_sent = not state.chat
-            async for output in self._next_outputs(outputs, engine_ids):
+            async for output in next_outputs(self.engine, outputs, engine_ids):
                 if not roles_sent:  # with the first output, as vLLM: the prompt is counted
                     state.note_prompt(output)
                     for index in range(state.num_choices):
@@ -151,6 +123,46 @@ class CompletionHandler:
                 yield state.usage_chunk()
         except Exception as exc:
             yield as_api_error(exc)
+
+
+async def add_requests(
+    engine: EngineClient,
+    engine_ids: list[str],
+    prompts: list[dict[str, Any]],
+    params: SamplingParams,
+    outputs: asyncio.Queue,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> None:
+    """Queue one engine request a prompt, their outputs to ``outputs``; if one is
+    refused, those already queued are aborted and the refusal raised."""
+    added: list[str] = []
+    try:
+        for engine_id, prompt in zip(engine_ids, prompts, strict=True):
+            await engine.add_request(engine_id, prompt, params, outputs, kv_transfer_params)
+            added.append(engine_id)
+    except BaseException:
+        for engine_id in added:
+            engine.abort(engine_id)
+        raise
+
+
+async def next_outputs(
+    engine: EngineClient, outputs: asyncio.Queue, engine_ids: list[str]
+) -> AsyncIterator[RequestOutput]:
+    """RequestOutputs of one HTTP request's engine requests until all finish; aborts
+    the unfinished ones if the consumer goes away (disconnect, error)."""
+    pending = set(engine_ids)
+    try:
+        while pending:
+            item = await outputs.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                pending.discard(item.request_id)
+            yield item
+    finally:
+        for engine_id in pending:
+            engine.abort(engine_id)
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any] | APIError]) -> AsyncIterator[str]:

@@ -126,7 +126,7 @@ def plan(prompt: str, budget: int | None, constrained: bool) -> Plan:
     tail = prompt[-64:].rstrip()
     if tail.endswith(END):  # the template closed it: no thinking to hold
         return Plan(prompt, False, False)
-    inside = tail.endswith(START)
+    inside = starts_inside(tail)
     gated = budget is not None or constrained
     if gated and not inside:  # what the model would write first
         return Plan(prompt + START + "\n", True, True)
