@@ -28,6 +28,7 @@ from tandem.server.responses import ChoiceStream
 from tandem.server.tool_calls import ToolCalling
 from tandem.server.tool_formats import CHOICES, tool_format
 from tandem.server.tool_formats.base import value_end
+from tests.test_tool_calls import ADD, WEATHER
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 # template file -> the format auto picks (and, for Mistral, its spelling)
@@ -42,35 +43,8 @@ FAMILIES = {
     "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek_v3",
 }
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Adds two numbers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                           "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-            "required": ["a", "b"],
-        },
-    },
-}  # fmt: skip
-TOOLS = [WEATHER, ADD]
+# The tool-calling tests' tools; Hermes 3's template needs every tool described.
+TOOLS = [WEATHER, {**ADD, "function": {**ADD["function"], "description": "Adds two numbers."}}]
 CALLS = [  # as OpenAI's clients send an assistant's calls back: arguments as JSON text
     {"id": "abcDEF123", "type": "function",
      "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}},
