@@ -241,6 +241,9 @@ def test_a_budget_as_large_as_max_tokens_is_anthropics_400(anthropic_client):
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         anthropic_client.messages.create(**_message(
             anthropic_client, thinking={"type": "enabled", "budget_tokens": 14}))  # fmt: skip
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):  # (not ignored)
+        anthropic_client.messages.create(**_message(
+            anthropic_client, thinking={"type": "adaptive", "budget_tokens": 4}))  # fmt: skip
 
 
 def test_the_responses_api_returns_a_reasoning_item_whole_and_streamed(servers):

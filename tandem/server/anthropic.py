@@ -167,7 +167,9 @@ def _thinking(thinking: dict[str, Any], max_tokens: int | None) -> dict[str, Any
         raise InvalidParameterError("thinking.type", "must be enabled, adaptive or disabled")
     fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
     budget = thinking.get("budget_tokens")
-    if kind == "enabled" and budget is not None:
+    if budget is not None and kind != "enabled":
+        raise InvalidParameterError("thinking.budget_tokens", 'goes with type "enabled"')
+    if budget is not None:
         if type(budget) is not int or budget < 1:
             raise InvalidParameterError("thinking.budget_tokens", "must be an integer >= 1")
         if max_tokens is not None and budget >= max_tokens:
