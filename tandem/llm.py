@@ -22,7 +22,7 @@ from tandem.errors import InvalidParameterError, TandemError
 from tandem.executor import make_executor
 from tandem.models.catalog import default_model
 from tandem.models.hub import parse_hub_id, resolve
-from tandem.outputs import EmbeddingOutput, RequestOutput, similarity
+from tandem.outputs import EmbeddingOutput, RequestOutput, relevance, similarity
 from tandem.sampling import (
     PoolingParams,
     RequestOutputKind,
@@ -134,8 +134,14 @@ class LLM:
     def score(
         self, text_1: PromptInput, text_2: Sequence[PromptInput], use_tqdm: bool = True
     ) -> list[float]:
-        """The cosine similarity of ``text_1`` to each of ``text_2`` (their normalised
-        embeddings' dot product), as vLLM scores with an embedding model."""
+        """How well each of ``text_2`` answers ``text_1``, as vLLM scores: with a
+        cross-encoder (a model with a classification head) the head's score of each
+        pair read together; with an embedding model the cosine similarity of the two
+        texts' normalised embeddings."""
+        if self.engine.model_info.num_labels:
+            pairs = [{"prompt": text_1, "prompt_pair": other} for other in text_2]
+            scored = self.embed(pairs, PoolingParams("classify"), use_tqdm)
+            return [relevance(output.embedding) for output in scored]
         pooling = dataclasses.replace(
             model_pooling_defaults(self.engine.model_info.pooling_config), normalize=True
         )

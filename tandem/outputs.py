@@ -114,3 +114,10 @@ class EmbeddingOutput:
 def similarity(a: list[float], b: list[float]) -> float:
     """The cosine similarity of two normalised embeddings (their dot product)."""
     return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def relevance(scores: list[float]) -> float:
+    """A cross-encoder's score of a pair from its head's activated outputs
+    (PoolingParams' classify): its one label's sigmoid, or with several labels the
+    last one's probability (a "relevant" label after "not relevant")."""
+    return scores[-1]

@@ -66,7 +66,7 @@ class StructuredOutputsParams:
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls", "classify")
 
 
 @dataclass
@@ -77,11 +77,19 @@ class PoolingParams:
     ``cls``: the first token's), cut to its first ``dimensions`` values (models
     trained for such truncation), and scaled to length 1 when ``normalize``. It runs
     its prompt through the same scheduler and batches as generation, and samples
-    nothing."""
+    nothing.
+
+    ``classify``: a model with a classification head (a cross-encoder reranker) reads
+    its first token's row through the head: the vector is the head's scores, through
+    sigmoid (one label) or softmax (several) when ``normalize``, as sentence-
+    transformers' CrossEncoder gives them. ``second_segment``: where the prompt's
+    second text starts (a (query, document) pair as the tokenizer joins them; an
+    encoder's token types); the input processor sets it from a ``prompt_pair``."""
 
     pooling: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    second_segment: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
@@ -91,6 +99,11 @@ class PoolingParams:
         ):
             raise InvalidParameterError(
                 "dimensions", f"must be an integer >= 1, got {self.dimensions!r}"
+            )
+        second = self.second_segment
+        if second is not None and (type(second) is not int or second < 1):
+            raise InvalidParameterError(
+                "second_segment", f"must be a token index >= 1, got {second!r}"
             )
 
 

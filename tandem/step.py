@@ -101,6 +101,10 @@ class RunnerInfo:
     hidden_size: int = 0  # the width of an embedding (of the final hidden states)
     # How its embeddings are read, as the folder says ({"pooling", "normalize"} or {}).
     pooling_config: dict[str, Any] = field(default_factory=dict)
+    # An encoder (BERT): prompts run whole, and it makes vectors, never tokens.
+    encoder: bool = False
+    # Outputs of its classification head (a cross-encoder's scores); 0: none.
+    num_labels: int = 0
 
 
 @dataclass

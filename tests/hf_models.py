@@ -213,3 +213,45 @@ def from_gguf(path: Path, with_tokenizer: bool = False):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert reader.cache_info().misses == 1  # (one parse)
     return model, tokenizer
+
+
+ENCODERS = ("bert", "xlm_roberta")
+
+
+def save_encoder(folder: Path, arch: str, num_labels: int = 0, seed: int = 0):
+    """A random-weight encoder (``bert`` or ``xlm_roberta``; with a classification
+    head of ``num_labels`` outputs: a cross-encoder) and a tokenizer that joins a pair
+    as the family's does (BERT: ``<s> a </s> b </s>``, the second text of type 1;
+    RoBERTa: ``<s> a </s></s> b </s>``, one type); returns the HF model."""
+    torch.manual_seed(seed)
+    shape = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128,
+    )  # fmt: skip
+    if arch == "bert":
+        config = transformers.BertConfig(**shape, type_vocab_size=2, pad_token_id=2)
+    else:  # a pad id no prompt holds: RoBERTa's positions skip the pad id's tokens
+        config = transformers.XLMRobertaConfig(**shape, type_vocab_size=1, pad_token_id=2)
+    config._attn_implementation = "eager"
+    if num_labels:
+        config.num_labels = num_labels
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = transformers.AutoModel.from_config(config)
+    model.eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder)
+    backend = build_tokenizer().backend_tokenizer
+    pair = "<s> $A </s> $B:1 </s>:1" if arch == "bert" else "<s> $A </s> </s> $B </s>"
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair=pair, special_tokens=[("<s>", 0), ("</s>", 1)]
+    )
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<|system|>",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )  # fmt: skip
+    tok.save_pretrained(folder)
+    return model

@@ -41,8 +41,11 @@ class Engine:
         self.model_info = info = executor.info
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
+        # (an encoder's blocks hold nothing to reuse: its K/V are never cached)
         self.kv_manager = KVCacheManager(
-            info.num_blocks, info.block_size, config.cache.enable_prefix_caching
+            info.num_blocks,
+            info.block_size,
+            config.cache.enable_prefix_caching and not info.encoder,
         )
         self.observers: list[EngineObserver] = []
         self.scheduler = Scheduler(
@@ -51,6 +54,7 @@ class Engine:
             self.max_model_len,
             config.speculative,
             on_finish=self._notify_finished,
+            whole_prompts=info.encoder,
         )
         self.input_processor = InputProcessor.of(info)
         self.output_processor = OutputProcessor(

@@ -50,9 +50,15 @@ class InputProcessor:
         block_size: int,
         num_blocks: int,
         hidden_size: int = 0,
+        encoder: bool = False,
+        num_labels: int = 0,
     ) -> None:
-        """``hidden_size``: the width of an embedding (0: not known, not checked)."""
+        """``hidden_size``: the width of an embedding (0: not known, not checked);
+        ``encoder``: the model makes vectors only; ``num_labels``: its classification
+        head's outputs (0: none, it cannot score pairs)."""
         self.hidden_size = hidden_size
+        self.encoder = encoder
+        self.num_labels = num_labels
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -64,7 +70,7 @@ class InputProcessor:
         """The input processor for the model a runner describes."""
         return cls(
             info.tokenizer, info.vocab_size, info.max_model_len, info.block_size,
-            info.num_blocks, info.hidden_size,
+            info.num_blocks, info.hidden_size, info.encoder, info.num_labels,
         )  # fmt: skip
 
     def process(
@@ -75,8 +81,13 @@ class InputProcessor:
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> EngineRequest:
-        """Validate and normalise; raise InvalidParameterError naming the field."""
-        text, prompt_ids = self.tokenize(prompt)
+        """Validate and normalise; raise InvalidParameterError naming the field.
+        ``prompt`` may be ``{"prompt": a, "prompt_pair": b}``: two texts a scoring
+        request reads together (a cross-encoder's query and document)."""
+        if isinstance(prompt, dict) and "prompt_pair" in prompt:
+            text, prompt_ids, params = self._pair(prompt, params)
+        else:
+            text, prompt_ids = self.tokenize(prompt)
         max_tokens = self._validate(prompt_ids, params)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -132,11 +143,38 @@ class InputProcessor:
             "prompt", "must be a string, a list of token ids or {'prompt_token_ids': [...]}"
         )
 
+    def _pair(
+        self, prompt: dict[str, Any], params: SamplingParams
+    ) -> tuple[str, list[int], SamplingParams]:
+        """Two texts as one prompt, joined by the tokenizer; the pooling told where
+        the second starts."""
+        first, second = prompt.get("prompt"), prompt["prompt_pair"]
+        if params.pooling is None:
+            raise InvalidParameterError("prompt_pair", "only a scoring request reads a pair")
+        for name, value in (("prompt", first), ("prompt_pair", second)):
+            if not isinstance(value, str):
+                raise InvalidParameterError(name, "must be a string")
+            require_unicode(value, name)
+        if self.tokenizer is None:
+            raise InvalidParameterError("prompt_pair", "this model has no tokenizer")
+        ids, second_at = self.tokenizer.encode_pair(first, second)
+        pooling = dataclasses.replace(params.pooling, second_segment=second_at)
+        return first, ids, dataclasses.replace(params, pooling=pooling)
+
     def _validate_pooling(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """An embedding request: its prompt within the context, its dimensions within
         the model's; it generates nothing (max_tokens is 1: the step that pools)."""
         if params.n != 1:
             raise InvalidParameterError("n", "an embedding request has one result")
+        pooling = params.pooling
+        if pooling.pooling == "classify" and not self.num_labels:
+            raise InvalidParameterError(
+                "pooling", "this model has no classification head: it embeds, it does not score"
+            )
+        if pooling.second_segment is not None and pooling.second_segment >= len(prompt_ids):
+            raise InvalidParameterError(
+                "second_segment", f"must be inside the prompt of {len(prompt_ids)} tokens"
+            )
         if len(prompt_ids) > self.max_model_len:
             raise InvalidParameterError(
                 "input", f"is {len(prompt_ids)} tokens; the context is {self.max_model_len}"
@@ -166,6 +204,10 @@ class InputProcessor:
             raise InvalidParameterError("thinking", f"end_token_ids must be in [0, {vocab})")
         if params.pooling is not None:
             return self._validate_pooling(prompt_ids, params)
+        if self.encoder:
+            raise InvalidParameterError(
+                "model", "this model is an encoder: it makes embeddings and scores, not text"
+            )
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

@@ -51,11 +51,15 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         on_finish: Callable[[Request], None] = lambda request: None,
         connector: KVConnector | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """``on_finish`` hears of every request that finishes (stop, length, abort);
         ``connector`` (engine/kv_connector.py) brings K/V from and keeps them for other
-        instances."""
+        instances. ``whole_prompts``: a prompt is never cut into chunks (an encoder's
+        tokens attend to the tokens after them): it waits for a step with room for it
+        all, or runs alone when it is longer than a step's budget."""
         self.config = config
+        self.whole_prompts = whole_prompts
         self.on_finish = on_finish
         self.connector = connector
         # Requests whose prompt's first K/V are arriving: id -> (request, tokens).
@@ -276,7 +280,7 @@ class Scheduler:
             scores_prompt = params.prompt_logprobs is not None or params.pooling is not None
             cached = [] if base or scores_prompt else self.kv.find_cached_prefix(request)
             request.num_computed_tokens = base or len(cached) * self.kv.block_size
-            num_new = self._chunk_size(request, self._budget_left(out), whole)
+            num_new = self._chunk_size(request, self._budget_left(out), whole or self.whole_prompts)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
                 request.num_computed_tokens = base
                 break

@@ -81,6 +81,9 @@ class ModelConfig:
     # Settings only one family reads (e.g. GPT-2's attention scaling switches).
     family_options: dict[str, Any] = field(default_factory=dict)
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    # An encoder (BERT): every token attends to every token of its prompt, so a prompt
+    # runs whole, keeps no K/V, and makes vectors (embeddings, scores), never tokens.
+    encoder: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -104,7 +107,9 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
         """KV cache bytes one token takes (on one of ``tp`` tensor-parallel ranks): K and
         V, every layer, the KV heads of the rank. The one formula the runner sizes its
-        cache with and the planner reports."""
+        cache with and the planner reports. An encoder keeps none."""
+        if self.encoder:
+            return 0.0
         heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
         return 2 * self.num_layers * heads_per_rank * self.head_dim * bytes_per_element
 

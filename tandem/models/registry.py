@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from tandem.errors import ModelLoadError
+from tandem.models.bert import BERT, XLM_ROBERTA
 from tandem.models.config import ModelConfig
 from tandem.models.family import Family
 from tandem.models.gemma3 import GEMMA3
@@ -70,6 +71,8 @@ FAMILIES: tuple[Family, ...] = (
     MIXTRAL,
     GEMMA3,
     GPT2,
+    BERT,
+    XLM_ROBERTA,
 )
 _BY_ARCHITECTURE = {name: family for family in FAMILIES for name in family.architectures}
 

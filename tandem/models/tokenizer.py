@@ -20,7 +20,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from tandem.errors import InvalidParameterError, ModelLoadError, TandemError
+from tandem.errors import InvalidParameterError, ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -122,6 +122,11 @@ class Tokenizer:
         add_bos_token: bool,
         chat_template: str | None,
     ) -> None:
+        # A file may pad or cut every encoding to a fixed length (sentence-transformers'
+        # folders: 128); transformers turns both off unless a call asks, and so does
+        # tandem (a prompt too long for the context is refused, never cut).
+        backend.no_padding()
+        backend.no_truncation()
         self._tok = backend
         self.special_tokens = {k: special_tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
@@ -155,6 +160,14 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
+        """Two texts joined as the tokenizer's post-processor joins a pair (BERT:
+        ``[CLS] a [SEP] b [SEP]``), and the index where the second one's tokens start
+        (its token type 1), or None when the tokenizer does not tell them apart."""
+        encoding = self._tok.encode(first, second)
+        second_at = next((i for i, t in enumerate(encoding.type_ids) if t), None)
+        return encoding.ids, second_at
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -170,7 +183,9 @@ class Tokenizer:
         (no end-of-turn after it), so the model continues that message (assistant
         prefill)."""
         if self.chat_template_source is None:
-            raise TandemError("this model's tokenizer has no chat template")
+            raise InvalidParameterError(
+                "messages", "this model's tokenizer has no chat template (send a prompt instead)"
+            )
         if continue_final_message and add_generation_prompt:
             raise InvalidParameterError(
                 "continue_final_message", "cannot be combined with add_generation_prompt"

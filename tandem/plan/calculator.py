@@ -339,6 +339,11 @@ def plan(
         model, dtype, kv_dtype, prompt_len, output_len, batch, tp, engine_cpu
     )
     config, params = read_model(model)
+    if config.encoder:
+        raise InvalidParameterError(
+            "model", f"{config.architecture} is an encoder (embeddings, scores): the planner "
+            "sizes models that generate"
+        )  # fmt: skip
     computed = DTYPES[engine_kv_dtype(dtype, engine_cpu)].bytes
     weights = file_weights(gguf) if gguf is not None else None
     shape = ModelShape.of(config, params, 0, computed, weights.expert_block if weights else 1)

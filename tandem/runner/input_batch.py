@@ -87,10 +87,13 @@ class InputBatch:
         device: torch.device,
         vocab_size: int,
         grammar_tokenizer: Callable[[], Any] | None = None,
+        classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``grammar_tokenizer``: the vocabulary for structured outputs (built on first
-        use; grammar.py)."""
+        use; grammar.py). ``classify``: the model's classification head, for requests
+        that score (PoolingParams' classify); None when it has none."""
         self.device = device
+        self.classify = classify
         self.vocab_size = vocab_size
         self.grammar_tokenizer = grammar_tokenizer
         self.requests: dict[str, RequestState] = {}
@@ -133,7 +136,7 @@ class InputBatch:
                 raise ValueError("structured outputs need a model with a tokenizer")
             state.grammar = GrammarMatcher(new.grammar, self.grammar_tokenizer())
         if params.pooling is not None:
-            state.pooler = PromptPooler(params.pooling)
+            state.pooler = PromptPooler(params.pooling, self.classify)
         if params.thinking is not None:
             if max(params.thinking.end_token_ids) >= self.vocab_size:
                 raise ValueError(f"thinking's end holds token ids outside [0, {self.vocab_size})")

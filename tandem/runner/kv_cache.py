@@ -64,11 +64,12 @@ def allocate_kv_cache(
     kv_cache_dtype: str = "auto",
     shared_file: str | None = None,
 ) -> torch.Tensor:
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    layers = 0 if config.encoder else config.num_layers  # (an encoder keeps no K/V)
+    shape = (layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "int8":
         shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
     dtype = STORED_DTYPES.get(kv_cache_dtype, dtype)
-    if device.type == "cpu":
+    if device.type == "cpu" and math.prod(shape):
         return zeroed_on_first_touch(shape, dtype, shared_file)
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -170,7 +171,8 @@ def num_blocks_for(
         else:
             budget = default_cpu_budget(available)
         useful = max_num_seqs * -(-max_model_len // block_size)
-        num_blocks = max(1, min(int(budget // per_block), useful))
+        # (an encoder's blocks cost nothing: they only count a batch's tokens)
+        num_blocks = max(1, min(int(budget // per_block) if per_block else useful, useful))
     if available is not None and num_blocks * per_block > available:
         raise InvalidParameterError(
             setting,

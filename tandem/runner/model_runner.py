@@ -23,6 +23,7 @@ from tandem.models.linear import set_linear_method
 from tandem.models.loader import LoadedModel
 from tandem.models.moe import SparseMoE
 from tandem.runner.attention import CausalAttention, build_paged_metadata, paged_backend
+from tandem.runner.attention.encoder import EncoderAttention
 from tandem.runner.attention.triton_paged import TritonPagedAttention
 from tandem.runner.cuda_graphs import DecodeGraphs
 from tandem.runner.grammar_masks import (
@@ -63,6 +64,7 @@ class SequenceChunk:
     num_computed_tokens: int  # tokens of this sequence already in the cache before them
     block_table: Sequence[int]  # blocks holding this sequence, covering all its tokens
     verifies: bool = False  # a decode and its draft tokens (attended as decodes are)
+    second_segment: int | None = None  # an encoder's pair: where its second text starts
 
 
 # Prompt positions whose logits are made at once when scoring a prompt (memory bound).
@@ -94,7 +96,11 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype,
             shared_file=None if tp is None else tp.kv_file,
         )  # fmt: skip
-        self.attention = paged_backend(loaded.device, loaded.dtype, self.kv_cache.dtype)
+        self.attention = (
+            EncoderAttention
+            if loaded.config.encoder
+            else paged_backend(loaded.device, loaded.dtype, self.kv_cache.dtype)
+        )
 
         def method_for(layer):
             return linear_method_for(layer, loaded.device, loaded.dtype)
@@ -122,9 +128,11 @@ class ModelRunner:
         # Requests with a seed sample from their own generator (input_batch.py); the
         # others share this one.
         self.shared_generator = torch.Generator(device=loaded.device).manual_seed(seed)
+        num_labels = getattr(loaded.model, "num_labels", 0)
         self.input_batch = InputBatch(
-            loaded.device, loaded.config.vocab_size, self._grammar_tokenizer
-        )
+            loaded.device, loaded.config.vocab_size, self._grammar_tokenizer,
+            loaded.model.classify if num_labels else None,
+        )  # fmt: skip
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer: Proposer | None = None
         self.use_proposer(proposer)
@@ -139,6 +147,8 @@ class ModelRunner:
             generation_config=loaded.generation_config,
             hidden_size=loaded.config.hidden_size,
             pooling_config=loaded.pooling_config,
+            encoder=loaded.config.encoder,
+            num_labels=num_labels,
         )
 
     def expert_load(self) -> tuple[tuple[int, ...], ...]:
@@ -192,18 +202,22 @@ class ModelRunner:
         # Prompt tokens to score: (state, flat-batch row, its position + 1, count); the
         # logits of position j score prompt token j + 1.
         prompt_spans: list[tuple[RequestState, int, int, int]] = []
-        pooling = []  # (item, state, flat-batch row, count): embedding requests' chunks
+        pooled = []  # (item, state, flat-batch row, count): embedding requests' chunks
         for item, state in scheduled:
             guess = drafts.get(item.request_id, ((), None))[0]
             start = item.num_computed_tokens
             tokens = state.all_token_ids[start : start + item.num_new_tokens]
-            chunks.append(SequenceChunk([*tokens, *guess], start, state.block_ids, bool(guess)))
+            pooling = state.sampling_params.pooling
+            second = None if pooling is None else pooling.second_segment
+            chunks.append(
+                SequenceChunk([*tokens, *guess], start, state.block_ids, bool(guess), second)
+            )
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
                 if count > 0:
                     prompt_spans.append((state, position, start + 1, count))
             if state.pooler is not None:
-                pooling.append((item, state, position, len(tokens)))
+                pooled.append((item, state, position, len(tokens)))
             position += len(tokens) + len(guess)
             if item.samples and state.pooler is None:  # the last token's logits, and drafts'
                 logit_rows.extend(range(position - 1 - len(guess), position))
@@ -214,7 +228,7 @@ class ModelRunner:
             observe([(item.request_id, chunk) for (item, _), chunk in pairs], hidden)
         if prompt_spans:
             self._prompt_logprobs(hidden, prompt_spans, result)
-        for item, state, row, count in pooling:
+        for item, state, row, count in pooled:
             with self._failing_alone(item.request_id, result):
                 state.pooler.add(hidden[row : row + count], item.num_computed_tokens)
                 if item.samples:  # its prompt is done: the vector, and no token
@@ -401,6 +415,7 @@ class ModelRunner:
             [c.block_table for c in chunks],
             [c.verifies for c in chunks],
             max(c.num_computed_tokens + len(c.token_ids) for c in chunks),
+            [c.second_segment for c in chunks],
         )
 
     @torch.inference_mode()
@@ -422,10 +437,15 @@ class ModelRunner:
         )
         return self.model.compute_logits(hidden)
 
-    def _run(self, input_ids, query_lens, num_computed, block_tables, verifies, context):
+    def _run(
+        self, input_ids, query_lens, num_computed, block_tables, verifies, context,
+        second_segments=(),
+    ):  # fmt: skip
         """The model over a flat batch (``hidden_states``' and ``decode_logits``'
-        arguments for the attention metadata) -> final hidden states [T, hidden]."""
+        arguments for the attention metadata; ``second_segments``: an encoder's pairs)
+        -> final hidden states [T, hidden]."""
         build = getattr(self.attention, "build_metadata", build_paged_metadata)
+        pairs = {"second_segments": second_segments} if self.config.encoder else {}
         metadata = build(
             query_lens,
             num_computed,
@@ -434,6 +454,7 @@ class ModelRunner:
             self.config.layer_windows(),
             self.device,
             verifies,
+            **pairs,
         )
         if self.device.type == "cpu":
             host_memory.for_forward(len(input_ids), context)

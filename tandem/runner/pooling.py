@@ -1,8 +1,12 @@
 """An embedding request's vector (SamplingParams.pooling), gathered from the final
 hidden states of its prompt as its chunks run: the last token's, the running mean, or
-the first token's; cut to its dimensions and normalised when the prompt is done."""
+the first token's; cut to its dimensions and normalised when the prompt is done. A
+``classify`` request keeps the first token's row and runs the model's classification
+head over it (``classify``: rows [N, hidden] -> logits [N, labels])."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -10,18 +14,27 @@ from tandem.sampling import PoolingParams
 
 
 class PromptPooler:
-    def __init__(self, params: PoolingParams) -> None:
+    def __init__(
+        self,
+        params: PoolingParams,
+        classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if params.pooling == "classify" and classify is None:
+            raise ValueError("this model has no classification head: it embeds, it does not score")
         self.params = params
+        self.classify = classify
         self._kept: torch.Tensor | None = None  # last / cls: the row; mean: the sum
+        self._dtype = torch.float32  # the model's (the head reads its row in it)
         self._count = 0
 
     def add(self, rows: torch.Tensor, first_position: int) -> None:
         """A chunk's final hidden states [tokens, hidden]; its first token is at
         ``first_position`` of the prompt."""
         kind = self.params.pooling
+        self._dtype = rows.dtype
         if kind == "last":
             self._kept = rows[-1].float()
-        elif kind == "cls":
+        elif kind in ("cls", "classify"):
             if first_position == 0:
                 self._kept = rows[0].float()
         else:
@@ -33,6 +46,13 @@ class PromptPooler:
         """The vector, once every prompt token was added."""
         if self._kept is None:
             raise ValueError("no prompt token was pooled")
+        if self.params.pooling == "classify":
+            logits = self.classify(self._kept[None].to(self._dtype))[0].float()
+            if not self.params.normalize:
+                return logits.tolist()
+            if logits.shape[0] == 1:
+                return torch.sigmoid(logits).tolist()
+            return torch.softmax(logits, dim=0).tolist()
         vector = self._kept / self._count if self.params.pooling == "mean" else self._kept
         if self.params.dimensions is not None:
             if self.params.dimensions > vector.shape[0]:

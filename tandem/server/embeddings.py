@@ -1,9 +1,10 @@
 """Embeddings, scores and reranking: the routes a retrieval app calls first, in the
 shapes OpenAI (``/v1/embeddings``), vLLM (``/v1/score``) and Jina / Cohere
 (``/v1/rerank``) serve them. Each input is a prompt-only request (SamplingParams
-.pooling) through the same engine and scheduler as generation; a score is the cosine
-similarity of two normalised embeddings (a bi-encoder: the model embeds each text
-alone).
+.pooling) through the same engine and scheduler as generation. A score is, with a
+cross-encoder (a model with a classification head: BERT / XLM-RoBERTa rerankers),
+the head's relevance of the two texts read together as one prompt; with an embedding
+model (a bi-encoder), the cosine similarity of the two texts' normalised embeddings.
 
     EmbeddingRequest  input: a string, strings, token ids, or lists of token ids;
                       encoding_format float or base64 (little-endian float32, as
@@ -27,7 +28,7 @@ from fastapi import Request
 from pydantic import Field
 
 from tandem.errors import InvalidParameterError, require_unicode
-from tandem.outputs import RequestOutput, similarity
+from tandem.outputs import RequestOutput, relevance, similarity
 from tandem.sampling import RequestOutputKind, SamplingParams, model_pooling_defaults
 from tandem.server.handlers import add_requests, engine_prompt, next_outputs, until_disconnect
 from tandem.server.protocol import INT_LIMIT, TokenId, _Body
@@ -69,9 +70,10 @@ class RerankRequest(_Body):
     return_documents: bool = True
 
 
-async def embed(state, texts: list[str | list[int]], request: Request, **pooling: Any):
+async def embed(state, texts: list[str | list[int] | dict], request: Request, **pooling: Any):
     """Each input's RequestOutput (its ``pooled`` vector), in order; ``pooling``
-    overrides the model's PoolingParams. A client that goes away aborts them all."""
+    overrides the model's PoolingParams. An input is a text, token ids, or an engine
+    prompt (a pair). A client that goes away aborts them all."""
     limit = state.limits.max_inputs
     if len(texts) > limit:
         raise InvalidParameterError("input", f"holds {len(texts)} inputs; at most {limit}")
@@ -82,7 +84,7 @@ async def embed(state, texts: list[str | list[int]], request: Request, **pooling
     prefix = f"embd-{uuid.uuid4().hex}"
     ids = [f"{prefix}-{i}" for i in range(len(texts))]
     outputs: asyncio.Queue = asyncio.Queue()
-    prompts = [engine_prompt(text, None) for text in texts]
+    prompts = [text if isinstance(text, dict) else engine_prompt(text, None) for text in texts]
     await add_requests(state.engine, ids, prompts, params, outputs)
 
     async def gathered() -> list[RequestOutput]:
@@ -113,40 +115,54 @@ def embeddings_response(model: str, outputs: list[RequestOutput], encoding: str)
     }  # fmt: skip
 
 
-def score_pairs(body: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
-    """The texts to embed and the (left, right) pairs to score: text_1 against each
-    text_2, or pairwise when both are lists of one length."""
+def score_pairs(body: ScoreRequest) -> list[tuple[str, str]]:
+    """The (left, right) texts to score: text_1 against each text_2, or pairwise when
+    both are lists of one length."""
     left = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     right = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     if not left or not right:
         raise InvalidParameterError("text_1" if not left else "text_2", "is empty")
     if len(left) != 1 and len(left) != len(right):
         raise InvalidParameterError("text_1", "holds one text, or as many as text_2")
-    pairs = [(0 if len(left) == 1 else i, len(left) + i) for i in range(len(right))]
-    return [*left, *right], pairs
+    return [(left[0 if len(left) == 1 else i], text) for i, text in enumerate(right)]
 
 
-def score_response(model: str, outputs: list[RequestOutput], pairs) -> dict:
-    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+async def pair_scores(state, pairs: list[tuple[str, str]], request: Request):
+    """Each pair's score and the prompt tokens read: a cross-encoder reads each pair
+    as one prompt; an embedding model embeds each distinct text once and compares.
+    (A response instead when the client went away.)"""
+    if state.engine.info.num_labels:
+        prompts = [{"prompt": left, "prompt_pair": right} for left, right in pairs]
+        outputs = await embed(state, prompts, request, pooling="classify", normalize=True)
+        if not isinstance(outputs, list):
+            return outputs
+        return [relevance(o.pooled) for o in outputs], _prompt_tokens(outputs)
+    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+    outputs = await embed(state, texts, request, normalize=True)
+    if not isinstance(outputs, list):
+        return outputs
+    vector = {text: output.pooled for text, output in zip(texts, outputs, strict=True)}
+    scores = [similarity(vector[left], vector[right]) for left, right in pairs]
+    return scores, _prompt_tokens(outputs)
+
+
+def _prompt_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(len(o.prompt_token_ids) for o in outputs)
+
+
+def score_response(model: str, scores: list[float], tokens: int) -> dict:
     return {
         "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
         "model": model,
-        "data": [{"index": i, "object": "score",
-                  "score": similarity(outputs[a].pooled, outputs[b].pooled)}
-                 for i, (a, b) in enumerate(pairs)],
+        "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }  # fmt: skip
 
 
-def rerank_response(model: str, body: RerankRequest, outputs: list[RequestOutput]) -> dict:
-    query, documents = outputs[0], outputs[1:]
-    scored = sorted(
-        ((i, similarity(query.pooled, d.pooled)) for i, d in enumerate(documents)),
-        key=lambda pair: -pair[1],
-    )[: body.top_n]
-    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+def rerank_response(model: str, body: RerankRequest, scores: list[float], tokens: int) -> dict:
+    ranked = sorted(enumerate(scores), key=lambda pair: -pair[1])[: body.top_n]
     results = []
-    for index, score in scored:
+    for index, score in ranked:
         result: dict[str, Any] = {"index": index, "relevance_score": score}
         if body.return_documents:
             result["document"] = {"text": body.documents[index]}

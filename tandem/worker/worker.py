@@ -62,7 +62,7 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
     if tp is not None:
         tp.raise_any(failure)
     family = family_of(loaded.config.architecture)
-    if loaded.device.type == "cpu" and not family.fused_decode:
+    if loaded.device.type == "cpu" and not family.fused_decode and not loaded.config.encoder:
         logger.info(
             "%s: decode steps run layer by layer (the family declares no fused-decode hook, "
             "runner/fused_decode.py)", family.name,

@@ -27,11 +27,10 @@ async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request)
 async def score(body: embeddings.ScoreRequest, request: Request):
     state = served(request)
     state.check_model(body.model)
-    texts, pairs = embeddings.score_pairs(body)
-    outputs = await embeddings.embed(state, texts, request, normalize=True)
-    if not isinstance(outputs, list):
-        return outputs
-    return embeddings.score_response(state.model_name, outputs, pairs)
+    scored = await embeddings.pair_scores(state, embeddings.score_pairs(body), request)
+    if not isinstance(scored, tuple):  # the client went away
+        return scored
+    return embeddings.score_response(state.model_name, *scored)
 
 
 @router.post("/v1/rerank", responses=ERRORS)
@@ -39,8 +38,8 @@ async def score(body: embeddings.ScoreRequest, request: Request):
 async def rerank(body: embeddings.RerankRequest, request: Request):
     state = served(request)
     state.check_model(body.model)
-    outputs = await embeddings.embed(state, [body.query, *body.documents], request,
-                                     normalize=True)  # fmt: skip
-    if not isinstance(outputs, list):
-        return outputs
-    return embeddings.rerank_response(state.model_name, body, outputs)
+    pairs = [(body.query, document) for document in body.documents]
+    scored = await embeddings.pair_scores(state, pairs, request)
+    if not isinstance(scored, tuple):
+        return scored
+    return embeddings.rerank_response(state.model_name, body, *scored)
