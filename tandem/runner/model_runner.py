@@ -415,7 +415,7 @@ class ModelRunner:
             [c.block_table for c in chunks],
             [c.verifies for c in chunks],
             max(c.num_computed_tokens + len(c.token_ids) for c in chunks),
-            [c.second_segment for c in chunks],
+            [c.second_segment for c in chunks] if self.config.encoder else None,
         )
 
     @torch.inference_mode()
@@ -439,13 +439,13 @@ class ModelRunner:
 
     def _run(
         self, input_ids, query_lens, num_computed, block_tables, verifies, context,
-        second_segments=(),
+        second_segments=None,
     ):  # fmt: skip
         """The model over a flat batch (``hidden_states``' and ``decode_logits``'
-        arguments for the attention metadata; ``second_segments``: an encoder's pairs)
-        -> final hidden states [T, hidden]."""
+        arguments for the attention metadata; ``second_segments``: an encoder's pairs,
+        None for any other model) -> final hidden states [T, hidden]."""
         build = getattr(self.attention, "build_metadata", build_paged_metadata)
-        pairs = {"second_segments": second_segments} if self.config.encoder else {}
+        pairs = {} if second_segments is None else {"second_segments": second_segments}
         metadata = build(
             query_lens,
             num_computed,

@@ -23,20 +23,21 @@ class PromptPooler:
             raise ValueError("this model has no classification head: it embeds, it does not score")
         self.params = params
         self.classify = classify
-        self._kept: torch.Tensor | None = None  # last / cls: the row; mean: the sum
-        self._dtype = torch.float32  # the model's (the head reads its row in it)
+        self._kept: torch.Tensor | None = None  # last / cls / classify: the row; mean: sum
         self._count = 0
 
     def add(self, rows: torch.Tensor, first_position: int) -> None:
         """A chunk's final hidden states [tokens, hidden]; its first token is at
         ``first_position`` of the prompt."""
         kind = self.params.pooling
-        self._dtype = rows.dtype
         if kind == "last":
             self._kept = rows[-1].float()
-        elif kind in ("cls", "classify"):
+        elif kind == "cls":
             if first_position == 0:
                 self._kept = rows[0].float()
+        elif kind == "classify":
+            if first_position == 0:  # in the model's dtype, as its head reads it
+                self._kept = rows[:1].clone()
         else:
             total = rows.sum(dim=0, dtype=torch.float32)  # (no float copy of the chunk)
             self._kept = total if self._kept is None else self._kept + total
@@ -47,7 +48,7 @@ class PromptPooler:
         if self._kept is None:
             raise ValueError("no prompt token was pooled")
         if self.params.pooling == "classify":
-            logits = self.classify(self._kept[None].to(self._dtype))[0].float()
+            logits = self.classify(self._kept)[0]
             if not self.params.normalize:
                 return logits.tolist()
             if logits.shape[0] == 1:

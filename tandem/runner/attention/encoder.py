@@ -17,18 +17,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from tandem.runner.attention.metadata import StepMetadata
+from tandem.runner.attention.metadata import (
+    FreshPromptGroup,
+    StepMetadata,
+    groups_by_length,
+    host_layout,
+)
+from tandem.runner.attention.torch_sdpa import causal_attention
 from tandem.runner.host_to_device import to_device
 
 
 @dataclass(kw_only=True)
 class EncoderMetadata(StepMetadata):
-    # Per prompt length: [S, L] flat-batch token indices; None for a forward of one
-    # length (its tokens are the batch as it is).
-    groups: list[torch.Tensor | None]
-    lengths: list[int]
+    groups: list[FreshPromptGroup]  # the prompts by length (metadata.groups_by_length)
     token_types: torch.Tensor | None = None  # [T]; None: every token is of segment 0
 
 
@@ -45,33 +47,20 @@ def build_encoder_metadata(
     """Whole prompts of ``query_lens[s]`` tokens; ``second_segments[s]``: where prompt
     s's second text starts (None: it has one)."""
     device = torch.device(device)
-    lens = np.asarray(query_lens, np.int64)
-    if np.any(np.asarray(num_computed, np.int64) != 0):
+    host = host_layout(query_lens, num_computed, block_tables, block_size)
+    if host.num_computed.any():
         raise ValueError("an encoder's prompt runs whole: none of it may be cached")
-    starts = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(lens, out=starts[1:])
-    owner = np.repeat(np.arange(len(lens)), lens)
-    positions = np.arange(int(starts[-1])) - starts[owner]
-    by_length: dict[int, list[int]] = {}
-    for s, length in enumerate(lens.tolist()):
-        by_length.setdefault(length, []).append(s)
-    groups: list[torch.Tensor | None] = [None]
-    if len(by_length) > 1:
-        groups = [
-            to_device(torch.from_numpy(starts[members][:, None] + np.arange(length)), device)
-            for length, members in by_length.items()
-        ]
     types = None
     if any(second is not None for second in second_segments):
+        lens = host.query_lens
         seconds = np.array([lens[s] if x is None else x for s, x in enumerate(second_segments)])
-        types = to_device(torch.from_numpy((positions >= seconds[owner]).astype(np.int64)), device)
+        types = to_device(torch.from_numpy(host.positions >= seconds[host.owner]).long(), device)
     return EncoderMetadata(
-        positions=to_device(torch.from_numpy(positions), device),
+        positions=to_device(torch.from_numpy(host.positions), device),
         slot_mapping=torch.empty(0, dtype=torch.long, device=device),
-        groups=groups,
-        lengths=list(by_length),
+        groups=groups_by_length(np.arange(len(host.query_lens)), host, device),
         token_types=types,
-        num_tokens=len(positions),
+        num_tokens=len(host.positions),
     )
 
 
@@ -84,23 +73,14 @@ class EncoderAttention:
 
     def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
         groups = self.metadata.groups
-        if groups == [None]:
-            return _bidirectional(q, k, v, self.metadata.lengths[0], scale)
+        if len(groups) == 1:  # every prompt of one length: the batch in order, in place
+            num_seqs, length = groups[0].token_index.shape
+            return causal_attention(q, k, v, num_seqs, length, scale, causal=False)
         out = q.new_empty(q.shape)
-        for tokens, length in zip(groups, self.metadata.lengths, strict=True):
-            flat = tokens.flatten()
-            pick = [t.index_select(0, flat) for t in (q, k, v)]
-            out.index_copy_(0, flat, _bidirectional(*pick, length, scale))
+        for group in groups:
+            num_seqs, length = group.token_index.shape
+            tokens = group.token_index.flatten()
+            picked = (t.index_select(0, tokens) for t in (q, k, v))
+            out.index_copy_(0, tokens, causal_attention(*picked, num_seqs, length, scale,
+                                                        causal=False))  # fmt: skip
         return out
-
-
-def _bidirectional(q, k, v, length: int, scale: float) -> torch.Tensor:
-    """Sequences of ``length`` tokens, flattened: q [n*L, H, D], k/v [n*L, Hkv, D] ->
-    [n*L, H, D], every token attending to all of its sequence."""
-    h, hkv = q.shape[1], k.shape[1]
-    out = F.scaled_dot_product_attention(
-        *(t.reshape(-1, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)),
-        scale=scale,
-        enable_gqa=h != hkv,
-    )
-    return out.transpose(1, 2).reshape(q.shape[0], h, -1)

@@ -210,7 +210,7 @@ def build_paged_metadata(
     is_decode = q_lens == 1
     if verifying is not None:
         is_decode |= np.fromiter(verifying, bool, len(q_lens))
-    fresh: dict[int, list[int]] = {}  # by length, in order of first appearance
+    fresh_prompts: list[FreshPromptGroup] = []
     if is_decode.all():  # a decode step: one group of every sequence
         groups = [_group(slice(None), host, block_size, device, True)]
     else:
@@ -220,12 +220,7 @@ def build_paged_metadata(
             for members, is_decodes in ((is_decode, True), (~is_decode & ~is_fresh, False))
             if members.any()
         ]
-        for s in np.flatnonzero(is_fresh).tolist():
-            fresh.setdefault(int(q_lens[s]), []).append(s)
-    fresh_prompts = [
-        FreshPromptGroup(_tensor(host.starts[members][:, None] + np.arange(length), device))
-        for length, members in fresh.items()
-    ]
+        fresh_prompts = groups_by_length(np.flatnonzero(is_fresh), host, device)
     return PagedAttentionMetadata(
         positions=_tensor(host.positions, device),
         slot_mapping=_tensor(host.slots, device),
@@ -234,6 +229,20 @@ def build_paged_metadata(
         layer_windows=sliding_windows(layer_windows),
         num_tokens=len(host.positions),
     )
+
+
+def groups_by_length(
+    sequences: np.ndarray, host: HostLayout, device: torch.device
+) -> list[FreshPromptGroup]:
+    """``sequences`` (whose tokens in this forward are their whole prompt) grouped by
+    length, in order of first appearance: one [S, L] token index each."""
+    by_length: dict[int, list[int]] = {}
+    for s in sequences.tolist():
+        by_length.setdefault(int(host.query_lens[s]), []).append(s)
+    return [
+        FreshPromptGroup(_tensor(host.starts[members][:, None] + np.arange(length), device))
+        for length, members in by_length.items()
+    ]
 
 
 def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:

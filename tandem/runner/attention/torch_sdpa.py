@@ -43,16 +43,19 @@ def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return out.view(s, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(s, lq, h, d)
 
 
-def causal_attention(q, k, v, num_seqs: int, length: int, scale: float, mask=None):
+def causal_attention(
+    q, k, v, num_seqs: int, length: int, scale: float, mask=None, causal: bool = True
+):
     """num_seqs sequences of ``length`` tokens, flattened: q [n*L, H, D], k/v
-    [n*L, Hkv, D] -> [n*L, H, D]; causal unless an explicit ``mask`` is given."""
+    [n*L, Hkv, D] -> [n*L, H, D]; causal unless an explicit ``mask`` is given, or
+    ``causal`` is False (an encoder's: every token attends to its whole sequence)."""
     h, hkv = q.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(
         q.reshape(num_seqs, length, h, -1).transpose(1, 2),
         k.reshape(num_seqs, length, hkv, -1).transpose(1, 2),
         v.reshape(num_seqs, length, hkv, -1).transpose(1, 2),
         attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=h != hkv,
     )
