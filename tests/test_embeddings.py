@@ -204,6 +204,8 @@ def test_rerank_and_score_in_their_shapes(server):
         ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
         ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["d"] * 100_000}, "documents"),
+        ("/v1/score", {"text_1": "q", "text_2": ["d"] * 100_000}, "text_2"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):

@@ -70,13 +70,17 @@ class RerankRequest(_Body):
     return_documents: bool = True
 
 
-async def embed(state, texts: list[str | list[int] | dict], request: Request, **pooling: Any):
+async def embed(
+    state, texts: list[str | list[int] | dict], request: Request, field: str = "input",
+    **pooling: Any,
+):  # fmt: skip
     """Each input's RequestOutput (its ``pooled`` vector), in order; ``pooling``
     overrides the model's PoolingParams. An input is a text, token ids, or an engine
-    prompt (a pair). A client that goes away aborts them all."""
+    prompt (a pair); more than the server's limit is a 400 naming ``field``. A client
+    that goes away aborts them all."""
     limit = state.limits.max_inputs
     if len(texts) > limit:
-        raise InvalidParameterError("input", f"holds {len(texts)} inputs; at most {limit}")
+        raise InvalidParameterError(field, f"holds {len(texts)} inputs; at most {limit}")
     defaults = model_pooling_defaults(state.engine.info.pooling_config)
     pooling = dataclasses.replace(defaults, **{k: v for k, v in pooling.items() if v is not None})
     params = SamplingParams(max_tokens=1, pooling=pooling,
@@ -127,18 +131,22 @@ def score_pairs(body: ScoreRequest) -> list[tuple[str, str]]:
     return [(left[0 if len(left) == 1 else i], text) for i, text in enumerate(right)]
 
 
-async def pair_scores(state, pairs: list[tuple[str, str]], request: Request):
+async def pair_scores(state, pairs: list[tuple[str, str]], request: Request, field: str):
     """Each pair's score and the prompt tokens read: a cross-encoder reads each pair
     as one prompt; an embedding model embeds each distinct text once and compares.
-    (A response instead when the client went away.)"""
+    (A response instead when the client went away.) ``field``: what a 400 for too
+    many pairs names."""
+    limit = state.limits.max_inputs
+    if len(pairs) > limit:  # (repeated texts too: each pair is scored)
+        raise InvalidParameterError(field, f"holds {len(pairs)} texts to score; at most {limit}")
     if state.engine.info.num_labels:
         prompts = [{"prompt": left, "prompt_pair": right} for left, right in pairs]
-        outputs = await embed(state, prompts, request, pooling="classify", normalize=True)
+        outputs = await embed(state, prompts, request, field, pooling="classify", normalize=True)
         if not isinstance(outputs, list):
             return outputs
         return [relevance(o.pooled) for o in outputs], _prompt_tokens(outputs)
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    outputs = await embed(state, texts, request, normalize=True)
+    outputs = await embed(state, texts, request, field, normalize=True)
     if not isinstance(outputs, list):
         return outputs
     vector = {text: output.pooled for text, output in zip(texts, outputs, strict=True)}

@@ -27,7 +27,7 @@ async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request)
 async def score(body: embeddings.ScoreRequest, request: Request):
     state = served(request)
     state.check_model(body.model)
-    scored = await embeddings.pair_scores(state, embeddings.score_pairs(body), request)
+    scored = await embeddings.pair_scores(state, embeddings.score_pairs(body), request, "text_2")
     if not isinstance(scored, tuple):  # the client went away
         return scored
     return embeddings.score_response(state.model_name, *scored)
@@ -39,7 +39,7 @@ async def rerank(body: embeddings.RerankRequest, request: Request):
     state = served(request)
     state.check_model(body.model)
     pairs = [(body.query, document) for document in body.documents]
-    scored = await embeddings.pair_scores(state, pairs, request)
+    scored = await embeddings.pair_scores(state, pairs, request, "documents")
     if not isinstance(scored, tuple):
         return scored
     return embeddings.rerank_response(state.model_name, body, *scored)
