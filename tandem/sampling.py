@@ -38,6 +38,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # The request field it came from (response_format, guided_json...): errors name it.
     source: str = field(default="structured_outputs", compare=False)
+    # Finish the grammar within max_tokens: near the budget the runner writes a short
+    # way to its end (runner/grammar_closing.py). Required and named tool calls set it.
+    close_in_budget: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]

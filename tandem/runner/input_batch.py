@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tandem.runner.grammar_closing import GrammarCloser, closing_vocabulary
 from tandem.runner.grammar_masks import GrammarMatcher
 from tandem.runner.pooling import PromptPooler
 from tandem.runner.sampler import PenaltyCounts, SamplingRow, needs_penalties
@@ -41,6 +42,7 @@ class RequestState:
     generator: torch.Generator | None  # its own, when it has a seed and samples
     penalty_counts: PenaltyCounts | None  # when it has penalties: counts kept current
     grammar: GrammarMatcher | None = None  # structured outputs: where it is in its grammar
+    closer: GrammarCloser | None = None  # a grammar to finish within max_tokens: its path
     thinking: ThinkingGate | None = None  # a thinking model's: its end, its budget
     pooler: PromptPooler | None = None  # an embedding request's vector, as it gathers
     cache_salt: str | None = None  # its tenant
@@ -62,6 +64,8 @@ class RequestState:
         answer = token_ids if self.thinking is None else self.thinking.advance(token_ids)
         if self.grammar is not None and answer:
             self.grammar.consume(answer)
+            if self.closer is not None:
+                self.closer.advance(answer)
 
     def answer_grammar(self) -> GrammarMatcher | None:
         """The grammar that holds the next position: None without one, or while the
@@ -69,6 +73,28 @@ class RequestState:
         if self.thinking is not None and not self.thinking.done:
             return None
         return self.grammar
+
+    def remaining(self) -> int | None:
+        """The tokens it may still write (None: max_tokens not set)."""
+        most = self.sampling_params.max_tokens
+        return None if most is None else most - len(self.output_token_ids)
+
+    def forced_token(self) -> int | None:
+        """The token the next position must take, or None: the thinking's end once
+        its budget is spent, or once the answer's grammar needs all that is left to
+        close; then the grammar's closing path (runner/grammar_closing.py)."""
+        closer, remaining, thinking = self.closer, self.remaining(), self.thinking
+        if thinking is None or thinking.done:
+            return None if closer is None else closer.forced(remaining)
+        token = thinking.forced()
+        if token is None and closer is not None and remaining is not None:
+            closing = closer.forced(remaining - thinking.end_left())
+            token = None if closing is None else thinking.end_next()
+        return token
+
+    def speculates(self) -> bool:
+        """Whether drafts may be verified for it (not while its grammar is closing)."""
+        return self.closer is None or not self.closer.watching(self.remaining())
 
     def sampling_row(self, drafts: list[int] | tuple[int, ...] = ()) -> SamplingRow:
         """How this request samples its next token; with ``drafts``, the token after
@@ -134,7 +160,11 @@ class InputBatch:
         if new.grammar is not None:
             if self.grammar_tokenizer is None:
                 raise ValueError("structured outputs need a model with a tokenizer")
-            state.grammar = GrammarMatcher(new.grammar, self.grammar_tokenizer())
+            vocabulary = self.grammar_tokenizer()
+            state.grammar = GrammarMatcher(new.grammar, vocabulary)
+            constraint = params.structured_outputs
+            if constraint is not None and constraint.close_in_budget:
+                state.closer = GrammarCloser(state.grammar.raw, closing_vocabulary(vocabulary))
         if params.pooling is not None:
             state.pooler = PromptPooler(params.pooling, self.classify)
         if params.thinking is not None:

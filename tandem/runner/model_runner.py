@@ -288,7 +288,9 @@ class ModelRunner:
         drafts = {}
         for item, (guess, guess_probs) in zip(speculating, proposals, strict=True):
             state, valid = item.request, len(guess)
-            if state.thinking is not None:  # below the budget, and inside the thinking
+            if not state.speculates():  # its grammar is closing: a token at a time
+                valid = 0
+            elif state.thinking is not None:  # below the budget, and inside the thinking
                 valid = state.thinking.drafts_allowed(guess, state.grammar is not None)
             grammar = state.answer_grammar()
             if grammar is not None and valid:  # cut at the first token the grammar refuses
@@ -346,11 +348,12 @@ class ModelRunner:
             return
         if len(plain_rows) != len(logits):  # else every row, in order: no copy
             logits = logits[to_device(plain_rows, self.device)]
-        grammars = [(i, state.answer_grammar()) for i, state in enumerate(plain)]
-        constrained = [(i, grammar) for i, grammar in grammars if grammar is not None]
-        # Thinking past its budget: the end's next token, forced.
-        forced = [(i, state.thinking.forced()) for i, state in enumerate(plain) if state.thinking]
+        # Thinking past its budget, a grammar closing within max_tokens: forced tokens.
+        forced = [(i, state.forced_token()) for i, state in enumerate(plain)]
         forced = [(i, token) for i, token in forced if token is not None]
+        held = {i for i, _ in forced}
+        grammars = [(i, state.answer_grammar()) for i, state in enumerate(plain)]
+        constrained = [(i, g) for i, g in grammars if g is not None and i not in held]
         if constrained or forced:
             masks = new_masks(len(constrained) + len(forced), self.config.vocab_size)
             fill_masks([(grammar, j) for j, (_, grammar) in enumerate(constrained)], masks)
@@ -363,16 +366,31 @@ class ModelRunner:
             )
         except Exception:  # find the culprit: each row alone (a seeded row may then draw
             tokens = None  # differently than undisturbed; the alternative fails them all)
-        if tokens is None:
-            for i, state in enumerate(plain):
-                with self._failing_alone(state.request_id, result):
-                    row_logits, row = logits[i : i + 1], [state.sampling_row()]
-                    result.sampled[state.request_id] = sample(
-                        row_logits, row, self.shared_generator
-                    )
-            return
-        for state, token in zip(plain, tokens, strict=True):
-            result.sampled[state.request_id] = [token]
+        for i, state in enumerate(plain):
+            with self._failing_alone(state.request_id, result):
+                row_logits = logits[i : i + 1]
+                if tokens is None:
+                    token = sample(row_logits, [state.sampling_row()], self.shared_generator)[0]
+                else:
+                    token = tokens[i]
+                if state.closer is not None and i not in held:
+                    token = self._closing_fit(state, token, row_logits)
+                result.sampled[state.request_id] = [token]
+
+    def _closing_fit(self, state: RequestState, token, row_logits: torch.Tensor):
+        """``token`` sampled freely for a request whose grammar must close within its
+        budget, or, when the way to close no longer fits after it, the closing path's
+        first token instead (drawn from the row held to it, so its logprobs agree)."""
+        remaining = state.remaining()
+        if state.answer_grammar() is None or not state.closer.watching(remaining):
+            return token
+        closing = state.closer.fits(token.token_id, remaining)
+        if closing == token.token_id:
+            return token
+        masks = new_masks(1, self.config.vocab_size)
+        allow_only(masks, 0, closing)
+        apply_masks(row_logits, masks, [0])
+        return sample(row_logits, [state.sampling_row()], self.shared_generator)[0]
 
     @torch.inference_mode()
     def forward(

@@ -41,7 +41,15 @@ class ThinkingGate:
         of the end, after what of it is already written), or None."""
         if self.done or self.budget is None or self.count < self.budget:
             return None
+        return self.end_next()
+
+    def end_next(self) -> int:
+        """The end's next token (after what of it the output already ends with)."""
         return self.end[self._end_written()]
+
+    def end_left(self) -> int:
+        """How many of the end's tokens are still to write."""
+        return len(self.end) - self._end_written()
 
     def _end_written(self) -> int:
         """How many of the end's first tokens the output ends with."""

@@ -102,7 +102,8 @@ class ToolCalling:
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What "required" and a named function hold the answer to, in the format's
-        own syntax (None for auto)."""
+        own syntax (None for auto), closed within max_tokens: a call cut inside its
+        arguments would be no call."""
         if self.choice == "auto":
             return None
         if self.choice == "named":
@@ -110,7 +111,7 @@ class ToolCalling:
         else:
             tools, most = self.schemas, (self.max_calls if self.parallel else 1)
         grammar = self.format.grammar(tools, most, self.literal)
-        return StructuredOutputsParams(grammar=grammar, source="tool_choice")
+        return StructuredOutputsParams(grammar=grammar, source="tool_choice", close_in_budget=True)
 
     # -- reading the answer -------------------------------------------------------------
 
