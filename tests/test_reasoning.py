@@ -14,6 +14,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.executor import make_executor
+from tandem.models.tokenizer import Tokenizer
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.server.api import build_app
 from tandem.server.reasoning import ThinkParser, parser_for, starts_inside
@@ -97,6 +98,22 @@ def test_a_tool_call_after_the_thinking_is_read_from_the_reply(seed):
     assert message["reasoning_content"] == "I should call it."
 
 
+def test_the_thinking_tokens_are_counted_to_the_end_tags_token():
+    pieces = ["<think>", "\nso", " it is", "</", "think", ">\n\n", "Paris", "."]
+    ids = list(range(len(pieces)))
+
+    def decode(token_ids):
+        return "".join(pieces[i] for i in token_ids)
+
+    text = decode(ids)
+    brute = next(n for n in range(len(ids) + 1) if "</think>" in decode(ids[:n]))
+    assert ThinkParser(False, decode).thinking_tokens(ids, text) == brute == 6
+    assert ThinkParser(False, decode).thinking_tokens(ids[:4], decode(ids[:4])) == 4  # thinking
+    assert ThinkParser(False, decode).thinking_tokens(ids[6:], decode(ids[6:])) == 0  # none
+    assert ThinkParser(True, decode).thinking_tokens(ids[1:], decode(ids[1:])) == 5
+    assert ThinkParser(False).thinking_tokens(ids, text) is None  # no decode: not counted
+
+
 # -- a real server, OpenAI's SDK --------------------------------------------------------
 
 # A template that opens the thinking in the generation prompt, or closes it empty when
@@ -152,14 +169,21 @@ def test_the_sdk_gets_reasoning_content_apart_from_the_content(servers):
     streamed = [c.choices[0].delta for c in _ask(thinking, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == raw.content
     assert "".join(d.content or "" for d in streamed) == ""
+    # usage counts the thinking's tokens: here all 8, streamed (the usage chunk) too
+    assert _ask(thinking).usage.completion_tokens_details.reasoning_tokens == 8
+    chunks = list(_ask(thinking, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 8
+    assert _ask(plain).usage.completion_tokens_details is None  # no parser: not counted
 
 
 def test_thinking_turned_off_in_the_template_is_all_content(servers):
     thinking, plain = servers
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     raw = _ask(plain, **off).choices[0].message.content
-    message = _ask(thinking, **off).choices[0].message
+    answer = _ask(thinking, **off)
+    message = answer.choices[0].message
     assert message.content == raw and getattr(message, "reasoning_content", None) is None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 # -- the thinking budget, and the Anthropic and Responses APIs ---------------------------
@@ -170,12 +194,15 @@ def _plain_thinking(servers, tokens: int) -> str:
     return _ask(servers[1], max_tokens=tokens).choices[0].message.content
 
 
-def test_a_thinking_budget_ends_the_thinking_and_the_reply_follows(servers):
+def test_a_thinking_budget_ends_the_thinking_and_the_reply_follows(servers, thinking_folder):
     thinking, _ = servers
     budget = _ask(thinking, thinking_budget=3, max_tokens=14)
     message = budget.choices[0].message
     assert message.reasoning_content == _plain_thinking(servers, 3)
     assert message.content and budget.usage.completion_tokens == 14
+    # the 3 thinking tokens and the forced end's (counted by decoding prefixes)
+    end = Tokenizer(thinking_folder).encode("</think>", add_special_tokens=False)
+    assert budget.usage.completion_tokens_details.reasoning_tokens == 3 + len(end)
     # OpenAI's effort names a budget: none ends the thinking at once.
     none = _ask(thinking, reasoning_effort="none", max_tokens=12).choices[0].message
     assert none.reasoning_content == "" and none.content
@@ -251,6 +278,7 @@ def test_the_responses_api_returns_a_reasoning_item_whole_and_streamed(servers):
     options = dict(model="m", input="Where is Paris?", max_output_tokens=8, temperature=0)
     response = client.responses.create(**options)
     assert [item.type for item in response.output] == ["reasoning"]  # 8 tokens: all thinking
+    assert response.usage.output_tokens_details.reasoning_tokens == 8
     assert response.output[0].content[0].text == _plain_thinking(servers, 8)
     minimal = client.responses.create(**options, reasoning={"effort": "minimal"})
     assert [item.type for item in minimal.output] == ["message"]  # no thinking: no item

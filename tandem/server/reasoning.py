@@ -26,6 +26,7 @@ neither budget nor gate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -70,10 +71,14 @@ class Parts:
 
 
 class ThinkParser:
-    def __init__(self, starts_inside: bool) -> None:
+    def __init__(
+        self, starts_inside: bool, decode: Callable[[list[int]], str] | None = None
+    ) -> None:
         """``starts_inside``: the prompt opened the thinking (its generation prompt
-        ends with ``<think>``)."""
+        ends with ``<think>``); ``decode``: token ids to text, special tokens kept
+        (to count the thinking's tokens; without it they are not counted)."""
         self.starts_inside = starts_inside
+        self.decode = decode
 
     def parts(self, text: str, final: bool) -> Parts:
         """The thinking and the reply in ``text``; unless ``final``, what might still
@@ -102,6 +107,27 @@ class ThinkParser:
         thinking = text[parts.thinking_start : parts.thinking_end]
         has_thinking = self.starts_inside or parts.thinking_start > 0
         return (thinking if has_thinking else None), text[parts.reply_start : parts.reply_end]
+
+    def thinking_tokens(self, token_ids: list[int], text: str) -> int | None:
+        """How many of an answer's tokens (``token_ids``, which decode to ``text``)
+        are thinking, its end tag's included: all of them while it still thinks, none
+        without thinking; None without ``decode``. The end's token is found by
+        decoding prefixes (a binary search: the end in a prefix stays in longer ones)."""
+        parts = self.parts(text, final=True)
+        if not self.starts_inside and parts.thinking_start == 0:
+            return 0
+        if text.find(END, parts.thinking_start) < 0:
+            return len(token_ids)
+        if self.decode is None:
+            return None
+        low, high = 1, len(token_ids)  # the shortest prefix holding the end
+        while low < high:
+            middle = (low + high) // 2
+            if END in self.decode(token_ids[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
 
 def starts_inside(prompt_tail: str) -> bool:

@@ -47,6 +47,7 @@ class _Choice:
     sent_arguments: list[int] = field(default_factory=list)  # per streamed call: its
     # characters of arguments sent
     calls_from: int = 0  # where the reply's calls start (content stops there)
+    thinking_tokens: int | None = None  # counted once its thinking has ended
 
 
 class ChoiceStream:
@@ -326,12 +327,26 @@ class ChoiceStream:
     def usage(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
         }
+        if self.reasoning is not None:
+            counts = [self._thinking_tokens(choice) for choice in self.choices]
+            if None not in counts:
+                usage["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+        return usage
+
+    def _thinking_tokens(self, choice: _Choice) -> int | None:
+        """A choice's thinking tokens so far (counted once, when its thinking ended)."""
+        if choice.thinking_tokens is not None:
+            return choice.thinking_tokens
+        count = self.reasoning.thinking_tokens(choice.token_ids, choice.text)
+        if count is not None and count < len(choice.token_ids):  # the end is written
+            choice.thinking_tokens = count
+        return count
 
     def _logprobs(self, choice: _Choice, start: int, end: int, offset: int = 0):
         """Logprobs of tokens [start, end) in OpenAI's shape; ``offset``: where token

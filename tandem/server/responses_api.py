@@ -265,7 +265,11 @@ def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
             "cached_tokens": (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         },
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0
+            )
+        },
         "total_tokens": chat_usage["prompt_tokens"] + chat_usage["completion_tokens"],
     }
 

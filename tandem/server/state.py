@@ -153,7 +153,10 @@ class ServedModel:
                 self._thinking_end = tuple(self.tokenizer.encode(END, False))
             thinking = ThinkingParams(self._thinking_end, budget)
             params = dataclasses.replace(params, thinking=thinking)
-        return plan.prompt, params, ThinkParser(plan.starts_inside)
+        return plan.prompt, params, ThinkParser(plan.starts_inside, self._decode_all)
+
+    def _decode_all(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def served(request: Request) -> ServedModel:
