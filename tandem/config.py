@@ -7,6 +7,7 @@ the command line shows: its engine flags are generated from these fields
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,11 +300,33 @@ class EngineConfig:
         "CUDA: run every step eagerly (decode and verification steps otherwise replay CUDA graphs)",
     )
     max_model_len: int | None = setting(None, "the context length (default: the model's)", "TOKENS")
+    hf_overrides: str | None = setting(
+        None,
+        "JSON merged into the model's config.json at load (vLLM's --hf-overrides), e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' for a Qwen3-Reranker',
+        "JSON",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_overrides, dict):  # LLM(hf_overrides={...}): kept as JSON
+            object.__setattr__(self, "hf_overrides", json.dumps(self.hf_overrides))
+        if self.hf_overrides is not None:
+            try:
+                overrides = json.loads(self.hf_overrides)
+            except (TypeError, json.JSONDecodeError) as exc:
+                raise InvalidParameterError("hf_overrides", f"is not JSON: {exc}") from None
+            if not isinstance(overrides, dict):
+                raise InvalidParameterError("hf_overrides", "must be a JSON object")
+
+    def config_overrides(self) -> dict[str, Any]:
+        """hf_overrides as a dict (empty without them)."""
+        return json.loads(self.hf_overrides) if self.hf_overrides is not None else {}
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -105,6 +105,8 @@ class RunnerInfo:
     encoder: bool = False
     # Outputs of its classification head (a cross-encoder's scores); 0: none.
     num_labels: int = 0
+    # Whether it writes text (an encoder and a decoder with a score head do not).
+    generates: bool = True
 
 
 @dataclass

@@ -50,14 +50,15 @@ class InputProcessor:
         block_size: int,
         num_blocks: int,
         hidden_size: int = 0,
-        encoder: bool = False,
+        generates: bool = True,
         num_labels: int = 0,
     ) -> None:
         """``hidden_size``: the width of an embedding (0: not known, not checked);
-        ``encoder``: the model makes vectors only; ``num_labels``: its classification
-        head's outputs (0: none, it cannot score pairs)."""
+        ``generates``: False for a model that makes vectors only (an encoder, a
+        decoder with a score head); ``num_labels``: its classification head's outputs
+        (0: none, it cannot score pairs)."""
         self.hidden_size = hidden_size
-        self.encoder = encoder
+        self.generates = generates
         self.num_labels = num_labels
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -70,7 +71,7 @@ class InputProcessor:
         """The input processor for the model a runner describes."""
         return cls(
             info.tokenizer, info.vocab_size, info.max_model_len, info.block_size,
-            info.num_blocks, info.hidden_size, info.encoder, info.num_labels,
+            info.num_blocks, info.hidden_size, info.generates, info.num_labels,
         )  # fmt: skip
 
     def process(
@@ -204,10 +205,11 @@ class InputProcessor:
             raise InvalidParameterError("thinking", f"end_token_ids must be in [0, {vocab})")
         if params.pooling is not None:
             return self._validate_pooling(prompt_ids, params)
-        if self.encoder:
+        if not self.generates:
             raise InvalidParameterError(
-                "model", "this model is an encoder: it makes embeddings and scores, not text"
-            )
+                "model", "this model makes embeddings and scores (an encoder or a classifier), "
+                "not text",
+            )  # fmt: skip
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidParameterError(

@@ -25,6 +25,12 @@ from tandem.errors import ModelLoadError
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.catalog import resolve_model
 from tandem.models.config import ModelConfig, eos_ids
+from tandem.models.decoder_classifier import (
+    add_score_head,
+    attach,
+    classifier_of,
+    with_name_defaults,
+)
 from tandem.models.dtypes import DTYPES
 from tandem.models.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from tandem.models.gguf_tokenizer import build_tokenizer
@@ -142,6 +148,7 @@ def load_model(
     quantization: str = "auto",
     tensor_parallel: tuple[int, int] | None = None,
     expert_parallel: bool = False,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
@@ -151,7 +158,8 @@ def load_model(
     transformers' GGUF loader does, which is also the reference the tests compare the
     kernels with) and a float checkpoint float; ``none`` makes every weight float in
     ``dtype``; ``q8_0`` / ``q4_0`` / ``q4_k`` quantize every linear layer on load into
-    that llama.cpp format.
+    that llama.cpp format. ``hf_overrides``: merged into config.json (or the GGUF
+    file's config) before anything reads it.
     ``tensor_parallel``: (rank, size): the rank's shard of every weight
     (models/sharding.py; ``expert_parallel``: a mixture's experts whole, a run of them
     a rank); the config is then the rank's."""
@@ -168,8 +176,10 @@ def load_model(
     else:
         raw, _, _ = read_config(path)
         source, folder = SafetensorsCheckpoint(path), path
+    raw = with_name_defaults({**raw, **(hf_overrides or {})}, str(folder))
     cls = model_class_for(raw)
     config = cls.parse_config(raw)
+    classifier = classifier_of(raw, config.encoder)
     dtype = resolve_dtype(dtype, device)
     keep = (
         gguf_file is not None
@@ -191,7 +201,10 @@ def load_model(
             config = shard.config
         # Built without allocating (meta); load_weights materialises what stays float.
         with torch.device("meta"), initializers_skipped():
-            model = cls(config).to(dtype)
+            model = cls(config)
+            if classifier is not None and not classifier.from_tokens:
+                add_score_head(model, classifier)
+            model = model.to(dtype)
             if shard is not None:
                 shard_model(model, shard)
         model = load_weights(model, tensors, str(folder), device, dtype, keep, shard)
@@ -209,6 +222,8 @@ def load_model(
         generation_path = path / "generation_config.json"
         if generation_path.is_file():
             generation_config = read_json(generation_path)
+    if classifier is not None:
+        attach(model, classifier, tokenizer)
     return LoadedModel(
         folder, config, model, tokenizer, dtype, device, generation_config, shard,
         sentence_transformers_pooling(path) if gguf_file is None else {},

@@ -13,6 +13,7 @@ import torch
 from tandem.errors import ModelLoadError
 from tandem.models.bert import BERT, XLM_ROBERTA
 from tandem.models.config import ModelConfig
+from tandem.models.decoder_classifier import causal_names
 from tandem.models.family import Family
 from tandem.models.gemma3 import GEMMA3
 from tandem.models.gpt2 import GPT2
@@ -79,7 +80,9 @@ _BY_ARCHITECTURE = {name: family for family in FAMILIES for name in family.archi
 
 def family_of(architecture: str) -> Family:
     """The family of a config.json architecture name (a ModelConfig's ``architecture``)."""
-    family = _BY_ARCHITECTURE.get(architecture)
+    family = next(
+        (_BY_ARCHITECTURE[n] for n in causal_names(architecture) if n in _BY_ARCHITECTURE), None
+    )
     if family is None:
         raise ModelLoadError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(_BY_ARCHITECTURE)}"
@@ -91,8 +94,9 @@ def family_for(raw_config: dict[str, Any]) -> Family:
     """The family of a config.json (the first of its ``architectures`` tandem runs)."""
     names = raw_config.get("architectures") or []
     for name in names:
-        if name in _BY_ARCHITECTURE:
-            return _BY_ARCHITECTURE[name]
+        for known in causal_names(name):
+            if known in _BY_ARCHITECTURE:
+                return _BY_ARCHITECTURE[known]
     shown = ", ".join(names) if names else "none given in config.json"
     raise ModelLoadError(
         f"unsupported architecture ({shown}); supported: {', '.join(_BY_ARCHITECTURE)}"

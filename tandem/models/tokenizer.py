@@ -134,6 +134,10 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template_source = chat_template
         self._chat_template: jinja2.Template | None = None
+        # How a (query, document) pair is written, with {query} and {document}, for a
+        # model that reads pairs in a prompt (models/decoder_classifier.py); None: the
+        # tokenizer's own pair post-processing.
+        self.pair_template: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (the engine-core process sends its tokenizer to the server): the
@@ -163,7 +167,11 @@ class Tokenizer:
     def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
         """Two texts joined as the tokenizer's post-processor joins a pair (BERT:
         ``[CLS] a [SEP] b [SEP]``), and the index where the second one's tokens start
-        (its token type 1), or None when the tokenizer does not tell them apart."""
+        (its token type 1), or None when the tokenizer does not tell them apart.
+        With a ``pair_template``, the pair written in it (no token types)."""
+        if self.pair_template is not None:
+            text = self.pair_template.format(query=first, document=second)
+            return self.encode(text, add_special_tokens=False), None
         encoding = self._tok.encode(first, second)
         second_at = next((i for i, t in enumerate(encoding.type_ids) if t), None)
         return encoding.ids, second_at

@@ -132,6 +132,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             loaded.device, loaded.config.vocab_size, self._grammar_tokenizer,
             loaded.model.classify if num_labels else None,
+            classify_last=not loaded.config.encoder,
         )  # fmt: skip
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer: Proposer | None = None
@@ -149,6 +150,7 @@ class ModelRunner:
             pooling_config=loaded.pooling_config,
             encoder=loaded.config.encoder,
             num_labels=num_labels,
+            generates=not loaded.config.encoder and getattr(loaded.model, "generates", True),
         )
 
     def expert_load(self) -> tuple[tuple[int, ...], ...]:

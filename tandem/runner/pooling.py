@@ -1,7 +1,8 @@
 """An embedding request's vector (SamplingParams.pooling), gathered from the final
 hidden states of its prompt as its chunks run: the last token's, the running mean, or
 the first token's; cut to its dimensions and normalised when the prompt is done. A
-``classify`` request keeps the first token's row and runs the model's classification
+``classify`` request keeps the first token's row (an encoder's CLS) or, with
+``classify_last``, the last one's (a decoder's), and runs the model's classification
 head over it (``classify``: rows [N, hidden] -> logits [N, labels])."""
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ class PromptPooler:
         self,
         params: PoolingParams,
         classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        classify_last: bool = False,
     ) -> None:
         if params.pooling == "classify" and classify is None:
             raise ValueError("this model has no classification head: it embeds, it does not score")
         self.params = params
         self.classify = classify
+        self.classify_last = classify_last
         self._kept: torch.Tensor | None = None  # last / cls / classify: the row; mean: sum
         self._count = 0
 
@@ -35,8 +38,10 @@ class PromptPooler:
         elif kind == "cls":
             if first_position == 0:
                 self._kept = rows[0].float()
-        elif kind == "classify":
-            if first_position == 0:  # in the model's dtype, as its head reads it
+        elif kind == "classify":  # in the model's dtype, as its head reads it
+            if self.classify_last:
+                self._kept = rows[-1:].clone()
+            elif first_position == 0:
                 self._kept = rows[:1].clone()
         else:
             total = rows.sum(dim=0, dtype=torch.float32)  # (no float copy of the chunk)

@@ -53,6 +53,7 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
             quantization=config.quantization,
             tensor_parallel=None if tp is None else (tp.rank, tp.size),
             expert_parallel=config.parallel.enable_expert_parallel,
+            hf_overrides=config.config_overrides(),
         )
         failure = None
     except Exception as exc:
