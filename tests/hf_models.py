@@ -219,10 +219,12 @@ ENCODERS = ("bert", "xlm_roberta")
 
 
 def save_encoder(folder: Path, arch: str, num_labels: int = 0, seed: int = 0):
-    """A random-weight encoder (``bert`` or ``xlm_roberta``; with a classification
-    head of ``num_labels`` outputs: a cross-encoder) and a tokenizer that joins a pair
-    as the family's does (BERT: ``<s> a </s> b </s>``, the second text of type 1;
-    RoBERTa: ``<s> a </s></s> b </s>``, one type); returns the HF model."""
+    """A random-weight encoder (``bert``, ``xlm_roberta`` or ``modernbert``; with a
+    classification head of ``num_labels`` outputs: a cross-encoder) and a tokenizer
+    that joins a pair as the family's does (BERT: ``<s> a </s> b </s>``, the second
+    text of type 1; RoBERTa: ``<s> a </s></s> b </s>``, one type; ModernBERT: BERT's
+    without types); returns the HF model. ModernBERT's local layers see 4 tokens on
+    either side (prompts are longer); with 3 labels its head reads the mean."""
     torch.manual_seed(seed)
     shape = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -230,6 +232,13 @@ def save_encoder(folder: Path, arch: str, num_labels: int = 0, seed: int = 0):
     )  # fmt: skip
     if arch == "bert":
         config = transformers.BertConfig(**shape, type_vocab_size=2, pad_token_id=2)
+    elif arch == "modernbert":
+        config = transformers.ModernBertConfig(
+            **{**shape, "num_hidden_layers": 4}, local_attention=8, global_attn_every_n_layers=3,
+            global_rope_theta=1000.0, pad_token_id=2, bos_token_id=0, eos_token_id=1,
+            cls_token_id=0, sep_token_id=1, norm_bias=True, attention_bias=True,
+            classifier_pooling="mean" if num_labels == 3 else "cls",
+        )  # fmt: skip
     else:  # a pad id no prompt holds: RoBERTa's positions skip the pad id's tokens
         config = transformers.XLMRobertaConfig(**shape, type_vocab_size=1, pad_token_id=2)
     config._attn_implementation = "eager"
@@ -241,11 +250,13 @@ def save_encoder(folder: Path, arch: str, num_labels: int = 0, seed: int = 0):
     model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
+            if "LayerNorm" in name or "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(folder)
     backend = build_tokenizer().backend_tokenizer
-    pair = "<s> $A </s> $B:1 </s>:1" if arch == "bert" else "<s> $A </s> </s> $B </s>"
+    pair = {"bert": "<s> $A </s> $B:1 </s>:1", "modernbert": "<s> $A </s> $B </s>"}.get(
+        arch, "<s> $A </s> </s> $B </s>"
+    )
     backend.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair=pair, special_tokens=[("<s>", 0), ("</s>", 1)]
     )

@@ -1,4 +1,4 @@
-"""Encoders (BERT, XLM-RoBERTa): embeddings equal transformers' hidden states and
+"""Encoders (BERT, XLM-RoBERTa, ModernBERT): embeddings equal transformers' hidden states and
 sentence-transformers' vectors (on the real all-MiniLM-L6-v2 weights too);
 cross-encoders' scores equal transformers' logits and sentence-transformers'
 CrossEncoder on the same (query, document) pairs; prompts never cut into chunks; an
@@ -53,7 +53,7 @@ def encoders(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["bert", "xlm_roberta"])
+@pytest.mark.parametrize("arch", ["bert", "xlm_roberta", "modernbert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_equal_transformers_hidden_states(encoders, arch, pooling):
     folder, hf, llm = encoders(arch)
@@ -69,7 +69,9 @@ def test_embeddings_equal_transformers_hidden_states(encoders, arch, pooling):
     assert max(len(o.prompt_token_ids) for o in outputs) > 32  # ran alone, whole
 
 
-@pytest.mark.parametrize(("arch", "labels"), [("bert", 1), ("xlm_roberta", 3)])
+@pytest.mark.parametrize(
+    ("arch", "labels"), [("bert", 1), ("xlm_roberta", 3), ("modernbert", 1), ("modernbert", 3)]
+)
 def test_cross_encoder_logits_equal_transformers_on_each_pair(encoders, arch, labels):
     folder, hf, llm = encoders(arch, labels)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)

@@ -20,6 +20,7 @@ from tandem.models.gpt2 import GPT2
 from tandem.models.layers import AttentionContext
 from tandem.models.llama import LLAMA, MISTRAL
 from tandem.models.mixtral import MIXTRAL
+from tandem.models.modernbert import MODERNBERT
 from tandem.models.qwen2 import QWEN2
 from tandem.models.qwen2_moe import QWEN2_MOE
 from tandem.models.qwen3 import QWEN3
@@ -74,6 +75,7 @@ FAMILIES: tuple[Family, ...] = (
     GPT2,
     BERT,
     XLM_ROBERTA,
+    MODERNBERT,
 )
 _BY_ARCHITECTURE = {name: family for family in FAMILIES for name in family.architectures}
 

@@ -114,16 +114,16 @@ class InputBatch:
         vocab_size: int,
         grammar_tokenizer: Callable[[], Any] | None = None,
         classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        classify_last: bool = False,
+        classify_reads: str = "first",
     ) -> None:
         """``grammar_tokenizer``: the vocabulary for structured outputs (built on first
         use; grammar.py). ``classify``: the model's classification head, for requests
-        that score (PoolingParams' classify); None when it has none. It reads the
-        last token's row with ``classify_last`` (a decoder), else the first's (BERT's
-        CLS)."""
+        that score (PoolingParams' classify); None when it has none. It reads
+        ``classify_reads``: the first token's row (BERT's CLS), the last one's (a
+        decoder's) or the prompt's mean (runner/pooling.py)."""
         self.device = device
         self.classify = classify
-        self.classify_last = classify_last
+        self.classify_reads = classify_reads
         self.vocab_size = vocab_size
         self.grammar_tokenizer = grammar_tokenizer
         self.requests: dict[str, RequestState] = {}
@@ -170,7 +170,7 @@ class InputBatch:
             if constraint is not None and constraint.close_in_budget:
                 state.closer = GrammarCloser(state.grammar.raw, closing_vocabulary(vocabulary))
         if params.pooling is not None:
-            state.pooler = PromptPooler(params.pooling, self.classify, self.classify_last)
+            state.pooler = PromptPooler(params.pooling, self.classify, self.classify_reads)
         if params.thinking is not None:
             if max(params.thinking.end_token_ids) >= self.vocab_size:
                 raise ValueError(f"thinking's end holds token ids outside [0, {self.vocab_size})")

@@ -132,7 +132,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             loaded.device, loaded.config.vocab_size, self._grammar_tokenizer,
             loaded.model.classify if num_labels else None,
-            classify_last=not loaded.config.encoder,
+            getattr(loaded.model, "classify_reads", "first" if loaded.config.encoder else "last"),
         )  # fmt: skip
         # Speculative decoding: who guesses (tandem.spec_decode), and how well it guessed.
         self.proposer: Proposer | None = None

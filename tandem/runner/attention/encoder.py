@@ -8,6 +8,8 @@ padding or a mask; when the whole forward is one length its tokens are used in p
 
 The metadata also says which segment each token is in (``token_types``: a pair's
 second text is 1, as BERT's token type embeddings read it), which only encoders use.
+A layer with a window (ModelConfig.layer_windows(); ModernBERT's local layers) lets a
+token see only the tokens within that distance on either side (a band mask).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tandem.runner.host_to_device import to_device
 class EncoderMetadata(StepMetadata):
     groups: list[FreshPromptGroup]  # the prompts by length (metadata.groups_by_length)
     token_types: torch.Tensor | None = None  # [T]; None: every token is of segment 0
+    windows: tuple[int | None, ...] = ()  # per layer: how far a token sees either side
 
 
 def build_encoder_metadata(
@@ -60,6 +63,7 @@ def build_encoder_metadata(
         slot_mapping=torch.empty(0, dtype=torch.long, device=device),
         groups=groups_by_length(np.arange(len(host.query_lens)), host, device),
         token_types=types,
+        windows=tuple(layer_windows),
         num_tokens=len(host.positions),
     )
 
@@ -72,15 +76,27 @@ class EncoderAttention:
         self.token_types = metadata.token_types
 
     def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
-        groups = self.metadata.groups
+        groups, windows = self.metadata.groups, self.metadata.windows
+        window = windows[layer_idx] if windows else None
         if len(groups) == 1:  # every prompt of one length: the batch in order, in place
             num_seqs, length = groups[0].token_index.shape
-            return causal_attention(q, k, v, num_seqs, length, scale, causal=False)
+            mask = _band(length, window, q.device)
+            return causal_attention(q, k, v, num_seqs, length, scale, mask, causal=False)
         out = q.new_empty(q.shape)
         for group in groups:
             num_seqs, length = group.token_index.shape
             tokens = group.token_index.flatten()
             picked = (t.index_select(0, tokens) for t in (q, k, v))
-            out.index_copy_(0, tokens, causal_attention(*picked, num_seqs, length, scale,
+            mask = _band(length, window, q.device)
+            out.index_copy_(0, tokens, causal_attention(*picked, num_seqs, length, scale, mask,
                                                         causal=False))  # fmt: skip
         return out
+
+
+def _band(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[length, length] True where two positions are at most ``window`` apart; None
+    when every pair is (no window, or a prompt no longer than it)."""
+    if window is None or length <= window + 1:
+        return None
+    index = torch.arange(length, device=device)
+    return (index[:, None] - index[None, :]).abs() <= window
