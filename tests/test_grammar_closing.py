@@ -180,3 +180,22 @@ def test_closing_holds_while_thinking_speculating_and_batched(tiny_folder):
     for output in speculating.generate(prompts, params, use_tqdm=False):
         assert output.outputs[0].finish_reason == "stop"
         _check_whole_calls(calling, tokenizer.decode(list(output.outputs[0].token_ids), False))
+
+
+def test_a_thinking_model_cannot_stop_before_its_required_call(tiny_folder):
+    """End of sequence is banned while a thinking that a grammar waits for goes on
+    (here made the likeliest token): the thinking ends, and the call follows."""
+    calling = ToolCalling.of(TOOLS, "required", "hermes", parallel=False)
+    llm = LLM(tiny_folder)
+    tokenizer = llm.get_tokenizer()
+    end, eos = (40, 41, 42), tokenizer.eos_token_id
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=_budget(tiny_folder, calling) + 40,
+        structured_outputs=calling.constraint(), thinking=ThinkingParams(end),
+        logit_bias={eos: 50.0},
+    )  # fmt: skip
+    output = llm.generate("Call a tool:", params, use_tqdm=False)[0].outputs[0]
+    ids = list(output.token_ids)
+    after = next(i for i in range(len(ids)) if tuple(ids[i - 3 : i]) == end)
+    assert eos not in ids[: after - 3] and output.finish_reason == "stop"
+    _check_whole_calls(calling, tokenizer.decode(ids[after:], False))

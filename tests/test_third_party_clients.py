@@ -1,7 +1,10 @@
 """Clients written by other people against a live `tandem serve` on loopback: litellm
-(its ``hosted_vllm/`` and ``openai/`` providers) and the guidellm load generator,
-given the model's local folder as its tokenizer (never a hub id), whose request count
-must equal what the server's /metrics counted.
+(its ``hosted_vllm/`` and ``openai/`` providers), the guidellm load generator, given
+the model's local folder as its tokenizer (never a hub id), whose request count must
+equal what the server's /metrics counted, and LangChain's ChatOpenAI binding a tool
+on each family's real chat template (tests/chat_templates/): the server reads the
+calls in the family's own format and LangChain gets them as its tool calls, whole and
+streamed.
 
 They live in their own virtual environment (``.clients``, made by the README's test
 command), because their pins (openai 2.x, huggingface_hub 1.x) differ from the
@@ -10,8 +13,10 @@ project's; each runs as a subprocess of that environment's Python.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -130,6 +135,81 @@ def guidellm_completed(report: dict) -> int:
         totals = benchmark["metrics"]["request_totals"]
         total += totals["successful"]
     return total
+
+
+LANGCHAIN = """
+    import json, sys
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        \"\"\"The weather in a city for the next days.\"\"\"
+        return "sunny"
+
+    question = "What is the weather in Oslo for the next 3 days?"
+    replies = {}
+    for url in sys.argv[1:]:
+        chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model="m",
+                          max_tokens=256, temperature=1.0, seed=0, max_retries=0)
+        named = chat.bind_tools([get_weather], tool_choice="get_weather")
+        required = chat.bind_tools([get_weather], tool_choice="required",
+                                   parallel_tool_calls=False)
+        streamed = None
+        for chunk in named.stream(question):
+            streamed = chunk if streamed is None else streamed + chunk
+        replies[url] = {"named": named.invoke(question).tool_calls,
+                        "required": required.invoke(question).tool_calls,
+                        "streamed": streamed.tool_calls}
+    print(json.dumps(replies))
+"""
+
+
+@pytest.fixture(scope="module")
+def family_servers(model_dirs, tmp_path_factory):
+    """A server of the tiny model per family template (their tool formats found from
+    the templates, as `tandem serve` does), on one thread each; their base URLs."""
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.executor import make_executor
+    from tandem.server.api import build_app
+    from tandem.serving.async_engine import AsyncEngine
+    from tests.servers import thread_server
+    from tests.test_tool_formats import FAMILIES, TEMPLATES
+
+    folder = model_dirs("llama", max_position_embeddings=4096)[0]  # (tool prompts are long)
+    urls, engines = {}, []
+    with contextlib.ExitStack() as stack:
+        try:
+            for name in FAMILIES:
+                family = tmp_path_factory.mktemp(name.removesuffix(".jinja"))
+                for path in Path(folder).iterdir():
+                    if path.name != "chat_template.jinja":
+                        shutil.copy(path, family / path.name)
+                (family / "chat_template.jinja").write_text((TEMPLATES / name).read_text())
+                config = EngineConfig.from_kwargs(str(family))
+                engines.append(AsyncEngine(Engine(config, make_executor(config))))
+                urls[name] = stack.enter_context(thread_server(build_app(engines[-1], "m")))
+            yield urls
+        finally:
+            stack.close()
+            for engine in engines:
+                engine.shutdown()
+
+
+def test_langchain_binds_a_tool_on_each_familys_template(family_servers):
+    from tests.test_tool_formats import FAMILIES
+
+    replies = json.loads(in_clients(LANGCHAIN, *family_servers.values()).strip().splitlines()[-1])
+    for name, url in family_servers.items():
+        reply = replies[url]
+        for kind in ("named", "required", "streamed"):
+            calls = reply[kind]
+            assert len(calls) == 1 and calls[0]["name"] == "get_weather", (name, kind, reply)
+            arguments = calls[0]["args"]  # held to the schema by the family's grammar
+            assert isinstance(arguments["city"], str) and isinstance(arguments["days"], int), (
+                name, FAMILIES[name], kind, arguments,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -101,7 +101,10 @@ class RequestState:
         them (they count as output for penalties and min_tokens)."""
         params = self.sampling_params
         output = self.output_token_ids if not drafts else [*self.output_token_ids, *drafts]
-        banned = self.stop_token_ids if len(output) < params.min_tokens else ()
+        # Stops are banned below min_tokens, and while a thinking that a grammar waits
+        # for goes on (the constrained answer must follow it: a required tool call).
+        waiting = self.grammar is not None and self.answer_grammar() is None
+        banned = self.stop_token_ids if len(output) < params.min_tokens or waiting else ()
         return SamplingRow(
             params, self.prompt_token_ids, output, self.generator, banned, self.penalty_counts
         )
