@@ -151,7 +151,7 @@ def test_every_engine_setting_is_a_flag_with_help():
         KVTransferConfig,
     )  # fmt: skip
     settings = [f for cls in configs for f in dataclasses.fields(cls) if f.name not in sections]
-    assert len(settings) == 38  # a new setting must show up here, and as a flag
+    assert len(settings) == 39  # a new setting must show up here, and as a flag
     for f in settings:
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         action = actions[flag]

@@ -58,7 +58,7 @@ def _encoder(code: GGMLType):
         if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
             kind = gguf.GGMLQuantizationType(int(code))
             return code, quants.quantize(t.numpy(), kind)
-        if code in (GGMLType.Q5_K, GGMLType.Q6_K):
+        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K):
             seed = sum(map(ord, name))
             return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
         return None
@@ -84,7 +84,7 @@ FORMATS = {
     "Q4_0": ("q4_0", None),
     "Q4_K": ("q4_k", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                                   GGMLType.Q5_K, GGMLType.Q6_K)},
+                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K)},
     "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because

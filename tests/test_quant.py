@@ -34,6 +34,7 @@ F16_FIELDS = {
     GGMLType.Q4_K: ((0, 2), 15 * 63),
     GGMLType.Q5_K: ((0, 2), 31 * 63),
     GGMLType.Q6_K: ((208,), 32 * 128),
+    GGMLType.Q3_K: ((108,), 4 * 32),
 }
 
 
@@ -249,6 +250,7 @@ def test_packed_weights_take_the_files_bits():
     assert sizes == {
         GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0,
         GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
+        GGMLType.Q3_K: 4.5625,  # (3-bit values a nibble each: no 3-bit layout yet)
     }  # fmt: skip
 
 
@@ -270,7 +272,8 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
     expected = torch.cat([dequantize(code, raw, columns) for raw in (first, second)])
     assert start == 0 and torch.equal(joined.dequantize(torch.float32), expected)
     bits = weights[0].nbytes * 8 / (6 * columns)
-    wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5}.get(code, 1.0)
+    wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5,
+             GGMLType.Q3_K: 4.5625 / 3.4375}.get(code, 1.0)  # fmt: skip
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

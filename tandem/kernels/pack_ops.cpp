@@ -7,15 +7,15 @@
 // Q4_0 file took 66 s that way on 2 cores. Block layouts are in tandem/quant/blocks.py.
 //
 // Outputs, allocated by the caller (packed.py):
-//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0, Q5_1,
-//           Q5_K: 0..31), 6 (Q6_K: 0..63), as nibbles and high-bit planes; int8
+//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's 0..7), 5
+//           (Q5_0, Q5_1, Q5_K: 0..31), 6 (Q6_K: 0..63), as nibbles and high-bit planes; int8
 //           [tiles, K*16] for Q8_0
 //   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
 //           Q5_0, Q5_1, Q8_0); for the K formats uint8 records [tiles, K/256, R], the
 //           file's factors per super-block, each item for the tile's 16 rows side by
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
-//           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K (R = 288) d, sub-scales
-//           [16] (int8)
+//           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
+//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32)
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -28,7 +28,7 @@ namespace pack {
 
 constexpr int64_t kRows = 16;
 
-enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Bits a value of the format takes packed.
 inline int value_bits(int64_t code) {
@@ -182,6 +182,27 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       }
       return;
     }
+    case Q3_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 110;
+        const uint8_t* hmask = blk;
+        const uint8_t* qs = blk + 32;
+        const uint8_t* packed = blk + 96;
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk + 108));
+        for (int g = 0; g < 16; ++g) {  // 6-bit scale g (blocks.py's _decode_q3_k), less 32
+          const int low = g < 8 ? packed[g] & 0x0F : packed[g - 8] >> 4;
+          const int top = (packed[8 + g % 4] >> (2 * (g / 4))) & 0x03;
+          rec[quant::record::sub_unit(16, g) * kRows + r] = static_cast<uint8_t>((low | (top << 4)) - 32);
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j)  // weights 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l]
+            put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
+              return ((word(qs + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u) |
+                     (((word(hmask + 4 * k) >> (4 * h + j)) & 0x01010101u) << 2);
+            });
+      }
+      return;
     case Q6_K:
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * 210;
@@ -241,11 +262,11 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
-  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K;
+  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K || code == pack::Q3_K;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const int64_t record_group = records ? (code == pack::Q6_K ? 16 : 32) : 0;
+  const int64_t record_group = records ? (code == pack::Q6_K || code == pack::Q3_K ? 16 : 32) : 0;
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
               "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),

@@ -1144,7 +1144,9 @@ int value_bits(const torch::Tensor& values, int64_t K) {
 
 // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
 void check_format(int bits, int64_t group, bool records) {
-  TORCH_CHECK((bits == 6) == (group == 16) && (bits != 6 || records) && (bits != 8 || !records),
+  // Groups of 16: Q6_K's 6-bit values and Q3_K's (a nibble each), both with records.
+  const bool sixteen = (bits == 6 || bits == 4) && records;
+  TORCH_CHECK((group == 16) ? sixteen : (bits != 6 && (bits != 8 || !records)),
               "no format packs ", bits, "-bit values in groups of ", group,
               records ? " with records" : " with float16 scales");
 }
@@ -1207,7 +1209,11 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   const bool records = p.s.record != 0;
   quant::check_format(bits, group, records);
   switch (bits) {
-    case 4: records ? quant::run<4, 32, kRecords>(p, T) : quant::run<4, 32, kHalfScales>(p, T); break;
+    case 4:
+      if (group == 16) quant::run<4, 16, kRecords>(p, T);
+      else if (records) quant::run<4, 32, kRecords>(p, T);
+      else quant::run<4, 32, kHalfScales>(p, T);
+      break;
     case 5: records ? quant::run<5, 32, kRecords>(p, T) : quant::run<5, 32, kHalfScales>(p, T); break;
     case 6: quant::run<6, 16, kRecords>(p, T); break;
     default: quant::run<8, 32, kHalfScales>(p, T); break;
@@ -1277,7 +1283,11 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
     p.out_stride = out_stride;
   }
   switch (m.bits) {
-    case 4: m.records ? run_many<4, 32, kRecords>(ps, count, m.tiles) : run_many<4, 32, kHalfScales>(ps, count, m.tiles); break;
+    case 4:
+      if (m.s.group == 16) run_many<4, 16, kRecords>(ps, count, m.tiles);
+      else if (m.records) run_many<4, 32, kRecords>(ps, count, m.tiles);
+      else run_many<4, 32, kHalfScales>(ps, count, m.tiles);
+      break;
     case 5: m.records ? run_many<5, 32, kRecords>(ps, count, m.tiles) : run_many<5, 32, kHalfScales>(ps, count, m.tiles); break;
     case 6: run_many<6, 16, kRecords>(ps, count, m.tiles); break;
     default: run_many<8, 32, kHalfScales>(ps, count, m.tiles); break;

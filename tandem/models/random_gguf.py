@@ -244,6 +244,7 @@ _Q_STD = {
     GGMLType.Q4_K: 265.0,
     GGMLType.Q5_K: 540.0,
     GGMLType.Q6_K: 18.5 * 20.0,  # q - 32, q in 0..63, times a sub-scale in 8..31
+    GGMLType.Q3_K: 2.29 * 18.5,  # q - 4, q in 0..7, times a sub-scale in -32..31
 }
 # The mean of a format's unsigned values (0..15 or 0..31), for the minimums that
 # centre its weights on zero.
@@ -283,6 +284,8 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
     elif code == GGMLType.Q6_K:
         blocks[:, 192:208] = rng.integers(8, 32, (n, 16), dtype=np.uint8)
         blocks[:, 208:210] = _f16_scales(rng, n, d)
+    elif code == GGMLType.Q3_K:  # (every bit pattern of its 6-bit scales is valid)
+        blocks[:, 108:110] = _f16_scales(rng, n, d)
     else:
         raise ValueError(f"no random blocks for {code.name}")
     return blocks.reshape(rows, -1)

@@ -20,6 +20,9 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     Q5_K  176 B / 256 w: as Q4_K plus qh[32] (bit g of byte i: group g's 5th bit)
     Q6_K  210 B / 256 w: ql[128], qh[64], int8 scales[16] (groups of 16), d
                                                              w = d*sc*(q-32)
+    Q3_K  110 B / 256 w: hmask[32] (3rd bits), qs[64] (2-bit pairs), 12 B of 6-bit
+                         scales for 16 groups of 16, d       w = d*(sc-32)*(q-4)
+                         (q = the 2 low bits + 4 * the hmask bit: 0..7)
 
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
@@ -50,6 +53,7 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -83,7 +87,7 @@ class Decoded:
     """``w[r, k] = scales[r, k // group] * (values[r, k] - offset) + mins[r, k // group]``.
 
     values: uint8 in 0..2**bits - 1 (``bits`` 4, 5 or 6: the Q4 and Q5 formats and
-    Q6_K, as the file stores them), or int8 (Q8_0, bits 8); scales, mins: float32
+    Q6_K, as the file stores them; Q3_K's 0..7 as 4), or int8 (Q8_0, bits 8); scales, mins: float32
     [rows, columns // group] (mins None when the format has none); supers: the factors
     of a K format's scales and mins (None for the others)."""
 
@@ -196,6 +200,26 @@ def _decode_q6_k(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(q, rows), _flat(scales, rows), None, 32, 16, 6, supers)
 
 
+def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
+    """Q3_K: w = d*(sc-32)*(q-4), 16 groups of 16 a super-block. Weight 128h + 32j + l
+    (h: half, j: 0..3, l: 0..31) takes bits 2j of qs[32h + l] and bit 4h + j of
+    hmask[l]; 6-bit scale s: its low nibble from byte s (s < 8) or the high nibble
+    of byte s - 8, its top two bits from byte 8 + s % 4 at bit 2 * (s // 4)."""
+    rows = blocks.shape[0]
+    hmask, qs, packed, d = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108], blocks[..., 108:110]
+    low = torch.cat([packed[..., :8] & 0x0F, packed[..., :8] >> 4], dim=-1)  # [.., 16]
+    top = packed[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    sub = ((low | ((top & 0x03).reshape(*low.shape) << 4)).to(torch.int8) - 32)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
+    pairs = (qs.reshape(rows, -1, 2, 1, 32) >> shifts) & 0x03  # [rows, blocks, h, j, l]
+    third = (hmask.reshape(rows, -1, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(2, 4, 1)) & 1
+    q = pairs | (third << 2)
+    dd = _f16(d)
+    scales = dd.unsqueeze(-1) * sub.float()
+    supers = SuperScales(dd, _flat(sub, rows))
+    return Decoded(_flat(q, rows), _flat(scales, rows), None, 4, 16, 4, supers)
+
+
 # -- the table ---------------------------------------------------------------------------
 
 
@@ -266,6 +290,10 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
                 SuperFormat(256, 32, 1, 0, True, True)),
     BlockFormat(GGMLType.Q6_K, 256, 210, _decode_q6_k, 6, 16, 32.0, False, 288,
                 SuperFormat(256, 16, 2, 32, True, False)),
+    # Q3_K's 3-bit values packed a nibble each, Q6_K's records (4.5625 bits a weight
+    # packed against the file's 3.4375: the kernels have no 3-bit layout yet).
+    BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
+                SuperFormat(256, 16, 0, 4, True, False)),
 )}  # fmt: skip
 
 # Weights and bytes per block (FORMATS' sizes, as most readers want them).
