@@ -17,6 +17,11 @@ divergence of each real file against its F32 conversion joins the table, and its
 re-quantized files (llama-quantize) are scored by both engines.
 
     python -m benchmarks.quality [--ctx 512] [--llama-bin DIR] [--only smollm2 gemma3 llama]
+                                 [--requantize Q8_0 Q4_0 Q4_K Q3_K_M ...]
+
+``--requantize``: the llama-quantize types of the re-quantized files (default Q8_0,
+Q4_0, Q4_K); with ``--files-only`` only the shipped file and those files are scored
+(no KV-dtype or tandem re-quantization rows).
 """
 
 from __future__ import annotations
@@ -81,7 +86,12 @@ KV_DTYPES = {"float32": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "int8": "i
 
 
 def real_model_rows(
-    model: str, shipped: str, text_tokens: list[int], ctx: int, requantized: dict[str, Path]
+    model: str,
+    shipped: str,
+    text_tokens: list[int],
+    ctx: int,
+    requantized: dict[str, Path],
+    files_only: bool = False,
 ) -> list[str]:
     """A GGUF file from a model package against its own weights dequantized to float32
     (``--quantization none``): the file as shipped, each KV dtype on it and on the
@@ -96,14 +106,14 @@ def real_model_rows(
     ]
     del reference_llm
     settings: dict[str, tuple[str, dict]] = {f"{shipped} as shipped": (model, {})}
-    for weights, quantization in ((shipped, "auto"), ("float32", "none")):
+    for weights, quantization in () if files_only else ((shipped, "auto"), ("float32", "none")):
         for kv_name, kv in KV_DTYPES.items():
             if weights == "float32" and kv_name == "float32":
                 continue  # the reference itself
             settings[f"{weights}, {kv_name} KV cache"] = (
                 model, {"quantization": quantization, "kv_cache_dtype": kv}
             )  # fmt: skip
-    for fmt in ("q8_0", "q4_0", "q4_k"):
+    for fmt in () if files_only else ("q8_0", "q4_0", "q4_k"):
         settings[f"re-quantized {fmt.upper()} by tandem on load"] = (model, {"quantization": fmt})
     for fmt, path in requantized.items():
         settings[f"llama.cpp's re-quantized {fmt} file, in tandem"] = (str(path), {})
@@ -182,8 +192,9 @@ def section(title: str, model: str, shipped: str, text: str, args, work: Path) -
     llama = requantized = None
     if args.llama_bin:
         llama = LlamaCpp(args.llama_bin, Path(resolve_model(model)), text, args.ctx, work)
-        requantized = {fmt: llama.quantize(fmt) for fmt in ("Q8_0", "Q4_0", "Q4_K")}
-    print("\n".join(real_model_rows(model, shipped, tokens, args.ctx, requantized or {})))
+        requantized = {fmt: llama.quantize(fmt) for fmt in args.requantize}
+    rows = real_model_rows(model, shipped, tokens, args.ctx, requantized or {}, args.files_only)
+    print("\n".join(rows))
     if llama is not None:
         print(llama.row(f"{shipped} as shipped", Path(resolve_model(model))))
         for fmt, path in requantized.items():
@@ -195,6 +206,18 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin/ folder")
     parser.add_argument("--only", choices=["smollm2", "gemma3", "llama"], nargs="*")
+    parser.add_argument(
+        "--requantize",
+        nargs="*",
+        default=["Q8_0", "Q4_0", "Q4_K"],
+        metavar="TYPE",
+        help="llama-quantize types of the re-quantized files",
+    )
+    parser.add_argument(
+        "--files-only",
+        action="store_true",
+        help="score only the shipped and the re-quantized files",
+    )
     args = parser.parse_args()
     print(machine())
     text = stdlib_text()

@@ -499,13 +499,13 @@ def test_unsupported_types_and_architectures_get_one_clear_error(hf_folders, tmp
     with pytest.raises(ModelLoadError, match="architecture 'falcon' is not supported"):
         load_model(path)
 
-    def q2_k(name, t):  # 84 bytes per 256 weights
-        return 10, np.zeros((t.shape[0], t.shape[1] // 256 * 84), np.uint8)
+    def q8_k(name, t):  # 292 bytes per 256 weights: llama.cpp's activations' type
+        return 15, np.zeros((t.shape[0], t.shape[1] // 256 * 292), np.uint8)
 
-    folder = tmp_path / "q2k"
+    folder = tmp_path / "q8k"
     folder.mkdir()
-    export_gguf(hf_folders("llama"), folder / "m.gguf", "f32", q2_k)
-    with pytest.raises(ModelLoadError, match=r"stored as Q2_K, which tandem does not read"):
+    export_gguf(hf_folders("llama"), folder / "m.gguf", "f32", q8_k)
+    with pytest.raises(ModelLoadError, match=r"stored as Q8_K, which tandem does not read"):
         load_model(folder)
 
 
@@ -806,3 +806,76 @@ def test_verification_runs_whole_layers_and_stays_lossless(
     assert fused_llm.engine.spec_stats.num_drafts > 0
     assert fused == layered
     assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in plain]
+
+
+# -- types without a kernel layout: decoded to float32 at load -----------------------------
+
+# Where each type keeps its float16 scale (bytes), for random blocks with a sane one;
+# MXFP4's is an exponent byte, NVFP4's four e4m3 bytes, IQ1_M's the top nibbles of its
+# four 16-bit scale words.
+SCALE_AT = {
+    "Q2_K": (80, 82), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+    "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,),
+    "TQ2_0": (64,),
+}  # fmt: skip
+
+
+def valid_blocks(name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random bytes of type ``name`` whose scales are finite and small."""
+    kind = gguf.GGMLQuantizationType[name]
+    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // weights, nbytes), dtype=np.uint8)
+    n = len(blocks)
+    for at in SCALE_AT.get(name, ()):
+        d = rng.uniform(0.002, 0.01, n).astype(np.float16)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(n, 2)
+    if name == "MXFP4":
+        blocks[:, 0] = rng.integers(118, 122, n)  # 2^(e - 127)
+    if name == "NVFP4":
+        blocks[:, :4] = rng.integers(0x20, 0x28, (n, 4))  # small positive e4m3 scales
+    if name == "IQ1_M":  # d: the top nibbles of the four scale words (bytes 48..55)
+        d = rng.uniform(0.002, 0.01, n).astype(np.float16).view(np.uint16)
+        for k in range(4):
+            high = blocks[:, 48 + 2 * k + 1]
+            blocks[:, 48 + 2 * k + 1] = (high & 0x0F) | (((d >> (4 * k)) & 0x0F) << 4).astype(
+                np.uint8
+            )
+    return blocks.reshape(rows, -1)
+
+
+def _decoded_encoder(name: str):
+    code = int(gguf.GGMLQuantizationType[name])
+
+    def encode(tensor_name: str, t: torch.Tensor):
+        rows, columns = t.shape
+        return code, valid_blocks(name, rows, columns, sum(map(ord, tensor_name)))
+
+    return encode
+
+
+DECODED = ["Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+           "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]  # fmt: skip
+
+
+def test_every_other_block_type_is_decoded_at_load():
+    from tandem.quant.blocks import decoded_at_load, type_name
+
+    assert {type_name(code) for code in decoded_at_load()} >= set(DECODED)
+
+
+@pytest.mark.parametrize("name", DECODED)
+def test_a_file_of_a_type_without_kernels_loads_and_equals_transformers(
+    hf_folders, tmp_path, name, caplog
+):
+    """Every linear weight of ``name`` (random valid blocks): tandem decodes them to
+    float32 as the file streams in, with a warning naming the type, and its logits
+    equal transformers' GGUF loader's on the same file (gguf-py's decoder on both)."""
+    path = tmp_path / "model.gguf"
+    export_gguf(hf_folders("llama"), path, "f32", _decoded_encoder(name))
+    ids = list(range(3, 43))
+    with caplog.at_level("WARNING"):
+        ours = tandem_logits(path, ids, "auto")
+    assert f"{name} tensors" in caplog.text and "decoded to float32" in caplog.text
+    expected = transformers_logits(path, ids)  # (random grids: logits up to ~100)
+    assert (ours - expected).abs().max() <= 5e-5 * expected.abs().max()  # float32 sums

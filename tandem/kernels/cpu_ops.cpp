@@ -115,7 +115,10 @@ enum class Act { kSilu, kGeluTanh };
 
 template <Act A> inline float activate(float g) {
   if constexpr (A == Act::kSilu) {
-    return g / (1.f + std::exp(-g));
+    // Under -ffast-math (no infinities assumed) exp(-g) overflowing made NaN for a gate
+    // under -88, where silu is -0 (a random IQ4_XS file's gates of -945): below -80 it
+    // is 0 to float's precision.
+    return g < -80.f ? 0.f : g / (1.f + std::exp(-g));
   } else {
     constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
     return 0.5f * g * (1.f + std::tanh(kBeta * (g + 0.044715f * g * g * g)));

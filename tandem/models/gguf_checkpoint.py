@@ -36,7 +36,14 @@ from tandem.models.gguf_file import TensorInfo
 from tandem.models.gguf_split import open_gguf, split_parts
 from tandem.models.registry import GGUF_ARCHITECTURES, gguf_family
 from tandem.models.weight_source import CheckpointTensor
-from tandem.quant.blocks import FLOAT_TYPES, GGMLType, check_supported
+from tandem.quant.blocks import (
+    FLOAT_TYPES,
+    GGMLType,
+    check_supported,
+    decoded_at_load,
+    dequantize_other,
+    type_name,
+)
 
 # GGUF tensor names -> Hugging Face's (a family's own differences: Family.gguf_layer_names).
 GLOBAL_NAMES = {
@@ -118,6 +125,9 @@ class GGUFCheckpoint:
             )
         self.family: Family = family
         self.tensor_names = {t.name for t in self._file.tensors}
+        # Tensors ``tensors`` decoded to float32 as they were read, by type name (those
+        # of a type without a kernel layout: quant/blocks.py's decoded_at_load).
+        self.decoded: dict[str, int] = {}
 
     def close(self) -> None:
         self._file.close()
@@ -231,6 +241,9 @@ class GGUFCheckpoint:
                 continue
             code = check_supported(info.type, info.name)
             shape = tuple(reversed(info.shape))
+            if not isinstance(code, GGMLType):  # decoded to float32 as it is read
+                self.decoded[type_name(code)] = self.decoded.get(type_name(code), 0) + 1
+                code = GGMLType.F32
             if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
                 shape = (1, shape[0])  # the vector of one output row
             if "{expert}" not in name:
@@ -253,12 +266,14 @@ class GGUFCheckpoint:
     def _read(
         self, info: TensorInfo, code: GGMLType, shape: tuple[int, ...], name: str, heads: dict
     ) -> torch.Tensor:
-        """A view of the mapped bytes; a copy only where rows move (q / k) or values
-        change (Gemma's norms)."""
-        data = torch.from_numpy(self._file.data(info))
-        if code in FLOAT_TYPES:
-            data = data.view(FLOAT_TYPES[code]).reshape(shape)
+        """A view of the mapped bytes; a copy only where rows move (q / k), values
+        change (Gemma's norms) or a type is decoded at load (float32 of ``shape``)."""
+        if info.type in decoded_at_load():
+            data = dequantize_other(info.type, self._file.data(info), shape)
+        elif code in FLOAT_TYPES:
+            data = torch.from_numpy(self._file.data(info)).view(FLOAT_TYPES[code]).reshape(shape)
         else:
+            data = torch.from_numpy(self._file.data(info))
             data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
         part = info.name.split(".")[-2]
         if part in heads:

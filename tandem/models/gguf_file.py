@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.quant.blocks import BLOCK
+from tandem.quant.blocks import BLOCK, decoded_at_load
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -60,8 +60,9 @@ class TensorInfo:
         """Bytes it takes, None for a type tandem does not know."""
         if self.type in _FLOAT_BYTES:
             return prod(self.shape) * _FLOAT_BYTES[self.type]
-        if self.type in BLOCK:
-            weights, size = BLOCK[self.type]
+        sizes = BLOCK if self.type in BLOCK else decoded_at_load()
+        if self.type in sizes:
+            weights, size = sizes[self.type]
             return prod(self.shape) // weights * size
         return None
 

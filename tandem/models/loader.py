@@ -13,6 +13,7 @@ becomes one ``ModelLoadError`` line that names the file and, for weights, the te
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ from tandem.models.weight_loading import load_weights
 from tandem.models.weight_source import SafetensorsCheckpoint, read_json
 from tandem.quant import split_blocks
 from tandem.quant.blocks import BLOCK
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,6 +214,14 @@ def load_model(
         if quantization not in ("auto", "none"):
             quantize_linear_layers(model, quantization, device)
     model.eval().requires_grad_(False)
+    if gguf_file is not None and checkpoint.decoded:
+        logger.warning(
+            "%s: %s decoded to float32 at load (no kernel layout for %s yet: these "
+            "weights take float memory and run at float speed)",
+            Path(gguf_file).name,
+            ", ".join(f"{n} {kind} tensors" for kind, n in checkpoint.decoded.items()),
+            " / ".join(checkpoint.decoded),
+        )
     tokenizer, generation_config = None, {}
     if gguf_file is not None:
         vocab = checkpoint.value("tokenizer.ggml.model")

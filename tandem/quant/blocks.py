@@ -33,11 +33,13 @@ decoder among the row's fields), and its case in the C++ packer (kernels/pack_op
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import partial
 
+import numpy as np
 import torch
 
 from tandem.errors import ModelLoadError
@@ -206,13 +208,14 @@ def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
     hmask[l]; 6-bit scale s: its low nibble from byte s (s < 8) or the high nibble
     of byte s - 8, its top two bits from byte 8 + s % 4 at bit 2 * (s // 4)."""
     rows = blocks.shape[0]
-    hmask, qs, packed, d = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108], blocks[..., 108:110]
+    hmask, qs, packed, d = (blocks[..., a:b] for a, b in ((0, 32), (32, 96), (96, 108), (108, 110)))
     low = torch.cat([packed[..., :8] & 0x0F, packed[..., :8] >> 4], dim=-1)  # [.., 16]
-    top = packed[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    sub = ((low | ((top & 0x03).reshape(*low.shape) << 4)).to(torch.int8) - 32)
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
-    pairs = (qs.reshape(rows, -1, 2, 1, 32) >> shifts) & 0x03  # [rows, blocks, h, j, l]
-    third = (hmask.reshape(rows, -1, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(2, 4, 1)) & 1
+    pairs_of_bits = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
+    top = (packed[..., 8:12].unsqueeze(-2) >> pairs_of_bits) & 0x03  # [.., 4 (s // 4), 4]
+    sub = (low | (top.reshape(*low.shape) << 4)).to(torch.int8) - 32
+    pairs = (qs.reshape(rows, -1, 2, 1, 32) >> pairs_of_bits) & 0x03  # [rows, blocks, h, j, l]
+    bit = torch.arange(8, dtype=torch.uint8).view(2, 4, 1)
+    third = (hmask.reshape(rows, -1, 1, 1, 32) >> bit) & 1
     q = pairs | (third << 2)
     dd = _f16(d)
     scales = dd.unsqueeze(-1) * sub.float()
@@ -306,23 +309,62 @@ def type_name(code: int) -> str:
     try:
         return GGMLType(code).name
     except ValueError:
+        pass
+    try:
+        import gguf
+
+        return gguf.GGMLQuantizationType(code).name
+    except Exception:
         return f"type {code}"
 
 
-def check_supported(code: int, tensor: str) -> GGMLType:
-    if code not in FLOAT_TYPES and code not in BLOCK:
-        try:
-            import gguf
+# -- every other type llama.cpp writes ------------------------------------------------------
 
-            name = gguf.GGMLQuantizationType(code).name
-        except Exception:
-            name = f"type {code}"
+
+@functools.cache
+def decoded_at_load() -> dict[int, tuple[int, int]]:
+    """The block types that have no row in FORMATS yet (Q2_K, the i-quants, the
+    ternary and FP4 types): code -> (weights, bytes) a block. A file's tensors of
+    these types are decoded to float32 as they are read (``dequantize_other``), so
+    the file loads and runs exactly, at float memory and float speed."""
+    import gguf
+    from gguf import quants
+
+    found = {}
+    for kind in gguf.GGMLQuantizationType:
+        code = int(kind)
+        if code in FLOAT_TYPES or code in BLOCK or kind not in gguf.GGML_QUANT_SIZES:
+            continue
+        weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        try:  # (gguf-py decodes every block type llama.cpp writes but a few)
+            quants.dequantize(np.zeros((1, nbytes), dtype=np.uint8), kind)
+        except NotImplementedError:
+            continue
+        if weights > 1:
+            found[code] = (weights, nbytes)
+    return found
+
+
+def dequantize_other(code: int, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """A ``decoded_at_load`` tensor's bytes (uint8) -> float32 of ``shape``, by gguf-py's
+    decoder (llama.cpp's dequantization, exactly)."""
+    import gguf
+    from gguf import quants
+
+    values = quants.dequantize(raw.reshape(shape[0], -1), gguf.GGMLQuantizationType(code))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def check_supported(code: int, tensor: str) -> int:
+    """``code`` (a GGMLType, or a ``decoded_at_load`` type's number), or a clear error."""
+    if code not in FLOAT_TYPES and code not in BLOCK and code not in decoded_at_load():
         supported = ", ".join(GGMLType(c).name for c in SUPPORTED)
+        others = ", ".join(type_name(c) for c in decoded_at_load())
         raise ModelLoadError(
-            f"tensor {tensor!r} is stored as {name}, which tandem does not read "
-            f"(supported: {supported})"
+            f"tensor {tensor!r} is stored as {type_name(code)}, which tandem does not read "
+            f"(supported: {supported}; decoded to float at load: {others})"
         )
-    return GGMLType(code)
+    return GGMLType(code) if code in FLOAT_TYPES or code in BLOCK else code
 
 
 def row_bytes(code: GGMLType, columns: int) -> int:
