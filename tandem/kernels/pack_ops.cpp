@@ -15,7 +15,8 @@
 //           file's factors per super-block, each item for the tile's 16 rows side by
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
-//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32)
+//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32); IQ4_NL as Q8_0, its
+//           values its table's levels
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -28,14 +29,19 @@ namespace pack {
 
 constexpr int64_t kRows = 16;
 
-enum Code : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Code : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20
+};
+// IQ4_NL's levels (tandem/quant/blocks.py's IQ4_NL_VALUES): its values are these, as int8.
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Bits a value of the format takes packed.
 inline int value_bits(int64_t code) {
   switch (code) {
     case Q5_0: case Q5_1: case Q5_K: return 5;
     case Q6_K: return 6;
-    case Q8_0: return 8;
+    case Q8_0: case IQ4_NL: return 8;
     default: return 4;
   }
 }
@@ -133,6 +139,22 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 34;
         put_values<8>(dst, b, r, [&](int k) { return word(blk + 2 + 4 * k); });
+        put_scale(o, tile, b, r, u16(blk), o.scales);
+      }
+      return;
+    case IQ4_NL:
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * 18;
+        // Byte j holds weight j (low nibble) and weight 16 + j (high nibble).
+        put_values<8>(dst, b, r, [&](int k) {
+          uint32_t quad = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int w = 4 * k + i;
+            const int q = w < 16 ? blk[2 + w] & 0x0F : blk[2 + w - 16] >> 4;
+            quad |= static_cast<uint32_t>(static_cast<uint8_t>(kIq4Levels[q])) << (8 * i);
+          }
+          return quad;
+        });
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;

@@ -245,6 +245,7 @@ _Q_STD = {
     GGMLType.Q5_K: 540.0,
     GGMLType.Q6_K: 18.5 * 20.0,  # q - 32, q in 0..63, times a sub-scale in 8..31
     GGMLType.Q3_K: 2.29 * 18.5,  # q - 4, q in 0..7, times a sub-scale in -32..31
+    GGMLType.IQ4_NL: 66.0,  # its 16 levels, -127..113
 }
 # The mean of a format's unsigned values (0..15 or 0..31), for the minimums that
 # centre its weights on zero.
@@ -263,7 +264,7 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
     n = rows * columns // per_block
     blocks = np.frombuffer(rng.bytes(n * size), np.uint8).reshape(n, size).copy()
     d = STD / _Q_STD[code]
-    if code in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0):
+    if code in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.IQ4_NL):
         blocks[:, 0:2] = _f16_scales(rng, n, d)
     elif code in (GGMLType.Q4_1, GGMLType.Q5_1):
         # w = d*q + m: m = -(q's mean) * d centres the weights.

@@ -23,6 +23,9 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     Q3_K  110 B / 256 w: hmask[32] (3rd bits), qs[64] (2-bit pairs), 12 B of 6-bit
                          scales for 16 groups of 16, d       w = d*(sc-32)*(q-4)
                          (q = the 2 low bits + 4 * the hmask bit: 0..7)
+    IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
+                         (a non-linear table of 16 int8 levels: the value is the
+                         table's, an int8, and the format packs as Q8_0 does)
 
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
@@ -59,6 +62,7 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
     BF16 = 30
 
 
@@ -223,6 +227,19 @@ def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(q, rows), _flat(scales, rows), None, 4, 16, 4, supers)
 
 
+# IQ4_NL's (and IQ4_XS's) 16 levels, as llama.cpp's ggml-common.h defines the format.
+IQ4_NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+
+
+def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
+    """IQ4_NL: w = d * IQ4_NL_VALUES[q], q Q4_0's nibbles; the values are the table's."""
+    rows = blocks.shape[0]
+    q = _nibbles32(blocks[..., 2:]).long()
+    return Decoded(_flat(IQ4_NL_VALUES[q], rows), _f16(blocks[..., :2]), None, 0, 32, 8)
+
+
 # -- the table ---------------------------------------------------------------------------
 
 
@@ -297,6 +314,8 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # packed against the file's 3.4375: the kernels have no 3-bit layout yet).
     BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
                 SuperFormat(256, 16, 0, 4, True, False)),
+    # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
+    BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
 )}  # fmt: skip
 
 # Weights and bytes per block (FORMATS' sizes, as most readers want them).

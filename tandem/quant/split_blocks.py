@@ -3,7 +3,8 @@ layout a GPU kernel reads with wide, coalesced loads (runner/linear/triton_block
 multiplies them), holding the file's bytes (Q4_K / Q5_K: 1/36 and 1/44 more, their
 6-bit sub-scales a byte each).
 
-``BlockWeight``: Q4_0 and Q8_0, as the file lays out their values.
+``BlockWeight``: Q4_0 and Q8_0, as the file lays out their values; IQ4_NL as Q8_0,
+its values its table's int8 levels.
 
     Q4_0  values uint8 [N, K/2]: byte j of a 32-weight block holds weight j (low
           nibble) and weight j + 16 (high nibble), as in the file; scales fp16 [N, K/32]
@@ -79,9 +80,14 @@ class BlockWeight:
 
     @classmethod
     def from_ggml(cls, code: GGMLType, raw: torch.Tensor, device: torch.device) -> BlockWeight:
-        """raw: uint8 [N, row bytes] as the file stores the blocks."""
+        """raw: uint8 [N, row bytes] as the file stores the blocks (IQ4_NL: its values
+        are its table's int8 levels, laid out as Q8_0's)."""
         weights, size = BLOCK[code]
         rows = raw.shape[0]
+        if code not in (GGMLType.Q4_0, GGMLType.Q8_0):
+            dec = decode(code, raw, raw.shape[1] // size * weights)
+            values, scales = dec.values.view(torch.int8), dec.scales.half()
+            return cls(values.to(device), scales.to(device), FORMATS[code], values.shape[1])
         blocks = raw.reshape(rows, -1, size)
         scales = blocks[:, :, :2].contiguous().view(torch.float16).reshape(rows, -1)
         values = blocks[:, :, 2:].reshape(rows, -1)
