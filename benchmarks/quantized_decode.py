@@ -11,7 +11,8 @@ tied LM head) and requantized by llama.cpp's llama-quantize to Q8_0 and Q4_0; Ge
 270M (Q4_K_M, when its package is installed: its 262k x 640 Q8_0 embedding, the tied
 LM head, is two thirds of a decode step's bytes); and the
 random-weight 125M Llama of benchmarks/common.py written by tandem's exporter in F16,
-Q8_0 and Q4_0 (so this also shows llama.cpp loading tandem's files).
+Q8_0 and Q4_0 (so this also shows llama.cpp loading tandem's files), and that F16 file
+quantized by llama-quantize to Q3_K_S and IQ4_NL.
 
 llama.cpp: llama-bench (tg at depth 128, pp512) and llama-batched-bench (16 x 128 +
 128), built from the llama-cpp-python sdist::
@@ -83,6 +84,17 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
         if not out.is_file():
             export_gguf(llama_125m_folder(), out, fmt)
         files[f"llama-125m {fmt.upper()}"] = out
+    # Its F16 file quantized by llama.cpp to the types tandem reads since (every matrix
+    # of the 768-wide model takes whole 256-weight super-blocks).
+    for fmt in ("Q3_K_S", "IQ4_NL"):
+        out = folder / f"llama125m-{fmt.lower()}.gguf"
+        if not out.is_file() and llama_bin is not None:
+            subprocess.run(
+                [str(llama_bin / "llama-quantize"), str(files["llama-125m F16"]), str(out), fmt],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        if out.is_file():
+            files[f"llama-125m {fmt}"] = out
     return files
 
 
