@@ -118,9 +118,10 @@ def test_chunked_windows_score_as_whole_ones_and_show_the_kv_cache_dtype(setup, 
     int8 = LLM(str(folder), enable_prefix_caching=False, kv_cache_dtype="int8")
     whole = evaluate(int8, tokens, CTX, reference, progress=False)["kld_mean"]
     read_back = evaluate(int8, tokens, CTX, reference, progress=False, batch=4)["kld_mean"]
-    # (a tiny random model's distributions are nearly flat: small, but far from float's,
-    # whose chunked scores differ from whole ones only by rounding: +-1e-8, either sign)
-    assert read_back > 10 * max(abs(chunked["kld_mean"]), 1e-9)
+    # (a tiny random model's distributions are nearly flat: small, 8.1e-8, but well
+    # above float's, whose chunked scores differ from whole ones only by rounding:
+    # +-1e-8, either sign, moved by how the kernels were compiled and the threads)
+    assert read_back > 4 * max(abs(chunked["kld_mean"]), 1e-9)
     # alike, not equal: ulp-level differences between the two paths can round an int8
     # value the other way
     assert whole == pytest.approx(read_back, rel=0.25)
