@@ -47,7 +47,7 @@ class DecoderClassifier:
 
 def with_name_defaults(raw: dict[str, Any], name: str) -> dict[str, Any]:
     """config.json with what a Qwen3-Reranker's name implies (when it says nothing)."""
-    causal = [name.endswith("ForCausalLM") for name in raw.get("architectures") or []] == [True]
+    causal = [arch.endswith("ForCausalLM") for arch in raw.get("architectures") or []] == [True]
     if causal and "qwen3-reranker" in name.lower() and "classifier_from_token" not in raw:
         return {**raw, "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
     return raw
@@ -81,7 +81,7 @@ def classifier_of(raw: dict[str, Any], encoder: bool) -> DecoderClassifier | Non
 def add_score_head(model: torch.nn.Module, classifier: DecoderClassifier) -> None:
     """Before loading (on the meta device): the ``score`` layer a sequence-
     classification file fills, and its LM head pointed at the embedding (the file
-    has none; the model is refused text, runner/info's ``generates``)."""
+    has none; the model is refused text: RunnerInfo.generates)."""
     from tandem.models.linear import Linear
 
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
