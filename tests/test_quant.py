@@ -36,6 +36,7 @@ F16_FIELDS = {
     GGMLType.Q6_K: ((208,), 32 * 128),
     GGMLType.Q3_K: ((108,), 4 * 32),
     GGMLType.IQ4_NL: ((0,), 127),
+    GGMLType.TQ2_0: ((64,), 2),
 }
 
 
@@ -253,6 +254,7 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
         GGMLType.Q3_K: 4.5625,  # (3-bit values a nibble each: no 3-bit layout yet)
         GGMLType.IQ4_NL: 8.5,  # (its levels as int8, Q8_0's layout)
+        GGMLType.TQ2_0: 4.5625,  # (2-bit values a nibble each, Q3_K's layout)
     }  # fmt: skip
 
 
@@ -275,7 +277,8 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
     assert start == 0 and torch.equal(joined.dequantize(torch.float32), expected)
     bits = weights[0].nbytes * 8 / (6 * columns)
     wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5,
-             GGMLType.Q3_K: 4.5625 / 3.4375, GGMLType.IQ4_NL: 8.5 / 4.5}.get(code, 1.0)  # fmt: skip
+             GGMLType.Q3_K: 4.5625 / 3.4375, GGMLType.IQ4_NL: 8.5 / 4.5,
+             GGMLType.TQ2_0: 4.5625 / 2.0625}.get(code, 1.0)  # fmt: skip
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

@@ -15,7 +15,7 @@
 //           file's factors per super-block, each item for the tile's 16 rows side by
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
-//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32); IQ4_NL as Q8_0, its
+//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ2_0's 1s); IQ4_NL as Q8_0, its
 //           values its table's levels
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
@@ -31,7 +31,7 @@ constexpr int64_t kRows = 16;
 
 enum Code : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20
+  IQ4_NL = 20, TQ2_0 = 35
 };
 // IQ4_NL's levels (tandem/quant/blocks.py's IQ4_NL_VALUES): its values are these, as int8.
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -225,6 +225,19 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
             });
       }
       return;
+    case TQ2_0:  // Q3_K's layout: 2-bit values (bits 2j of byte 32h + l), sub-scales of 1
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 66;
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk + 64));
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = 1;
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j)
+            put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
+              return (word(blk + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u;
+            });
+      }
+      return;
     case Q6_K:
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * 210;
@@ -284,11 +297,13 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
-  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K || code == pack::Q3_K;
+  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K ||
+                       code == pack::Q3_K || code == pack::TQ2_0;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const int64_t record_group = records ? (code == pack::Q6_K || code == pack::Q3_K ? 16 : 32) : 0;
+  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::TQ2_0;
+  const int64_t record_group = records ? (sixteen ? 16 : 32) : 0;
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
               "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),

@@ -246,6 +246,7 @@ _Q_STD = {
     GGMLType.Q6_K: 18.5 * 20.0,  # q - 32, q in 0..63, times a sub-scale in 8..31
     GGMLType.Q3_K: 2.29 * 18.5,  # q - 4, q in 0..7, times a sub-scale in -32..31
     GGMLType.IQ4_NL: 66.0,  # its 16 levels, -127..113
+    GGMLType.TQ2_0: 0.816,  # q - 1, q in 0..2 (ternary)
 }
 # The mean of a format's unsigned values (0..15 or 0..31), for the minimums that
 # centre its weights on zero.
@@ -287,6 +288,10 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         blocks[:, 208:210] = _f16_scales(rng, n, d)
     elif code == GGMLType.Q3_K:  # (every bit pattern of its 6-bit scales is valid)
         blocks[:, 108:110] = _f16_scales(rng, n, d)
+    elif code == GGMLType.TQ2_0:  # ternary values: each 2-bit field 0, 1 or 2
+        fields = rng.integers(0, 3, (n, 64, 4), dtype=np.uint8)
+        blocks[:, :64] = (fields << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(-1, dtype=np.uint8)
+        blocks[:, 64:66] = _f16_scales(rng, n, d)
     else:
         raise ValueError(f"no random blocks for {code.name}")
     return blocks.reshape(rows, -1)

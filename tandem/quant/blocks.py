@@ -23,6 +23,7 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     Q3_K  110 B / 256 w: hmask[32] (3rd bits), qs[64] (2-bit pairs), 12 B of 6-bit
                          scales for 16 groups of 16, d       w = d*(sc-32)*(q-4)
                          (q = the 2 low bits + 4 * the hmask bit: 0..7)
+    TQ2_0  66 B / 256 w: qs[64] (2-bit values, Q3_K's pairs), d   w = d*(q-1)
     IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
                          (a non-linear table of 16 int8 levels: the value is the
                          table's, an int8, and the format packs as Q8_0 does)
@@ -64,6 +65,7 @@ class GGMLType(IntEnum):
     Q6_K = 14
     IQ4_NL = 20
     BF16 = 30
+    TQ2_0 = 35
 
 
 FLOAT_TYPES = {
@@ -214,10 +216,9 @@ def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
     rows = blocks.shape[0]
     hmask, qs, packed, d = (blocks[..., a:b] for a, b in ((0, 32), (32, 96), (96, 108), (108, 110)))
     low = torch.cat([packed[..., :8] & 0x0F, packed[..., :8] >> 4], dim=-1)  # [.., 16]
-    pairs_of_bits = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
-    top = (packed[..., 8:12].unsqueeze(-2) >> pairs_of_bits) & 0x03  # [.., 4 (s // 4), 4]
+    top = (packed[..., 8:12].unsqueeze(-2) >> _PAIRS_OF_BITS) & 0x03  # [.., 4 (s // 4), 4]
     sub = (low | (top.reshape(*low.shape) << 4)).to(torch.int8) - 32
-    pairs = (qs.reshape(rows, -1, 2, 1, 32) >> pairs_of_bits) & 0x03  # [rows, blocks, h, j, l]
+    pairs = _pairs(qs, rows)
     bit = torch.arange(8, dtype=torch.uint8).view(2, 4, 1)
     third = (hmask.reshape(rows, -1, 1, 1, 32) >> bit) & 1
     q = pairs | (third << 2)
@@ -225,6 +226,27 @@ def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
     scales = dd.unsqueeze(-1) * sub.float()
     supers = SuperScales(dd, _flat(sub, rows))
     return Decoded(_flat(q, rows), _flat(scales, rows), None, 4, 16, 4, supers)
+
+
+_PAIRS_OF_BITS = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
+
+
+def _pairs(qs: torch.Tensor, rows: int) -> torch.Tensor:
+    """64 bytes a super-block -> its 256 2-bit values [rows, blocks, h, j, l]: weight
+    128h + 32j + l is bits 2j of byte 32h + l (Q3_K's low bits, TQ2_0's values)."""
+    return (qs.reshape(rows, -1, 2, 1, 32) >> _PAIRS_OF_BITS) & 0x03
+
+
+def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
+    """TQ2_0: w = d*(q-1), q 2 bits (0..2); one d a super-block, so a sub-scale of 1
+    for each of the 16 groups (the packed and split layouts are Q3_K's)."""
+    rows = blocks.shape[0]
+    d = _f16(blocks[..., 64:66])
+    sub = torch.ones(*d.shape, 16, dtype=torch.int8)
+    scales = d.unsqueeze(-1) * sub.float()
+    supers = SuperScales(d, _flat(sub, rows))
+    return Decoded(_flat(_pairs(blocks[..., :64], rows), rows), _flat(scales, rows), None, 1, 16,
+                   4, supers)  # fmt: skip
 
 
 # IQ4_NL's (and IQ4_XS's) 16 levels, as llama.cpp's ggml-common.h defines the format.
@@ -314,6 +336,9 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # packed against the file's 3.4375: the kernels have no 3-bit layout yet).
     BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
                 SuperFormat(256, 16, 0, 4, True, False)),
+    # TQ2_0's 2-bit values a nibble each, Q3_K's layouts (4.5625 bits against 2.0625).
+    BlockFormat(GGMLType.TQ2_0, 256, 66, _decode_tq2_0, 4, 16, 1.0, False, 288,
+                SuperFormat(256, 16, 0, 1, True, False)),
     # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
     BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
 )}  # fmt: skip
