@@ -12,7 +12,7 @@ tied LM head) and requantized by llama.cpp's llama-quantize to Q8_0 and Q4_0; Ge
 LM head, is two thirds of a decode step's bytes); and the
 random-weight 125M Llama of benchmarks/common.py written by tandem's exporter in F16,
 Q8_0 and Q4_0 (so this also shows llama.cpp loading tandem's files), and that F16 file
-quantized by llama-quantize to Q3_K_S and IQ4_NL.
+quantized by llama-quantize to Q3_K_S, IQ4_NL and TQ2_0.
 
 llama.cpp: llama-bench (tg at depth 128, pp512) and llama-batched-bench (16 x 128 +
 128), built from the llama-cpp-python sdist::
@@ -86,7 +86,7 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
         files[f"llama-125m {fmt.upper()}"] = out
     # Its F16 file quantized by llama.cpp to the types tandem reads since (every matrix
     # of the 768-wide model takes whole 256-weight super-blocks).
-    for fmt in ("Q3_K_S", "IQ4_NL"):
+    for fmt in ("Q3_K_S", "IQ4_NL", "TQ2_0"):
         out = folder / f"llama125m-{fmt.lower()}.gguf"
         if not out.is_file() and llama_bin is not None:
             subprocess.run(
