@@ -24,17 +24,10 @@ from tandem.server.api import build_app
 from tandem.serving.async_engine import AsyncEngine
 from tests.hf_models import build_tokenizer, hf_config
 from tests.servers import thread_server
+from tests.test_encoders import DOCUMENTS, QUERY, TEXTS
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = [
-    "The quick brown fox",
-    "Paged attention keeps the KV cache in fixed-size blocks with a block table.",
-    "a",
-    "Prefill is compute-bound; decode is memory-bandwidth-bound. " * 3,
-]
-QUERY = "Where does the fox jump?"
-DOCUMENTS = ["The quick brown fox jumps over the lazy dog.", "def forward(self):", "Ça va"]
 # The prompt of Qwen3-Reranker's model card, written out here (the reference).
 CARD_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the "

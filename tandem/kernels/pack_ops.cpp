@@ -119,6 +119,19 @@ inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
   }
 }
 
+// A super-block's 256 2-bit values into 32-blocks sb * 8 .. sb * 8 + 7 of tile row r:
+// weight 128h + 32j + l is bits 2j of qs[32h + l] (TQ2_0's values, Q3_K's low bits),
+// with bit 4h + j of hmask[l] above them when there is a hmask (Q3_K's third bit).
+inline void put_pairs(uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs, const uint8_t* hmask) {
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j)
+      put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
+        const uint32_t pairs = (word(qs + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u;
+        if (hmask == nullptr) return pairs;
+        return pairs | (((word(hmask + 4 * k) >> (4 * h + j)) & 0x01010101u) << 2);
+      });
+}
+
 // One row's blocks -> tile row r.
 void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
@@ -217,12 +230,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           const int top = (packed[8 + g % 4] >> (2 * (g / 4))) & 0x03;
           rec[quant::record::sub_unit(16, g) * kRows + r] = static_cast<uint8_t>((low | (top << 4)) - 32);
         }
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j)  // weights 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l]
-            put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
-              return ((word(qs + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u) |
-                     (((word(hmask + 4 * k) >> (4 * h + j)) & 0x01010101u) << 2);
-            });
+        put_pairs(dst, sb, r, qs, hmask);
       }
       return;
     case TQ2_0:  // Q3_K's layout: 2-bit values (bits 2j of byte 32h + l), sub-scales of 1
@@ -231,11 +239,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 64));
         for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = 1;
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j)
-            put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
-              return (word(blk + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u;
-            });
+        put_pairs(dst, sb, r, blk, nullptr);
       }
       return;
     case Q6_K:

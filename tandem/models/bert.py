@@ -107,7 +107,21 @@ class EncoderLayer(nn.Module):
         return self.output.LayerNorm(h + self.output.dense(up))
 
 
-class EncoderModel(nn.Module):
+class Encoder(nn.Module):
+    """What every encoder class shares (BERT's, ModernBERT's): no tokens, no LM head
+    to tie, checkpoint tensors taken as they are."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("an encoder makes no tokens")
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def tie_weights(self) -> None:
+        pass
+
+
+class EncoderModel(Encoder):
     """BertModel, XLMRobertaModel and their ...ForSequenceClassification: ``forward``
     gives the final hidden states; ``classify`` a head's scores of first-token rows."""
 
@@ -168,9 +182,6 @@ class EncoderModel(nn.Module):
         head = self.classifier
         return head.out_proj(torch.tanh(head.dense(first_rows))).float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("an encoder makes no tokens")
-
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         for prefix in PREFIXES:
             if name.startswith(prefix):
@@ -182,12 +193,6 @@ class EncoderModel(nn.Module):
             if f".attention.self.{part}." in name:
                 return name.replace(f".self.{part}.", ".self.qkv."), index
         return name, None
-
-    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def tie_weights(self) -> None:
-        pass
 
 
 BERT = Family(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.models.bert import Encoder
 from tandem.models.config import ModelConfig, architecture_of, checkpoint_dtype, parse_rope, require
 from tandem.models.family import Family
 from tandem.models.layers import AttentionContext, RotaryEmbedding, activation
@@ -120,7 +121,7 @@ class ModernBertLayer(nn.Module):
         return h + self.mlp.Wo(self.act(up) * gate)
 
 
-class ModernBertModel(nn.Module):
+class ModernBertModel(Encoder):
     """ModernBertModel and ModernBertForSequenceClassification: ``forward`` gives the
     final hidden states; ``classify`` a head's scores of pooled rows."""
 
@@ -169,20 +170,11 @@ class ModernBertModel(nn.Module):
         pooled = self.head.norm(self.head_act(self.head.dense(rows)))
         return self.classifier(pooled).float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("an encoder makes no tokens")
-
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         name = name.removeprefix("model.")
         if name.startswith(UNUSED) and not (self.num_labels and name.startswith("head.")):
             return None
         return name, None
-
-    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def tie_weights(self) -> None:
-        pass
 
 
 MODERNBERT = Family(
