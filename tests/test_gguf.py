@@ -36,6 +36,7 @@ from tandem.models.quantized import packed_parts
 from tandem.models.random_gguf import Shape, write_random_gguf
 from tandem.models.tokenizer import Tokenizer
 from tandem.quant.blocks import BLOCK, GGMLType, dequantize
+from tandem.quant.quantize import quantize
 from tandem.runner.attention import CausalAttention
 from tandem.runner.linear import linear_method_for
 from tests.hf_models import from_gguf, save_model
@@ -58,7 +59,7 @@ def _encoder(code: GGMLType):
         if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
             kind = gguf.GGMLQuantizationType(int(code))
             return code, quants.quantize(t.numpy(), kind)
-        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.TQ2_0):
+        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0):
             seed = sum(map(ord, name))
             return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
         return None
@@ -83,9 +84,11 @@ FORMATS = {
     "Q8_0": ("q8_0", None),
     "Q4_0": ("q4_0", None),
     "Q4_K": ("q4_k", None),
+    "Q3_K": ("q3_k", None),  # (tandem's quantizers: llama.cpp's scale searches)
+    "IQ4_NL": ("iq4_nl", None),
+    "MXFP4": ("mxfp4", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K,
-                                   GGMLType.IQ4_NL, GGMLType.TQ2_0)},
+                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0)},
     "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
@@ -856,7 +859,64 @@ def _decoded_encoder(name: str):
 
 
 DECODED = ["Q2_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-           "IQ1_S", "IQ1_M", "TQ1_0", "MXFP4"]  # fmt: skip
+           "IQ1_S", "IQ1_M", "TQ1_0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "iq4_xs"])
+def test_files_tandem_writes_in_types_without_kernels_load_in_both_engines(hf_folders, tmp_path, fmt):
+    """`tandem quantize --type q2_k / iq4_xs`: transformers' GGUF loader (gguf-py's
+    decoder) reads the file, tandem decodes it at load, and the two agree; the weights
+    are the folder's within the type's error (Q2_K's is the largest: about 0.3 of the
+    weights' RMS)."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "model.gguf"
+    export_gguf(hf_folders("llama"), path, fmt)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    assert fmt.upper() in kinds
+    ids = list(range(3, 43))
+    ours = tandem_logits(path, ids, "auto")
+    expected = transformers_logits(path, ids)
+    assert (ours - expected).abs().max() <= 5e-5 * expected.abs().max()
+    up = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    written = quants.dequantize(up.data, up.tensor_type)
+    source = load_file(hf_folders("llama") / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    error = np.sqrt(((written - source.numpy()) ** 2).mean() / (source.numpy() ** 2).mean())
+    assert error < 0.35, error
+
+
+def test_an_mxfp4_tensor_whose_scales_float16_cannot_hold_is_decoded_at_load(
+    hf_folders, tmp_path, caplog
+):
+    """MXFP4 runs on the kernels with its powers of two as float16 scales; a tensor with
+    a block whose power of two is beyond float16 (2**-24 .. 2**15) and whose values are
+    not all zero is decoded to float32 at load instead (a warning says why), exactly as
+    transformers reads it; all-zero blocks of any exponent stay on the kernels."""
+    from tandem.quant.blocks import held_exactly
+
+    def encode(name: str, t: torch.Tensor):
+        raw = quantize(t, GGMLType.MXFP4).numpy().copy()
+        if name == "blk.0.ffn_down.weight":
+            raw[0, 0] = 60  # 2**-68: a float16 would flush it to zero
+        if name == "blk.1.ffn_down.weight":
+            raw[0, 1:17] = 0  # an all-zero block: its exponent does not matter
+            raw[0, 0] = 0
+        return GGMLType.MXFP4, raw
+
+    path = tmp_path / "model.gguf"
+    export_gguf(hf_folders("llama"), path, "f32", encode)
+    tensors = {t.name: t for t in GGUFFile(path).tensors}
+    reader = GGUFFile(path)
+    assert not held_exactly(GGMLType.MXFP4, reader.data(tensors["blk.0.ffn_down.weight"]))
+    assert held_exactly(GGMLType.MXFP4, reader.data(tensors["blk.1.ffn_down.weight"]))
+    ids = list(range(3, 43))
+    with caplog.at_level("WARNING"):
+        lm = load_model(path)
+    assert "1 MXFP4 (scales beyond float16) tensors decoded to float32" in caplog.text
+    assert not packed_parts(lm.model.model.layers[0].mlp.down_proj)  # the float path
+    assert packed_parts(lm.model.model.layers[1].mlp.down_proj)
+    exact = tandem_logits(path, ids, "none")
+    torch.testing.assert_close(exact, transformers_logits(path, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_every_other_block_type_is_decoded_at_load():

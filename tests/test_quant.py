@@ -5,6 +5,8 @@ format, odd shapes and batch sizes 1..64."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -37,6 +39,7 @@ F16_FIELDS = {
     GGMLType.Q3_K: ((108,), 4 * 32),
     GGMLType.IQ4_NL: ((0,), 127),
     GGMLType.TQ2_0: ((64,), 2),
+    GGMLType.MXFP4: ((), 12),  # (its exponent byte: set below)
 }
 
 
@@ -51,6 +54,8 @@ def random_blocks(code: GGMLType, rows: int, columns: int, seed: int = 0) -> tor
         scale = rng.uniform(-0.1, 0.1, size=raw.shape[:2]) / factor
         scale = scale.astype(np.float16)
         raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if code == GGMLType.MXFP4:  # powers of two 2**-15 .. 2**-7: weights within +-0.1
+        raw[..., 0] = rng.integers(113, 122, size=raw.shape[:2], dtype=np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
@@ -68,6 +73,37 @@ def test_the_quantizers_write_llama_cpps_reference_bytes(fmt):
     w = torch.randn(6, 256) * torch.logspace(-2, 1, 6).unsqueeze(1)
     expected = quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(code)))
     np.testing.assert_array_equal(quantize(w, code).numpy(), expected)
+
+
+LLAMA_CPP_BYTES = Path(__file__).with_name("reference") / "llama_cpp_quantized.npz"
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@pytest.mark.parametrize("fmt", ["q3_k", "q2_k", "iq4_nl", "iq4_xs", "mxfp4"])
+def test_the_low_bit_quantizers_write_llama_cpps_bytes(fmt, path, monkeypatch):
+    """Against llama.cpp's own bytes for the same float16 weights (ggml_quantize_chunk,
+    as llama-quantize calls it without an importance matrix: tests/reference, written
+    by ``python -m benchmarks.quantizer_agreement --write-fixture``): heavy-tailed rows
+    from 1e-3 to 10, a zero half row, a constant one. Nearly every block is llama.cpp's
+    byte for byte; where a last-bit difference in a sum chose another of two close
+    candidates, the weights are as close to the input as llama.cpp's."""
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda device, dtype: False)
+    elif not cpu_kernels.available(torch.device("cpu"), torch.float32):
+        pytest.skip("the CPU kernels could not be built here")
+    reference = np.load(LLAMA_CPP_BYTES)
+    w = torch.from_numpy(reference["weights"]).float()
+    kind = gguf.GGMLQuantizationType[fmt.upper()]
+    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    ours, theirs = quantize(w, FORMATS[fmt]).numpy(), reference[fmt]
+    assert ours.shape == theirs.shape
+    same = (ours.reshape(-1, nbytes) == theirs.reshape(-1, nbytes)).all(-1)
+    assert same.mean() >= 0.95, same.mean()
+
+    def error(raw):
+        return ((quants.dequantize(raw, kind) - w.double().numpy()) ** 2).sum()
+
+    assert error(ours) <= 1.01 * error(theirs)
 
 
 def test_q4_k_is_a_valid_block_stream_close_to_the_weights():
@@ -255,6 +291,7 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.Q3_K: 4.5625,  # (3-bit values a nibble each: no 3-bit layout yet)
         GGMLType.IQ4_NL: 8.5,  # (its levels as int8, Q8_0's layout)
         GGMLType.TQ2_0: 4.5625,  # (2-bit values a nibble each, Q3_K's layout)
+        GGMLType.MXFP4: 5.5,  # (its values + 16 in Q5_0's layout, against the file's 4.25)
     }  # fmt: skip
 
 
@@ -278,7 +315,7 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
     bits = weights[0].nbytes * 8 / (6 * columns)
     wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5,
              GGMLType.Q3_K: 4.5625 / 3.4375, GGMLType.IQ4_NL: 8.5 / 4.5,
-             GGMLType.TQ2_0: 4.5625 / 2.0625}.get(code, 1.0)  # fmt: skip
+             GGMLType.TQ2_0: 4.5625 / 2.0625, GGMLType.MXFP4: 5.5 / 4.25}.get(code, 1.0)  # fmt: skip
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

@@ -27,6 +27,8 @@ made one after the other from C++ (on a tensor-parallel rank, with the all-reduc
 between them).
 read_probe.cpp: every byte of a tensor read once, as the kernels stream: the machine's
 read bandwidth that decode is measured against (plan/measure.py).
+quantize_ops.cpp: float weights -> Q3_K, Q2_K, IQ4_NL and IQ4_XS blocks by llama.cpp's
+scale searches, across threads (quant/quantize.py; `tandem quantize`).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -71,6 +73,7 @@ SOURCES = [
         "shm_ops.cpp",
         "decode_stack.cpp",
         "read_probe.cpp",
+        "quantize_ops.cpp",
     )
 ]
 FUNCTIONS = [
@@ -101,6 +104,7 @@ FUNCTIONS = [
     "shm_wait",
     "shm_all_reduce",
     "read_stream",
+    "quantize_ggml",
 ]
 
 

@@ -16,7 +16,8 @@
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
 //           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ2_0's 1s); IQ4_NL as Q8_0, its
-//           values its table's levels
+//           values its table's levels; MXFP4 as Q5_0, its values + 16 and its powers of
+//           two as float16
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -31,15 +32,17 @@ constexpr int64_t kRows = 16;
 
 enum Code : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20, TQ2_0 = 35
+  IQ4_NL = 20, TQ2_0 = 35, MXFP4 = 39
 };
 // IQ4_NL's levels (tandem/quant/blocks.py's IQ4_NL_VALUES): its values are these, as int8.
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's values (blocks.py's MXFP4_VALUES: FP4 E2M1 doubled), held + 16 as Q5_0's are.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Bits a value of the format takes packed.
 inline int value_bits(int64_t code) {
   switch (code) {
-    case Q5_0: case Q5_1: case Q5_K: return 5;
+    case Q5_0: case Q5_1: case Q5_K: case MXFP4: return 5;
     case Q6_K: return 6;
     case Q8_0: case IQ4_NL: return 8;
     default: return 4;
@@ -169,6 +172,28 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           return quad;
         });
         put_scale(o, tile, b, r, u16(blk), o.scales);
+      }
+      return;
+    case MXFP4:
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * 17;
+        // Byte 1 + j holds weight j (low nibble) and weight 16 + j (high nibble).
+        put_values<5>(dst, b, r, [&](int k) {
+          uint32_t quad = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int w = 4 * k + i;
+            const int q = w < 16 ? blk[1 + w] & 0x0F : blk[1 + w - 16] >> 4;
+            quad |= static_cast<uint32_t>(kMxfp4Values[q] + 16) << (8 * i);
+          }
+          return quad;
+        });
+        // The shared exponent's 2**(e - 128) (ggml's e8m0 half), as a float16 (the
+        // loader keeps only tensors whose powers of two a float16 holds).
+        const uint32_t e = blk[0];
+        const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+        float scale;
+        std::memcpy(&scale, &bits, 4);
+        put_scale(o, tile, b, r, c10::Half(scale).x, o.scales);
       }
       return;
     case Q5_0:

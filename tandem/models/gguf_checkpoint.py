@@ -40,8 +40,8 @@ from tandem.quant.blocks import (
     FLOAT_TYPES,
     GGMLType,
     check_supported,
-    decoded_at_load,
     dequantize_other,
+    held_exactly,
     type_name,
 )
 
@@ -126,7 +126,8 @@ class GGUFCheckpoint:
         self.family: Family = family
         self.tensor_names = {t.name for t in self._file.tensors}
         # Tensors ``tensors`` decoded to float32 as they were read, by type name (those
-        # of a type without a kernel layout: quant/blocks.py's decoded_at_load).
+        # of a type without a kernel layout, quant/blocks.py's decoded_at_load, and
+        # those whose blocks the layouts do not hold exactly: blocks.held_exactly).
         self.decoded: dict[str, int] = {}
 
     def close(self) -> None:
@@ -241,8 +242,11 @@ class GGUFCheckpoint:
                 continue
             code = check_supported(info.type, info.name)
             shape = tuple(reversed(info.shape))
+            kind = type_name(code)
+            if isinstance(code, GGMLType) and not held_exactly(code, self._file.data(info)):
+                kind, code = f"{kind} (scales beyond float16)", int(code)
             if not isinstance(code, GGMLType):  # decoded to float32 as it is read
-                self.decoded[type_name(code)] = self.decoded.get(type_name(code), 0) + 1
+                self.decoded[kind] = self.decoded.get(kind, 0) + 1
                 code = GGMLType.F32
             if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
                 shape = (1, shape[0])  # the vector of one output row
@@ -268,7 +272,7 @@ class GGUFCheckpoint:
     ) -> torch.Tensor:
         """A view of the mapped bytes; a copy only where rows move (q / k), values
         change (Gemma's norms) or a type is decoded at load (float32 of ``shape``)."""
-        if info.type in decoded_at_load():
+        if code in FLOAT_TYPES and info.type not in FLOAT_TYPES:  # decoded at load
             data = dequantize_other(info.type, self._file.data(info), shape)
         elif code in FLOAT_TYPES:
             data = torch.from_numpy(self._file.data(info)).view(FLOAT_TYPES[code]).reshape(shape)

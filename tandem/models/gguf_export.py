@@ -5,7 +5,9 @@ names -> ``blk.N.*``, q/k rows permuted into llama.cpp's rotary order (llama and
 mistral), the byte-level BPE tokenizer.json -> ``tokenizer.ggml.*`` (type gpt2), and
 each matrix encoded in the chosen format by tandem/quant/quantize.py (float formats
 by a cast). As llama.cpp does, 1-D tensors (norms, biases) stay float32, and a matrix
-whose rows are not whole blocks of the format is written as float16.
+whose rows are not whole blocks of the format is written in llama-quantize's fallback
+type for it (Q4_0 for Q2_K and Q3_K, IQ4_NL for IQ4_XS, Q5_0 for Q4_K: blocks of 32),
+else as float16.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from tandem.models.loader import read_config
 from tandem.models.mixtral import MIXTRAL, hf_expert_name
 from tandem.models.registry import FAMILIES, family_for
 from tandem.models.weight_source import SafetensorsCheckpoint
-from tandem.quant.blocks import BLOCK, GGMLType
-from tandem.quant.quantize import FORMATS, quantize
+from tandem.quant.blocks import GGMLType
+from tandem.quant.quantize import FORMATS, QUANTIZERS, quantize
 
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 EXPORT_TYPES.update(FORMATS)
@@ -70,6 +72,20 @@ def _permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 2, half, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
+# llama-quantize's type for rows that are not whole super-blocks (llama-quant.cpp's
+# tensor_type_fallback).
+_FALLBACK = {GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0,
+             GGMLType.IQ4_XS: GGMLType.IQ4_NL, GGMLType.Q4_K: GGMLType.Q5_0}  # fmt: skip
+
+
+def _block_weights(code: GGMLType) -> int:
+    import gguf
+
+    if code in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        return 1
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(code))][0]
+
+
 def _file_type(code: GGMLType) -> int:
     import gguf
 
@@ -80,6 +96,12 @@ def _file_type(code: GGMLType) -> int:
         GGMLType.Q8_0: "MOSTLY_Q8_0",
         GGMLType.Q4_0: "MOSTLY_Q4_0",
         GGMLType.Q4_K: "MOSTLY_Q4_K_S",
+        GGMLType.Q3_K: "MOSTLY_Q3_K_S",
+        GGMLType.Q2_K: "MOSTLY_Q2_K",
+        GGMLType.IQ4_NL: "MOSTLY_IQ4_NL",
+        GGMLType.IQ4_XS: "MOSTLY_IQ4_XS",
+        GGMLType.MXFP4: "MOSTLY_MXFP4_MOE",
+        GGMLType.Q5_0: "MOSTLY_Q5_0",
     }
     return int(gguf.LlamaFileType[names[code]])
 
@@ -196,8 +218,9 @@ def export_gguf(
     encoder: Encoder | None = None,
     split_max_tensors: int = 0,
 ) -> Path:
-    """Write the Hugging Face folder as a GGUF file in ``fmt`` (f32, f16, bf16, q8_0,
-    q4_0, q4_k); returns the file written. ``encoder(gguf_name, float_tensor)`` may
+    """Write the Hugging Face folder as a GGUF file in ``fmt`` (f32, f16, bf16, or a
+    block format of quantize.py's: q8_0, q4_0, q4_k, q3_k, q2_k, iq4_nl, iq4_xs,
+    mxfp4, q5_0); returns the file written. ``encoder(gguf_name, float_tensor)`` may
     choose another format for any matrix: (type, raw block bytes), or None to leave
     it to ``fmt`` (how mixed files, such as llama.cpp's Q4_K_M, are made).
     ``split_max_tensors``: write parts of at most that many tensors, as llama.cpp's
@@ -271,13 +294,15 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     kind = code
     if t.dim() == 1 or ".ffn_gate_inp." in target:  # (a router stays float32, as llama.cpp's)
         kind = GGMLType.F32
-    elif code in BLOCK and t.shape[-1] % BLOCK[code][0]:
-        kind = GGMLType.F16
+    elif code in QUANTIZERS and t.shape[-1] % _block_weights(code):
+        kind = _FALLBACK.get(code, GGMLType.F16)
+        if t.shape[-1] % _block_weights(kind):
+            kind = GGMLType.F16
     chosen = encoder(target, t) if encoder is not None and t.dim() == 2 else None
     if chosen is not None:
         kind, data = chosen
         writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
-    elif kind in BLOCK:  # (stacked experts: blocks of the rows of every expert)
+    elif kind in QUANTIZERS:  # (stacked experts: blocks of the rows of every expert)
         data = quantize(t.reshape(-1, t.shape[-1]), kind).numpy()
         data = data.reshape(*t.shape[:-1], data.shape[-1])
         writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))

@@ -216,11 +216,10 @@ def load_model(
     model.eval().requires_grad_(False)
     if gguf_file is not None and checkpoint.decoded:
         logger.warning(
-            "%s: %s decoded to float32 at load (no kernel layout for %s yet: these "
-            "weights take float memory and run at float speed)",
+            "%s: %s decoded to float32 at load (the kernels' layouts do not hold them: "
+            "these weights take float memory and run at float speed)",
             Path(gguf_file).name,
             ", ".join(f"{n} {kind} tensors" for kind, n in checkpoint.decoded.items()),
-            " / ".join(checkpoint.decoded),
         )
     tokenizer, generation_config = None, {}
     if gguf_file is not None:

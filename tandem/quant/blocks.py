@@ -27,6 +27,9 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
                          (a non-linear table of 16 int8 levels: the value is the
                          table's, an int8, and the format packs as Q8_0 does)
+    MXFP4  17 B / 32 w:  e (E8M0), q[16] as Q4_0's nibbles   w = 2**(e-128) * MXFP4_VALUES[q]
+                         (FP4 E2M1 values doubled, -12..12: held as Q5_0's 5-bit
+                         values, offset 16, the power of two as Q5_0's float16 scale)
 
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
@@ -50,7 +53,8 @@ from tandem.errors import ModelLoadError
 
 
 class GGMLType(IntEnum):
-    """GGUF tensor type codes (ggml.h's ggml_type) for the formats tandem reads."""
+    """GGUF tensor type codes (ggml.h's ggml_type) for the formats tandem computes on
+    (FORMATS' rows) or writes (quant/quantize.py's QUANTIZERS)."""
 
     F32 = 0
     F16 = 1
@@ -59,13 +63,16 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
     Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
     IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
     TQ2_0 = 35
+    MXFP4 = 39
 
 
 FLOAT_TYPES = {
@@ -262,6 +269,41 @@ def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(IQ4_NL_VALUES[q], rows), _f16(blocks[..., :2]), None, 0, 32, 8)
 
 
+# MXFP4's 16 values (E2M1 numbers doubled, as ggml's kvalues_mxfp4), and the
+# shared exponent's float: 2**(e - 128), half of E8M0's 2**(e - 127) for the doubling.
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                            dtype=torch.int8)  # fmt: skip
+# The exponents whose power of two a float16 holds exactly (2**-24 .. 2**15).
+MXFP4_HALF_EXPONENTS = (104, 143)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """uint8 exponents -> float32 2**(e - 128) (for e < 2, the subnormals ggml makes)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _decode_mxfp4(blocks: torch.Tensor) -> Decoded:
+    """MXFP4: w = 2**(e-128) * MXFP4_VALUES[q]; the values + 16 (Q5_0's 5-bit range)."""
+    rows = blocks.shape[0]
+    q = _nibbles32(blocks[..., 1:]).long()
+    values = (MXFP4_VALUES[q].to(torch.int16) + 16).to(torch.uint8)
+    return Decoded(_flat(values, rows), _e8m0_half(blocks[..., 0]), None, 16, 32, 5)
+
+
+def _mxfp4_held_exactly(raw: torch.Tensor) -> bool:
+    """Whether every block's power of two is a float16 (the layouts' scales), or its
+    values are all zero (then any scale is)."""
+    blocks = raw.reshape(-1, 17)
+    low, high = MXFP4_HALF_EXPONENTS
+    outside = (blocks[:, 0] < low) | (blocks[:, 0] > high)
+    if not bool(outside.any()):
+        return True
+    q = blocks[outside, 1:]
+    return bool((((q & 0x07) == 0) & (((q >> 4) & 0x07) == 0)).all())
+
+
 # -- the table ---------------------------------------------------------------------------
 
 
@@ -299,7 +341,10 @@ class BlockFormat:
     # The GPU's split layout (split_blocks.py): BlockWeight's bits a value (Q4_0,
     # Q8_0: their values as the file lays them out), or SuperBlockWeight's formula.
     split: int | SuperFormat
-    quantized_by_tandem: bool = False  # quantize.py writes it (quantize on load, export)
+    # Whether the layouts hold a tensor's blocks (uint8 [rows, row bytes]) exactly, for a
+    # format whose file can hold what they cannot (MXFP4's scales beyond float16): a
+    # tensor that fails is decoded to float32 at load instead. None: always.
+    held_exactly: Callable[[torch.Tensor], bool] | None = None
 
     @property
     def name(self) -> str:
@@ -317,9 +362,8 @@ _q4_k, _q5_k = partial(_decode_q45_k, bits=4), partial(_decode_q45_k, bits=5)
 FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # format, weights and bytes a block, decoder; packed: bits, group, offset, corr,
     # record bytes; split
-    BlockFormat(GGMLType.Q8_0, 32, 34, _decode_q8_0, 8, 32, 0.0, False, 0, 8,
-                quantized_by_tandem=True),
-    BlockFormat(GGMLType.Q4_0, 32, 18, _q4_0, 4, 32, 8.0, False, 0, 4, quantized_by_tandem=True),
+    BlockFormat(GGMLType.Q8_0, 32, 34, _decode_q8_0, 8, 32, 0.0, False, 0, 8),
+    BlockFormat(GGMLType.Q4_0, 32, 18, _q4_0, 4, 32, 8.0, False, 0, 4),
     BlockFormat(GGMLType.Q4_1, 32, 20, _q4_1, 4, 32, 0.0, True, 0,
                 SuperFormat(32, 32, 0, 0, False, True)),
     BlockFormat(GGMLType.Q5_0, 32, 22, _q5_0, 5, 32, 16.0, False, 0,
@@ -327,7 +371,7 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     BlockFormat(GGMLType.Q5_1, 32, 24, _q5_1, 5, 32, 0.0, True, 0,
                 SuperFormat(32, 32, 1, 0, False, True)),
     BlockFormat(GGMLType.Q4_K, 256, 144, _q4_k, 4, 32, 0.0, False, 320,
-                SuperFormat(256, 32, 0, 0, True, True), quantized_by_tandem=True),
+                SuperFormat(256, 32, 0, 0, True, True)),
     BlockFormat(GGMLType.Q5_K, 256, 176, _q5_k, 5, 32, 0.0, False, 320,
                 SuperFormat(256, 32, 1, 0, True, True)),
     BlockFormat(GGMLType.Q6_K, 256, 210, _decode_q6_k, 6, 16, 32.0, False, 288,
@@ -341,6 +385,10 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
                 SuperFormat(256, 16, 0, 1, True, False)),
     # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
     BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
+    # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
+    # (5.5 bits a weight held against the file's 4.25).
+    BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,
+                SuperFormat(32, 32, 1, 16, False, False), _mxfp4_held_exactly),
 )}  # fmt: skip
 
 # Weights and bytes per block (FORMATS' sizes, as most readers want them).
@@ -389,9 +437,20 @@ def decoded_at_load() -> dict[int, tuple[int, int]]:
     return found
 
 
+def held_exactly(code: int, raw: np.ndarray | torch.Tensor) -> bool:
+    """Whether the kernels' layouts of ``code`` hold these blocks (a tensor's uint8
+    bytes) exactly: its row's ``held_exactly`` test, or True (float types, and a
+    format whose file holds nothing the layouts cannot)."""
+    spec = FORMATS.get(code)
+    if spec is None or spec.held_exactly is None:
+        return True
+    return spec.held_exactly(torch.as_tensor(raw))
+
+
 def dequantize_other(code: int, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """A ``decoded_at_load`` tensor's bytes (uint8) -> float32 of ``shape``, by gguf-py's
-    decoder (llama.cpp's dequantization, exactly)."""
+    """A tensor decoded at load (``decoded_at_load``, or not ``held_exactly``): its
+    bytes (uint8) -> float32 of ``shape``, by gguf-py's decoder (llama.cpp's
+    dequantization, exactly)."""
     import gguf
     from gguf import quants
 

@@ -1,5 +1,5 @@
-"""Float weights -> llama.cpp block bytes (Q8_0, Q4_0, Q4_K), for quantize-on-load and
-GGUF export.
+"""Float weights -> llama.cpp block bytes, for quantize-on-load (Q8_0, Q4_0, Q4_K) and
+GGUF export (those, and Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4, Q5_0).
 
 The output is the file format itself (blocks.py's layouts), so a quantized model is
 packed for the kernel by the same decoder that reads GGUF files, and written to GGUF
@@ -8,17 +8,19 @@ Q4_0's scale from the value of largest magnitude, d = that / -8). Q4_K uses each
 group of 32's own range (scale = (max - min) / 15, min <= 0) with the scales and mins
 rounded to 6 bits of the super-block's d and dmin; llama.cpp searches each group's
 scale and min iteratively (make_qkx2_quants), which lowers its error a little more.
+The 2- to 4-bit formats that need no importance matrix to be useful search their scales
+as llama.cpp's reference quantizers do (scale_search.py); MXFP4 (a power-of-two scale
+a block, the nearest FP4 value) and Q5_0 are gguf-py's ports of llama.cpp's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from tandem.quant.blocks import FORMATS as BLOCK_FORMATS
+from tandem.quant import scale_search
 from tandem.quant.blocks import GGMLType
-
-# What tandem writes (blocks.FORMATS' quantized_by_tandem), by the name users give.
-FORMATS = {code.name.lower(): code for code, f in BLOCK_FORMATS.items() if f.quantized_by_tandem}
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -86,13 +88,55 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     return raw.reshape(rows, -1)
 
 
+def by_gguf_py(code: GGMLType) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gguf-py's quantizer for ``code`` (llama.cpp's reference, ported to numpy)."""
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        import gguf
+        from gguf import quants
+
+        raw = quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType(int(code)))
+        return torch.from_numpy(raw)
+
+    return run
+
+
+def searched(code: GGMLType, in_torch: Callable[[torch.Tensor], torch.Tensor]):
+    """A scale-searching quantizer: kernels/quantize_ops.cpp across threads, or, where
+    the kernels are not built, scale_search.py's torch version of the same search."""
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        from tandem.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.available(w.device, torch.float32):
+            return cpu_kernels.load().quantize_ggml(w.float().contiguous(), int(code))
+        return in_torch(w)
+
+    return run
+
+
 QUANTIZERS = {
     GGMLType.Q8_0: quantize_q8_0,
     GGMLType.Q4_0: quantize_q4_0,
     GGMLType.Q4_K: quantize_q4_k,
+    GGMLType.Q3_K: searched(GGMLType.Q3_K, scale_search.quantize_q3_k),
+    GGMLType.Q2_K: searched(GGMLType.Q2_K, scale_search.quantize_q2_k),
+    GGMLType.IQ4_NL: searched(GGMLType.IQ4_NL, scale_search.quantize_iq4_nl),
+    GGMLType.IQ4_XS: searched(GGMLType.IQ4_XS, scale_search.quantize_iq4_xs),
+    GGMLType.MXFP4: by_gguf_py(GGMLType.MXFP4),
+    GGMLType.Q5_0: by_gguf_py(GGMLType.Q5_0),  # (llama-quantize's Q4_K rows of 32s)
 }
+
+# What tandem writes, by the name users give (``tandem quantize --type``).
+FORMATS = {code.name.lower(): code for code in QUANTIZERS}
+
+_CHUNK = 1 << 22  # weights quantized at once (the searches hold a few copies of them)
 
 
 def quantize(w: torch.Tensor, code: GGMLType) -> torch.Tensor:
-    """w [N, K] -> uint8 [N, row bytes] in format ``code`` (K a multiple of its block)."""
-    return QUANTIZERS[code](w)
+    """w [N, K] -> uint8 [N, row bytes] in format ``code`` (K a multiple of its block),
+    a few rows at a time."""
+    step = max(1, _CHUNK // max(1, w.shape[1]))
+    if w.shape[0] <= step:
+        return QUANTIZERS[code](w)
+    return torch.cat([QUANTIZERS[code](w[i : i + step]) for i in range(0, w.shape[0], step)])
