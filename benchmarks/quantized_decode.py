@@ -11,8 +11,8 @@ tied LM head) and requantized by llama.cpp's llama-quantize to Q8_0 and Q4_0; Ge
 270M (Q4_K_M, when its package is installed: its 262k x 640 Q8_0 embedding, the tied
 LM head, is two thirds of a decode step's bytes); and the
 random-weight 125M Llama of benchmarks/common.py written by tandem's exporter in F16,
-Q8_0 and Q4_0 (so this also shows llama.cpp loading tandem's files), and that F16 file
-quantized by llama-quantize to Q3_K_S, IQ4_NL and TQ2_0.
+Q8_0, Q4_0 and MXFP4 (so this also shows llama.cpp loading tandem's files), and that F16 file
+quantized by llama-quantize to Q3_K_S, IQ4_NL, TQ2_0 and TQ1_0.
 
 llama.cpp: llama-bench (tg at depth 128, pp512) and llama-batched-bench (16 x 128 +
 128), built from the llama-cpp-python sdist::
@@ -79,14 +79,14 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
             )  # fmt: skip
         if out.is_file():
             files[f"smollm2 {fmt}"] = out
-    for fmt in ("f16", "q8_0", "q4_0"):
+    for fmt in ("f16", "q8_0", "q4_0", "mxfp4"):  # (tandem's MXFP4: llama-quantize --pure's bytes)
         out = folder / f"llama125m-{fmt}.gguf"
         if not out.is_file():
             export_gguf(llama_125m_folder(), out, fmt)
         files[f"llama-125m {fmt.upper()}"] = out
     # Its F16 file quantized by llama.cpp to the types tandem reads since (every matrix
     # of the 768-wide model takes whole 256-weight super-blocks).
-    for fmt in ("Q3_K_S", "IQ4_NL", "TQ2_0"):
+    for fmt in ("Q3_K_S", "IQ4_NL", "TQ2_0", "TQ1_0"):
         out = folder / f"llama125m-{fmt.lower()}.gguf"
         if not out.is_file() and llama_bin is not None:
             subprocess.run(

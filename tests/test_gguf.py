@@ -59,7 +59,7 @@ def _encoder(code: GGMLType):
         if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
             kind = gguf.GGMLQuantizationType(int(code))
             return code, quants.quantize(t.numpy(), kind)
-        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0):
+        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0, GGMLType.TQ1_0):
             seed = sum(map(ord, name))
             return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
         return None
@@ -88,7 +88,8 @@ FORMATS = {
     "IQ4_NL": ("iq4_nl", None),
     "MXFP4": ("mxfp4", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0)},
+                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0,
+                                   GGMLType.TQ1_0)},
     "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
@@ -859,7 +860,7 @@ def _decoded_encoder(name: str):
 
 
 DECODED = ["Q2_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-           "IQ1_S", "IQ1_M", "TQ1_0"]  # fmt: skip
+           "IQ1_S", "IQ1_M"]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", ["q2_k", "iq4_xs"])

@@ -15,7 +15,7 @@
 //           file's factors per super-block, each item for the tile's 16 rows side by
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
-//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ2_0's 1s); IQ4_NL as Q8_0, its
+//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ1_0's and TQ2_0's 1s); IQ4_NL as Q8_0, its
 //           values its table's levels; MXFP4 as Q5_0, its values + 16 and its powers of
 //           two as float16
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
@@ -32,7 +32,7 @@ constexpr int64_t kRows = 16;
 
 enum Code : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20, TQ2_0 = 35, MXFP4 = 39
+  IQ4_NL = 20, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
 };
 // IQ4_NL's levels (tandem/quant/blocks.py's IQ4_NL_VALUES): its values are these, as int8.
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -267,6 +267,32 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         put_pairs(dst, sb, r, blk, nullptr);
       }
       return;
+    case TQ1_0:  // TQ2_0's layout: its base-3 values rewritten as TQ2_0's 2-bit pairs
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 54;
+        uint8_t trits[256];
+        // Byte b's k-th value is the top trit of b * 3**k (blocks.py's _decode_tq1_0).
+        auto unpack = [&](const uint8_t* bytes, int n, int values, int first) {
+          uint8_t power = 1;
+          for (int k = 0; k < values; ++k, power = static_cast<uint8_t>(power * 3))
+            for (int i = 0; i < n; ++i)
+              trits[first + n * k + i] = static_cast<uint8_t>((static_cast<uint8_t>(bytes[i] * power) * 3) >> 8);
+        };
+        unpack(blk, 32, 5, 0);
+        unpack(blk + 32, 16, 5, 160);
+        unpack(blk + 48, 4, 4, 240);
+        uint8_t pairs[64];
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t* t = trits + 128 * h + l;
+            pairs[32 * h + l] = t[0] | (t[32] << 2) | (t[64] << 4) | (t[96] << 6);
+          }
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk + 52));
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = 1;
+        put_pairs(dst, sb, r, pairs, nullptr);
+      }
+      return;
     case Q6_K:
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * 210;
@@ -327,11 +353,12 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
   const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K ||
-                       code == pack::Q3_K || code == pack::TQ2_0;
+                       code == pack::Q3_K || code == pack::TQ1_0 || code == pack::TQ2_0;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::TQ2_0;
+  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::TQ1_0 ||
+                       code == pack::TQ2_0;
   const int64_t record_group = records ? (sixteen ? 16 : 32) : 0;
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
               "scales: records per tile");

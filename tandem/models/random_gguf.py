@@ -247,6 +247,7 @@ _Q_STD = {
     GGMLType.Q3_K: 2.29 * 18.5,  # q - 4, q in 0..7, times a sub-scale in -32..31
     GGMLType.IQ4_NL: 66.0,  # its 16 levels, -127..113
     GGMLType.TQ2_0: 0.816,  # q - 1, q in 0..2 (ternary)
+    GGMLType.TQ1_0: 0.816,
     GGMLType.MXFP4: 5.2,  # its 16 values, -12..12
 }
 # The mean of a format's unsigned values (0..15 or 0..31), for the minimums that
@@ -293,6 +294,8 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         fields = rng.integers(0, 3, (n, 64, 4), dtype=np.uint8)
         blocks[:, :64] = (fields << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(-1, dtype=np.uint8)
         blocks[:, 64:66] = _f16_scales(rng, n, d)
+    elif code == GGMLType.TQ1_0:  # any byte is 5 (or 4) valid values; d at 52
+        blocks[:, 52:54] = _f16_scales(rng, n, d)
     elif code == GGMLType.MXFP4:  # the power of two nearest the scale, 2**(e - 128)
         blocks[:, 0] = np.uint8(round(np.log2(d)) + 128)
     else:

@@ -24,6 +24,8 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
                          scales for 16 groups of 16, d       w = d*(sc-32)*(q-4)
                          (q = the 2 low bits + 4 * the hmask bit: 0..7)
     TQ2_0  66 B / 256 w: qs[64] (2-bit values, Q3_K's pairs), d   w = d*(q-1)
+    TQ1_0  54 B / 256 w: qs[48] (5 values a byte, base 3), qh[4] (4 a byte), d
+                                                             w = d*(q-1), q in 0..2
     IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
                          (a non-linear table of 16 int8 levels: the value is the
                          table's, an int8, and the format packs as Q8_0 does)
@@ -71,6 +73,7 @@ class GGMLType(IntEnum):
     IQ4_NL = 20
     IQ4_XS = 23
     BF16 = 30
+    TQ1_0 = 34
     TQ2_0 = 35
     MXFP4 = 39
 
@@ -244,16 +247,34 @@ def _pairs(qs: torch.Tensor, rows: int) -> torch.Tensor:
     return (qs.reshape(rows, -1, 2, 1, 32) >> _PAIRS_OF_BITS) & 0x03
 
 
-def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
-    """TQ2_0: w = d*(q-1), q 2 bits (0..2); one d a super-block, so a sub-scale of 1
-    for each of the 16 groups (the packed and split layouts are Q3_K's)."""
-    rows = blocks.shape[0]
-    d = _f16(blocks[..., 64:66])
+def _ternary(values: torch.Tensor, d: torch.Tensor, rows: int) -> Decoded:
+    """TQ1_0's and TQ2_0's w = d*(q-1), q in 0..2: one d a super-block, so a sub-scale
+    of 1 for each of the 16 groups (the packed and split layouts are Q3_K's)."""
     sub = torch.ones(*d.shape, 16, dtype=torch.int8)
     scales = d.unsqueeze(-1) * sub.float()
     supers = SuperScales(d, _flat(sub, rows))
-    return Decoded(_flat(_pairs(blocks[..., :64], rows), rows), _flat(scales, rows), None, 1, 16,
-                   4, supers)  # fmt: skip
+    return Decoded(_flat(values, rows), _flat(scales, rows), None, 1, 16, 4, supers)
+
+
+def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
+    """TQ2_0: qs[64] (2-bit values, Q3_K's pairs), d."""
+    rows = blocks.shape[0]
+    return _ternary(_pairs(blocks[..., :64], rows), _f16(blocks[..., 64:66]), rows)
+
+
+_POWERS_OF_3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8).view(5, 1)
+
+
+def _decode_tq1_0(blocks: torch.Tensor) -> Decoded:
+    """TQ1_0: qs[48] (5 values a byte), qh[4] (4 a byte), d. A byte b holds its k-th
+    value as the top "trit" of b * 3**k: ((b * 3**k mod 256) * 3) >> 8. Weights 0..159
+    are qs[0:32]'s (value k of byte i: weight 32k + i), 160..239 qs[32:48]'s (16k + i),
+    240..255 qh's (4k + i)."""
+    rows = blocks.shape[0]
+    parts = [(blocks[..., a:b].unsqueeze(-2) * _POWERS_OF_3[:n]).flatten(-2)
+             for a, b, n in ((0, 32, 5), (32, 48, 5), (48, 52, 4))]  # fmt: skip
+    trits = ((torch.cat(parts, dim=-1).to(torch.int32) * 3) >> 8).to(torch.uint8)
+    return _ternary(trits, _f16(blocks[..., 52:54]), rows)
 
 
 # IQ4_NL's (and IQ4_XS's) 16 levels, as llama.cpp's ggml-common.h defines the format.
@@ -382,6 +403,9 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
                 SuperFormat(256, 16, 0, 4, True, False)),
     # TQ2_0's 2-bit values a nibble each, Q3_K's layouts (4.5625 bits against 2.0625).
     BlockFormat(GGMLType.TQ2_0, 256, 66, _decode_tq2_0, 4, 16, 1.0, False, 288,
+                SuperFormat(256, 16, 0, 1, True, False)),
+    # TQ1_0's ternary values (5 a byte in the file) as TQ2_0's (4.56 bits against 1.69).
+    BlockFormat(GGMLType.TQ1_0, 256, 54, _decode_tq1_0, 4, 16, 1.0, False, 288,
                 SuperFormat(256, 16, 0, 1, True, False)),
     # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
     BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
