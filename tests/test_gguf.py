@@ -279,7 +279,8 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
         w = dequantize(code, raw, info.shape[0])
         assert torch.isfinite(w).all(), info.name
         assert abs(w.mean().item()) < 0.004 and 0.012 < w.std().item() < 0.03, info.name
-    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[fmt]
+    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K",
+            "q3_k_s": "Q3_K"}[fmt]
     assert types["output.weight"] == ("Q8_0" if fmt == "q8_0" else "Q6_K")
     assert types["blk.3.ffn_gate.weight"] == types["blk.1.ffn_down.weight"] == main
     more_bits = "Q6_K" if fmt.endswith("_k_m") else main  # layer 0: the first eighth

@@ -203,7 +203,7 @@ SHAPES = {
         expert_intermediate=5632,
     ),
 }
-FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
+FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q3_k_s")
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -223,6 +223,8 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.Q6_K
     if fmt == "q4_0":
         return GGMLType.Q4_0
+    if fmt == "q3_k_s":  # (llama.cpp's Q3_K_S: Q3_K throughout, the head Q6_K)
+        return GGMLType.Q3_K
     parts = name.split(".")
     more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps")
     if more_bits and _more_bits(int(parts[1]), shape.layers):
@@ -352,7 +354,7 @@ def write_random_gguf(
     writer = gguf.GGUFWriter(str(path), shape.architecture)
     writer.add_name(f"random {path.stem}")
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
-                  "q5_k_m": "MOSTLY_Q5_K_M"}  # fmt: skip
+                  "q5_k_m": "MOSTLY_Q5_K_M", "q3_k_s": "MOSTLY_Q3_K_S"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
