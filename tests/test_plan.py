@@ -158,12 +158,15 @@ def test_the_plan_prices_the_collectives_and_says_when_tensor_parallelism_pays(t
 
 def test_quantized_weights_take_their_block_formats_bytes(tmp_path):
     """llama.cpp's formats: Q8_0 8.5 bits a weight, Q4_0 4.5, Q4_1 5, Q4_K 4.5, Q6_K
-    6.5625 (scales included); the KV cache keeps its own dtype."""
+    6.5625 (scales included), and every other type it writes at its block's size (as
+    gguf-py gives it: Q2_K 2.625, IQ2_XXS 2.0625, ...); the KV cache keeps its own dtype."""
     path = tmp_path / "llama70b.json"
     path.write_text(json.dumps(LLAMA_70B))
     bf16 = plan(path, PRESETS["h100-sxm"], "bf16", None, 2048, 512)
     for dtype, bits in (("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5), ("q4_k", 4.5),
-                        ("q6_k", 6.5625)):  # fmt: skip
+                        ("q6_k", 6.5625), ("q3_k", 3.4375), ("q2_k", 2.625), ("iq4_xs", 4.25),
+                        ("iq4_nl", 4.5), ("mxfp4", 4.25), ("iq2_xxs", 2.0625), ("iq1_s", 1.5625),
+                        ("tq1_0", 1.6875)):  # fmt: skip
         result = plan(path, PRESETS["h100-sxm"], dtype, "bf16", 2048, 512)
         assert result["weight_bytes"] == pytest.approx(bf16["weight_bytes"] * bits / 16)
         assert result["kv_bytes_per_token"] == bf16["kv_bytes_per_token"]

@@ -123,6 +123,11 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """[...] float -> [..., 2] uint8: float16, little-endian (as blocks store it)."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
 def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] bytes -> [..., 32]: low nibbles are weights 0..15, high 16..31."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)

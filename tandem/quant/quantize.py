@@ -20,12 +20,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.quant import scale_search
-from tandem.quant.blocks import GGMLType
-
-
-def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """[...] float -> [..., 2] uint8 (float16, little-endian)."""
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+from tandem.quant.blocks import GGMLType, f16_bytes
 
 
 def _nibble_pairs(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -38,7 +33,7 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     q = torch.round(blocks * inverse).to(torch.int8)
-    raw = torch.cat([_f16_bytes(d.squeeze(-1)), q.view(torch.uint8)], dim=-1)
+    raw = torch.cat([f16_bytes(d.squeeze(-1)), q.view(torch.uint8)], dim=-1)
     return raw.reshape(rows, -1)
 
 
@@ -51,7 +46,7 @@ def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
     q = torch.clamp(torch.floor(blocks * inverse + 8.5), 0, 15)
     packed = _nibble_pairs(q[..., :16], q[..., 16:])
-    raw = torch.cat([_f16_bytes(d.squeeze(-1)), packed], dim=-1)
+    raw = torch.cat([f16_bytes(d.squeeze(-1)), packed], dim=-1)
     return raw.reshape(rows, -1)
 
 
@@ -84,7 +79,7 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     )
     # Each 32 bytes: group 2c's values in the low nibbles, group 2c + 1's in the high.
     qs = _nibble_pairs(q[..., 0::2, :], q[..., 1::2, :]).reshape(rows, -1, 128)
-    raw = torch.cat([_f16_bytes(d.squeeze(-1)), _f16_bytes(dmin.squeeze(-1)), scales, qs], dim=-1)
+    raw = torch.cat([f16_bytes(d.squeeze(-1)), f16_bytes(dmin.squeeze(-1)), scales, qs], dim=-1)
     return raw.reshape(rows, -1)
 
 

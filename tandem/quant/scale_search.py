@@ -18,17 +18,19 @@ error, then rounds the group scales to the super-block's few bits and re-quantiz
 
 Everything is vectorized over groups: a step that is sequential in the reference (the
 coordinate descent over a group's 16 levels, the candidates kept only when strictly
-better) runs in the same order over all groups at once. Sums are torch's, not the C
-loop's, so a last-bit difference can, rarely, choose another of two nearly equal
-candidates (benchmarks/quality.py --compare-quantizer counts how many blocks equal
-llama-quantize's bytes).
+better) runs in the same order over all groups at once, sums add first to last and
+divisions are float32 divisions, as the reference's. Where the C compiler fuses a
+multiply and an add the last bit can still differ, and a block can then take the other
+of two near-equal candidates (`python -m benchmarks.quantizer_agreement` counts the
+blocks equal to llama-quantize's bytes). kernels/quantize_ops.cpp is the same search in
+C++ across threads, which quantize.py uses where the kernels are built.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.quant.blocks import IQ4_NL_VALUES
+from tandem.quant.blocks import IQ4_NL_VALUES, f16_bytes
 
 _EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a group whose largest |x| is below is zero
 
@@ -40,13 +42,16 @@ def _over(numerator: float | torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.where(t != 0, torch.as_tensor(numerator, dtype=torch.float32) / safe, 0)
 
 
-def _f16(x: torch.Tensor) -> torch.Tensor:
+def _through_f16(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the float32 value of its float16 rounding (what a block stores)."""
     return x.to(torch.float16).float()
 
 
-def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+def _in_order(t: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension, first to last, as the reference's loop adds
+    (torch's ``sum`` adds in another order: another last bit, now and then another
+    choice between two near-equal candidates)."""
+    return t.cumsum(-1)[..., -1]
 
 
 def _signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +81,8 @@ def _q3_group_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     iscale = torch.where(live, _over(-4, extreme), 0)
     level = torch.round(iscale.unsqueeze(-1) * x).clamp(-4, 3)
     w = x * x
-    sumlx = (w * x * level).cumsum(-1)[..., -1]
-    suml2 = (w * level * level).cumsum(-1)[..., -1]
+    sumlx = _in_order(w * x * level)
+    suml2 = _in_order(w * level * level)
     for _ in range(5):  # coordinate descent, each level in turn, improvements only
         for i in range(x.shape[-1]):
             xi, wi, li = x[:, i], w[:, i], level[:, i]
@@ -108,7 +113,7 @@ def quantize_q3_k(w: torch.Tensor) -> torch.Tensor:
     iscale = _over(-32, max_scale)
     sub = torch.round(iscale.unsqueeze(-1) * scales).clamp(-32, 31) + 32  # 0..63
     sub = torch.where(live.unsqueeze(-1), sub, 0)
-    d = _f16(_over(1, iscale))
+    d = _through_f16(_over(1, iscale))
     dl = d.unsqueeze(-1) * (sub - 32)
     again = torch.round(x / torch.where(dl != 0, dl, 1).unsqueeze(-1)).clamp(-4, 3) + 4
     levels = torch.where((dl != 0).unsqueeze(-1), again, levels).reshape(-1, 256)
@@ -121,7 +126,7 @@ def quantize_q3_k(w: torch.Tensor) -> torch.Tensor:
         (s[:, :8] & 0x0F) | ((s[:, 8:] & 0x0F) << 4),
         (s[:, 0:4] >> 4) | ((s[:, 4:8] >> 4) << 2) | ((s[:, 8:12] >> 4) << 4) | ((s[:, 12:16] >> 4) << 6),
     ], dim=-1)  # fmt: skip
-    raw = torch.cat([hmask, qs, packed, _f16_bytes(d)], dim=-1)
+    raw = torch.cat([hmask, qs, packed, f16_bytes(d)], dim=-1)
     return raw.reshape(rows, -1)
 
 
@@ -140,7 +145,7 @@ def _q2_group_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     high = x.amax(-1)
     minimum = x.amin(-1).clamp(max=0)
     flat = high == minimum
-    sum_w, sum_x = weight.cumsum(-1)[..., -1], (weight * x).cumsum(-1)[..., -1]
+    sum_w, sum_x = _in_order(weight), _in_order(weight * x)
 
     def levels_for(numerator: float) -> torch.Tensor:
         # (the range starts at the best minimum so far, as the reference's does)
@@ -149,15 +154,15 @@ def _q2_group_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
     def error(scale, minimum, level):
         diff = scale.unsqueeze(-1) * level + minimum.unsqueeze(-1) - x
-        return (weight * diff.abs()).cumsum(-1)[..., -1]
+        return _in_order(weight * diff.abs())
 
     scale = _over(1, _over(3, high - minimum))
     level = levels_for(3)
     best = error(scale, minimum, level)
     for step in range(16):
         trial = levels_for(_STEPS[step])
-        sum_l, sum_l2 = (weight * trial).cumsum(-1)[..., -1], (weight * trial * trial).cumsum(-1)[..., -1]
-        sum_xl = (weight * trial * x).cumsum(-1)[..., -1]
+        sum_l, sum_l2 = _in_order(weight * trial), _in_order(weight * trial * trial)
+        sum_xl = _in_order(weight * trial * x)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         det = torch.where(ok, det, 1)
@@ -190,7 +195,7 @@ def quantize_q2_k(w: torch.Tensor) -> torch.Tensor:
         top = values.clamp(min=0).amax(-1)
         live = top > 0
         steps = torch.round(_over(15, top).unsqueeze(-1) * values).clamp(0, 15)
-        return torch.where(live.unsqueeze(-1), steps, 0), _f16(torch.where(live, top / 15, 0))
+        return torch.where(live.unsqueeze(-1), steps, 0), _through_f16(torch.where(live, top / 15, 0))
 
     sc, d = four_bits(scales)
     mn, dmin = four_bits(minimums)
@@ -199,7 +204,7 @@ def quantize_q2_k(w: torch.Tensor) -> torch.Tensor:
     again = torch.round((x + shift) / torch.where(step != 0, step, 1).unsqueeze(-1)).clamp(0, 3)
     levels = torch.where((step != 0).unsqueeze(-1), again, levels).reshape(-1, 256)
     packed = sc.to(torch.uint8) | (mn.to(torch.uint8) << 4)
-    raw = torch.cat([packed, _pack_pairs(levels), _f16_bytes(d), _f16_bytes(dmin)], dim=-1)
+    raw = torch.cat([packed, _pack_pairs(levels), f16_bytes(d), f16_bytes(dmin)], dim=-1)
     return raw.reshape(rows, -1)
 
 
@@ -225,7 +230,7 @@ def _iq4_block_scales(x: torch.Tensor) -> torch.Tensor:
 
     def fit(inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = _LEVELS[_nearest_level(inverse.unsqueeze(-1) * x)]
-        return (weight * q * x).cumsum(-1)[..., -1], (weight * q * q).cumsum(-1)[..., -1]
+        return _in_order(weight * q * x), _in_order(weight * q * q)
 
     sumqx, sumq2 = fit(_over(1, extreme / 127))
     d = torch.where(sumq2 > 0, sumqx / torch.where(sumq2 > 0, sumq2, 1), 0)
@@ -250,7 +255,7 @@ def quantize_iq4_nl(w: torch.Tensor) -> torch.Tensor:
     x = w.float().reshape(-1, 32)
     d = _iq4_block_scales(x)
     levels = _nearest_level(_over(1, d).unsqueeze(-1) * x)
-    raw = torch.cat([_f16_bytes(d), _iq4_nibbles(levels)], dim=-1)
+    raw = torch.cat([f16_bytes(d), _iq4_nibbles(levels)], dim=-1)
     return raw.reshape(rows, -1)
 
 
@@ -270,5 +275,5 @@ def quantize_iq4_xs(w: torch.Tensor) -> torch.Tensor:
     scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
     top = (ls >> 4).to(torch.uint8).reshape(-1, 2, 4) << torch.arange(0, 8, 2, dtype=torch.uint8)
     scales_h = top.sum(-1, dtype=torch.uint8)  # little-endian u16: blocks 0..3, then 4..7
-    raw = torch.cat([_f16_bytes(d), scales_h, scales_l, _iq4_nibbles(levels).reshape(-1, 128)], -1)
+    raw = torch.cat([f16_bytes(d), scales_h, scales_l, _iq4_nibbles(levels).reshape(-1, 128)], -1)
     return raw.reshape(rows, -1)
