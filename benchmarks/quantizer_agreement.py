@@ -93,7 +93,7 @@ def matrices(name: str):
 
 def compare(ggml: GGML, fmt: str, model: str) -> str:
     kind = gguf.GGMLQuantizationType(int(FORMATS[fmt]))
-    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    _, nbytes = gguf.GGML_QUANT_SIZES[kind]
     same = blocks = 0
     ours_error = theirs_error = norm = 0.0
     for _, w in matrices(model):
@@ -113,8 +113,13 @@ def compare(ggml: GGML, fmt: str, model: str) -> str:
             f"{(ours_error / norm) ** 0.5:.4f} | {(theirs_error / norm) ** 0.5:.4f} |")  # fmt: skip
 
 
-LLAMA_NAMES = {"q3_k": "Q3_K_S", "q2_k": "Q2_K", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS",
-               "mxfp4": "MXFP4_MOE"}  # llama-quantize's names (with --pure: one type)
+LLAMA_NAMES = {
+    "q3_k": "Q3_K_S",
+    "q2_k": "Q2_K",
+    "iq4_nl": "IQ4_NL",
+    "iq4_xs": "IQ4_XS",
+    "mxfp4": "MXFP4_MOE",
+}  # llama-quantize's names (with --pure: one type)
 
 
 def smollm2_folder() -> Path:
@@ -128,12 +133,16 @@ def smollm2_folder() -> Path:
     if not (folder / "model.safetensors").is_file():
         path = Path(resolve_model("smollm2-135m-instruct"))
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32)
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
         # (transformers will not save a model it read from GGUF: its tensors and config)
         from safetensors.torch import save_file
 
-        state = {k: v.contiguous().clone() for k, v in model.state_dict().items()
-                 if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+        state = {
+            k: v.contiguous().clone()
+            for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+        }
         folder.mkdir(parents=True, exist_ok=True)
         save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
         model.config.quantization_config = None
@@ -167,10 +176,15 @@ def file_rows(bin_dir: Path, types: list[str], ctx: int) -> None:
                             LLAMA_NAMES[fmt]], capture_output=True, check=True)  # fmt: skip
             a = {t.name: t for t in gguf.GGUFReader(ours).tensors}
             b = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
-            equal = sum(a[n].tensor_type == b[n].tensor_type and
-                        np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data)) for n in a)
-            for name, path in ((f"tandem quantize --type {fmt}", ours),
-                               (f"llama-quantize --pure {LLAMA_NAMES[fmt]}", theirs)):
+            equal = sum(
+                a[n].tensor_type == b[n].tensor_type
+                and np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data))
+                for n in a
+            )
+            for name, path in (
+                (f"tandem quantize --type {fmt}", ours),
+                (f"llama-quantize --pure {LLAMA_NAMES[fmt]}", theirs),
+            ):
                 row = llama.row(name, path).replace("**", "").removesuffix(" |")
                 print(f"{row} {equal} of {len(a)} |", flush=True)
 
@@ -187,11 +201,16 @@ def write_fixture(ggml: GGML) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-bin", type=Path, required=True,
-                        help="a llama.cpp build's bin/ folder (holding libggml-base.so)")
+    parser.add_argument(
+        "--llama-bin",
+        type=Path,
+        required=True,
+        help="a llama.cpp build's bin/ folder (holding libggml-base.so)",
+    )
     parser.add_argument("--types", nargs="*", default=NEW_TYPES, choices=list(FORMATS))
-    parser.add_argument("--models", nargs="*", default=["smollm2", "llama-125m"],
-                        choices=["smollm2", "llama-125m"])
+    parser.add_argument(
+        "--models", nargs="*", default=["smollm2", "llama-125m"], choices=["smollm2", "llama-125m"]
+    )
     parser.add_argument("--write-fixture", action="store_true")
     parser.add_argument("--files", action="store_true")
     parser.add_argument("--ctx", type=int, default=512)

@@ -279,8 +279,9 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
         w = dequantize(code, raw, info.shape[0])
         assert torch.isfinite(w).all(), info.name
         assert abs(w.mean().item()) < 0.004 and 0.012 < w.std().item() < 0.03, info.name
-    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K",
-            "q3_k_s": "Q3_K"}[fmt]
+    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}[
+        fmt
+    ]
     assert types["output.weight"] == ("Q8_0" if fmt == "q8_0" else "Q6_K")
     assert types["blk.3.ffn_gate.weight"] == types["blk.1.ffn_down.weight"] == main
     more_bits = "Q6_K" if fmt.endswith("_k_m") else main  # layer 0: the first eighth
@@ -865,7 +866,7 @@ DECODED = ["Q2_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
 
 
 @pytest.mark.parametrize("fmt", ["q2_k", "iq4_xs"])
-def test_files_tandem_writes_in_types_without_kernels_load_in_both_engines(hf_folders, tmp_path, fmt):
+def test_tandem_writes_files_of_types_without_kernels_both_engines_read(hf_folders, tmp_path, fmt):
     """`tandem quantize --type q2_k / iq4_xs`: transformers' GGUF loader (gguf-py's
     decoder) reads the file, tandem decodes it at load, and the two agree; the weights
     are the folder's within the type's error (Q2_K's is the largest: about 0.3 of the
@@ -882,7 +883,8 @@ def test_files_tandem_writes_in_types_without_kernels_load_in_both_engines(hf_fo
     assert (ours - expected).abs().max() <= 5e-5 * expected.abs().max()
     up = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
     written = quants.dequantize(up.data, up.tensor_type)
-    source = load_file(hf_folders("llama") / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    checkpoint = load_file(hf_folders("llama") / "model.safetensors")
+    source = checkpoint["model.layers.0.mlp.up_proj.weight"]
     error = np.sqrt(((written - source.numpy()) ** 2).mean() / (source.numpy() ** 2).mean())
     assert error < 0.35, error
 

@@ -95,7 +95,7 @@ def test_the_low_bit_quantizers_write_llama_cpps_bytes(fmt, path, monkeypatch):
     reference = np.load(LLAMA_CPP_BYTES)
     w = torch.from_numpy(reference["weights"]).float()
     kind = gguf.GGMLQuantizationType[fmt.upper()]
-    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    _, nbytes = gguf.GGML_QUANT_SIZES[kind]
     ours, theirs = quantize(w, FORMATS[fmt]).numpy(), reference[fmt]
     assert ours.shape == theirs.shape
     same = (ours.reshape(-1, nbytes) == theirs.reshape(-1, nbytes)).all(-1)

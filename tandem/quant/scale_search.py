@@ -118,13 +118,15 @@ def quantize_q3_k(w: torch.Tensor) -> torch.Tensor:
     again = torch.round(x / torch.where(dl != 0, dl, 1).unsqueeze(-1)).clamp(-4, 3) + 4
     levels = torch.where((dl != 0).unsqueeze(-1), again, levels).reshape(-1, 256)
     high = levels > 3
-    hmask = (high.to(torch.uint8).reshape(-1, 8, 32) << torch.arange(8, dtype=torch.uint8).view(8, 1)
-             ).sum(1, dtype=torch.uint8)  # fmt: skip  (bit j // 32 of byte j % 32)
+    bit = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    hmask = (high.to(torch.uint8).reshape(-1, 8, 32) << bit).sum(1, dtype=torch.uint8)
+    # (weight j's high bit: bit j // 32 of byte j % 32)
     qs = _pack_pairs(levels - 4 * high)
     s = sub.to(torch.uint8)
+    top = s >> 4  # scale j's top two bits: byte 8 + j % 4, bits 2 * (j // 4)
     packed = torch.cat([
         (s[:, :8] & 0x0F) | ((s[:, 8:] & 0x0F) << 4),
-        (s[:, 0:4] >> 4) | ((s[:, 4:8] >> 4) << 2) | ((s[:, 8:12] >> 4) << 4) | ((s[:, 12:16] >> 4) << 6),
+        top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:16] << 6),
     ], dim=-1)  # fmt: skip
     raw = torch.cat([hmask, qs, packed, f16_bytes(d)], dim=-1)
     return raw.reshape(rows, -1)
@@ -195,7 +197,8 @@ def quantize_q2_k(w: torch.Tensor) -> torch.Tensor:
         top = values.clamp(min=0).amax(-1)
         live = top > 0
         steps = torch.round(_over(15, top).unsqueeze(-1) * values).clamp(0, 15)
-        return torch.where(live.unsqueeze(-1), steps, 0), _through_f16(torch.where(live, top / 15, 0))
+        step = _through_f16(torch.where(live, top / 15, 0))
+        return torch.where(live.unsqueeze(-1), steps, 0), step
 
     sc, d = four_bits(scales)
     mn, dmin = four_bits(minimums)
