@@ -84,13 +84,17 @@ def block_kernels() -> None:
         build(triton_blocks._block_widen, types, dict(BITS=bits, **tile))
     fields = {"low_ptr": "*u8", "high_ptr": "*u8", "d_ptr": "*fp16", "sub_ptr": "*i8",
               "dm_ptr": "*fp16", "sub_min_ptr": "*i8"}  # fmt: skip
+    # Formats with one formula share the kernels (MXFP4 is Q5_0's, TQ1_0 TQ2_0's).
+    names: dict = {}
     for code, spec in SUPER_FORMATS.items():
+        names.setdefault(spec, []).append(code.name)
+    for spec, codes in names.items():
         types = {**ints, **pointers, **fields}
         constants = dict(
             SUPER=spec.super, GROUP=spec.group, HIGH_BITS=spec.high_bits, OFFSET=spec.offset,
             HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min, BLOCK_N=32, BLOCK_K=256,
         )  # fmt: skip
-        print(code.name)
+        print(" / ".join(codes))
         build(triton_blocks._super_product, types, dict(constants, DOT=True, BLOCK_M=16))
         build(triton_blocks._super_product, types, dict(constants, DOT=False, BLOCK_M=2))
         build(triton_blocks._super_widen, types, constants)
