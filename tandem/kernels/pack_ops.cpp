@@ -135,6 +135,19 @@ inline void put_pairs(uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs, co
       });
 }
 
+// Weights 4k..4k+3 of a 32-weight block whose 16 bytes ``qs`` hold weight j in the low
+// nibble of byte j and weight 16 + j in the high: each nibble's entry of ``table`` plus
+// ``add``, a byte each (IQ4_NL's levels, MXFP4's values + 16).
+inline uint32_t table_quad(const uint8_t* qs, int k, const int8_t* table, int add) {
+  uint32_t quad = 0;
+  for (int i = 0; i < 4; ++i) {
+    const int w = 4 * k + i;
+    const int q = w < 16 ? qs[w] & 0x0F : qs[w - 16] >> 4;
+    quad |= static_cast<uint32_t>(static_cast<uint8_t>(table[q] + add)) << (8 * i);
+  }
+  return quad;
+}
+
 // One row's blocks -> tile row r.
 void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
@@ -162,15 +175,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 18;
         // Byte j holds weight j (low nibble) and weight 16 + j (high nibble).
-        put_values<8>(dst, b, r, [&](int k) {
-          uint32_t quad = 0;
-          for (int i = 0; i < 4; ++i) {
-            const int w = 4 * k + i;
-            const int q = w < 16 ? blk[2 + w] & 0x0F : blk[2 + w - 16] >> 4;
-            quad |= static_cast<uint32_t>(static_cast<uint8_t>(kIq4Levels[q])) << (8 * i);
-          }
-          return quad;
-        });
+        put_values<8>(dst, b, r, [&](int k) { return table_quad(blk + 2, k, kIq4Levels, 0); });
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;
@@ -178,15 +183,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 17;
         // Byte 1 + j holds weight j (low nibble) and weight 16 + j (high nibble).
-        put_values<5>(dst, b, r, [&](int k) {
-          uint32_t quad = 0;
-          for (int i = 0; i < 4; ++i) {
-            const int w = 4 * k + i;
-            const int q = w < 16 ? blk[1 + w] & 0x0F : blk[1 + w - 16] >> 4;
-            quad |= static_cast<uint32_t>(kMxfp4Values[q] + 16) << (8 * i);
-          }
-          return quad;
-        });
+        put_values<5>(dst, b, r, [&](int k) { return table_quad(blk + 1, k, kMxfp4Values, 16); });
         // The shared exponent's 2**(e - 128) (ggml's e8m0 half), as a float16 (the
         // loader keeps only tensors whose powers of two a float16 holds).
         const uint32_t e = blk[0];
