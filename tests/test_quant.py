@@ -41,6 +41,7 @@ F16_FIELDS = {
     GGMLType.TQ2_0: ((64,), 2),
     GGMLType.TQ1_0: ((52,), 2),
     GGMLType.MXFP4: ((), 12),  # (its exponent byte: set below)
+    GGMLType.IQ4_XS: ((0,), 127 * 32),
 }
 
 
@@ -294,6 +295,7 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.TQ2_0: 4.5625,  # (2-bit values a nibble each, Q3_K's layout)
         GGMLType.TQ1_0: 4.5625,  # (TQ2_0's: its base-3 values a nibble each)
         GGMLType.MXFP4: 5.5,  # (its values + 16 in Q5_0's layout, against the file's 4.25)
+        GGMLType.IQ4_XS: 8.5625,  # (its levels as int8 under Q6_K's records)
     }  # fmt: skip
 
 
@@ -318,7 +320,8 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
     wider = {GGMLType.Q4_K: 4.625 / 4.5, GGMLType.Q5_K: 5.625 / 5.5,
              GGMLType.Q3_K: 4.5625 / 3.4375, GGMLType.IQ4_NL: 8.5 / 4.5,
              GGMLType.TQ2_0: 4.5625 / 2.0625, GGMLType.TQ1_0: 4.5625 / 1.6875,
-             GGMLType.MXFP4: 5.5 / 4.25}.get(code, 1.0)  # fmt: skip
+             GGMLType.MXFP4: 5.5 / 4.25,
+             GGMLType.IQ4_XS: 8.5625 / 4.25}.get(code, 1.0)  # fmt: skip
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

@@ -15,9 +15,10 @@
 //           file's factors per super-block, each item for the tile's 16 rows side by
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
-//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ1_0's and TQ2_0's 1s); IQ4_NL as Q8_0, its
-//           values its table's levels; MXFP4 as Q5_0, its values + 16 and its powers of
-//           two as float16
+//           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ1_0's and TQ2_0's 1s;
+//           IQ4_XS's 6-bit scale - 32 for both groups of its 32); IQ4_NL as Q8_0, its
+//           values its table's levels (IQ4_XS's too, int8 under its records); MXFP4 as
+//           Q5_0, its values + 16 and its powers of two as float16
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -32,9 +33,10 @@ constexpr int64_t kRows = 16;
 
 enum Code : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
+  IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
 };
-// IQ4_NL's levels (tandem/quant/blocks.py's IQ4_NL_VALUES): its values are these, as int8.
+// IQ4_NL's (and IQ4_XS's) levels (tandem/quant/blocks.py's IQ4_NL_VALUES): their values
+// are these, as int8.
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // MXFP4's values (blocks.py's MXFP4_VALUES: FP4 E2M1 doubled), held + 16 as Q5_0's are.
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -44,7 +46,7 @@ inline int value_bits(int64_t code) {
   switch (code) {
     case Q5_0: case Q5_1: case Q5_K: case MXFP4: return 5;
     case Q6_K: return 6;
-    case Q8_0: case IQ4_NL: return 8;
+    case Q8_0: case IQ4_NL: case IQ4_XS: return 8;
     default: return 4;
   }
 }
@@ -177,6 +179,23 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         // Byte j holds weight j (low nibble) and weight 16 + j (high nibble).
         put_values<8>(dst, b, r, [&](int k) { return table_quad(blk + 2, k, kIq4Levels, 0); });
         put_scale(o, tile, b, r, u16(blk), o.scales);
+      }
+      return;
+    case IQ4_XS:  // IQ4_NL's levels under Q6_K's records: a 32-weight scale a group of 16 twice
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 136;
+        const uint16_t high = u16(blk + 2);
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk));
+        for (int g = 0; g < 8; ++g) {
+          // 6-bit scale g: its low nibble from scales_l, its top two bits from scales_h.
+          const int ls = ((blk[4 + g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 0x03) << 4);
+          const uint8_t sub = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+          rec[quant::record::sub_unit(16, 2 * g) * kRows + r] = sub;
+          rec[quant::record::sub_unit(16, 2 * g + 1) * kRows + r] = sub;
+          // Byte j of the group's 16 holds weight j (low nibble) and weight 16 + j (high).
+          put_values<8>(dst, sb * 8 + g, r, [&](int k) { return table_quad(blk + 8 + 16 * g, k, kIq4Levels, 0); });
+        }
       }
       return;
     case MXFP4:
@@ -350,12 +369,13 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
   const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K ||
-                       code == pack::Q3_K || code == pack::TQ1_0 || code == pack::TQ2_0;
+                       code == pack::Q3_K || code == pack::TQ1_0 || code == pack::TQ2_0 ||
+                       code == pack::IQ4_XS;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
   const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::TQ1_0 ||
-                       code == pack::TQ2_0;
+                       code == pack::TQ2_0 || code == pack::IQ4_XS;
   const int64_t record_group = records ? (sixteen ? 16 : 32) : 0;
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
               "scales: records per tile");
@@ -365,7 +385,7 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int bits = pack::value_bits(code);
   TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
                   o.values_per_tile == columns * 2 * bits,
-              "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for Q8_0)");
+              "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");
   const uint8_t* base = raw.data_ptr<uint8_t>();
   const int64_t stride = raw.stride(0);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

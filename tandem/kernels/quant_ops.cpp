@@ -24,8 +24,9 @@
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
 //           sub-mins [8][16]; R = 288 for Q6_K, group 16: d[16], int8 sub-scales
-//           [16][16]), whose scale is d * sub-scale and constant -(dmin * sub-min),
-//           multiplied here in float32 as tandem/quant/blocks.py does
+//           [16][16]; Q3_K's 4-bit and IQ4_XS's int8 values the same way), whose scale
+//           is d * sub-scale and constant -(dmin * sub-min), multiplied here in float32
+//           as tandem/quant/blocks.py does
 //   corr    float16 like scales, or empty: the group's minimum (Q4_1, Q5_1)
 //   offset  an integer the values are stored above (Q4_0: 8, Q5_0: 16, Q6_K: 32)
 // so that w[n, k] = scales[n, g] * (q[n, k] - offset) + corr[n, g] with g = k / group.
@@ -1144,8 +1145,9 @@ int value_bits(const torch::Tensor& values, int64_t K) {
 
 // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
 void check_format(int bits, int64_t group, bool records) {
-  // Groups of 16: Q6_K's 6-bit values and Q3_K's (a nibble each), both with records.
-  const bool sixteen = (bits == 6 || bits == 4) && records;
+  // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's (a nibble each),
+  // IQ4_XS's int8 levels.
+  const bool sixteen = (bits == 6 || bits == 4 || bits == 8) && records;
   TORCH_CHECK((group == 16) ? sixteen : (bits != 6 && (bits != 8 || !records)),
               "no format packs ", bits, "-bit values in groups of ", group,
               records ? " with records" : " with float16 scales");
@@ -1216,7 +1218,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
       break;
     case 5: records ? quant::run<5, 32, kRecords>(p, T) : quant::run<5, 32, kHalfScales>(p, T); break;
     case 6: quant::run<6, 16, kRecords>(p, T); break;
-    default: quant::run<8, 32, kHalfScales>(p, T); break;
+    default: records ? quant::run<8, 16, kRecords>(p, T) : quant::run<8, 32, kHalfScales>(p, T); break;
   }
 }
 
@@ -1290,7 +1292,9 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
       break;
     case 5: m.records ? run_many<5, 32, kRecords>(ps, count, m.tiles) : run_many<5, 32, kHalfScales>(ps, count, m.tiles); break;
     case 6: run_many<6, 16, kRecords>(ps, count, m.tiles); break;
-    default: run_many<8, 32, kHalfScales>(ps, count, m.tiles); break;
+    default:
+      m.records ? run_many<8, 16, kRecords>(ps, count, m.tiles) : run_many<8, 32, kHalfScales>(ps, count, m.tiles);
+      break;
   }
 }
 

@@ -29,6 +29,10 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
                          (a non-linear table of 16 int8 levels: the value is the
                          table's, an int8, and the format packs as Q8_0 does)
+    IQ4_XS 136 B / 256 w: d, scales_h u16, scales_l[4] (6-bit ls for 8 groups of 32),
+                         q[128] as IQ4_NL's                  w = d*(ls-32)*IQ4_NL_VALUES[q]
+                         (the levels as int8 values, Q6_K's records: d and the
+                         sub-scales, one a group of 16)
     MXFP4  17 B / 32 w:  e (E8M0), q[16] as Q4_0's nibbles   w = 2**(e-128) * MXFP4_VALUES[q]
                          (FP4 E2M1 values doubled, -12..12: held as Q5_0's 5-bit
                          values, offset 16, the power of two as Q5_0's float16 scale)
@@ -295,6 +299,24 @@ def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(IQ4_NL_VALUES[q], rows), _f16(blocks[..., :2]), None, 0, 32, 8)
 
 
+def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
+    """IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; eight sub-blocks of 32, each
+    IQ4_NL's nibbles with a 6-bit scale ls (its low nibble from scales_l, its top two
+    bits from scales_h): w = d * (ls - 32) * IQ4_NL_VALUES[q]. Held as int8 levels under
+    Q6_K's records, each sub-scale given to both of its 16-weight groups."""
+    rows = blocks.shape[0]
+    d = _f16(blocks[..., 0:2])
+    high = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # [.., 1]
+    low = (blocks[..., 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
+    top = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 0x03  # [.., 8]
+    sub = (low.reshape(*top.shape).to(torch.int32) | (top << 4)) - 32
+    q = _nibbles32(blocks[..., 8:].reshape(rows, -1, 8, 16)).long()
+    sub16 = sub.to(torch.int8).repeat_interleave(2, dim=-1)  # [rows, blocks, 16]
+    scales = d.unsqueeze(-1) * sub16.float()
+    supers = SuperScales(d, _flat(sub16, rows))
+    return Decoded(_flat(IQ4_NL_VALUES[q], rows), _flat(scales, rows), None, 0, 16, 8, supers)
+
+
 # MXFP4's 16 values (E2M1 numbers doubled, as ggml's kvalues_mxfp4), and the
 # shared exponent's float: 2**(e - 128), half of E8M0's 2**(e - 127) for the doubling.
 MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
@@ -414,6 +436,10 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
                 SuperFormat(256, 16, 0, 1, True, False)),
     # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
     BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
+    # IQ4_XS's levels as int8 values under Q6_K's records (8.5625 bits against 4.25);
+    # on the GPU its levels + 128 as 8-bit q (4 high bits) and its sub-scales.
+    BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
+                SuperFormat(256, 16, 4, 128, True, False)),
     # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
     # (5.5 bits a weight held against the file's 4.25).
     BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,

@@ -17,7 +17,9 @@ which documents the layout) serves every format:
       Q4_K, Q5_K (group 32): d[16], dmin[16] (float16), sub-scales [8][16] and
                              sub-mins [8][16] (uint8): 320 bytes
       Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
-  (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file.)
+                             (Q3_K's, the ternary types' and IQ4_XS's too)
+  (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file; IQ4_XS,
+  its levels as int8, 8.5625 against 4.25.)
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
 reproduce: the activations quantized to int8 per block of 32 as the kernel does,

@@ -10,20 +10,21 @@ its values its table's int8 levels.
           nibble) and weight j + 16 (high nibble), as in the file; scales fp16 [N, K/32]
     Q8_0  values int8 [N, K]; scales fp16 [N, K/32]
 
-``SuperBlockWeight``: every other block format (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
-in one layout, read by one kernel. Each weight is
+``SuperBlockWeight``: every other block format (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+Q3_K, the ternary types, MXFP4, IQ4_XS) in one layout, read by one kernel. Each weight is
 
     w = d * sub * (q - offset) + dm * sub_min
 
-with ``q`` the weight's 4 to 6 bits, ``d`` and ``dm`` float16 per super-block of
-``super`` weights (32 for the 32-weight formats, 256 for the K formats), ``sub`` an
-integer per group of ``group`` weights and ``sub_min`` per 32 (the K formats; 1
-elsewhere), ``dm`` absent for formats without a minimum. The arrays:
+with ``q`` the weight's 4 to 8 bits (IQ4_XS: its int8 level + 128, offset 128), ``d``
+and ``dm`` float16 per super-block of ``super`` weights (32 for the 32-weight formats,
+256 for the K formats), ``sub`` an integer per group of ``group`` weights and
+``sub_min`` per 32 (the K formats; 1 elsewhere), ``dm`` absent for formats without a
+minimum. The arrays:
 
     low      uint8 [N, K/2]: q's low 4 bits; byte c of each 64-weight chunk holds
              weight c (low nibble) and weight c + 32 (high nibble): the byte pairs
              the same slot of a chunk's two halves, as Q4_K's file does
-    high     uint8 [N, K*hb/8] (hb = 1 or 2 high bits a weight; None for 4-bit
+    high     uint8 [N, K*hb/8] (hb = 1, 2 or 4 high bits a weight; None for 4-bit
              formats): p = 8 / (2 hb) slots a byte, byte b holding slots p b to
              p b + p - 1 from its low bits up, a slot's two weights' high bits side
              by side (the first half's weight lowest)
@@ -209,7 +210,10 @@ def _super_fields(
     spec = SUPER_FORMATS[code]
     dec = decode(code, raw, columns)
     rows = raw.shape[0]
-    q = dec.values.reshape(rows, -1, 2, CHUNK // 2)  # [N, chunks, half, slot]
+    q = dec.values
+    if q.dtype == torch.int8:  # (IQ4_XS's levels) held + 128, its formula's offset
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
+    q = q.reshape(rows, -1, 2, CHUNK // 2)  # [N, chunks, half, slot]
     low = (q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)
     high = None
     if spec.high_bits:
