@@ -193,7 +193,7 @@ def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(
                 torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "iq4_xs", "q2_k"])
 @pytest.mark.parametrize(
     "tokens, round_rows", [(1, 512), (3, 512), (40, 512), (600, 512), (600, 64)]
 )

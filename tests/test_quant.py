@@ -42,6 +42,7 @@ F16_FIELDS = {
     GGMLType.TQ1_0: ((52,), 2),
     GGMLType.MXFP4: ((), 12),  # (its exponent byte: set below)
     GGMLType.IQ4_XS: ((0,), 127 * 32),
+    GGMLType.Q2_K: ((80, 82), 3 * 15),
 }
 
 
@@ -296,6 +297,7 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.TQ1_0: 4.5625,  # (TQ2_0's: its base-3 values a nibble each)
         GGMLType.MXFP4: 5.5,  # (its values + 16 in Q5_0's layout, against the file's 4.25)
         GGMLType.IQ4_XS: 8.5625,  # (its levels as int8 under Q6_K's records)
+        GGMLType.Q2_K: 5.125,  # (2-bit values a nibble each, records with minimums)
     }  # fmt: skip
 
 
@@ -321,7 +323,8 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
              GGMLType.Q3_K: 4.5625 / 3.4375, GGMLType.IQ4_NL: 8.5 / 4.5,
              GGMLType.TQ2_0: 4.5625 / 2.0625, GGMLType.TQ1_0: 4.5625 / 1.6875,
              GGMLType.MXFP4: 5.5 / 4.25,
-             GGMLType.IQ4_XS: 8.5625 / 4.25}.get(code, 1.0)  # fmt: skip
+             GGMLType.IQ4_XS: 8.5625 / 4.25,
+             GGMLType.Q2_K: 5.125 / 2.625}.get(code, 1.0)  # fmt: skip
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

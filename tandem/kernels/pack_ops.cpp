@@ -7,7 +7,7 @@
 // Q4_0 file took 66 s that way on 2 cores. Block layouts are in tandem/quant/blocks.py.
 //
 // Outputs, allocated by the caller (packed.py):
-//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's 0..7), 5
+//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's 0..7, Q2_K's 0..3), 5
 //           (Q5_0, Q5_1, Q5_K: 0..31), 6 (Q6_K: 0..63), as nibbles and high-bit planes; int8
 //           [tiles, K*16] for Q8_0
 //   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
@@ -16,7 +16,8 @@
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
 //           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ1_0's and TQ2_0's 1s;
-//           IQ4_XS's 6-bit scale - 32 for both groups of its 32); IQ4_NL as Q8_0, its
+//           IQ4_XS's 6-bit scale - 32 for both groups of its 32); Q2_K (R = 576) d,
+//           dmin, its 4-bit sub-scales [16] and sub-mins [16]; IQ4_NL as Q8_0, its
 //           values its table's levels (IQ4_XS's too, int8 under its records); MXFP4 as
 //           Q5_0, its values + 16 and its powers of two as float16
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
@@ -32,7 +33,7 @@ namespace pack {
 constexpr int64_t kRows = 16;
 
 enum Code : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
 };
 // IQ4_NL's (and IQ4_XS's) levels (tandem/quant/blocks.py's IQ4_NL_VALUES): their values
@@ -61,6 +62,7 @@ struct Out {
   int64_t groups;  // per row (float16 scales)
   int64_t supers;  // super-blocks per row (records)
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
+  bool record_mins;      // records: with minimums (groups of 32; Q2_K's of 16)
 };
 
 // Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
@@ -109,7 +111,7 @@ inline void put_scale(const Out& o, int64_t tile, int64_t g, int64_t r, uint16_t
 // Super-block sb's record in tile ``tile`` (laid out by quant::record): float16 item j
 // (d, dmin) of row r at byte 32j + 2r, byte unit u of row r at byte 16u + r.
 inline uint8_t* record(const Out& o, int64_t tile, int64_t sb) {
-  return static_cast<uint8_t*>(o.scales) + (tile * o.supers + sb) * quant::record::bytes(o.record_group);
+  return static_cast<uint8_t*>(o.scales) + (tile * o.supers + sb) * quant::record::bytes(o.record_group, o.record_mins);
 }
 inline void put_half(uint8_t* at, uint16_t bits) { std::memcpy(at, &bits, 2); }
 
@@ -191,8 +193,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           // 6-bit scale g: its low nibble from scales_l, its top two bits from scales_h.
           const int ls = ((blk[4 + g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 0x03) << 4);
           const uint8_t sub = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
-          rec[quant::record::sub_unit(16, 2 * g) * kRows + r] = sub;
-          rec[quant::record::sub_unit(16, 2 * g + 1) * kRows + r] = sub;
+          rec[quant::record::sub_unit(16, false, 2 * g) * kRows + r] = sub;
+          rec[quant::record::sub_unit(16, false, 2 * g + 1) * kRows + r] = sub;
           // Byte j of the group's 16 holds weight j (low nibble) and weight 16 + j (high).
           put_values<8>(dst, sb * 8 + g, r, [&](int k) { return table_quad(blk + 8 + 16 * g, k, kIq4Levels, 0); });
         }
@@ -252,8 +254,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
                      (((word(qh + 4 * k) >> g) & 0x01010101u) << 4);
             });
           }
-          scale_min_k4(g, blk + 4, rec[quant::record::sub_unit(32, g) * kRows + r],
-                       rec[quant::record::min_unit(g) * kRows + r]);
+          scale_min_k4(g, blk + 4, rec[quant::record::sub_unit(32, true, g) * kRows + r],
+                       rec[quant::record::min_unit(32, g) * kRows + r]);
         }
       }
       return;
@@ -269,9 +271,22 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         for (int g = 0; g < 16; ++g) {  // 6-bit scale g (blocks.py's _decode_q3_k), less 32
           const int low = g < 8 ? packed[g] & 0x0F : packed[g - 8] >> 4;
           const int top = (packed[8 + g % 4] >> (2 * (g / 4))) & 0x03;
-          rec[quant::record::sub_unit(16, g) * kRows + r] = static_cast<uint8_t>((low | (top << 4)) - 32);
+          rec[quant::record::sub_unit(16, false, g) * kRows + r] = static_cast<uint8_t>((low | (top << 4)) - 32);
         }
         put_pairs(dst, sb, r, qs, hmask);
+      }
+      return;
+    case Q2_K:  // Q3_K's pairs; records of groups of 16 with minimums
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 84;
+        uint8_t* rec = record(o, tile, sb);
+        put_half(rec + 2 * r, u16(blk + 80));
+        put_half(rec + 2 * (kRows + r), u16(blk + 82));
+        for (int g = 0; g < 16; ++g) {  // scale g: its low nibble the scale, its high the min
+          rec[quant::record::sub_unit(16, true, g) * kRows + r] = blk[g] & 0x0F;
+          rec[quant::record::min_unit(16, g) * kRows + r] = blk[g] >> 4;
+        }
+        put_pairs(dst, sb, r, blk + 16, nullptr);
       }
       return;
     case TQ2_0:  // Q3_K's layout: 2-bit values (bits 2j of byte 32h + l), sub-scales of 1
@@ -279,7 +294,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         const uint8_t* blk = row + sb * 66;
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 64));
-        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = 1;
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = 1;
         put_pairs(dst, sb, r, blk, nullptr);
       }
       return;
@@ -305,7 +320,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           }
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 52));
-        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = 1;
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = 1;
         put_pairs(dst, sb, r, pairs, nullptr);
       }
       return;
@@ -316,7 +331,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         const uint8_t* qh = blk + 128;
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 208));
-        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, g) * kRows + r] = blk[192 + g];  // int8
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = blk[192 + g];  // int8
         for (int h = 0; h < 2; ++h) {
           for (int part = 0; part < 4; ++part) {
             // Weights h*128 + part*32 + j: low 4 bits from ql, high 2 from qh.
@@ -342,8 +357,8 @@ void zero_row(const Out& o, int64_t tile, int64_t r) {
   const int64_t steps = o.values_per_tile / (kRows * 4);
   for (int64_t s = 0; s < steps; ++s) std::memset(dst + (s * kRows + r) * 4, 0, 4);
   if (o.record_group) {
-    const int64_t halves = quant::record::halves(o.record_group);
-    const int64_t units = quant::record::bytes(o.record_group) / kRows;
+    const int64_t halves = quant::record::halves(o.record_mins);
+    const int64_t units = quant::record::bytes(o.record_group, o.record_mins) / kRows;
     for (int64_t sb = 0; sb < o.supers; ++sb) {
       uint8_t* rec = record(o, tile, sb);
       for (int64_t h = 0; h < halves; ++h) put_half(rec + 2 * (h * kRows + r), 0);
@@ -369,19 +384,20 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
   const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K ||
-                       code == pack::Q3_K || code == pack::TQ1_0 || code == pack::TQ2_0 ||
-                       code == pack::IQ4_XS;
+                       code == pack::Q3_K || code == pack::Q2_K || code == pack::TQ1_0 ||
+                       code == pack::TQ2_0 || code == pack::IQ4_XS;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::TQ1_0 ||
-                       code == pack::TQ2_0 || code == pack::IQ4_XS;
+  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::Q2_K ||
+                       code == pack::TQ1_0 || code == pack::TQ2_0 || code == pack::IQ4_XS;
   const int64_t record_group = records ? (sixteen ? 16 : 32) : 0;
-  TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group),
+  const bool record_mins = record_group == 32 || code == pack::Q2_K;
+  TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group, record_mins),
               "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record_group};
+              columns / 256, record_group, record_mins};
   const int bits = pack::value_bits(code);
   TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
                   o.values_per_tile == columns * 2 * bits,

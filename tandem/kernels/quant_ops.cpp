@@ -24,9 +24,10 @@
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
 //           sub-mins [8][16]; R = 288 for Q6_K, group 16: d[16], int8 sub-scales
-//           [16][16]; Q3_K's 4-bit and IQ4_XS's int8 values the same way), whose scale
-//           is d * sub-scale and constant -(dmin * sub-min), multiplied here in float32
-//           as tandem/quant/blocks.py does
+//           [16][16]; Q3_K's 4-bit and IQ4_XS's int8 values the same way; R = 576 for
+//           Q2_K, group 16 with minimums: d[16], dmin[16], sub-scales [16][16] and
+//           sub-mins [16][16]), whose scale is d * sub-scale and constant
+//           -(dmin * sub-min), multiplied here in float32 as tandem/quant/blocks.py does
 //   corr    float16 like scales, or empty: the group's minimum (Q4_1, Q5_1)
 //   offset  an integer the values are stored above (Q4_0: 8, Q5_0: 16, Q6_K: 32)
 // so that w[n, k] = scales[n, g] * (q[n, k] - offset) + corr[n, g] with g = k / group.
@@ -84,6 +85,7 @@ struct Activations {
   std::vector<int8_t> q;   // [T, K]
   std::vector<float> d;    // [T, K/32]
   std::vector<float> s32;  // [T, K/32]: d * sum(q) over each block (for the constants)
+  std::vector<float> s16;  // [T, K/16]: d * sum(q) over each half-block (groups of 16's)
   // [T, K/16]: the matrix's offset times sum(q) over each 16 values, taken off a
   // half-block's dot as it is (one subtraction of a broadcast from memory a half-block
   // and token, no multiply in the tile loop); zero without an offset.
@@ -149,6 +151,7 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
   a.q.resize(T * K);
   a.d.resize(T * nb);
   a.s32.resize(T * nb);
+  a.s16.resize(T * 2 * nb);
   a.offsets.resize(T * 2 * nb);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -157,6 +160,8 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
         const float d = quantize_block(x + t * x_stride + b * kBlock, a.q.data() + t * K + b * kBlock, sum);
         a.d[t * nb + b] = d;
         a.s32[t * nb + b] = d * (sum[0] + sum[1]);
+        a.s16[t * 2 * nb + 2 * b] = d * sum[0];
+        a.s16[t * 2 * nb + 2 * b + 1] = d * sum[1];
         a.offsets[t * 2 * nb + 2 * b] = offset * sum[0];
         a.offsets[t * 2 * nb + 2 * b + 1] = offset * sum[1];
       }
@@ -168,14 +173,17 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
 enum ScaleKind : int { kHalfScales = 0, kRecords = 1 };
 
 // A K format's super-block record (one per tile and super-block of 256 weights), in
-// units of 16 bytes, one byte a row: float16 d (units 0-1), dmin (2-3, group 32 only),
-// the sub-scales, then the sub-mins (group 32 only). The one definition: pack_ops.cpp
-// writes records with it (tandem/quant/packed.py mirrors it in torch).
+// units of 16 bytes, one byte a row: float16 d (units 0-1), dmin (2-3, with minimums:
+// groups of 32, and Q2_K's of 16), the sub-scales, then the sub-mins (with minimums).
+// The one definition: pack_ops.cpp writes records with it (tandem/quant/packed.py
+// mirrors it in torch).
 namespace record {
-constexpr int64_t halves(int64_t group) { return group == 32 ? 2 : 1; }  // d (, dmin)
-constexpr int64_t sub_unit(int64_t group, int64_t g) { return 2 * halves(group) + g % (256 / group); }
-constexpr int64_t min_unit(int64_t g) { return sub_unit(32, g) + 8; }  // group 32
-constexpr int64_t bytes(int64_t group) { return (group == 32 ? 20 : 18) * kRows; }  // 320, 288
+constexpr int64_t halves(bool mins) { return mins ? 2 : 1; }  // d (, dmin)
+constexpr int64_t subs(int64_t group) { return 256 / group; }  // sub-scales a record
+constexpr int64_t sub_unit(int64_t group, bool mins, int64_t g) { return 2 * halves(mins) + g % subs(group); }
+constexpr int64_t min_unit(int64_t group, int64_t g) { return sub_unit(group, true, g) + subs(group); }
+// 320 (group 32), 288 (16), 576 (16 with minimums)
+constexpr int64_t bytes(int64_t group, bool mins) { return (2 * halves(mins) + subs(group) * halves(mins)) * kRows; }
 }  // namespace record
 
 // A thread streams its tiles' values front to back; asking for the block kPrefetchBytes
@@ -214,10 +222,10 @@ struct ScaleTable {
   int64_t supers;      // records: super-blocks per row
   int64_t record;      // records: bytes of one; 0 for float16 scales
   int group;
+  bool mins;           // records: they hold minimums (groups of 32; Q2_K's of 16)
 
-  // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms;
-  // groups of 32 only (scale_table and quant_linear admit no others with them).
-  bool has_constants() const { return corr != nullptr || (record && group == 32); }
+  // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
+  bool has_constants() const { return corr != nullptr || (record && mins); }
   // The record of tile ``tile`` and super-block ``super`` (of 256 weights).
   const uint8_t* record_at(int64_t tile, int64_t super) const {
     return static_cast<const uint8_t*>(scales) + (tile * supers + super) * record;
@@ -239,15 +247,15 @@ inline float half_at(const void* base, int64_t i) {
 inline float scale_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
   if (!s.record) return half_at(s.scales, (tile * s.groups + g) * kRows + r);
   const uint8_t* rec = s.record_of(tile, g);
-  const uint8_t sub = rec[record::sub_unit(s.group, g) * kRows + r];
+  const uint8_t sub = rec[record::sub_unit(s.group, s.mins, g) * kRows + r];
   const float q = s.group == 32 ? static_cast<float>(sub) : static_cast<float>(static_cast<int8_t>(sub));
   return half_at(rec, r) * q;
 }
 inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
   if (s.record) {
-    if (s.group != 32) return 0.f;
+    if (!s.mins) return 0.f;
     const uint8_t* rec = s.record_of(tile, g);
-    return -(half_at(rec, kRows + r) * static_cast<float>(rec[record::min_unit(g) * kRows + r]));
+    return -(half_at(rec, kRows + r) * static_cast<float>(rec[record::min_unit(s.group, g) * kRows + r]));
   }
   return s.corr != nullptr ? half_at(s.corr, (tile * s.groups + g) * kRows + r) : 0.f;
 }
@@ -317,7 +325,7 @@ template <int kScales, int kGroup>
 inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, g) * kRows));
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows));
     const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
     return product(d, _mm512_cvtepi32_ps(q));
   } else {
@@ -336,11 +344,11 @@ inline __m512 super16(const ScaleTable& s, int64_t tile, int64_t super, int item
 // are added: acc + c * sum for float16 constants; for records, whose constant is
 // -(dmin * sub-min) (dmin: its super-block's), c is dmin * sub-min and it is taken off
 // by one fnmadd (rounded as the fmadd of its negation).
-template <int kScales>
+template <int kScales, int kGroup>
 inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_for<32>(tile, g);
-    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows));
+    const uint8_t* rec = s.record_for<kGroup>(tile, g);
+    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows));
     return product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
   } else {
     return halves16(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows);
@@ -425,7 +433,7 @@ inline void add_block(const Problem& p, int64_t tile_index, int64_t b, int64_t t
     // its own after the blocks it was a chain of dependent fmas, one a block (Q4_K
     // at batch 1 waited on it).
     if (constants) {
-      const __m512 c = constants16<kScales>(p.s, tile_index, b, dmin);
+      const __m512 c = constants16<kScales, 32>(p.s, tile_index, b, dmin);
       for (int t = 0; t < NT; ++t)
         acc[t] = add_constant<kScales>(acc[t], c, _mm512_set1_ps(a.s32[(t0 + t) * nb + b]));
     }
@@ -436,6 +444,15 @@ inline void add_block(const Problem& p, int64_t tile_index, int64_t b, int64_t t
       const __m512 dx = _mm512_set1_ps(a.d[(t0 + t) * nb + b]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(t, 0)), product(w0, dx), acc[t]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(t, 1)), product(w1, dx), acc[t]);
+    }
+    if (constants) {  // (Q2_K: a minimum a group of 16)
+      const __m512 c0 = constants16<kScales, 16>(p.s, tile_index, 2 * b, dmin);
+      const __m512 c1 = constants16<kScales, 16>(p.s, tile_index, 2 * b + 1, dmin);
+      for (int t = 0; t < NT; ++t) {
+        const float* s16 = a.s16.data() + (t0 + t) * 2 * nb + 2 * b;
+        acc[t] = add_constant<kScales>(acc[t], c0, _mm512_set1_ps(s16[0]));
+        acc[t] = add_constant<kScales>(acc[t], c1, _mm512_set1_ps(s16[1]));
+      }
     }
   }
 }
@@ -450,7 +467,7 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   // Records: the super-block's d and dmin (8 blocks of 32).
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  const bool constants = kGroup == 32 && p.s.has_constants();
+  const bool constants = p.s.has_constants();
   for (int64_t b = 0; b < nb; ++b) {
     next_super<kScales>(p, tile_index, b, constants, d, dmin);
     // dot[t][h]: per row, over the block's first (h = 0) or second 16 values. With
@@ -536,7 +553,7 @@ template <int kScales, int kGroup>
 inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, g) * kRows + half * 8));
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows + half * 8));
     const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
     return product(d, _mm256_cvtepi32_ps(q));
   } else {
@@ -552,11 +569,11 @@ inline __m256 super8(const ScaleTable& s, int64_t tile, int half, int64_t super,
 }
 
 // constants16 and add_constant for those rows.
-template <int kScales>
+template <int kScales, int kGroup>
 inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
   if constexpr (kScales == kRecords) {
-    const uint8_t* rec = s.record_for<32>(tile, g);
-    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(g) * kRows + half * 8));
+    const uint8_t* rec = s.record_for<kGroup>(tile, g);
+    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows + half * 8));
     return product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
   } else {
     return halves8(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows + half * 8);
@@ -714,15 +731,19 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
     }
   }
   // The constant terms after the blocks: folded into the block loop as the AVX-512
-  // path does, the 16 registers spilled at four tokens (0.74-0.86x).
-  if (kGroup == 32 && p.s.has_constants()) {
+  // path does, the 16 registers spilled at four tokens (0.74-0.86x). A group's sum of
+  // activations is its block's (s32), or for groups of 16 its half-block's (s16).
+  if (p.s.has_constants()) {
+    constexpr int64_t kPerSuper = 256 / kGroup;
+    const std::vector<float>& sums = kGroup == 32 ? a.s32 : a.s16;
     for (int h = 0; h < kHalves; ++h) {
       __m256 dmin = _mm256_setzero_ps();
       for (int64_t g = 0; g < p.s.groups; ++g) {
-        if (kScales == kRecords && g % 8 == 0) dmin = super8<kScales>(p.s, tile_index, first + h, g / 8, 1);
-        const __m256 c = constants8<kScales>(p.s, tile_index, first + h, g, dmin);
+        if (kScales == kRecords && g % kPerSuper == 0)
+          dmin = super8<kScales>(p.s, tile_index, first + h, g / kPerSuper, 1);
+        const __m256 c = constants8<kScales, kGroup>(p.s, tile_index, first + h, g, dmin);
         for (int t = 0; t < NT; ++t)
-          acc[t][h] = add_constant<kScales>(acc[t][h], c, _mm256_set1_ps(a.s32[(t0 + t) * nb + g]));
+          acc[t][h] = add_constant<kScales>(acc[t][h], c, _mm256_set1_ps(sums[(t0 + t) * p.s.groups + g]));
       }
     }
   }
@@ -789,8 +810,11 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
                  scale_at(p.s, tile_index, r, 2 * b + 1) * dx * dot[1];
         }
       }
-      if (kGroup == 32 && p.s.has_constants())
-        for (int64_t g = 0; g < nb; ++g) sum += constant_at(p.s, tile_index, r, g) * a.s32[tok * nb + g];
+      if (p.s.has_constants()) {
+        const std::vector<float>& sums = kGroup == 32 ? a.s32 : a.s16;
+        for (int64_t g = 0; g < p.s.groups; ++g)
+          sum += constant_at(p.s, tile_index, r, g) * sums[tok * p.s.groups + g];
+      }
       y[r] = sum;
     }
     store_rows(p, tile_index * kRows, tok, y);
@@ -960,7 +984,7 @@ void tile16(const Problem& p, int64_t tile_index, const int8_t* B, int64_t t0) {
   __m512 acc[kTokens];
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  const bool constants = kGroup == 32 && p.s.has_constants();
+  const bool constants = p.s.has_constants();
   alignas(64) int32_t sums[2][kTokens * kRows];  // [half][token][row]
   // Block b's sums, then its epilogue; the next block's multiply is issued before it
   // (into the other set of sum tiles) so that the tile unit works while the vector
@@ -1104,14 +1128,16 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 }
 
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
-// (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr).
+// (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr;
+// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
                        int64_t tiles, int64_t K, int64_t group) {
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
-  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group)};
+  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false};
   if (scales.scalar_type() == torch::kByte) {
-    s.record = record::bytes(group);
+    s.mins = group == 32 || (tiles * s.supers > 0 && scales.numel() == tiles * s.supers * record::bytes(16, true));
+    s.record = record::bytes(group, s.mins);
     TORCH_CHECK(K % 256 == 0 && scales.numel() == tiles * s.supers * s.record,
                 "scales: records [tiles, K / 256 * ", s.record, "]");
     TORCH_CHECK(!(corr.has_value() && corr->numel() > 0), "records hold their constants");
@@ -1145,8 +1171,8 @@ int value_bits(const torch::Tensor& values, int64_t K) {
 
 // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
 void check_format(int bits, int64_t group, bool records) {
-  // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's (a nibble each),
-  // IQ4_XS's int8 levels.
+  // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's and Q2_K's (a nibble
+  // each), IQ4_XS's int8 levels.
   const bool sixteen = (bits == 6 || bits == 4 || bits == 8) && records;
   TORCH_CHECK((group == 16) ? sixteen : (bits != 6 && (bits != 8 || !records)),
               "no format packs ", bits, "-bit values in groups of ", group,

@@ -203,7 +203,7 @@ SHAPES = {
         expert_intermediate=5632,
     ),
 }
-FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q3_k_s", "iq4_xs")
+FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q3_k_s", "q2_k", "iq4_xs")
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -227,6 +227,8 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.Q3_K
     if fmt == "iq4_xs":  # (IQ4_XS throughout, the head Q6_K)
         return GGMLType.IQ4_XS
+    if fmt == "q2_k":  # (Q2_K throughout, the head Q6_K: llama.cpp's Q2_K_S but its v rows)
+        return GGMLType.Q2_K
     parts = name.split(".")
     more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps")
     if more_bits and _more_bits(int(parts[1]), shape.layers):
@@ -251,6 +253,7 @@ _Q_STD = {
     GGMLType.Q3_K: 2.29 * 18.5,  # q - 4, q in 0..7, times a sub-scale in -32..31
     GGMLType.IQ4_NL: 66.0,  # its 16 levels, -127..113
     GGMLType.IQ4_XS: 66.0 * 18.5,  # its levels times a sub-scale in -32..31
+    GGMLType.Q2_K: 13.9,  # sc * q - 1.5 * mn, sc and mn 4-bit, q in 0..3
     GGMLType.TQ2_0: 0.816,  # q - 1, q in 0..2 (ternary)
     GGMLType.TQ1_0: 0.816,
     GGMLType.MXFP4: 5.2,  # its 16 values, -12..12
@@ -297,6 +300,10 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         blocks[:, 108:110] = _f16_scales(rng, n, d)
     elif code == GGMLType.IQ4_XS:  # (and of IQ4_XS's)
         blocks[:, 0:2] = _f16_scales(rng, n, d)
+    elif code == GGMLType.Q2_K:  # w = d*sc*q - dmin*mn: dmin = 1.5 d (q's mean) centres it
+        scales = _f16_scales(rng, n, d)
+        blocks[:, 80:82] = scales
+        blocks[:, 82:84] = (scales.view(np.float16) * np.float16(1.5)).view(np.uint8)
     elif code == GGMLType.TQ2_0:  # ternary values: each 2-bit field 0, 1 or 2
         fields = rng.integers(0, 3, (n, 64, 4), dtype=np.uint8)
         blocks[:, :64] = (fields << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(-1, dtype=np.uint8)
@@ -360,7 +367,7 @@ def write_random_gguf(
     writer.add_name(f"random {path.stem}")
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
                   "q5_k_m": "MOSTLY_Q5_K_M", "q3_k_s": "MOSTLY_Q3_K_S",
-                  "iq4_xs": "MOSTLY_IQ4_XS"}  # fmt: skip
+                  "q2_k": "MOSTLY_Q2_K", "iq4_xs": "MOSTLY_IQ4_XS"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)

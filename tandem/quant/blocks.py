@@ -23,6 +23,8 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     Q3_K  110 B / 256 w: hmask[32] (3rd bits), qs[64] (2-bit pairs), 12 B of 6-bit
                          scales for 16 groups of 16, d       w = d*(sc-32)*(q-4)
                          (q = the 2 low bits + 4 * the hmask bit: 0..7)
+    Q2_K   84 B / 256 w: scales[16] (4-bit scale | 4-bit min << 4, groups of 16),
+                         qs[64] (Q3_K's pairs), d, dmin      w = d*sc*q - dmin*mn
     TQ2_0  66 B / 256 w: qs[64] (2-bit values, Q3_K's pairs), d   w = d*(q-1)
     TQ1_0  54 B / 256 w: qs[48] (5 values a byte, base 3), qh[4] (4 a byte), d
                                                              w = d*(q-1), q in 0..2
@@ -95,8 +97,9 @@ class SuperScales:
     ``scales = d * sub`` and ``mins = -(dmin * sub_mins)`` in float32 (Decoded's).
 
     d, dmin: float32 [rows, columns // 256], each exactly a float16; sub: the 6-bit
-    (uint8, Q4_K / Q5_K) or 8-bit signed (int8, Q6_K) sub-scales [rows, groups];
-    sub_mins: uint8 [rows, groups]; dmin and sub_mins None for Q6_K."""
+    (uint8, Q4_K / Q5_K; Q2_K's 4-bit) or 8-bit signed (int8, Q6_K) sub-scales
+    [rows, groups]; sub_mins: uint8 [rows, groups]; dmin and sub_mins None for the
+    formats without minimums (Q6_K, Q3_K, ...)."""
 
     d: torch.Tensor
     sub: torch.Tensor
@@ -265,6 +268,20 @@ def _ternary(values: torch.Tensor, d: torch.Tensor, rows: int) -> Decoded:
     return Decoded(_flat(values, rows), _flat(scales, rows), None, 1, 16, 4, supers)
 
 
+def _decode_q2_k(blocks: torch.Tensor) -> Decoded:
+    """Q2_K: scales[16] (a 4-bit scale low, a 4-bit min high, per group of 16),
+    qs[64] (Q3_K's pairs), d, dmin: w = d*sc*q - dmin*mn, q in 0..3."""
+    rows = blocks.shape[0]
+    packed, qs = blocks[..., :16], blocks[..., 16:80]
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    sc, mn = packed & 0x0F, packed >> 4
+    scales = d.unsqueeze(-1) * sc.float()
+    mins = -(dmin.unsqueeze(-1) * mn.float())
+    supers = SuperScales(d, _flat(sc, rows), dmin, _flat(mn, rows))
+    return Decoded(_flat(_pairs(qs, rows), rows), _flat(scales, rows), _flat(mins, rows), 0, 16,
+                   4, supers)  # fmt: skip
+
+
 def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
     """TQ2_0: qs[64] (2-bit values, Q3_K's pairs), d."""
     rows = blocks.shape[0]
@@ -428,6 +445,10 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # packed against the file's 3.4375: the kernels have no 3-bit layout yet).
     BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
                 SuperFormat(256, 16, 0, 4, True, False)),
+    # Q2_K's 2-bit values a nibble each, records of 16-weight groups with minimums
+    # (5.125 bits against 2.625).
+    BlockFormat(GGMLType.Q2_K, 256, 84, _decode_q2_k, 4, 16, 0.0, False, 576,
+                SuperFormat(256, 16, 0, 0, True, True)),
     # TQ2_0's 2-bit values a nibble each, Q3_K's layouts (4.5625 bits against 2.0625).
     BlockFormat(GGMLType.TQ2_0, 256, 66, _decode_tq2_0, 4, 16, 1.0, False, 288,
                 SuperFormat(256, 16, 0, 1, True, False)),
@@ -470,8 +491,8 @@ def type_name(code: int) -> str:
 
 @functools.cache
 def decoded_at_load() -> dict[int, tuple[int, int]]:
-    """The block types that have no row in FORMATS yet (Q2_K, the i-quants, the
-    ternary and FP4 types): code -> (weights, bytes) a block. A file's tensors of
+    """The block types that have no row in FORMATS yet (the codebook i-quants,
+    NVFP4): code -> (weights, bytes) a block. A file's tensors of
     these types are decoded to float32 as they are read (``dequantize_other``), so
     the file loads and runs exactly, at float memory and float speed."""
     import gguf

@@ -47,9 +47,13 @@ ROWS = 16  # rows per tile (the kernel's layout)
 SUPER = 256  # weights per K-format super-block
 
 
-def record_bytes(group: int) -> int:
-    """Bytes of one tile's record per super-block: group 32 (with minimums) or 16."""
-    return FORMATS[GGMLType.Q4_K if group == 32 else GGMLType.Q6_K].record_bytes
+def record_bytes(group: int, mins: bool) -> int:
+    """Bytes of one tile's record per super-block (quant_ops.cpp's quant::record): d
+    (and dmin) as float16, then a byte per group's sub-scale (and sub-min), each item
+    for the tile's 16 rows side by side: 320 for groups of 32 (always with minimums),
+    288 for groups of 16, 576 for groups of 16 with minimums (Q2_K)."""
+    items = 1 + mins
+    return ROWS * (2 * items + SUPER // group * items)
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -71,16 +75,17 @@ class PackedWeight:
     group: int
     source: str  # the format it came from, e.g. "Q4_1"
     offset: float = 0.0  # the values': Q4_0 8, Q5_0 16, Q6_K 32
+    record: int = 0  # bytes of a tile's super-block record (record_bytes); 0: float16 scales
 
     @property
     def records(self) -> bool:
         """Scales kept as K-format super-block records (see the module's docstring)."""
-        return self.scales.dtype == torch.uint8
+        return self.record > 0
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.records:
-            return self.rows, self.scales.shape[1] // record_bytes(self.group) * SUPER
+            return self.rows, self.scales.shape[1] // self.record * SUPER
         return self.rows, self.scales.shape[1] * self.group
 
     @property
@@ -101,7 +106,9 @@ class PackedWeight:
         values = _pack_values(_tile(dec.values, rows), dec.bits)
         offset = float(dec.offset)
         if dec.supers is not None:
-            return cls(values, _records(dec, rows), None, rows, dec.group, source, offset)
+            record = record_bytes(dec.group, dec.supers.dmin is not None)
+            records = _records(dec, rows)
+            return cls(values, records, None, rows, dec.group, source, offset, record)
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
             half = t.half()
@@ -135,8 +142,9 @@ class PackedWeight:
         values = torch.empty(values, dtype=values_dtype)
         scales = torch.empty(scales, dtype=scales_dtype)
         corr = torch.empty_like(scales) if has_corr else None
-        group, offset = FORMATS[code].group, FORMATS[code].offset
-        return cls(values, scales, corr, rows, group, code.name, offset)
+        spec = FORMATS[code]
+        group, offset, record = spec.group, spec.offset, spec.record_bytes
+        return cls(values, scales, corr, rows, group, code.name, offset, record)
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
         """Pack ``raw`` (``code`` blocks, uint8 [rows, row bytes]) into rows
@@ -167,7 +175,7 @@ class PackedWeight:
 
         offset = int(self.offset)
         if self.records:
-            scales, mins = _unrecord(scales, self.group)
+            scales, mins = _unrecord(scales, self.group, self.record)
             mins = None if mins is None else untiled(mins)
             return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
         mins = untiled(corr) if corr is not None else None
@@ -257,30 +265,40 @@ def _records(dec: Decoded, rows: int) -> torch.Tensor:
         t = t.reshape(t.shape[0], ROWS, -1, each).permute(0, 2, 3, 1)
         return t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
 
+    subs = SUPER // dec.group
     parts = [per_row(supers.d.half(), 1)]
     if supers.dmin is not None:
         parts.append(per_row(supers.dmin.half(), 1))
-        parts += [per_row(supers.sub, 8), per_row(supers.sub_mins, 8)]
+        parts += [per_row(supers.sub, subs), per_row(supers.sub_mins, subs)]
     else:
-        parts.append(per_row(supers.sub.view(torch.uint8), 16))
+        parts.append(per_row(supers.sub.view(torch.uint8), subs))
     records = torch.cat(parts, dim=-1)
     return records.reshape(records.shape[0], -1)
 
 
-def _unrecord(records: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """uint8 records [tiles, K/256 * record bytes] -> float32 scales and minimums
-    [tiles, K/group, 16] (None for Q6_K), multiplied out as blocks.py does."""
-    tiles = records.shape[0]
-    r = records.reshape(tiles, -1, record_bytes(group))
-    d = r[..., : 2 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)
-    if group != 32:
-        sub = r[..., 2 * ROWS :].contiguous().view(torch.int8).reshape(tiles, -1, 16, ROWS)
-        return (d * sub.float()).reshape(tiles, -1, ROWS), None
-    dmin = r[..., 2 * ROWS : 4 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)
-    sub = r[..., 4 * ROWS : 12 * ROWS].reshape(tiles, -1, 8, ROWS)
-    mins = r[..., 12 * ROWS :].reshape(tiles, -1, 8, ROWS)
-    scales = (d * sub.float()).reshape(tiles, -1, ROWS)
-    return scales, (-(dmin * mins.float())).reshape(tiles, -1, ROWS)
+def _unrecord(
+    records: torch.Tensor, group: int, record: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 records [tiles, K/256 * record] -> float32 scales and minimums
+    [tiles, K/group, 16] (None without minimums), multiplied out as blocks.py does;
+    sub-scales of groups of 16 are int8, of 32 uint8."""
+    tiles, subs = records.shape[0], SUPER // group
+    mins = record == record_bytes(group, True)
+    r = records.reshape(tiles, -1, record)
+
+    def halves(item: int) -> torch.Tensor:
+        part = r[..., 2 * ROWS * item : 2 * ROWS * (item + 1)]
+        return part.contiguous().view(torch.float16).float().unsqueeze(2)
+
+    start = 2 * ROWS * (1 + mins)
+    sub = r[..., start : start + subs * ROWS].reshape(tiles, -1, subs, ROWS)
+    if group == 16:
+        sub = sub.contiguous().view(torch.int8)
+    scales = (halves(0) * sub.float()).reshape(tiles, -1, ROWS)
+    if not mins:
+        return scales, None
+    low = r[..., start + subs * ROWS :].reshape(tiles, -1, subs, ROWS)
+    return scales, (-(halves(1) * low.float())).reshape(tiles, -1, ROWS)
 
 
 def _packed_shapes(code: GGMLType, rows: int, columns: int):

@@ -17,9 +17,9 @@ Q3_K, the ternary types, MXFP4, IQ4_XS) in one layout, read by one kernel. Each 
 
 with ``q`` the weight's 4 to 8 bits (IQ4_XS: its int8 level + 128, offset 128), ``d``
 and ``dm`` float16 per super-block of ``super`` weights (32 for the 32-weight formats,
-256 for the K formats), ``sub`` an integer per group of ``group`` weights and
-``sub_min`` per 32 (the K formats; 1 elsewhere), ``dm`` absent for formats without a
-minimum. The arrays:
+256 for the K formats), ``sub`` and ``sub_min`` integers per group of ``group``
+weights (the K formats; 1 elsewhere), ``dm`` absent for formats without a minimum. The
+arrays:
 
     low      uint8 [N, K/2]: q's low 4 bits; byte c of each 64-weight chunk holds
              weight c (low nibble) and weight c + 32 (high nibble): the byte pairs
@@ -30,7 +30,7 @@ minimum. The arrays:
              by side (the first half's weight lowest)
     d, dm    float16 [N, K/super]   (dm: the minimum's factor, signed as it adds;
              a K format's -dmin)
-    sub      int8 [N, K/group];  sub_min  int8 [N, K/32]
+    sub      int8 [N, K/group];  sub_min  int8 [N, K/group]
 
 The values are moved into that layout at load (``from_ggml``); every factor keeps
 the file's bits, and ``dequantize`` multiplies them in the order the ``gguf``
@@ -125,7 +125,7 @@ class SuperBlockWeight:
     d: torch.Tensor  # float16 [N, K/super]
     sub: torch.Tensor | None  # int8 [N, K/group]
     dm: torch.Tensor | None  # float16 [N, K/super]
-    sub_min: torch.Tensor | None  # int8 [N, K/32] (K formats with a minimum)
+    sub_min: torch.Tensor | None  # int8 [N, K/group] (K formats with a minimum)
     columns: int
 
     @property
@@ -193,11 +193,11 @@ class SuperBlockWeight:
         q = q.reshape(n, -1, spec.group)
         if spec.offset:
             q = q - spec.offset
-        w = (scales[:, :, None] * q).reshape(n, -1, GROUP)
+        w = scales[:, :, None] * q
         if spec.has_min:
             mins = self.dm[rows].float()
             if spec.has_sub:
-                mins = mins.repeat_interleave(spec.super // GROUP, 1) * self.sub_min[rows]
+                mins = mins.repeat_interleave(spec.super // spec.group, 1) * self.sub_min[rows]
             w = w + mins[:, :, None]
         return w.reshape(n, -1).to(dtype)
 

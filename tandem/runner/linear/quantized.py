@@ -19,12 +19,13 @@ from tandem.quant.packed import ROWS, PackedWeight
 
 
 def _joinable(a: PackedWeight, b: PackedWeight) -> bool:
-    same = (a.bits, a.group, a.scales.dtype, a.corr is None, a.offset) == (
+    same = (a.bits, a.group, a.scales.dtype, a.corr is None, a.offset, a.record) == (
         b.bits,
         b.group,
         b.scales.dtype,
         b.corr is None,
         b.offset,
+        b.record,
     )
     return same and a.rows % ROWS == 0
 
@@ -46,12 +47,13 @@ def _join(a: PackedWeight, b: PackedWeight) -> PackedWeight:
         a.group,
         a.source if a.source == b.source else f"{a.source}+{b.source}",
         a.offset,
+        a.record,
     )
 
 
 def join_parts(parts: list[tuple[int, PackedWeight]]) -> list[tuple[int, PackedWeight]]:
     """Adjacent parts in the same layout (bits a value, group size, scale type,
-    constants, offset) as one."""
+    constants, offset, record) as one."""
     joined: list[tuple[int, PackedWeight]] = []
     for start, weight in parts:
         if joined and _joinable(joined[-1][1], weight):

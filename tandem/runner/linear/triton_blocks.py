@@ -188,7 +188,8 @@ if triton is not None:
             mins = tl.load(dm_ptr + n3 * (K // SUPER) + col // SUPER, mask=real, other=0.0)
             mins = mins.to(tl.float32)
             if HAS_SUB:
-                sub_min = tl.load(sub_min_ptr + n3 * (K // 32) + col // 32, mask=real, other=0)
+                at = sub_min_ptr + n3 * (K // GROUP) + col // GROUP
+                sub_min = tl.load(at, mask=real, other=0)
                 mins = mins * sub_min.to(tl.float32)
             w += mins[:, :, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
