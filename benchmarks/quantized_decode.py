@@ -86,7 +86,7 @@ def prepare_files(llama_bin: Path | None) -> dict[str, Path]:
         files[f"llama-125m {fmt.upper()}"] = out
     # Its F16 file quantized by llama.cpp to the types tandem reads since (every matrix
     # of the 768-wide model takes whole 256-weight super-blocks).
-    for fmt in ("Q3_K_S", "IQ4_NL", "TQ2_0", "TQ1_0"):
+    for fmt in ("Q3_K_S", "Q2_K", "IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0"):
         out = folder / f"llama125m-{fmt.lower()}.gguf"
         if not out.is_file() and llama_bin is not None:
             subprocess.run(

@@ -143,12 +143,11 @@ inline void put_pairs(uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs, co
 // nibble of byte j and weight 16 + j in the high: each nibble's entry of ``table`` plus
 // ``add``, a byte each (IQ4_NL's levels, MXFP4's values + 16).
 inline uint32_t table_quad(const uint8_t* qs, int k, const int8_t* table, int add) {
+  // Bytes 4(k % 4)..+3 hold the four weights: their low nibbles for k < 4, else high.
+  const uint32_t bytes = word(qs + 4 * (k % 4)) >> (k < 4 ? 0 : 4);
   uint32_t quad = 0;
-  for (int i = 0; i < 4; ++i) {
-    const int w = 4 * k + i;
-    const int q = w < 16 ? qs[w] & 0x0F : qs[w - 16] >> 4;
-    quad |= static_cast<uint32_t>(static_cast<uint8_t>(table[q] + add)) << (8 * i);
-  }
+  for (int i = 0; i < 4; ++i)
+    quad |= static_cast<uint32_t>(static_cast<uint8_t>(table[(bytes >> (8 * i)) & 0x0F] + add)) << (8 * i);
   return quad;
 }
 
