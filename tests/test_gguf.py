@@ -529,7 +529,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 PROMPTS = [list(range(5, 30)), list(range(40, 47)) * 3, [7, 8, 9, 7, 8, 9, 7, 8] * 4]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q2_K", "IQ4_XS"])
 def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt):
     """Chunked prefill, preemption, prefix caching and speculation run the quantized
     kernels on other batch shapes; each token's result does not depend on its batch,
