@@ -59,7 +59,8 @@ def _encoder(code: GGMLType):
         if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
             kind = gguf.GGMLQuantizationType(int(code))
             return code, quants.quantize(t.numpy(), kind)
-        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0, GGMLType.TQ1_0):
+        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0, GGMLType.TQ1_0,
+                    GGMLType.IQ3_S):  # fmt: skip
             seed = sum(map(ord, name))
             return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
         return None
@@ -91,7 +92,7 @@ FORMATS = {
     "MXFP4": ("mxfp4", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                                    GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0,
-                                   GGMLType.TQ1_0)},
+                                   GGMLType.TQ1_0, GGMLType.IQ3_S)},
     "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
@@ -529,7 +530,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 PROMPTS = [list(range(5, 30)), list(range(40, 47)) * 3, [7, 8, 9, 7, 8, 9, 7, 8] * 4]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q2_K", "IQ4_XS", "IQ3_S"])
 def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt):
     """Chunked prefill, preemption, prefix caching and speculation run the quantized
     kernels on other batch shapes; each token's result does not depend on its batch,
@@ -862,7 +863,7 @@ def _decoded_encoder(name: str):
     return encode
 
 
-DECODED = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+DECODED = ["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
 
 
 def test_an_mxfp4_tensor_whose_scales_float16_cannot_hold_is_decoded_at_load(

@@ -254,6 +254,7 @@ _Q_STD = {
     GGMLType.IQ4_NL: 66.0,  # its 16 levels, -127..113
     GGMLType.IQ4_XS: 66.0 * 18.5,  # its levels times a sub-scale in -32..31
     GGMLType.Q2_K: 13.9,  # sc * q - 1.5 * mn, sc and mn 4-bit, q in 0..3
+    GGMLType.IQ3_S: 140.0,  # its codebook's values (odd, 1..15) with signs, times 1 + 2s
     GGMLType.TQ2_0: 0.816,  # q - 1, q in 0..2 (ternary)
     GGMLType.TQ1_0: 0.816,
     GGMLType.MXFP4: 5.2,  # its 16 values, -12..12
@@ -298,7 +299,7 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         blocks[:, 208:210] = _f16_scales(rng, n, d)
     elif code == GGMLType.Q3_K:  # (every bit pattern of its 6-bit scales is valid)
         blocks[:, 108:110] = _f16_scales(rng, n, d)
-    elif code == GGMLType.IQ4_XS:  # (and of IQ4_XS's)
+    elif code in (GGMLType.IQ4_XS, GGMLType.IQ3_S):  # (and of theirs)
         blocks[:, 0:2] = _f16_scales(rng, n, d)
     elif code == GGMLType.Q2_K:  # w = d*sc*q - dmin*mn: dmin = 1.5 d (q's mean) centres it
         scales = _f16_scales(rng, n, d)

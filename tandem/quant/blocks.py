@@ -31,6 +31,8 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
     IQ4_NL 18 B / 32 w:  d, q[16] as Q4_0's nibbles          w = d*IQ4_NL_VALUES[q]
                          (a non-linear table of 16 int8 levels: the value is the
                          table's, an int8, and the format packs as Q8_0 does)
+    IQ3_S  110 B / 256 w: d, qs[64], qh[8] (9-bit codebook indices, 4 weights each),
+                         signs[32], scales[4] (4-bit s per 32)  w = d*(1+2s)*grid*sign
     IQ4_XS 136 B / 256 w: d, scales_h u16, scales_l[4] (6-bit ls for 8 groups of 32),
                          q[128] as IQ4_NL's                  w = d*(ls-32)*IQ4_NL_VALUES[q]
                          (the levels as int8 values, Q6_K's records: d and the
@@ -77,6 +79,7 @@ class GGMLType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     IQ4_NL = 20
+    IQ3_S = 21
     IQ4_XS = 23
     BF16 = 30
     TQ1_0 = 34
@@ -334,6 +337,39 @@ def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(IQ4_NL_VALUES[q], rows), _flat(scales, rows), None, 0, 16, 8, supers)
 
 
+@functools.cache
+def _iq3_s_grid() -> torch.Tensor:
+    """IQ3_S's codebook: 512 entries of 4 odd values 1..15 (int8 [512, 4]), as gguf-py
+    decodes llama.cpp's table."""
+    from gguf import quants
+
+    quants.IQ3_S.init_grid()
+    return torch.from_numpy(quants.IQ3_S.grid.reshape(512, 4).astype(np.int8))
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def _decode_iq3_s(blocks: torch.Tensor) -> Decoded:
+    """IQ3_S: d, qs[64], qh[8], signs[32], scales[4]. Index i (weights 4i..4i+3) is
+    qs[i] plus bit i of qh as its ninth bit, into the codebook; bit k of signs[j] is
+    weight 8j + k's sign; a 4-bit s per 32 weights: w = d * (1 + 2s) * grid * sign.
+    Held as int8 values (grid x sign) under Q6_K's records, 1 + 2s a sub-scale given
+    to both of its 16-weight groups."""
+    rows = blocks.shape[0]
+    d = _f16(blocks[..., 0:2])
+    qh = (blocks[..., 66:74].unsqueeze(-1) >> _BITS) & 1  # [.., 8, 8]: index 8j + k
+    index = blocks[..., 2:66].long() | (qh.reshape(*qh.shape[:-2], 64).long() << 8)
+    grid = _iq3_s_grid()[index].reshape(rows, -1, 256)
+    signs = ((blocks[..., 74:106].unsqueeze(-1) >> _BITS) & 1).reshape(rows, -1, 256)
+    values = grid * (1 - 2 * signs.to(torch.int8))
+    nibbles = blocks[..., 106:110].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)
+    sub = (1 + 2 * (nibbles & 0x0F).to(torch.int8)).reshape(rows, -1, 8).repeat_interleave(2, -1)
+    scales = d.unsqueeze(-1) * sub.float()
+    supers = SuperScales(d, _flat(sub, rows))
+    return Decoded(_flat(values, rows), _flat(scales, rows), None, 0, 16, 8, supers)
+
+
 # MXFP4's 16 values (E2M1 numbers doubled, as ggml's kvalues_mxfp4), and the
 # shared exponent's float: 2**(e - 128), half of E8M0's 2**(e - 127) for the doubling.
 MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
@@ -410,6 +446,9 @@ class BlockFormat:
     # format whose file can hold what they cannot (MXFP4's scales beyond float16): a
     # tensor that fails is decoded to float32 at load instead. None: always.
     held_exactly: Callable[[torch.Tensor], bool] | None = None
+    # Whether kernels/pack_ops.cpp packs it; else packed.py packs it from its decoder
+    # (torch, a slice of rows at a time: slower to load, the same bytes).
+    compiled_packer: bool = True
 
     @property
     def name(self) -> str:
@@ -461,6 +500,10 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # on the GPU its levels + 128 as 8-bit q (4 high bits) and its sub-scales.
     BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
                 SuperFormat(256, 16, 4, 128, True, False)),
+    # IQ3_S's codebook values (x their signs) as IQ4_XS's are held (8.5625 bits against
+    # 3.4375), packed from its torch decoder.
+    BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
+                SuperFormat(256, 16, 4, 128, True, False), compiled_packer=False),
     # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
     # (5.5 bits a weight held against the file's 4.25).
     BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,
@@ -491,8 +534,8 @@ def type_name(code: int) -> str:
 
 @functools.cache
 def decoded_at_load() -> dict[int, tuple[int, int]]:
-    """The block types that have no row in FORMATS yet (the codebook i-quants,
-    NVFP4): code -> (weights, bytes) a block. A file's tensors of
+    """The block types that have no row in FORMATS yet (the codebook i-quants but
+    IQ3_S, NVFP4): code -> (weights, bytes) a block. A file's tensors of
     these types are decoded to float32 as they are read (``dequantize_other``), so
     the file loads and runs exactly, at float memory and float speed."""
     import gguf
