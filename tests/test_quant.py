@@ -375,3 +375,9 @@ def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     default = int(re.search(r"default: return (\d+);", body).group(1))
     for code, spec in compiled.items():
         assert cpp_bits.get(code.name, default) == spec.packed_bits, code.name
+    body = re.search(r"inline int64_t record_bytes\(int64_t code\) \{(.*?)\n\}", source, re.S)
+    cpp_records = {}
+    for cases, size in re.findall(r"((?:case \w+: )+)return (\d+);", body.group(1)):
+        cpp_records.update({name: int(size) for name in re.findall(r"case (\w+):", cases)})
+    for code, spec in compiled.items():
+        assert cpp_records.get(code.name, 0) == spec.record_bytes, code.name

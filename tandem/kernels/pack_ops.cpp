@@ -42,6 +42,16 @@ constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 // MXFP4's values (blocks.py's MXFP4_VALUES: FP4 E2M1 doubled), held + 16 as Q5_0's are.
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// Bytes of the format's super-block records a tile (quant::record), 0: float16 scales.
+inline int64_t record_bytes(int64_t code) {
+  switch (code) {
+    case Q4_K: case Q5_K: return 320;
+    case Q6_K: case Q3_K: case TQ1_0: case TQ2_0: case IQ4_XS: return 288;
+    case Q2_K: return 576;
+    default: return 0;
+  }
+}
+
 // Bits a value of the format takes packed.
 inline int value_bits(int64_t code) {
   switch (code) {
@@ -382,18 +392,15 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
-  const bool records = code == pack::Q4_K || code == pack::Q5_K || code == pack::Q6_K ||
-                       code == pack::Q3_K || code == pack::Q2_K || code == pack::TQ1_0 ||
-                       code == pack::TQ2_0 || code == pack::IQ4_XS;
+  const int64_t record = pack::record_bytes(code);
+  const bool records = record > 0;
   TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
               "scales: uint8 records (K formats) or float16");
   TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
-  const bool sixteen = code == pack::Q6_K || code == pack::Q3_K || code == pack::Q2_K ||
-                       code == pack::TQ1_0 || code == pack::TQ2_0 || code == pack::IQ4_XS;
-  const int64_t record_group = records ? (sixteen ? 16 : 32) : 0;
-  const bool record_mins = record_group == 32 || code == pack::Q2_K;
-  TORCH_CHECK(!records || scales.size(1) == columns / 256 * quant::record::bytes(record_group, record_mins),
-              "scales: records per tile");
+  int64_t record_group = 0;
+  bool record_mins = false;
+  if (records) quant::record::kind(record, record_group, record_mins);
+  TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
               columns / 256, record_group, record_mins};

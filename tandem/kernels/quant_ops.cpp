@@ -184,6 +184,18 @@ constexpr int64_t sub_unit(int64_t group, bool mins, int64_t g) { return 2 * hal
 constexpr int64_t min_unit(int64_t group, int64_t g) { return sub_unit(group, true, g) + subs(group); }
 // 320 (group 32), 288 (16), 576 (16 with minimums)
 constexpr int64_t bytes(int64_t group, bool mins) { return (2 * halves(mins) + subs(group) * halves(mins)) * kRows; }
+// The kind of a record of ``size`` bytes: its group and whether it holds minimums
+// (groups of 32 always do); false for a size no kind has.
+inline bool kind(int64_t size, int64_t& group, bool& mins) {
+  for (const int64_t g : {32, 16})
+    for (const bool m : {true, false})
+      if ((g == 16 || m) && size == bytes(g, m)) {
+        group = g;
+        mins = m;
+        return true;
+      }
+  return false;
+}
 }  // namespace record
 
 // A thread streams its tiles' values front to back; asking for the block kPrefetchBytes
@@ -1136,10 +1148,12 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
   TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
   ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false};
   if (scales.scalar_type() == torch::kByte) {
-    s.mins = group == 32 || (tiles * s.supers > 0 && scales.numel() == tiles * s.supers * record::bytes(16, true));
-    s.record = record::bytes(group, s.mins);
-    TORCH_CHECK(K % 256 == 0 && scales.numel() == tiles * s.supers * s.record,
-                "scales: records [tiles, K / 256 * ", s.record, "]");
+    int64_t record_group = 0;
+    const int64_t per = tiles * s.supers > 0 ? scales.numel() / (tiles * s.supers) : 0;
+    TORCH_CHECK(K % 256 == 0 && record::kind(per, record_group, s.mins) && record_group == group &&
+                    scales.numel() == tiles * s.supers * per,
+                "scales: records [tiles, K / 256 * R] of groups of ", group);
+    s.record = per;
     TORCH_CHECK(!(corr.has_value() && corr->numel() > 0), "records hold their constants");
     return s;
   }
