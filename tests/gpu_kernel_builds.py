@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tandem.kernels import cuda as cuda_kernels  # noqa: E402
+from tandem.quant.blocks import FORMATS  # noqa: E402
 from tandem.quant.split_blocks import SUPER_FORMATS  # noqa: E402
 from tandem.runner.attention import triton_paged  # noqa: E402
 from tandem.runner.linear import triton_blocks  # noqa: E402
@@ -84,12 +85,14 @@ def block_kernels() -> None:
         build(triton_blocks._block_widen, types, dict(BITS=bits, **tile))
     fields = {"low_ptr": "*u8", "high_ptr": "*u8", "d_ptr": "*fp16", "sub_ptr": "*i8",
               "dm_ptr": "*fp16", "sub_min_ptr": "*i8"}  # fmt: skip
-    # Formats with one formula share the kernels (MXFP4 is Q5_0's, TQ1_0 TQ2_0's).
+    # Formats with one formula share the kernels (MXFP4 is Q5_0's, TQ1_0 TQ2_0's), but
+    # for d's type (the codebook i-quants' float32: split_blocks.py).
     names: dict = {}
     for code, spec in SUPER_FORMATS.items():
-        names.setdefault(spec, []).append(code.name)
-    for spec, codes in names.items():
-        types = {**ints, **pointers, **fields}
+        d_type = "*fp16" if FORMATS[code].factor == 1 else "*fp32"
+        names.setdefault((spec, d_type), []).append(code.name)
+    for (spec, d_type), codes in names.items():
+        types = {**ints, **pointers, **fields, "d_ptr": d_type}
         constants = dict(
             SUPER=spec.super, GROUP=spec.group, HIGH_BITS=spec.high_bits, OFFSET=spec.offset,
             HAS_SUB=spec.has_sub, HAS_MIN=spec.has_min, BLOCK_N=32, BLOCK_K=256,

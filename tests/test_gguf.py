@@ -59,13 +59,18 @@ def _encoder(code: GGMLType):
         if code in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
             kind = gguf.GGMLQuantizationType(int(code))
             return code, quants.quantize(t.numpy(), kind)
-        if code in (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0, GGMLType.TQ1_0,
-                    GGMLType.IQ3_S):  # fmt: skip
+        if code in RANDOM_BLOCKS:
             seed = sum(map(ord, name))
             return code, random_blocks(code, t.shape[0], t.shape[1], seed).numpy()
         return None
 
     return encode
+
+
+# The types the file gets as random valid blocks (tests/test_quant.py's random_blocks).
+RANDOM_BLOCKS = (GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0, GGMLType.TQ1_0, GGMLType.IQ3_S,
+                 GGMLType.IQ3_XXS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                 GGMLType.IQ1_S, GGMLType.IQ1_M)  # fmt: skip
 
 
 def _mixed_encoder(name: str, t: torch.Tensor):
@@ -91,8 +96,7 @@ FORMATS = {
     "Q2_K": ("q2_k", None),
     "MXFP4": ("mxfp4", None),
     **{c.name: ("f32", c) for c in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                                   GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ2_0,
-                                   GGMLType.TQ1_0, GGMLType.IQ3_S)},
+                                   *RANDOM_BLOCKS)},
     "mixed": ("q8_0", "mixed"),
 }  # fmt: skip
 # Hidden 256: rows of whole K-quant super-blocks. qwen3's head_dim is 128 because
@@ -282,8 +286,8 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
         w = dequantize(code, raw, info.shape[0])
         assert torch.isfinite(w).all(), info.name
         assert abs(w.mean().item()) < 0.004 and 0.012 < w.std().item() < 0.03, info.name
-    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q3_k_s": "Q3_K",
-            "q2_k": "Q2_K", "iq4_xs": "IQ4_XS"}[fmt]  # fmt: skip
+    main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K",
+            **{f: code.name for f, code in random_gguf.THROUGHOUT.items()}}[fmt]  # fmt: skip
     assert types["output.weight"] == ("Q8_0" if fmt == "q8_0" else "Q6_K")
     assert types["blk.3.ffn_gate.weight"] == types["blk.1.ffn_down.weight"] == main
     more_bits = "Q6_K" if fmt.endswith("_k_m") else main  # layer 0: the first eighth
@@ -530,7 +534,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 PROMPTS = [list(range(5, 30)), list(range(40, 47)) * 3, [7, 8, 9, 7, 8, 9, 7, 8] * 4]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q2_K", "IQ4_XS", "IQ3_S"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_XXS"])
 def test_the_engine_on_quantized_weights_matches_its_plain_path(gguf_files, fmt):
     """Chunked prefill, preemption, prefix caching and speculation run the quantized
     kernels on other batch shapes; each token's result does not depend on its batch,
@@ -863,7 +867,7 @@ def _decoded_encoder(name: str):
     return encode
 
 
-DECODED = ["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+DECODED = ["NVFP4"]  # (every other type llama.cpp writes has a row in FORMATS)
 
 
 def test_an_mxfp4_tensor_whose_scales_float16_cannot_hold_is_decoded_at_load(

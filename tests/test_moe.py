@@ -193,7 +193,7 @@ def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(
                 torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "iq4_xs", "q2_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "iq4_xs", "q2_k", "iq2_xxs"])
 @pytest.mark.parametrize(
     "tokens, round_rows", [(1, 512), (3, 512), (40, 512), (600, 512), (600, 64)]
 )
@@ -228,6 +228,31 @@ def test_the_fused_experts_kernel_equals_the_loop_over_experts(
             finally:
                 layer.fused_experts = kernel
             assert load == layer.expert_load and sum(load) == 2 * tokens
+
+
+def test_a_mixtures_stack_call_takes_each_projections_power_of_two(tmp_path, monkeypatch):
+    """An IQ2_XXS mixture (every output times d's 1/8, kernels/quant_ops.cpp's factor):
+    decode steps of every layer in one call (the mixture's arguments converted in
+    decode_stack.cpp) give the plain path's tokens and logprobs bit for bit."""
+    from tandem.models.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(256, 2, 4, 2, 512, tied=False, vocab=512, head_size=64,
+                  architecture="qwen3moe", experts=8, experts_used=2,
+                  expert_intermediate=256)  # fmt: skip
+    path = str(write_random_gguf(tmp_path / "moe.gguf", shape, "iq2_xxs"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9, 10, 11, 12, 13])]
+
+    def run(flag: str):
+        monkeypatch.setenv("TANDEM_FUSED_DECODE", flag)
+        llm = LLM(path, max_num_seqs=2)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        layers = llm.engine.executor.runner.model.model.layers
+        stacked = bool(getattr(layers, "_fused_stack", None))
+        return stacked, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    stacked, fused = run("1")
+    assert stacked and run("0") == (False, fused)
 
 
 def test_a_random_qwen2_moe_file_runs_its_experts_fused_beside_the_shared_one(tmp_path):

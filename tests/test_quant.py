@@ -18,6 +18,7 @@ from tandem.models.linear import Linear
 from tandem.models.quantized import drop_float_weight, set_packed_part
 from tandem.quant import split_blocks
 from tandem.quant.blocks import BLOCK, GGMLType, decode, dequantize
+from tandem.quant.blocks import FORMATS as FORMATS_TABLE
 from tandem.quant.packed import PackedWeight, quantize_activations, reference
 from tandem.quant.quantize import FORMATS, quantize
 from tandem.runner.linear.quantized import QuantizedLinearMethod
@@ -44,6 +45,12 @@ F16_FIELDS = {
     GGMLType.IQ4_XS: ((0,), 127 * 32),
     GGMLType.Q2_K: ((80, 82), 3 * 15),
     GGMLType.IQ3_S: ((0,), 15 * 31),
+    GGMLType.IQ3_XXS: ((0,), 62 * 31 / 4),
+    GGMLType.IQ2_XXS: ((0,), 43 * 31 / 8),
+    GGMLType.IQ2_XS: ((0,), 43 * 31 / 8),
+    GGMLType.IQ2_S: ((0,), 43 * 31 / 8),
+    GGMLType.IQ1_S: ((0,), 9 * 15 / 8),
+    GGMLType.IQ1_M: ((), 9 * 15 / 8),  # (its d's bits: set below)
 }
 
 
@@ -60,6 +67,11 @@ def random_blocks(code: GGMLType, rows: int, columns: int, seed: int = 0) -> tor
         raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
     if code == GGMLType.MXFP4:  # powers of two 2**-15 .. 2**-7: weights within +-0.1
         raw[..., 0] = rng.integers(113, 122, size=raw.shape[:2], dtype=np.uint8)
+    if code == GGMLType.IQ1_M:  # d's 16 bits: the top nibbles of its four u16 (48..55)
+        d = (rng.uniform(-0.1, 0.1, size=raw.shape[:2]) / factor).astype(np.float16)
+        for k in range(4):
+            nibble = ((d.view(np.uint16) >> (4 * k)) & 0x0F).astype(np.uint8)
+            raw[..., 49 + 2 * k] = (raw[..., 49 + 2 * k] & 0x0F) | (nibble << 4)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
@@ -300,6 +312,9 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.IQ4_XS: 8.5625,  # (its levels as int8 under Q6_K's records)
         GGMLType.Q2_K: 5.125,  # (2-bit values a nibble each, records with minimums)
         GGMLType.IQ3_S: 8.5625,  # (its codebook's values as int8, IQ4_XS's layout)
+        # (the other codebook types as IQ3_S, d's power of two apart)
+        **dict.fromkeys([GGMLType.IQ3_XXS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                         GGMLType.IQ1_S, GGMLType.IQ1_M], 8.5625),
     }  # fmt: skip
 
 
@@ -328,6 +343,8 @@ def test_the_gpus_split_blocks_keep_every_weight_at_the_files_bits(code, monkeyp
              GGMLType.IQ4_XS: 8.5625 / 4.25,
              GGMLType.Q2_K: 5.125 / 2.625,
              GGMLType.IQ3_S: 8.5625 / 3.4375}.get(code, 1.0)  # fmt: skip
+    if FORMATS_TABLE[code].factor != 1:  # (d times its power of two as float32: 2 bytes more)
+        wider = (8.5 + 32 / 256) / (BLOCK[code][1] * 8 / BLOCK[code][0])
     assert bits == pytest.approx(BLOCK[code][1] * 8 / BLOCK[code][0] * wider)
 
 

@@ -235,6 +235,10 @@ struct ScaleTable {
   int64_t record;      // records: bytes of one; 0 for float16 scales
   int group;
   bool mins;           // records: they hold minimums (groups of 32; Q2_K's of 16)
+  // A power of two every scale takes beyond the table's (the codebook i-quants' d / 4
+  // and d / 8, which a float16 d may not hold): store_rows multiplies each output by
+  // it, exactly. 1 for every other format.
+  float factor;
 
   // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
   bool has_constants() const { return corr != nullptr || (record && mins); }
@@ -302,7 +306,8 @@ inline void store_rows(const Problem& p, int64_t n0, int64_t tok, const float* y
                        int64_t count = kRows) {
   float* dst = p.out + tok * p.out_stride + n0;
   const int64_t rows = std::min<int64_t>(count, p.N - n0);
-  for (int64_t r = 0; r < rows; ++r) dst[r] = y[r] + (p.bias != nullptr ? p.bias[n0 + r] : 0.f);
+  const float factor = p.s.factor;
+  for (int64_t r = 0; r < rows; ++r) dst[r] = y[r] * factor + (p.bias != nullptr ? p.bias[n0 + r] : 0.f);
 }
 
 // a * b rounded as written: -ffast-math lets the compiler reassociate a product of
@@ -1141,12 +1146,17 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
 // (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr;
-// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288).
+// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288);
+// ``factor`` a power of two in 2**-8 .. 1 (ScaleTable's).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
-                       int64_t tiles, int64_t K, int64_t group) {
+                       int64_t tiles, int64_t K, int64_t group, double factor) {
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
-  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false};
+  int exponent = 0;
+  TORCH_CHECK(factor >= 1.0 / 256 && factor <= 1 && std::frexp(factor, &exponent) == 0.5,
+              "factor: a power of two in 2**-8 .. 1");
+  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false,
+               static_cast<float>(factor)};
   if (scales.scalar_type() == torch::kByte) {
     int64_t record_group = 0;
     const int64_t per = tiles * s.supers > 0 ? scales.numel() / (tiles * s.supers) : 0;
@@ -1217,10 +1227,11 @@ bool amx_mode(int64_t want) {
 
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
-// be padding); ``offset`` is the values' (Q4_0: 8, Q5_0: 16, Q6_K: 32).
+// be padding); ``offset`` is the values' (Q4_0: 8, Q5_0: 16, Q6_K: 32), ``factor``
+// the power of two beyond the scales (ScaleTable's; 1 but for the codebook i-quants).
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
                   c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
-                  int64_t N, int64_t group, double offset) {
+                  int64_t N, int64_t group, double offset, double factor) {
   using quant::kRows;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
@@ -1229,7 +1240,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   quant::Problem p;
-  p.s = quant::scale_table(scales, corr, tiles, K, group);
+  p.s = quant::scale_table(scales, corr, tiles, K, group, factor);
   p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
@@ -1282,7 +1293,8 @@ struct ManyMatrices {
 };
 
 ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& scales,
-                           const torch::Tensor& corr, int64_t K, int64_t N, int64_t group, double offset) {
+                           const torch::Tensor& corr, int64_t K, int64_t N, int64_t group, double offset,
+                           double factor) {
   ManyMatrices m;
   m.K = K;
   m.N = N;
@@ -1290,7 +1302,8 @@ ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& sca
   m.bits = value_bits(values, K);
   TORCH_CHECK(m.tiles * kRows >= N && (m.tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   m.tile_bytes = values.size(1);
-  m.s = scale_table(scales, corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, m.tiles, K, group);
+  m.s = scale_table(scales, corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, m.tiles, K,
+                    group, factor);
   m.records = m.s.record != 0;
   check_format(m.bits, group, m.records);
   m.offset = integer_offset(offset);
@@ -1341,9 +1354,10 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
 }  // namespace quant
 
 // out [n, K] float32 = rows ids[0..n) of a packed matrix, dequantized (an embedding
-// lookup): w = scale * (q - offset) + constant, read straight from the tiled layout.
+// lookup): w = scale * factor * (q - offset) + constant, read straight from the tiled
+// layout.
 void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torch::Tensor scales,
-                c10::optional<torch::Tensor> corr, int64_t group, double offset) {
+                c10::optional<torch::Tensor> corr, int64_t group, double offset, double factor) {
   using quant::kBlock;
   using quant::kRows;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
@@ -1351,7 +1365,7 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
   const int64_t n = ids.size(0), K = out.size(1);
   const int bits = quant::value_bits(values, K);
   const int64_t tiles = values.size(0);
-  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group);
+  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, factor);
   const int32_t shift = quant::integer_offset(offset);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -1363,7 +1377,7 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
       const int64_t tile = id[i] / kRows, r = id[i] % kRows;
       const uint8_t* tv = vals + tile * values.size(1);
       for (int64_t g = 0; g < s.groups; ++g) {
-        const float scale = quant::scale_at(s, tile, r, g);
+        const float scale = quant::scale_at(s, tile, r, g) * s.factor;
         const float constant = quant::constant_at(s, tile, r, g);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
           const int32_t q = quant::value_at(tv, bits, k / kBlock, r, k % kBlock) - shift;

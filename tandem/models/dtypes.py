@@ -30,10 +30,10 @@ for names, entry in (
     for name in names:
         DTYPES[name] = entry
 # llama.cpp's block formats: bytes a weight including the block scales (Q8_0: 8.5 bits,
-# Q4_0: 4.5, Q4_K: 4.5, Q6_K: 6.5625), from the one table of formats; and every other
-# type llama.cpp writes (Q2_K: 2.625 bits, IQ2_XXS: 2.0625, MXFP4: 4.25, ...) at its
-# block's size, as gguf-py gives it (tandem decodes those to float32 at load: a GGUF
-# file's plan prices what it holds, tensor by tensor).
+# Q4_0: 4.5, Q4_K: 4.5, Q6_K: 6.5625, Q2_K: 2.625, IQ2_XXS: 2.0625), from the one table
+# of formats; and every other type llama.cpp writes (NVFP4: 4.5) at its block's size, as
+# gguf-py gives it (tandem decodes those to float32 at load: a GGUF file's plan prices
+# what it holds, tensor by tensor).
 for _format in BLOCK_FORMATS.values():
     _name = _format.name.lower()
     DTYPES[_name] = DType(_name, _format.bytes_per_weight, None)

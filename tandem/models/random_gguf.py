@@ -203,7 +203,11 @@ SHAPES = {
         expert_intermediate=5632,
     ),
 }
-FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q3_k_s", "q2_k", "iq4_xs")
+# The formats of one type throughout (the head Q6_K): llama.cpp's Q3_K_S, IQ4_XS;
+# its Q2_K_S, IQ3_XXS and IQ2_XXS but their mixes (v and down rows in more bits).
+THROUGHOUT = {"q3_k_s": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K, "iq4_xs": GGMLType.IQ4_XS,
+              "iq3_xxs": GGMLType.IQ3_XXS, "iq2_xxs": GGMLType.IQ2_XXS}  # fmt: skip
+FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", *THROUGHOUT)
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -223,12 +227,8 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.Q6_K
     if fmt == "q4_0":
         return GGMLType.Q4_0
-    if fmt == "q3_k_s":  # (llama.cpp's Q3_K_S: Q3_K throughout, the head Q6_K)
-        return GGMLType.Q3_K
-    if fmt == "iq4_xs":  # (IQ4_XS throughout, the head Q6_K)
-        return GGMLType.IQ4_XS
-    if fmt == "q2_k":  # (Q2_K throughout, the head Q6_K: llama.cpp's Q2_K_S but its v rows)
-        return GGMLType.Q2_K
+    if fmt in THROUGHOUT:
+        return THROUGHOUT[fmt]
     parts = name.split(".")
     more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps")
     if more_bits and _more_bits(int(parts[1]), shape.layers):
@@ -255,6 +255,14 @@ _Q_STD = {
     GGMLType.IQ4_XS: 66.0 * 18.5,  # its levels times a sub-scale in -32..31
     GGMLType.Q2_K: 13.9,  # sc * q - 1.5 * mn, sc and mn 4-bit, q in 0..3
     GGMLType.IQ3_S: 140.0,  # its codebook's values (odd, 1..15) with signs, times 1 + 2s
+    # the other codebook types' values times their sub-scales and d's power of two
+    # (the spread of a million of them)
+    GGMLType.IQ3_XXS: 142.0,
+    GGMLType.IQ2_XXS: 53.2,
+    GGMLType.IQ2_XS: 55.9,
+    GGMLType.IQ2_S: 56.4,
+    GGMLType.IQ1_S: 7.23,
+    GGMLType.IQ1_M: 7.18,
     GGMLType.TQ2_0: 0.816,  # q - 1, q in 0..2 (ternary)
     GGMLType.TQ1_0: 0.816,
     GGMLType.MXFP4: 5.2,  # its 16 values, -12..12
@@ -299,7 +307,12 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
         blocks[:, 208:210] = _f16_scales(rng, n, d)
     elif code == GGMLType.Q3_K:  # (every bit pattern of its 6-bit scales is valid)
         blocks[:, 108:110] = _f16_scales(rng, n, d)
-    elif code in (GGMLType.IQ4_XS, GGMLType.IQ3_S):  # (and of theirs)
+    elif code == GGMLType.IQ1_M:  # d's 16 bits: the top nibbles of its four u16 (48..55)
+        bits = _f16_scales(rng, n, d).view(np.uint16)[:, 0]
+        for k in range(4):
+            nibble = ((bits >> (4 * k)) & 0x0F).astype(np.uint8)
+            blocks[:, 49 + 2 * k] = (blocks[:, 49 + 2 * k] & 0x0F) | (nibble << 4)
+    elif code.name.startswith("IQ"):  # IQ4_XS, the codebook types: d at 0, any other bits
         blocks[:, 0:2] = _f16_scales(rng, n, d)
     elif code == GGMLType.Q2_K:  # w = d*sc*q - dmin*mn: dmin = 1.5 d (q's mean) centres it
         scales = _f16_scales(rng, n, d)
@@ -368,7 +381,8 @@ def write_random_gguf(
     writer.add_name(f"random {path.stem}")
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
                   "q5_k_m": "MOSTLY_Q5_K_M", "q3_k_s": "MOSTLY_Q3_K_S",
-                  "q2_k": "MOSTLY_Q2_K", "iq4_xs": "MOSTLY_IQ4_XS"}  # fmt: skip
+                  "q2_k": "MOSTLY_Q2_K", "iq4_xs": "MOSTLY_IQ4_XS",
+                  "iq3_xxs": "MOSTLY_IQ3_XXS", "iq2_xxs": "MOSTLY_IQ2_XXS"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)

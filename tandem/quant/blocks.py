@@ -41,6 +41,25 @@ Layouts, per block (d, m, dmin: float16; all little-endian), from ggml-common.h:
                          (FP4 E2M1 values doubled, -12..12: held as Q5_0's 5-bit
                          values, offset 16, the power of two as Q5_0's float16 scale)
 
+The other codebook types: 8 (IQ3_XXS: 4) weights an index into a grid of llama.cpp's
+(gguf-py's tables), signs as 7-bit indices whose 8th bit is their parity (IQ2_XXS,
+IQ2_XS, IQ3_XXS) or as plain bits (IQ2_S), a 4-bit (IQ1: 3-bit) s per 32 or 16 weights:
+
+    IQ3_XXS  98 B: d, qs[64] (8-bit indices), 8 u32 (4 sign indices, s)
+                                                   w = d*(1+2s)/4 * grid * sign
+    IQ2_XXS  66 B: d, 8 u32 pairs (4 8-bit indices; 4 sign indices, s)
+                                                   w = d*(1+2s)/8 * grid * sign
+    IQ2_XS   74 B: d, qs[32] u16 (9-bit index, 7-bit signs), scales[8] (s per 16)
+    IQ2_S    82 B: d, qs[32], signs[32], qh[8] (2 more index bits), scales[8]
+    IQ1_S    50 B: d, qs[32], qh[8] u16 (3 index bits x 4, s, delta's sign) per 32
+                                                   w = d*(2s+1) * (grid + delta)
+    IQ1_M    56 B: qs[32], qh[16] (3 index bits, delta's sign per 8), scales[8] (3-bit
+                   s per 16, d's 16 bits in the top nibbles of its four u16)
+
+(grid: IQ3_XXS 4..62, IQ2 8, 25 or 43, IQ1 -1, 0 or 1; delta +-1/8). All are held as
+IQ3_S is, int8 values under Q6_K's records (IQ1's as 8 * (grid + delta)), with d's
+power of two (1/4, 1/8) kept apart: ``SuperScales.factor``.
+
 The scales are multiplied out in float32 in the same order as the ``gguf`` package
 (and llama.cpp) does, so ``dequantize`` equals theirs bit for bit.
 
@@ -78,9 +97,15 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
     IQ4_NL = 20
     IQ3_S = 21
+    IQ2_S = 22
     IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
     TQ1_0 = 34
     TQ2_0 = 35
@@ -97,17 +122,21 @@ FLOAT_TYPES = {
 @dataclass
 class SuperScales:
     """A K format's scales as the file holds them, per super-block of 256 weights:
-    ``scales = d * sub`` and ``mins = -(dmin * sub_mins)`` in float32 (Decoded's).
+    ``scales = d * sub * factor`` and ``mins = -(dmin * sub_mins)`` in float32
+    (Decoded's).
 
     d, dmin: float32 [rows, columns // 256], each exactly a float16; sub: the 6-bit
     (uint8, Q4_K / Q5_K; Q2_K's 4-bit) or 8-bit signed (int8, Q6_K) sub-scales
     [rows, groups]; sub_mins: uint8 [rows, groups]; dmin and sub_mins None for the
-    formats without minimums (Q6_K, Q3_K, ...)."""
+    formats without minimums (Q6_K, Q3_K, ...); factor: a power of two every scale
+    takes beyond d and sub (the codebook types': IQ3_XXS's 1/4, IQ2's and IQ1's 1/8),
+    which the layouts keep apart (a float16 d times it may not be a float16)."""
 
     d: torch.Tensor
     sub: torch.Tensor
     dmin: torch.Tensor | None = None
     sub_mins: torch.Tensor | None = None
+    factor: float = 1.0
 
 
 @dataclass
@@ -319,6 +348,16 @@ def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
     return Decoded(_flat(IQ4_NL_VALUES[q], rows), _f16(blocks[..., :2]), None, 0, 32, 8)
 
 
+def _codebook(values: torch.Tensor, d: torch.Tensor, sub: torch.Tensor, rows: int,
+              factor: float = 1.0) -> Decoded:  # fmt: skip
+    """Int8 values under Q6_K's records (IQ4_XS and the codebook types): w = d * sub *
+    factor * value, sub int8 [rows, blocks, 16] (one a group of 16), factor a power of
+    two (so that the float32 products are exact, the gguf package's in any order)."""
+    scales = d.unsqueeze(-1) * sub.float() * factor
+    supers = SuperScales(d, _flat(sub, rows), factor=factor)
+    return Decoded(_flat(values, rows), _flat(scales, rows), None, 0, 16, 8, supers)
+
+
 def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
     """IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; eight sub-blocks of 32, each
     IQ4_NL's nibbles with a 6-bit scale ls (its low nibble from scales_l, its top two
@@ -332,19 +371,18 @@ def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
     sub = (low.reshape(*top.shape).to(torch.int32) | (top << 4)) - 32
     q = _nibbles32(blocks[..., 8:].reshape(rows, -1, 8, 16)).long()
     sub16 = sub.to(torch.int8).repeat_interleave(2, dim=-1)  # [rows, blocks, 16]
-    scales = d.unsqueeze(-1) * sub16.float()
-    supers = SuperScales(d, _flat(sub16, rows))
-    return Decoded(_flat(IQ4_NL_VALUES[q], rows), _flat(scales, rows), None, 0, 16, 8, supers)
+    return _codebook(IQ4_NL_VALUES[q], d, sub16, rows)
 
 
 @functools.cache
-def _iq3_s_grid() -> torch.Tensor:
-    """IQ3_S's codebook: 512 entries of 4 odd values 1..15 (int8 [512, 4]), as gguf-py
-    decodes llama.cpp's table."""
+def _grid(name: str) -> torch.Tensor:
+    """A codebook type's grid as gguf-py decodes llama.cpp's table: int8 [entries,
+    weights an entry]."""
     from gguf import quants
 
-    quants.IQ3_S.init_grid()
-    return torch.from_numpy(quants.IQ3_S.grid.reshape(512, 4).astype(np.int8))
+    kind = getattr(quants, name)
+    kind.init_grid()
+    return torch.from_numpy(kind.grid.reshape(kind.grid_shape).astype(np.int8))
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)
@@ -360,14 +398,122 @@ def _decode_iq3_s(blocks: torch.Tensor) -> Decoded:
     d = _f16(blocks[..., 0:2])
     qh = (blocks[..., 66:74].unsqueeze(-1) >> _BITS) & 1  # [.., 8, 8]: index 8j + k
     index = blocks[..., 2:66].long() | (qh.reshape(*qh.shape[:-2], 64).long() << 8)
-    grid = _iq3_s_grid()[index].reshape(rows, -1, 256)
+    grid = _grid("IQ3_S")[index].reshape(rows, -1, 256)  # (512 entries of 4 odd 1..15)
     signs = ((blocks[..., 74:106].unsqueeze(-1) >> _BITS) & 1).reshape(rows, -1, 256)
     values = grid * (1 - 2 * signs.to(torch.int8))
     nibbles = blocks[..., 106:110].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)
     sub = (1 + 2 * (nibbles & 0x0F).to(torch.int8)).reshape(rows, -1, 8).repeat_interleave(2, -1)
-    scales = d.unsqueeze(-1) * sub.float()
-    supers = SuperScales(d, _flat(sub, rows))
-    return Decoded(_flat(values, rows), _flat(scales, rows), None, 0, 16, 8, supers)
+    return _codebook(values, d, sub, rows)
+
+
+def _parity_signs() -> torch.Tensor:
+    """The 7-bit sign indices' signs, int8 [128, 8] of +-1: bits 0..6 of the index and
+    an 8th that makes the count of minus signs even (llama.cpp's ksigns)."""
+    index = torch.arange(128, dtype=torch.int32)
+    parity = sum((index >> b) & 1 for b in range(7)) & 1
+    bits = ((index | (parity << 7)).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1
+    return (1 - 2 * bits).to(torch.int8)
+
+
+_SIGNS = _parity_signs()
+
+
+def _bit_signs(raw: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> int8 [..., n, 8] of +-1: bit k of byte j is weight 8j + k's."""
+    return (1 - 2 * ((raw.unsqueeze(-1) >> _BITS) & 1)).to(torch.int8)
+
+
+def _words(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., n * width] little-endian bytes -> int32 [..., n] unsigned words of
+    ``width`` (2 or 4) bytes (a u32's top bit as int32's sign: shift, then mask)."""
+    dtype = torch.int16 if width == 2 else torch.int32
+    words = raw.contiguous().view(dtype).to(torch.int32)
+    return words & 0xFFFF if width == 2 else words
+
+
+def _decode_iq3_xxs(blocks: torch.Tensor) -> Decoded:
+    """IQ3_XXS: d, qs[64] (an index a 4 weights), 8 u32 per 32 weights: bits 7j..7j+6
+    the sign index of weights 8j..8j+7, bits 28..31 s: w = d * (1+2s) / 4 * grid * sign."""
+    rows, nb = blocks.shape[:2]
+    words = _words(blocks[..., 66:98], 4)  # [.., 8]
+    signs = _SIGNS[((words.unsqueeze(-1) >> (7 * _FOUR)) & 127).long()]  # [.., 8, 4, 8]
+    grid = _grid("IQ3_XXS")[blocks[..., 2:66].long()].reshape(rows, nb, 8, 4, 8)
+    sub = (1 + 2 * ((words >> 28) & 15)).to(torch.int8).repeat_interleave(2, -1)
+    return _codebook(grid * signs, _f16(blocks[..., 0:2]), sub, rows, 0.25)
+
+
+_FOUR = torch.arange(4, dtype=torch.int32)
+
+
+def _decode_iq2_xxs(blocks: torch.Tensor) -> Decoded:
+    """IQ2_XXS: d, then per 32 weights a u32 of four indices (a byte each, 8 weights an
+    index) and a u32 of four sign indices and s (IQ3_XXS's): w = d * (1+2s) / 8 *
+    grid * sign."""
+    rows, nb = blocks.shape[:2]
+    pairs = blocks[..., 2:66].reshape(rows, nb, 8, 8)
+    words = _words(pairs[..., 4:], 4).squeeze(-1)  # [.., 8]
+    signs = _SIGNS[((words.unsqueeze(-1) >> (7 * _FOUR)) & 127).long()]  # [.., 8, 4, 8]
+    grid = _grid("IQ2_XXS")[pairs[..., :4].long()]  # [.., 8, 4, 8]
+    sub = (1 + 2 * ((words >> 28) & 15)).to(torch.int8).repeat_interleave(2, -1)
+    return _codebook(grid * signs, _f16(blocks[..., 0:2]), sub, rows, 0.125)
+
+
+def _nibble_subs(raw: torch.Tensor) -> torch.Tensor:
+    """scales[8] -> int8 [.., 16] sub-scales 1 + 2s, s the low nibble of byte j for
+    group 2j and its high nibble for 2j + 1 (IQ2_XS, IQ2_S)."""
+    s = (raw.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
+    return (1 + 2 * s.to(torch.int8)).flatten(-2)
+
+
+def _decode_iq2_xs(blocks: torch.Tensor) -> Decoded:
+    """IQ2_XS: d, 32 u16 (a 9-bit index and a 7-bit sign index, 8 weights each),
+    scales[8] (an s per 16 weights): w = d * (1+2s) / 8 * grid * sign."""
+    words = _words(blocks[..., 2:66], 2)  # [.., 32]
+    values = _grid("IQ2_XS")[(words & 511).long()] * _SIGNS[(words >> 9).long()]
+    return _codebook(values, _f16(blocks[..., 0:2]), _nibble_subs(blocks[..., 66:74]),
+                     blocks.shape[0], 0.125)  # fmt: skip
+
+
+def _decode_iq2_s(blocks: torch.Tensor) -> Decoded:
+    """IQ2_S: d, qs[32] (indices' low 8 bits), signs[32] (bit k of byte j: weight
+    8j + k), qh[8] (bits 2m of byte j: index 4j + m's top two), scales[8] as IQ2_XS's:
+    w = d * (1+2s) / 8 * grid * sign."""
+    high = (blocks[..., 66:74].unsqueeze(-1) >> (2 * _FOUR).to(torch.uint8)) & 3
+    index = blocks[..., 2:34].long() | (high.flatten(-2).long() << 8)
+    values = _grid("IQ2_S")[index] * _bit_signs(blocks[..., 34:66])
+    return _codebook(values, _f16(blocks[..., 0:2]), _nibble_subs(blocks[..., 74:82]),
+                     blocks.shape[0], 0.125)  # fmt: skip
+
+
+def _decode_iq1_s(blocks: torch.Tensor) -> Decoded:
+    """IQ1_S: d, qs[32] (indices' low 8 bits), a u16 per 32 weights: bits 3m..3m+2
+    index m's top three, 12..14 s, 15 the sign of delta = +-1/8:
+    w = d * (2s+1) * (grid + delta), held as d * (2s+1) / 8 * (8 grid +- 1)."""
+    rows, nb = blocks.shape[:2]
+    words = _words(blocks[..., 34:50], 2)  # [.., 8]
+    high = (words.unsqueeze(-1) >> (3 * _FOUR)) & 7  # [.., 8, 4]
+    index = blocks[..., 2:34].reshape(rows, nb, 8, 4).long() | (high.long() << 8)
+    delta = 1 - 2 * ((words >> 15) & 1)  # [.., 8]
+    values = 8 * _grid("IQ1_S")[index] + delta[..., None, None].to(torch.int8)
+    sub = (1 + 2 * ((words >> 12) & 7)).to(torch.int8).repeat_interleave(2, -1)
+    return _codebook(values, _f16(blocks[..., 0:2]), sub, rows, 0.125)
+
+
+def _decode_iq1_m(blocks: torch.Tensor) -> Decoded:
+    """IQ1_M: qs[32] (indices' low 8 bits), qh[16] (byte j: index 2j's top three bits
+    and delta's sign in its low nibble, index 2j + 1's in its high), 4 u16: s for
+    groups 4i..4i+3 of 16 weights at bits 3m, and d's bits 4i..4i+3 on top:
+    w = d * (2s+1) * (grid + delta), delta = +-1/8 per 8 weights, held as IQ1_S's."""
+    words = _words(blocks[..., 48:56], 2)  # [.., 4]
+    d_bits = sum((words[..., i] >> 12) << (4 * i) for i in range(4))
+    d = _f16(torch.stack([d_bits & 0xFF, d_bits >> 8], dim=-1).to(torch.uint8))
+    nibbles = ((blocks[..., 32:48].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8))
+               & 0x0F).flatten(-2).long()  # [.., 32]: index g's  # fmt: skip
+    index = blocks[..., 0:32].long() | ((nibbles & 7) << 8)
+    delta = (1 - 2 * (nibbles >> 3)).to(torch.int8)
+    values = 8 * _grid("IQ1_M")[index] + delta.unsqueeze(-1)
+    sub = (1 + 2 * ((words.unsqueeze(-1) >> (3 * _FOUR)) & 7)).to(torch.int8).flatten(-2)
+    return _codebook(values, d, sub, blocks.shape[0], 0.125)
 
 
 # MXFP4's 16 values (E2M1 numbers doubled, as ggml's kvalues_mxfp4), and the
@@ -449,6 +595,9 @@ class BlockFormat:
     # Whether kernels/pack_ops.cpp packs it; else packed.py packs it from its decoder
     # (torch, a slice of rows at a time: slower to load, the same bytes).
     compiled_packer: bool = True
+    # The power of two its scales take beyond the records' d and sub-scales
+    # (SuperScales.factor): the kernels multiply each output by it.
+    factor: float = 1.0
 
     @property
     def name(self) -> str:
@@ -504,6 +653,17 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # 3.4375), packed from its torch decoder.
     BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
                 SuperFormat(256, 16, 4, 128, True, False), compiled_packer=False),
+    # The other codebook types as IQ3_S (d's power of two kept apart: ``factor``).
+    *(BlockFormat(code, 256, nbytes, decoder, 8, 16, 0.0, False, 288,
+                  SuperFormat(256, 16, 4, 128, True, False), compiled_packer=False,
+                  factor=factor)
+      for code, nbytes, decoder, factor in (
+          (GGMLType.IQ3_XXS, 98, _decode_iq3_xxs, 0.25),
+          (GGMLType.IQ2_XXS, 66, _decode_iq2_xxs, 0.125),
+          (GGMLType.IQ2_XS, 74, _decode_iq2_xs, 0.125),
+          (GGMLType.IQ2_S, 82, _decode_iq2_s, 0.125),
+          (GGMLType.IQ1_S, 50, _decode_iq1_s, 0.125),
+          (GGMLType.IQ1_M, 56, _decode_iq1_m, 0.125))),
     # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
     # (5.5 bits a weight held against the file's 4.25).
     BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,
@@ -534,8 +694,8 @@ def type_name(code: int) -> str:
 
 @functools.cache
 def decoded_at_load() -> dict[int, tuple[int, int]]:
-    """The block types that have no row in FORMATS yet (the codebook i-quants but
-    IQ3_S, NVFP4): code -> (weights, bytes) a block. A file's tensors of
+    """The block types that have no row in FORMATS yet (NVFP4, and whatever types a
+    newer gguf-py knows): code -> (weights, bytes) a block. A file's tensors of
     these types are decoded to float32 as they are read (``dequantize_other``), so
     the file loads and runs exactly, at float memory and float speed."""
     import gguf

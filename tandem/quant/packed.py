@@ -19,7 +19,9 @@ which documents the layout) serves every format:
       Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
                              (Q3_K's, the ternary types' and IQ4_XS's too)
   (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file; IQ4_XS,
-  its levels as int8, 8.5625 against 4.25.)
+  its levels as int8, 8.5625 against 4.25.) The codebook i-quants' d / 4 and d / 8 are
+  the file's d in the records and a power of two apart (``factor``), which the kernel
+  multiplies each output by.
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
 reproduce: the activations quantized to int8 per block of 32 as the kernel does,
@@ -76,6 +78,7 @@ class PackedWeight:
     source: str  # the format it came from, e.g. "Q4_1"
     offset: float = 0.0  # the values': Q4_0 8, Q5_0 16, Q6_K 32
     record: int = 0  # bytes of a tile's super-block record (record_bytes); 0: float16 scales
+    factor: float = 1.0  # a power of two every scale takes (SuperScales.factor)
 
     @property
     def records(self) -> bool:
@@ -108,7 +111,8 @@ class PackedWeight:
         if dec.supers is not None:
             record = record_bytes(dec.group, dec.supers.dmin is not None)
             records = _records(dec, rows)
-            return cls(values, records, None, rows, dec.group, source, offset, record)
+            factor = dec.supers.factor
+            return cls(values, records, None, rows, dec.group, source, offset, record, factor)
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
             half = t.half()
@@ -144,7 +148,7 @@ class PackedWeight:
         corr = torch.empty_like(scales) if has_corr else None
         spec = FORMATS[code]
         group, offset, record = spec.group, spec.offset, spec.record_bytes
-        return cls(values, scales, corr, rows, group, code.name, offset, record)
+        return cls(values, scales, corr, rows, group, code.name, offset, record, spec.factor)
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
         """Pack ``raw`` (``code`` blocks, uint8 [rows, row bytes]) into rows
@@ -184,7 +188,7 @@ class PackedWeight:
         if self.records:
             scales, mins = _unrecord(scales, self.group, self.record)
             mins = None if mins is None else untiled(mins)
-            return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
+            return Decoded(q, untiled(scales) * self.factor, mins, offset, self.group, self.bits)
         mins = untiled(corr) if corr is not None else None
         return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
 
@@ -201,7 +205,7 @@ class PackedWeight:
             out = torch.empty(len(index), self.shape[1])
             cpu_kernels.load().quant_rows(
                 out, index.contiguous(), self.values, self.scales, self.corr, self.group,
-                self.offset,
+                self.offset, self.factor,
             )  # fmt: skip
             return out
         tiles, position = index // ROWS, index % ROWS
@@ -215,8 +219,9 @@ class PackedWeight:
         from tandem.kernels import cpu as cpu_kernels
 
         cpu_kernels.load().quant_linear(
-            out, x, self.values, self.scales, self.corr, bias, self.rows, self.group, self.offset
-        )
+            out, x, self.values, self.scales, self.corr, bias, self.rows, self.group,
+            self.offset, self.factor,
+        )  # fmt: skip
 
 
 def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ arrays:
              p b + p - 1 from its low bits up, a slot's two weights' high bits side
              by side (the first half's weight lowest)
     d, dm    float16 [N, K/super]   (dm: the minimum's factor, signed as it adds;
-             a K format's -dmin)
+             a K format's -dmin); the codebook i-quants' d float32, times their
+             power of two (1/4, 1/8: SuperScales.factor), which a float16 may not hold
     sub      int8 [N, K/group];  sub_min  int8 [N, K/group]
 
 The values are moved into that layout at load (``from_ggml``); every factor keeps
@@ -122,7 +123,7 @@ class SuperBlockWeight:
     code: GGMLType
     low: torch.Tensor  # uint8 [N, K/2]
     high: torch.Tensor | None  # uint8 [N, K*hb/8]
-    d: torch.Tensor  # float16 [N, K/super]
+    d: torch.Tensor  # float16 [N, K/super] (float32: the codebook i-quants')
     sub: torch.Tensor | None  # int8 [N, K/group]
     dm: torch.Tensor | None  # float16 [N, K/super]
     sub_min: torch.Tensor | None  # int8 [N, K/group] (K formats with a minimum)
@@ -223,9 +224,12 @@ def _super_fields(
         slot = slot.reshape(rows, -1, per_byte).to(torch.int32)
         shifts = torch.arange(per_byte, dtype=torch.int32) * (2 * hb)
         high = (slot << shifts).sum(-1).to(torch.uint8)
+    d_type = torch.float16
     if spec.has_sub:  # a K format: d per 256 times integer sub-scales
         sup = dec.supers
-        d, sub = sup.d, sup.sub.to(torch.int8)
+        d, sub = sup.d * sup.factor, sup.sub.to(torch.int8)
+        if sup.factor != 1:
+            d_type = torch.float32
         dm = -sup.dmin if spec.has_min else None
         sub_min = sup.sub_mins.to(torch.int8) if spec.has_min else None
     else:  # the 32-weight formats: their float16 scale and minimum
@@ -237,7 +241,7 @@ def _super_fields(
         return t.reshape(rows, -1).to(dtype or t.dtype).contiguous()
 
     half = torch.float16
-    return put(low), put(high), put(d, half), put(sub), put(dm, half), put(sub_min)
+    return put(low), put(high), put(d, d_type), put(sub), put(dm, half), put(sub_min)
 
 
 SplitWeight = BlockWeight | SuperBlockWeight
