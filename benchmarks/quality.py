@@ -14,7 +14,10 @@ Text: the first 10,000 characters of three standard-library modules (textwrap, j
 decoder, functools), the same on every machine with this Python. With ``--llama-bin``
 (a llama.cpp build holding llama-perplexity and llama-quantize) llama.cpp's own KL
 divergence of each real file against its F32 conversion joins the table, and its
-re-quantized files (llama-quantize) are scored by both engines.
+re-quantized files (llama-quantize) are scored by both engines. The types llama-quantize
+refuses without an importance matrix (IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) get one
+from llama-imatrix on the F32 conversion over three other modules' text (argparse,
+pathlib, collections), so the scored text is not the one it was fitted to.
 
     python -m benchmarks.quality [--ctx 512] [--llama-bin DIR] [--only smollm2 gemma3 llama]
                                  [--requantize Q8_0 Q4_0 Q4_K Q3_K_M ...]
@@ -41,13 +44,15 @@ from tandem.eval.run import evaluate, reference_log_probs
 from tandem.models.catalog import DEFAULT_MODEL, is_installed, resolve_model
 
 MODULES = ["textwrap.py", "json/decoder.py", "functools.py"]
+CALIBRATION = ["argparse.py", "pathlib.py", "collections/__init__.py"]
+NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
 SMOLLM2 = "smollm2-135m-instruct"
 GEMMA3 = "gemma3-270m"
 
 
-def stdlib_text() -> str:
+def stdlib_text(modules: list[str] = MODULES) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return "\n".join((root / name).read_text(encoding="utf-8")[:10_000] for name in MODULES)
+    return "\n".join((root / name).read_text(encoding="utf-8")[:10_000] for name in modules)
 
 
 def decode_tok_s(llm: LLM, prompt: list[int]) -> float:
@@ -154,17 +159,29 @@ class LlamaCpp:
         self.text_file = work / "text.txt"
         self.text_file.write_text(text)
         self.base = work / "base"
-        f32 = self.quantize("F32")
-        self.perplexity(f32, "--kl-divergence-base", str(self.base))
+        self.imatrix: Path | None = None
+        self.f32 = self.quantize("F32")
+        self.perplexity(self.f32, "--kl-divergence-base", str(self.base))
 
     def run(self, *args: str) -> str:
         return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
     def quantize(self, fmt: str) -> Path:
         out = self.work / f"{self.model.stem}-{fmt}.gguf"
-        self.run(str(self.bin_dir / "llama-quantize"), "--allow-requantize", str(self.model),
-                 str(out), fmt)  # fmt: skip
+        imatrix = ["--imatrix", str(self.importance())] if fmt in NEEDS_IMATRIX else []
+        self.run(str(self.bin_dir / "llama-quantize"), "--allow-requantize", *imatrix,
+                 str(self.model), str(out), fmt)  # fmt: skip
         return out
+
+    def importance(self) -> Path:
+        """An importance matrix of the F32 conversion over CALIBRATION's text (once)."""
+        if self.imatrix is None:
+            text = self.work / "calibration.txt"
+            text.write_text(stdlib_text(CALIBRATION))
+            self.imatrix = self.work / "imatrix.gguf"
+            self.run(str(self.bin_dir / "llama-imatrix"), "-m", str(self.f32), "-f", str(text),
+                     "-o", str(self.imatrix), "-c", str(self.ctx), "-t", "2")  # fmt: skip
+        return self.imatrix
 
     def perplexity(self, model: Path, *flags: str) -> str:
         return self.run(str(self.bin_dir / "llama-perplexity"), "-m", str(model), "-f",

@@ -195,6 +195,21 @@ def test_the_kernel_equals_the_exact_math(code, rows, columns):
         assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, (batch, code)
 
 
+@needs_kernels
+def test_the_kernel_takes_only_a_power_of_two_beside_the_scales():
+    """The codebook types' d / 8 is a factor each output takes (exact, so a token's
+    result stays its own whatever its batch); anything else is refused."""
+    packed = PackedWeight.from_ggml(GGMLType.IQ2_XXS, random_blocks(GGMLType.IQ2_XXS, 16, 256), 256)
+    assert packed.factor == 0.125
+    x, out = torch.randn(3, 256), torch.empty(3, 16)
+    kernel = cpu_kernels.load().quant_linear
+    for factor in (0.3, 2.0, 0.0, 2.0**-9):
+        with pytest.raises(RuntimeError, match="power of two"):
+            kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, factor)
+    kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, 1.0)
+    torch.testing.assert_close(out * 0.125, reference(packed, x).float(), rtol=1e-5, atol=1e-5)
+
+
 # A block of activations (found by random search) whose value 0x1.fc6aeep-1 times the
 # block's 1 / d is exactly 16.5 in float32: the reference rounds it to 16.
 HALFWAY_BLOCK = [
