@@ -49,12 +49,14 @@ def random_packed(code: GGMLType, rows: int, columns: int, rng) -> PackedWeight:
 
 def model_pass(layers: list[list[PackedWeight]], shapes, inputs, outs, kernels) -> None:
     """Every layer's matrices in model order, on ``kernels``' quant_linear (a build of
-    quant_ops.cpp; one from before its ``factor`` argument, 2026-12-07, without it)."""
-    takes_factor = "arg9" in kernels.quant_linear.__doc__
+    quant_ops.cpp; one from before its ``factor`` and ``table`` arguments, 2026-12-07,
+    without them: the old side of a comparison packs its table formats as int8)."""
+    doc = kernels.quant_linear.__doc__
+    count = 2 if "arg10" in doc else 1 if "arg9" in doc else 0  # (factor, table)
     for layer in layers:
         for w, (_, k), out in zip(layer, shapes, outs, strict=True):
             args = (out, inputs[k], w.values, w.scales, w.corr, None, w.rows, w.group, w.offset)
-            kernels.quant_linear(*args, *([w.factor] if takes_factor else []))
+            kernels.quant_linear(*args, *[w.factor, w.table][:count])
 
 
 def median_pass_seconds(layers: list[list[PackedWeight]], shapes, tokens: int) -> float:

@@ -16,10 +16,16 @@ from gguf import quants
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.linear import Linear
 from tandem.models.quantized import drop_float_weight, set_packed_part
+from tandem.quant import packed as packed_module
 from tandem.quant import split_blocks
 from tandem.quant.blocks import BLOCK, GGMLType, decode, dequantize
 from tandem.quant.blocks import FORMATS as FORMATS_TABLE
-from tandem.quant.packed import PackedWeight, quantize_activations, reference
+from tandem.quant.packed import (
+    PackedWeight,
+    kernels_read_tables,
+    quantize_activations,
+    reference,
+)
 from tandem.quant.quantize import FORMATS, quantize
 from tandem.runner.linear.quantized import QuantizedLinearMethod
 
@@ -195,6 +201,37 @@ def test_the_kernel_equals_the_exact_math(code, rows, columns):
         assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, (batch, code)
 
 
+TABLE_FORMATS = [code for code, spec in FORMATS_TABLE.items() if spec.table]
+
+
+@needs_kernels
+@pytest.mark.parametrize("code", TABLE_FORMATS, ids=lambda c: c.name)
+@pytest.mark.parametrize("tables", [True, False], ids=["indices", "int8-levels"])
+def test_the_table_formats_run_in_either_layout(code, tables, monkeypatch):
+    """IQ4_NL, IQ4_XS and MXFP4 as their 4-bit indices, looked up by the kernel's byte
+    shuffle (where the build reads tables: the AVX2 and portable paths), or as int8
+    levels (the AVX-512 paths' layout, forced here): the file's weights either way, and
+    the kernel the exact math, embedding lookups included."""
+    if tables and not kernels_read_tables():
+        pytest.skip("this build reads no table values (its AVX-512 paths)")
+    monkeypatch.setattr(packed_module, "kernels_read_tables", lambda: tables)
+    raw = random_blocks(code, 40, 768, seed=5)
+    packed = PackedWeight.from_ggml(code, raw, 768)
+    assert packed.table == (FORMATS_TABLE[code].table if tables else 0)
+    assert (packed.bits == 4) == tables
+    dense = dequantize(code, raw, 768)
+    assert torch.equal(packed.dequantize(), dense)
+    index = torch.tensor([39, 0, 17])
+    torch.testing.assert_close(packed.dequantize_rows(index), dense[index], rtol=0, atol=0)
+    for batch in (1, 2, 3, 5, 16, 33):
+        x = torch.randn(batch, 768) * 3
+        out = torch.empty(batch, 40)
+        packed.matmul(x, out)
+        expected = reference(packed, x)
+        scale = expected.abs().max().item()
+        assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, batch
+
+
 @needs_kernels
 def test_the_kernel_takes_only_a_power_of_two_beside_the_scales():
     """The codebook types' d / 8 is a factor each output takes (exact, so a token's
@@ -205,8 +242,8 @@ def test_the_kernel_takes_only_a_power_of_two_beside_the_scales():
     kernel = cpu_kernels.load().quant_linear
     for factor in (0.3, 2.0, 0.0, 2.0**-9):
         with pytest.raises(RuntimeError, match="power of two"):
-            kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, factor)
-    kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, 1.0)
+            kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, factor, 0)
+    kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, 1.0, 0)
     torch.testing.assert_close(out * 0.125, reference(packed, x).float(), rtol=1e-5, atol=1e-5)
 
 
@@ -309,7 +346,9 @@ def test_packed_weights_take_the_files_bits():
     high bits, not a byte each); Q4_1's scales and minimums stay float16 as in the
     file; Q4_0's offset (-8 * d) is not stored at all; the K formats keep the file's
     float16 super-scales and 8-bit sub-scales (Q4_K: 4.625 bits against the file's
-    4.5); and every weight is the file's."""
+    4.5); IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices where the kernels read
+    tables; and every weight is the file's."""
+    tables = kernels_read_tables()
     sizes = {}
     for code in BLOCK:
         raw = random_blocks(code, 32, 512)
@@ -320,11 +359,11 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0,
         GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
         GGMLType.Q3_K: 4.5625,  # (3-bit values a nibble each: no 3-bit layout yet)
-        GGMLType.IQ4_NL: 8.5,  # (its levels as int8, Q8_0's layout)
+        GGMLType.IQ4_NL: 4.5 if tables else 8.5,  # (its indices; or levels as int8, Q8_0's)
         GGMLType.TQ2_0: 4.5625,  # (2-bit values a nibble each, Q3_K's layout)
         GGMLType.TQ1_0: 4.5625,  # (TQ2_0's: its base-3 values a nibble each)
-        GGMLType.MXFP4: 5.5,  # (its values + 16 in Q5_0's layout, against the file's 4.25)
-        GGMLType.IQ4_XS: 8.5625,  # (its levels as int8 under Q6_K's records)
+        GGMLType.MXFP4: 4.5 if tables else 5.5,  # (indices; or its values + 16 as Q5_0's)
+        GGMLType.IQ4_XS: 4.5625 if tables else 8.5625,  # (or its levels as int8)
         GGMLType.Q2_K: 5.125,  # (2-bit values a nibble each, records with minimums)
         GGMLType.IQ3_S: 8.5625,  # (its codebook's values as int8, IQ4_XS's layout)
         # (the other codebook types as IQ3_S, d's power of two apart)

@@ -90,6 +90,7 @@ FUNCTIONS = [
     "mask_rows",
     "quant_linear",
     "amx_mode",
+    "table_layouts",
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",

@@ -11,14 +11,14 @@
 // on a small model costs as much as the matmuls (docs/BENCHMARKS.md).
 //
 // A linear layer is a list of parts (first output column, values, scales, corr or
-// empty, rows, group, offset, factor), each laid out as tandem/quant/packed.py lays it out (a
+// empty, rows, group, offset, factor, table), each laid out as tandem/quant/packed.py lays it out (a
 // fused projection's parts may have different formats, as in GGUF files that quantize
 // v more finely than q and k). Only the qkv projection may have a bias (Qwen2's):
 // float32 [its columns], each part given its slice, as runner/linear/quantized.py
 // does; empty for none (runner/fused_decode.py checks the rest have none).
 
 using PackedPart = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                              int64_t, double, double>;
+                              int64_t, double, double, int64_t>;
 using PackedArgs = std::vector<PackedPart>;
 
 namespace {
@@ -30,12 +30,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedArgs& parts,
   const bool biased = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!biased || bias.numel() == columns, "bias: one value a column");
   torch::Tensor out = torch::empty({x.size(0), columns}, x.options());
-  for (const auto& [start, values, scales, corr, rows, group, offset, factor] : parts) {
+  for (const auto& [start, values, scales, corr, rows, group, offset, factor, table] : parts) {
     torch::Tensor slice = parts.size() == 1 ? out : out.narrow(1, start, rows);
     quant_linear(slice, x, values, scales,
                  corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt,
                  biased ? c10::optional<torch::Tensor>(bias.narrow(0, start, rows)) : c10::nullopt,
-                 rows, group, offset, factor);
+                 rows, group, offset, factor, table);
   }
   return out;
 }

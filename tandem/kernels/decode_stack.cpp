@@ -51,16 +51,16 @@ DenseLayer dense_layer(const pybind11::tuple& a, int64_t window,
 // A mixture's arguments from the router on (entry 20 of its tuple), converted once.
 MixtureArgs mixture_args(const pybind11::tuple& a) {
   const pybind11::tuple m = a[20].cast<pybind11::tuple>();
-  TORCH_CHECK(m.size() == 24, "a mixture's arguments: 24 entries");
+  TORCH_CHECK(m.size() == 26, "a mixture's arguments: 26 entries");
   auto t = [&](int j) { return m[j].cast<torch::Tensor>(); };
   auto i = [&](int j) { return m[j].cast<int64_t>(); };
   auto f = [&](int j) { return m[j].cast<double>(); };
   // router, router rows, top-k, normalize, then gate/up's where, values, scales, corr,
-  // rows, group, offset, factor (4-11), down's (12-19), GELU, round rows, first
+  // rows, group, offset, factor, table (4-12), down's (13-21), GELU, round rows, first
   // expert, load
-  return {t(0), t(4), t(5), t(6), t(7), t(12), t(13), t(14), t(15), t(23),
-          i(1), i(2), i(8), i(9), i(16), i(17), i(21), i(22),
-          m[3].cast<bool>(), m[20].cast<bool>(), f(10), f(11), f(18), f(19)};
+  return {t(0), t(4), t(5), t(6), t(7), t(13), t(14), t(15), t(16), t(25),
+          i(1), i(2), i(8), i(9), i(12), i(17), i(18), i(21), i(23), i(24),
+          m[3].cast<bool>(), m[22].cast<bool>(), f(10), f(11), f(19), f(20)};
 }
 
 // A layer of either kind, converted once: its attention and norms, and a mixture's

@@ -97,8 +97,10 @@ std::vector<torch::Tensor> moe_experts(
     torch::Tensor x, torch::Tensor logits, int64_t top_k, bool normalize,
     torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
     int64_t gu_rows, int64_t gu_group, double gu_offset, double gu_factor,
+    int64_t gu_table,
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
-    int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor, bool gelu, int64_t round_rows,
+    int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor,
+    int64_t dn_table, bool gelu, int64_t round_rows,
     int64_t first_expert) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x: float32 [T, hidden], contiguous");
@@ -111,10 +113,11 @@ std::vector<torch::Tensor> moe_experts(
                 where->size(0) == held && where->size(1) == 3, "where: int64 [held experts, 3]");
   TORCH_CHECK(dn_rows == H && gu_rows % 2 == 0, "down gives hidden rows; gate/up two halves");
   const quant::ManyMatrices gate_up_layout =
-      quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset, gu_factor);
+      quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset, gu_factor,
+                           gu_table);
   const quant::ManyMatrices down_layout =
       quant::many_matrices(dn_values, dn_scales, dn_corr, gu_rows / 2, dn_rows, dn_group, dn_offset,
-                           dn_factor);
+                           dn_factor, dn_table);
   const torch::Tensor scores = moe::routable(logits, top_k);
   std::vector<float> weights(T * top_k);
   std::vector<int64_t> chosen(T * top_k);
@@ -194,7 +197,8 @@ std::vector<torch::Tensor> moe_experts(
 struct MixtureArgs {
   torch::Tensor router, gu_where, gu_values, gu_scales, gu_corr, dn_where, dn_values,
       dn_scales, dn_corr, load;
-  int64_t router_max_rows, top_k, gu_rows, gu_group, dn_rows, dn_group, round_rows, first_expert;
+  int64_t router_max_rows, top_k, gu_rows, gu_group, gu_table, dn_rows, dn_group, dn_table, round_rows,
+      first_expert;
   bool normalize, gelu;
   double gu_offset, gu_factor, dn_offset, dn_factor;
 };
@@ -222,9 +226,9 @@ std::vector<torch::Tensor> mixture_mlp(const torch::Tensor& o, const torch::Tens
     logits = torch::linear(x, m.router);
   }
   auto experts = moe_experts(x, logits, m.top_k, m.normalize, m.gu_where, m.gu_values, m.gu_scales,
-                             m.gu_corr, m.gu_rows, m.gu_group, m.gu_offset, m.gu_factor, m.dn_where,
-                             m.dn_values, m.dn_scales, m.dn_corr, m.dn_rows, m.dn_group, m.dn_offset,
-                             m.dn_factor, m.gelu,
+                             m.gu_corr, m.gu_rows, m.gu_group, m.gu_offset, m.gu_factor, m.gu_table,
+                             m.dn_where, m.dn_values, m.dn_scales, m.dn_corr, m.dn_rows, m.dn_group,
+                             m.dn_offset, m.dn_factor, m.dn_table, m.gelu,
                              m.round_rows, m.first_expert);
   m.load.copy_(experts[1]);
   return {experts[0], stream};
@@ -249,13 +253,15 @@ std::vector<torch::Tensor> llama_decode_moe_layer(
     int64_t router_max_rows, int64_t top_k, bool normalize,
     torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
     int64_t gu_rows, int64_t gu_group, double gu_offset, double gu_factor,
+    int64_t gu_table,
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
-    int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor, bool gelu, int64_t round_rows,
+    int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor,
+    int64_t dn_table, bool gelu, int64_t round_rows,
     int64_t first_expert, torch::Tensor load) {
   const MixtureArgs m{router, gu_where, gu_values, gu_scales, gu_corr, dn_where, dn_values,
                       dn_scales, dn_corr, load, router_max_rows, top_k, gu_rows, gu_group,
-                      dn_rows, dn_group, round_rows, first_expert, normalize, gelu, gu_offset,
-                      gu_factor, dn_offset, dn_factor};
+                      gu_table, dn_rows, dn_group, dn_table, round_rows, first_expert, normalize,
+                      gelu, gu_offset, gu_factor, dn_offset, dn_factor};
   auto attention = llama_decode_attention(
       h, residual, input_norm, eps, qkv, o_proj, num_heads, num_kv_heads, head_dim, positions,
       cos_sin, kv_cache, layer, slots, block_tables, context_lens, row_starts, scale, window,

@@ -19,7 +19,10 @@
 //           IQ4_XS's 6-bit scale - 32 for both groups of its 32); Q2_K (R = 576) d,
 //           dmin, its 4-bit sub-scales [16] and sub-mins [16]; IQ4_NL as Q8_0, its
 //           values its table's levels (IQ4_XS's too, int8 under its records); MXFP4 as
-//           Q5_0, its values + 16 and its powers of two as float16
+//           Q5_0, its values + 16 and its powers of two as float16. Where the kernels
+//           read table values (quant::kTableLayouts) and ``values`` is sized for 4 bits,
+//           IQ4_NL, IQ4_XS and MXFP4 keep the file's 4-bit indices instead, as Q4_0's
+//           nibbles (MXFP4's -0, index 8, as +0, index 0)
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -36,11 +39,10 @@ enum Code : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
 };
-// IQ4_NL's (and IQ4_XS's) levels (tandem/quant/blocks.py's IQ4_NL_VALUES): their values
-// are these, as int8.
-constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// MXFP4's values (blocks.py's MXFP4_VALUES: FP4 E2M1 doubled), held + 16 as Q5_0's are.
-constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// IQ4_NL's (and IQ4_XS's) levels and MXFP4's values (FP4 E2M1 doubled; held + 16 as
+// Q5_0's are), as int8 values: quant::kTables.
+constexpr const int8_t* kIq4Levels = quant::kTables[0];
+constexpr const int8_t* kMxfp4Values = quant::kTables[1];
 
 // Bytes of the format's super-block records a tile (quant::record), 0: float16 scales.
 inline int64_t record_bytes(int64_t code) {
@@ -73,6 +75,7 @@ struct Out {
   int64_t supers;  // super-blocks per row (records)
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
   bool record_mins;      // records: with minimums (groups of 32; Q2_K's of 16)
+  bool indices;          // IQ4_NL, IQ4_XS, MXFP4: their 4-bit table indices (see the top)
 };
 
 // Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
@@ -149,6 +152,20 @@ inline void put_pairs(uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs, co
       });
 }
 
+// A 32-weight block's 16 bytes ``qs`` of nibbles (weight j low in byte j, 16 + j high)
+// into block b of tile row r as 4-bit values: vector p is bytes 4p..4p+3 as they are
+// (Q4_0's and the table formats' indices); ``plus_zero``: MXFP4's -0 (8) as +0.
+inline void put_nibbles(uint8_t* tile, int64_t b, int64_t r, const uint8_t* qs, bool plus_zero) {
+  for (int p = 0; p < 4; ++p) {
+    uint32_t w = word(qs + 4 * p);
+    if (plus_zero) {  // a nibble is 8 where bit 3 is set and bits 0-2 are clear
+      const uint32_t low = ((w & 0x77777777u) + 0x77777777u) & 0x88888888u;
+      w &= ~(w & 0x88888888u & ~low);
+    }
+    put_word(at(tile, 4, b, p, r), w);
+  }
+}
+
 // Weights 4k..4k+3 of a 32-weight block whose 16 bytes ``qs`` hold weight j in the low
 // nibble of byte j and weight 16 + j in the high: each nibble's entry of ``table`` plus
 // ``add``, a byte each (IQ4_NL's levels, MXFP4's values + 16).
@@ -171,7 +188,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * size;
         // Byte 4p+i of the file holds weights 4p+i and 16+4p+i: the packed byte as is.
-        for (int p = 0; p < 4; ++p) std::memcpy(at(dst, 4, b, p, r), blk + start + 4 * p, 4);
+        put_nibbles(dst, b, r, blk + start, false);
         put_scale(o, tile, b, r, u16(blk), o.scales);
         if (code == Q4_1) put_scale(o, tile, b, r, u16(blk + 2), o.corr);
       }
@@ -188,7 +205,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 18;
         // Byte j holds weight j (low nibble) and weight 16 + j (high nibble).
-        put_values<8>(dst, b, r, [&](int k) { return table_quad(blk + 2, k, kIq4Levels, 0); });
+        if (o.indices) put_nibbles(dst, b, r, blk + 2, false);
+        else put_values<8>(dst, b, r, [&](int k) { return table_quad(blk + 2, k, kIq4Levels, 0); });
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
       return;
@@ -205,7 +223,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           rec[quant::record::sub_unit(16, false, 2 * g) * kRows + r] = sub;
           rec[quant::record::sub_unit(16, false, 2 * g + 1) * kRows + r] = sub;
           // Byte j of the group's 16 holds weight j (low nibble) and weight 16 + j (high).
-          put_values<8>(dst, sb * 8 + g, r, [&](int k) { return table_quad(blk + 8 + 16 * g, k, kIq4Levels, 0); });
+          if (o.indices) put_nibbles(dst, sb * 8 + g, r, blk + 8 + 16 * g, false);
+          else put_values<8>(dst, sb * 8 + g, r, [&](int k) { return table_quad(blk + 8 + 16 * g, k, kIq4Levels, 0); });
         }
       }
       return;
@@ -213,7 +232,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 17;
         // Byte 1 + j holds weight j (low nibble) and weight 16 + j (high nibble).
-        put_values<5>(dst, b, r, [&](int k) { return table_quad(blk + 1, k, kMxfp4Values, 16); });
+        if (o.indices) put_nibbles(dst, b, r, blk + 1, true);
+        else put_values<5>(dst, b, r, [&](int k) { return table_quad(blk + 1, k, kMxfp4Values, 16); });
         // The shared exponent's 2**(e - 128) (ggml's e8m0 half), as a float16 (the
         // loader keeps only tensors whose powers of two a float16 holds).
         const uint32_t e = blk[0];
@@ -401,10 +421,13 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   bool record_mins = false;
   if (records) quant::record::kind(record, record_group, record_mins);
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
+  const bool table = code == pack::IQ4_NL || code == pack::IQ4_XS || code == pack::MXFP4;
+  const bool indices = table && quant::kTableLayouts && values.scalar_type() == torch::kByte &&
+                       values.size(1) == columns * 2 * 4;
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record_group, record_mins};
-  const int bits = pack::value_bits(code);
+              columns / 256, record_group, record_mins, indices};
+  const int bits = indices ? 4 : pack::value_bits(code);
   TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
                   o.values_per_tile == columns * 2 * bits,
               "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");

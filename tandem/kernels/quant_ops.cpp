@@ -172,6 +172,22 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t T, int64_t K
 // How a matrix's scales are held (see the top of this file).
 enum ScaleKind : int { kHalfScales = 0, kRecords = 1 };
 
+// The tables a matrix's 4-bit values may index (``table`` 1 and 2; 0: none), one
+// definition (tandem/quant/blocks.py's IQ4_NL_VALUES and MXFP4_VALUES: the tests read
+// these lines): IQ4_NL's and IQ4_XS's levels, MXFP4's values (FP4 E2M1 doubled).
+alignas(16) constexpr int8_t kTables[2][16] = {
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
+    {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},
+};
+// Whether this build's paths read 4-bit table values (the AVX2 and portable ones; the
+// AVX-512 and AMX paths not yet, so there those formats pack as int8 levels:
+// tandem/quant/packed.py asks table_layouts()).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kTableLayouts = false;
+#else
+constexpr bool kTableLayouts = true;
+#endif
+
 // A K format's super-block record (one per tile and super-block of 256 weights), in
 // units of 16 bytes, one byte a row: float16 d (units 0-1), dmin (2-3, with minimums:
 // groups of 32, and Q2_K's of 16), the sub-scales, then the sub-mins (with minimums).
@@ -239,6 +255,9 @@ struct ScaleTable {
   // and d / 8, which a float16 d may not hold): store_rows multiplies each output by
   // it, exactly. 1 for every other format.
   float factor;
+  // The 16 levels a 4-bit value indexes (kTables: IQ4_NL's and IQ4_XS's, MXFP4's), read
+  // through a byte shuffle; null: the values are q.
+  const int8_t* table;
 
   // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
   bool has_constants() const { return corr != nullptr || (record && mins); }
@@ -475,8 +494,9 @@ inline void add_block(const Problem& p, int64_t tile_index, int64_t b, int64_t t
 }
 
 // One tile (16 rows) x NT tokens starting at t0.
-template <int kBits, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT, bool kTable = false>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
+  static_assert(!kTable, "no table values on this path (kTableLayouts)");
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
   const Activations& a = *p.act;
@@ -645,7 +665,9 @@ constexpr int kInt16Sums = 32767 / (2 * 127 * ((1 << kBits) - 1));
 // pass: the halves share each activation broadcast; one half at a time keeps the
 // accumulators in registers (tile() below chooses).
 // kFetch: whether the pass may ask for the stream ahead (below).
-template <int kBits, int kGroup, int kScales, int NT, int kHalves, bool kFetch>
+// kTable: 4-bit values index p.s.table's 16 levels (int8), looked up by a byte
+// shuffle and multiplied as int8 values are.
+template <int kBits, int kGroup, int kScales, int NT, int kHalves, bool kFetch, bool kTable>
 void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
   constexpr int64_t kHalfRows = kRows / 2;
   const int64_t nb = p.K / kBlock;
@@ -670,6 +692,9 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
       constexpr int kSums = kInt16Sums<kBits> < 4 ? kInt16Sums<kBits> : 4;
       constexpr bool kJoin = !kVnni && kGroup == 32 && kInt16Sums<kBits> >= 8;  // j = 0 takes all
       const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+      __m256i levels = _mm256_setzero_si256();
+      if constexpr (kTable)
+        levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p.s.table)));
       __m256i planes[kHalves][2];
       for (int h = 0; h < kHalves; ++h)
         for (int i = 0; i < kBits - 4; ++i)
@@ -687,12 +712,19 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
             lo[h] = with_high_bits<kBits>(lo[h], planes[h], pair);
             hi[h] = with_high_bits<kBits>(hi[h], planes[h], 4 + pair);
           }
+          if constexpr (kTable) {
+            lo[h] = _mm256_shuffle_epi8(levels, lo[h]);
+            hi[h] = _mm256_shuffle_epi8(levels, hi[h]);
+          }
         }
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = a.q.data() + (t0 + t) * p.K + b * kBlock;
           const __m256i xlo = broadcast4(x + 4 * pair), xhi = broadcast4(x + 16 + 4 * pair);
           for (int h = 0; h < kHalves; ++h) {
-            if constexpr (kVnni) {
+            if constexpr (kTable) {  // int8 levels: no int16 sums to keep (one pair fills them)
+              dot[t][h][0] = dot4<true>(dot[t][h][0], lo[h], xlo);
+              dot[t][h][1] = dot4<true>(dot[t][h][1], hi[h], xhi);
+            } else if constexpr (kVnni) {
               dot[t][h][0] = dot4<false>(dot[t][h][0], lo[h], xlo);
               dot[t][h][1] = dot4<false>(dot[t][h][1], hi[h], xhi);
             } else {
@@ -712,7 +744,7 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
           }
         }
       }
-      if constexpr (kJoin)
+      if constexpr (kJoin && !kTable)
         for (int t = 0; t < NT; ++t)
           for (int h = 0; h < kHalves; ++h) dot[t][h][0] = _mm256_madd_epi16(sum16[t][h][0], ones);
     } else {
@@ -781,30 +813,30 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
 // (Q4_0 / Q4_K 1.14-1.20x at 4-64 tokens on a Zen 3; 5 and 6 bits, whose high-bit
 // planes take four more registers, measured 0.93-1.04x, Q8_0 0.99-1.13x). A tile's
 // second half may be wholly padding (N a multiple of 8, not of 16).
-template <int kBits, int kGroup, int kScales, int NT, bool kFetch>
+template <int kBits, int kGroup, int kScales, int NT, bool kFetch, bool kTable>
 void tile_halves(const Problem& p, int64_t tile_index, int64_t t0) {
   const bool second = tile_index * kRows + kRows / 2 < p.N;
   if ((NT <= 2 || (!kVnni && kBits == 4)) && second) {
-    tile_rows<kBits, kGroup, kScales, NT, 2, kFetch>(p, tile_index, 0, t0);
+    tile_rows<kBits, kGroup, kScales, NT, 2, kFetch, kTable>(p, tile_index, 0, t0);
   } else {
-    tile_rows<kBits, kGroup, kScales, NT, 1, kFetch>(p, tile_index, 0, t0);
-    if (second) tile_rows<kBits, kGroup, kScales, NT, 1, kFetch>(p, tile_index, 1, t0);
+    tile_rows<kBits, kGroup, kScales, NT, 1, kFetch, kTable>(p, tile_index, 0, t0);
+    if (second) tile_rows<kBits, kGroup, kScales, NT, 1, kFetch, kTable>(p, tile_index, 1, t0);
   }
 }
 
 // Passes of three or more tokens without VNNI are bound by the dot, not by memory, and
 // there the prefetch's test in the block loop cost 8-12% of a 64-token pass (Zen 3):
 // the passes that never ask (all but a chunk's first) run a loop without the test.
-template <int kBits, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT, bool kTable = false>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   if constexpr (NT >= 3 && !kVnni) {
-    if (t0 % kTokenChunk != 0) return tile_halves<kBits, kGroup, kScales, NT, false>(p, tile_index, t0);
+    if (t0 % kTokenChunk != 0) return tile_halves<kBits, kGroup, kScales, NT, false, kTable>(p, tile_index, t0);
   }
-  tile_halves<kBits, kGroup, kScales, NT, true>(p, tile_index, t0);
+  tile_halves<kBits, kGroup, kScales, NT, true, kTable>(p, tile_index, t0);
 }
 #else
 // Portable: the same layout, one weight at a time.
-template <int kBits, int kGroup, int kScales, int NT>
+template <int kBits, int kGroup, int kScales, int NT, bool kTable = false>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
@@ -816,8 +848,10 @@ void tile(const Problem& p, int64_t tile_index, int64_t t0) {
       float sum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot[2] = {0, 0};
-        for (int k = 0; k < kBlock; ++k)
-          dot[k / 16] += value_at(vals, kBits, b, r, k) * a.q[tok * p.K + b * kBlock + k];
+        for (int k = 0; k < kBlock; ++k) {
+          const int32_t q = value_at(vals, kBits, b, r, k);
+          dot[k / 16] += (kTable ? p.s.table[q] : q) * a.q[tok * p.K + b * kBlock + k];
+        }
         for (int h = 0; h < 2; ++h) dot[h] -= a.offsets[tok * 2 * nb + 2 * b + h];
         const float dx = a.d[tok * nb + b];
         if constexpr (kGroup == 32) {
@@ -1043,21 +1077,21 @@ struct Tiles {
 #endif
 
 // Tile ``index`` of p for tokens [c0, c1), tokens_per_pass at a time.
-template <int kBits, int kGroup, int kScales>
+template <int kBits, int kGroup, int kScales, bool kTable = false>
 inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1) {
   constexpr int64_t kTokens = tokens_per_pass<kBits>();
   int64_t t = c0;
-  for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens>(p, index, t);
+  for (; t + kTokens <= c1; t += kTokens) tile<kBits, kGroup, kScales, kTokens, kTable>(p, index, t);
   if constexpr (kTokens > 4) {  // (at most once: fewer than kTokens are left)
     if (t + 4 <= c1) {
-      tile<kBits, kGroup, kScales, 4>(p, index, t);
+      tile<kBits, kGroup, kScales, 4, kTable>(p, index, t);
       t += 4;
     }
   }
   switch (c1 - t) {
-    case 3: tile<kBits, kGroup, kScales, 3>(p, index, t); break;
-    case 2: tile<kBits, kGroup, kScales, 2>(p, index, t); break;
-    case 1: tile<kBits, kGroup, kScales, 1>(p, index, t); break;
+    case 3: tile<kBits, kGroup, kScales, 3, kTable>(p, index, t); break;
+    case 2: tile<kBits, kGroup, kScales, 2, kTable>(p, index, t); break;
+    case 1: tile<kBits, kGroup, kScales, 1, kTable>(p, index, t); break;
     default: break;
   }
 }
@@ -1092,11 +1126,11 @@ void amx_tokens(const Problem& p, int64_t begin, int64_t end, int64_t T) {
 }
 #endif
 
-template <int kBits, int kGroup, int kScales>
+template <int kBits, int kGroup, int kScales, bool kTable = false>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
 #ifdef TANDEM_AMX
-  if (amx::takes<kBits>(T, p.offset)) {
+  if (!kTable && amx::takes<kBits>(T, p.offset)) {
     work::share(tiles, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);) amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
@@ -1108,7 +1142,7 @@ void run(const Problem& p, int64_t T) {
     for (int64_t begin, end; runs.next(begin, end);) {
       for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk) {
         const int64_t c1 = std::min(T, c0 + kTokenChunk);
-        for (int64_t index = begin; index < end; ++index) tile_tokens<kBits, kGroup, kScales>(p, index, c0, c1);
+        for (int64_t index = begin; index < end; ++index) tile_tokens<kBits, kGroup, kScales, kTable>(p, index, c0, c1);
       }
     }
   });
@@ -1116,13 +1150,13 @@ void run(const Problem& p, int64_t T) {
 
 // Several problems of one layout (a mixture's experts) in one parallel loop over all
 // their tiles: threads go from one expert's tiles to the next without meeting.
-template <int kBits, int kGroup, int kScales>
+template <int kBits, int kGroup, int kScales, bool kTable = false>
 void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, int64_t tiles) {
   const int64_t jobs = static_cast<int64_t>(ps.size()) * tiles;
 #ifdef TANDEM_AMX
   int64_t most = 0;
   for (const int64_t T : Ts) most = std::max(most, T);
-  if (amx::takes<kBits>(most, ps[0].offset)) {
+  if (!kTable && amx::takes<kBits>(most, ps[0].offset)) {
     work::share(jobs, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);)
@@ -1138,7 +1172,7 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
         const Problem& p = ps[job / tiles];
         const int64_t T = Ts[job / tiles], index = job % tiles;
         for (int64_t c0 = 0; c0 < T; c0 += kTokenChunk)
-          tile_tokens<kBits, kGroup, kScales>(p, index, c0, std::min(T, c0 + kTokenChunk));
+          tile_tokens<kBits, kGroup, kScales, kTable>(p, index, c0, std::min(T, c0 + kTokenChunk));
       }
     }
   });
@@ -1147,16 +1181,18 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
 // (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr;
 // for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288);
-// ``factor`` a power of two in 2**-8 .. 1 (ScaleTable's).
+// ``factor`` a power of two in 2**-8 .. 1, ``table`` 0 or a row of kTables plus one
+// (ScaleTable's).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
-                       int64_t tiles, int64_t K, int64_t group, double factor) {
+                       int64_t tiles, int64_t K, int64_t group, double factor, int64_t table) {
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
   TORCH_CHECK(scales.is_contiguous(), "scales: contiguous");
   int exponent = 0;
   TORCH_CHECK(factor >= 1.0 / 256 && factor <= 1 && std::frexp(factor, &exponent) == 0.5,
               "factor: a power of two in 2**-8 .. 1");
+  TORCH_CHECK(table >= 0 && table <= 2, "table: 0 (none), 1 (IQ4_NL's levels) or 2 (MXFP4's values)");
   ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false,
-               static_cast<float>(factor)};
+               static_cast<float>(factor), table ? kTables[table - 1] : nullptr};
   if (scales.scalar_type() == torch::kByte) {
     int64_t record_group = 0;
     const int64_t per = tiles * s.supers > 0 ? scales.numel() / (tiles * s.supers) : 0;
@@ -1194,13 +1230,16 @@ int value_bits(const torch::Tensor& values, int64_t K) {
 }
 
 // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
-void check_format(int bits, int64_t group, bool records) {
+void check_format(int bits, int64_t group, bool records, bool table) {
   // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's and Q2_K's (a nibble
-  // each), IQ4_XS's int8 levels.
+  // each), IQ4_XS's int8 levels (or table indices).
   const bool sixteen = (bits == 6 || bits == 4 || bits == 8) && records;
   TORCH_CHECK((group == 16) ? sixteen : (bits != 6 && (bits != 8 || !records)),
               "no format packs ", bits, "-bit values in groups of ", group,
               records ? " with records" : " with float16 scales");
+  // Table indices: 4 bits, IQ4_NL's and MXFP4's float16 scales, IQ4_XS's records.
+  TORCH_CHECK(!table || (bits == 4 && records == (group == 16)), "table values: 4 bits");
+  TORCH_CHECK(!table || kTableLayouts, "this build reads no table values (kTableLayouts)");
 }
 
 // The values' offset: a whole number the kernel takes off in integers.
@@ -1211,6 +1250,10 @@ int32_t integer_offset(double offset) {
 }
 
 }  // namespace quant
+
+// Whether this build's kernels read 4-bit values through a table (quant::kTableLayouts):
+// tandem/quant/packed.py then packs IQ4_NL, IQ4_XS and MXFP4 at their 4 bits.
+bool table_layouts() { return quant::kTableLayouts; }
 
 // Whether passes of 16 tokens and more go through the tile registers: -1 asks, 0 or 1
 // sets (1 only where the build has them and the kernel grants them); returns the
@@ -1228,10 +1271,11 @@ bool amx_mode(int64_t want) {
 // out [T, N] float32 (rows may be strided) = x [T, K] float32 @ W^T (+ bias), W packed
 // as described at the top of this file; N is the true row count (the last tile may
 // be padding); ``offset`` is the values' (Q4_0: 8, Q5_0: 16, Q6_K: 32), ``factor``
-// the power of two beyond the scales (ScaleTable's; 1 but for the codebook i-quants).
+// the power of two beyond the scales (ScaleTable's; 1 but for the codebook i-quants),
+// ``table`` the levels 4-bit values index (1: IQ4_NL's, 2: MXFP4's; 0: none).
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torch::Tensor scales,
                   c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> bias,
-                  int64_t N, int64_t group, double offset, double factor) {
+                  int64_t N, int64_t group, double offset, double factor, int64_t table) {
   using quant::kRows;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
@@ -1240,7 +1284,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   quant::Problem p;
-  p.s = quant::scale_table(scales, corr, tiles, K, group, factor);
+  p.s = quant::scale_table(scales, corr, tiles, K, group, factor, table);
   p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
@@ -1260,9 +1304,15 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   using quant::kHalfScales;
   using quant::kRecords;
   const bool records = p.s.record != 0;
-  quant::check_format(bits, group, records);
+  quant::check_format(bits, group, records, table != 0);
   switch (bits) {
     case 4:
+      if constexpr (quant::kTableLayouts) {
+        if (table) {
+          group == 16 ? quant::run<4, 16, kRecords, true>(p, T) : quant::run<4, 32, kHalfScales, true>(p, T);
+          break;
+        }
+      }
       if (group == 16) quant::run<4, 16, kRecords>(p, T);
       else if (records) quant::run<4, 32, kRecords>(p, T);
       else quant::run<4, 32, kHalfScales>(p, T);
@@ -1294,7 +1344,7 @@ struct ManyMatrices {
 
 ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& scales,
                            const torch::Tensor& corr, int64_t K, int64_t N, int64_t group, double offset,
-                           double factor) {
+                           double factor, int64_t table) {
   ManyMatrices m;
   m.K = K;
   m.N = N;
@@ -1303,9 +1353,9 @@ ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& sca
   TORCH_CHECK(m.tiles * kRows >= N && (m.tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
   m.tile_bytes = values.size(1);
   m.s = scale_table(scales, corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, m.tiles, K,
-                    group, factor);
+                    group, factor, table);
   m.records = m.s.record != 0;
-  check_format(m.bits, group, m.records);
+  check_format(m.bits, group, m.records, table != 0);
   m.offset = integer_offset(offset);
   return m;
 }
@@ -1339,6 +1389,13 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
   }
   switch (m.bits) {
     case 4:
+      if constexpr (kTableLayouts) {
+        if (m.s.table) {
+          m.s.group == 16 ? run_many<4, 16, kRecords, true>(ps, count, m.tiles)
+                          : run_many<4, 32, kHalfScales, true>(ps, count, m.tiles);
+          break;
+        }
+      }
       if (m.s.group == 16) run_many<4, 16, kRecords>(ps, count, m.tiles);
       else if (m.records) run_many<4, 32, kRecords>(ps, count, m.tiles);
       else run_many<4, 32, kHalfScales>(ps, count, m.tiles);
@@ -1357,7 +1414,8 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
 // lookup): w = scale * factor * (q - offset) + constant, read straight from the tiled
 // layout.
 void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torch::Tensor scales,
-                c10::optional<torch::Tensor> corr, int64_t group, double offset, double factor) {
+                c10::optional<torch::Tensor> corr, int64_t group, double offset, double factor,
+                int64_t table) {
   using quant::kBlock;
   using quant::kRows;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
@@ -1365,7 +1423,7 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
   const int64_t n = ids.size(0), K = out.size(1);
   const int bits = quant::value_bits(values, K);
   const int64_t tiles = values.size(0);
-  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, factor);
+  const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, factor, table);
   const int32_t shift = quant::integer_offset(offset);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -1380,7 +1438,8 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
         const float scale = quant::scale_at(s, tile, r, g) * s.factor;
         const float constant = quant::constant_at(s, tile, r, g);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-          const int32_t q = quant::value_at(tv, bits, k / kBlock, r, k % kBlock) - shift;
+          const int32_t v = quant::value_at(tv, bits, k / kBlock, r, k % kBlock);
+          const int32_t q = (s.table != nullptr ? s.table[v] : v) - shift;
           dst[i * K + k] = scale * static_cast<float>(q) + constant;
         }
       }

@@ -598,6 +598,10 @@ class BlockFormat:
     # The power of two its scales take beyond the records' d and sub-scales
     # (SuperScales.factor): the kernels multiply each output by it.
     factor: float = 1.0
+    # The 16 levels (TABLES) its 4-bit values index, for the CPU kernels that read them
+    # through a byte shuffle (packed.py's table_layout: then held at 4 bits, the file's
+    # indices, instead of ``packed_bits``); 0: none.
+    table: int = 0
 
     @property
     def name(self) -> str:
@@ -643,12 +647,14 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # TQ1_0's ternary values (5 a byte in the file) as TQ2_0's (4.56 bits against 1.69).
     BlockFormat(GGMLType.TQ1_0, 256, 54, _decode_tq1_0, 4, 16, 1.0, False, 288,
                 SuperFormat(256, 16, 0, 1, True, False)),
-    # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5).
-    BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8),
-    # IQ4_XS's levels as int8 values under Q6_K's records (8.5625 bits against 4.25);
-    # on the GPU its levels + 128 as 8-bit q (4 high bits) and its sub-scales.
+    # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5), or its
+    # indices (table 1: 4.5 bits).
+    BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8, table=1),
+    # IQ4_XS's levels as int8 values under Q6_K's records (8.5625 bits against 4.25), or
+    # its indices (4.5625); on the GPU its levels + 128 as 8-bit q (4 high bits) and its
+    # sub-scales.
     BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
-                SuperFormat(256, 16, 4, 128, True, False)),
+                SuperFormat(256, 16, 4, 128, True, False), table=1),
     # IQ3_S's codebook values (x their signs) as IQ4_XS's are held (8.5625 bits against
     # 3.4375), packed from its torch decoder.
     BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
@@ -665,10 +671,13 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
           (GGMLType.IQ1_S, 50, _decode_iq1_s, 0.125),
           (GGMLType.IQ1_M, 56, _decode_iq1_m, 0.125))),
     # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
-    # (5.5 bits a weight held against the file's 4.25).
+    # (5.5 bits a weight held against the file's 4.25), or its indices (table 2: 4.5).
     BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,
-                SuperFormat(32, 32, 1, 16, False, False), _mxfp4_held_exactly),
+                SuperFormat(32, 32, 1, 16, False, False), _mxfp4_held_exactly, table=2),
 )}  # fmt: skip
+
+# The 16-entry tables of FORMATS' ``table`` (kernels/quant_ops.cpp's kTables).
+TABLES = {1: IQ4_NL_VALUES, 2: MXFP4_VALUES}
 
 # Weights and bytes per block (FORMATS' sizes, as most readers want them).
 BLOCK = {code: (f.weights, f.nbytes) for code, f in FORMATS.items()}

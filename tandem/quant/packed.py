@@ -23,6 +23,11 @@ which documents the layout) serves every format:
   the file's d in the records and a power of two apart (``factor``), which the kernel
   multiplies each output by.
 
+IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices into a table of 16 levels where the
+kernels read them through a byte shuffle (``table_layout``: the AVX2 and portable
+paths), as Q4_0's nibbles under their own scales (4.5 / 4.5625 / 4.5 bits a weight);
+elsewhere their levels as int8 (MXFP4's as Q5_0's values).
+
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
 reproduce: the activations quantized to int8 per block of 32 as the kernel does,
 times the dequantized weights, in float64.
@@ -37,6 +42,7 @@ import torch
 
 from tandem.quant.blocks import (
     FORMATS,
+    TABLES,
     Decoded,
     GGMLType,
     check_row_bytes,
@@ -56,6 +62,23 @@ def record_bytes(group: int, mins: bool) -> int:
     288 for groups of 16, 576 for groups of 16 with minimums (Q2_K)."""
     items = 1 + mins
     return ROWS * (2 * items + SUPER // group * items)
+
+
+def kernels_read_tables() -> bool:
+    """Whether the CPU kernels built here read 4-bit table values (quant_ops.cpp's
+    table_layouts)."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.available(torch.device("cpu"), torch.float32) and bool(
+        cpu_kernels.load().table_layouts()
+    )
+
+
+def table_layout(code: GGMLType) -> int:
+    """The table ``code``'s packed values index (its FORMATS row's, where the kernels
+    read tables), 0: its values are held as they decode."""
+    table = FORMATS[code].table
+    return table if table and kernels_read_tables() else 0
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -79,6 +102,7 @@ class PackedWeight:
     offset: float = 0.0  # the values': Q4_0 8, Q5_0 16, Q6_K 32
     record: int = 0  # bytes of a tile's super-block record (record_bytes); 0: float16 scales
     factor: float = 1.0  # a power of two every scale takes (SuperScales.factor)
+    table: int = 0  # the TABLES entry its 4-bit values index (table_layout); 0: none
 
     @property
     def records(self) -> bool:
@@ -106,13 +130,23 @@ class PackedWeight:
     @classmethod
     def from_decoded(cls, dec: Decoded, source: str) -> PackedWeight:
         rows = dec.values.shape[0]
-        values = _pack_values(_tile(dec.values, rows), dec.bits)
-        offset = float(dec.offset)
+        table = table_layout(GGMLType[source]) if source in GGMLType.__members__ else 0
+        if table:  # the levels back to their 4-bit indices (MXFP4's 0: index 0)
+            levels = TABLES[table].tolist()
+            index = torch.zeros(256, dtype=torch.uint8)
+            for i, level in reversed(list(enumerate(levels))):
+                index[level + 128] = i
+            q, bits = index[dec.values.long() - dec.offset + 128], 4
+        else:
+            q, bits = dec.values, dec.bits
+        values = _pack_values(_tile(q, rows), bits)
+        offset = 0.0 if table else float(dec.offset)
         if dec.supers is not None:
             record = record_bytes(dec.group, dec.supers.dmin is not None)
             records = _records(dec, rows)
             factor = dec.supers.factor
-            return cls(values, records, None, rows, dec.group, source, offset, record, factor)
+            return cls(values, records, None, rows, dec.group, source, offset, record, factor,
+                       table)  # fmt: skip
 
         def tiled(t: torch.Tensor) -> torch.Tensor:
             half = t.half()
@@ -121,7 +155,7 @@ class PackedWeight:
             return _tile(half, rows).permute(0, 2, 1).contiguous()
 
         corr = None if dec.mins is None else tiled(dec.mins)
-        return cls(values, tiled(dec.scales), corr, rows, dec.group, source, offset)
+        return cls(values, tiled(dec.scales), corr, rows, dec.group, source, offset, table=table)
 
     @classmethod
     def from_ggml(cls, code: GGMLType, raw: torch.Tensor, columns: int) -> PackedWeight:
@@ -146,9 +180,10 @@ class PackedWeight:
         values = torch.empty(values, dtype=values_dtype)
         scales = torch.empty(scales, dtype=scales_dtype)
         corr = torch.empty_like(scales) if has_corr else None
-        spec = FORMATS[code]
-        group, offset, record = spec.group, spec.offset, spec.record_bytes
-        return cls(values, scales, corr, rows, group, code.name, offset, record, spec.factor)
+        spec, table = FORMATS[code], table_layout(code)
+        group, offset, record = spec.group, 0.0 if table else spec.offset, spec.record_bytes
+        return cls(values, scales, corr, rows, group, code.name, offset, record, spec.factor,
+                   table)  # fmt: skip
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
         """Pack ``raw`` (``code`` blocks, uint8 [rows, row bytes]) into rows
@@ -180,6 +215,9 @@ class PackedWeight:
             values, scales = values[tiles], scales[tiles]
             corr = None if corr is None else corr[tiles]
         q = _unpack_values(values, self.bits).reshape(-1, self.shape[1])
+        bits = self.bits
+        if self.table:  # the indices' levels, as int8 values
+            q, bits = TABLES[self.table][q.long()], 8
 
         def untiled(t: torch.Tensor) -> torch.Tensor:
             return t.float().permute(0, 2, 1).reshape(-1, t.shape[1])
@@ -188,9 +226,9 @@ class PackedWeight:
         if self.records:
             scales, mins = _unrecord(scales, self.group, self.record)
             mins = None if mins is None else untiled(mins)
-            return Decoded(q, untiled(scales) * self.factor, mins, offset, self.group, self.bits)
+            return Decoded(q, untiled(scales) * self.factor, mins, offset, self.group, bits)
         mins = untiled(corr) if corr is not None else None
-        return Decoded(q, untiled(scales), mins, offset, self.group, self.bits)
+        return Decoded(q, untiled(scales), mins, offset, self.group, bits)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
@@ -205,7 +243,7 @@ class PackedWeight:
             out = torch.empty(len(index), self.shape[1])
             cpu_kernels.load().quant_rows(
                 out, index.contiguous(), self.values, self.scales, self.corr, self.group,
-                self.offset, self.factor,
+                self.offset, self.factor, self.table,
             )  # fmt: skip
             return out
         tiles, position = index // ROWS, index % ROWS
@@ -220,7 +258,7 @@ class PackedWeight:
 
         cpu_kernels.load().quant_linear(
             out, x, self.values, self.scales, self.corr, bias, self.rows, self.group,
-            self.offset, self.factor,
+            self.offset, self.factor, self.table,
         )  # fmt: skip
 
 
@@ -318,6 +356,8 @@ def _packed_shapes(code: GGMLType, rows: int, columns: int):
     [rows, columns] matrix of ``code`` packed (as ``allocate`` makes it)."""
     spec = FORMATS[code]
     bits, group, has_corr, record = spec.packed_bits, spec.group, spec.has_corr, spec.record_bytes
+    if table_layout(code):
+        bits = 4
     tiles = -(-rows // ROWS)
     values = ((tiles, columns * 2 * bits), torch.int8 if bits == 8 else torch.uint8)
     if record:

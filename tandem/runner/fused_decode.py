@@ -64,7 +64,7 @@ def _packed(linear) -> list[tuple] | None:
         return None
     return [
         (start, w.values, w.scales, w.corr if w.corr is not None else w.scales.new_empty(0),
-         w.rows, w.group, w.offset, w.factor)
+         w.rows, w.group, w.offset, w.factor, w.table)
         for start, w in parts
     ]  # fmt: skip
 

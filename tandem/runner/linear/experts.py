@@ -50,7 +50,8 @@ def _layout(weight: PackedWeight) -> tuple:
     tensors = [weight.values, weight.scales] + ([] if weight.corr is None else [weight.corr])
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("not contiguous")
-    return (weight.rows, weight.group, weight.offset, weight.factor, weight.values.dtype,
+    return (weight.rows, weight.group, weight.offset, weight.factor, weight.table,
+            weight.values.dtype,
             weight.values.shape, weight.scales.dtype, weight.scales.shape,
             weight.corr is None)  # fmt: skip
 
@@ -73,7 +74,7 @@ class _Projection:
         self.args = (
             torch.tensor(where, dtype=torch.int64), first.values, first.scales,
             first.corr if first.corr is not None else empty, first.rows, first.group, first.offset,
-            first.factor,
+            first.factor, first.table,
         )  # fmt: skip
 
 

@@ -19,15 +19,9 @@ from tandem.quant.packed import ROWS, PackedWeight
 
 
 def _joinable(a: PackedWeight, b: PackedWeight) -> bool:
-    same = (a.bits, a.group, a.scales.dtype, a.corr is None, a.offset, a.record, a.factor) == (
-        b.bits,
-        b.group,
-        b.scales.dtype,
-        b.corr is None,
-        b.offset,
-        b.record,
-        b.factor,
-    )
+    same = (a.bits, a.group, a.scales.dtype, a.corr is None, a.offset, a.record, a.factor,
+            a.table) == (b.bits, b.group, b.scales.dtype, b.corr is None, b.offset, b.record,
+                         b.factor, b.table)  # fmt: skip
     return same and a.rows % ROWS == 0
 
 
@@ -50,12 +44,13 @@ def _join(a: PackedWeight, b: PackedWeight) -> PackedWeight:
         a.offset,
         a.record,
         a.factor,
+        a.table,
     )
 
 
 def join_parts(parts: list[tuple[int, PackedWeight]]) -> list[tuple[int, PackedWeight]]:
     """Adjacent parts in the same layout (bits a value, group size, scale type,
-    constants, offset, record, factor) as one."""
+    constants, offset, record, factor, table) as one."""
     joined: list[tuple[int, PackedWeight]] = []
     for start, weight in parts:
         if joined and _joinable(joined[-1][1], weight):
@@ -85,7 +80,8 @@ class QuantizedLinearMethod:
             weight = parts[0][1]
             out = torch.empty(x.shape[0], weight.rows)
             kernel()(out, x, weight.values, weight.scales, weight.corr, layer.bias,
-                     weight.rows, weight.group, weight.offset, weight.factor)  # fmt: skip
+                     weight.rows, weight.group, weight.offset, weight.factor,
+                     weight.table)  # fmt: skip
             return out
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
