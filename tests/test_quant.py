@@ -452,3 +452,10 @@ def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
         cpp_records.update({name: int(size) for name in re.findall(r"case (\w+):", cases)})
     for code, spec in compiled.items():
         assert cpp_records.get(code.name, 0) == spec.record_bytes, code.name
+    # The tables 4-bit values index: quant_ops.cpp's kTables rows are TABLES' entries.
+    from tandem.quant.blocks import TABLES
+
+    kernels = (Path(cpu_kernels.__file__).parent / "quant_ops.cpp").read_text()
+    rows = re.search(r"kTables\[2\]\[16\] = \{(.*?)\};", kernels, re.S).group(1)
+    cpp_tables = [[int(v) for v in row.split(",")] for row in re.findall(r"\{([^}]*)\}", rows)]
+    assert cpp_tables == [TABLES[1].tolist(), TABLES[2].tolist()]
