@@ -204,9 +204,10 @@ SHAPES = {
     ),
 }
 # The formats of one type throughout (the head Q6_K): llama.cpp's Q3_K_S, IQ4_XS;
-# its Q2_K_S, IQ3_XXS and IQ2_XXS but their mixes (v and down rows in more bits).
+# its Q2_K_S, IQ3_S, IQ3_XXS and IQ2_XXS but their mixes (v and down rows in more bits).
 THROUGHOUT = {"q3_k_s": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K, "iq4_xs": GGMLType.IQ4_XS,
-              "iq3_xxs": GGMLType.IQ3_XXS, "iq2_xxs": GGMLType.IQ2_XXS}  # fmt: skip
+              "iq3_s": GGMLType.IQ3_S, "iq3_xxs": GGMLType.IQ3_XXS,
+              "iq2_xxs": GGMLType.IQ2_XXS}  # fmt: skip
 FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", *THROUGHOUT)
 
 
@@ -382,7 +383,8 @@ def write_random_gguf(
     file_types = {"q4_0": "MOSTLY_Q4_0", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M",
                   "q5_k_m": "MOSTLY_Q5_K_M", "q3_k_s": "MOSTLY_Q3_K_S",
                   "q2_k": "MOSTLY_Q2_K", "iq4_xs": "MOSTLY_IQ4_XS",
-                  "iq3_xxs": "MOSTLY_IQ3_XXS", "iq2_xxs": "MOSTLY_IQ2_XXS"}  # fmt: skip
+                  "iq3_s": "MOSTLY_IQ3_S", "iq3_xxs": "MOSTLY_IQ3_XXS",
+                  "iq2_xxs": "MOSTLY_IQ2_XXS"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     add_shape_keys(writer, shape.config())
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
