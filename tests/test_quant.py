@@ -233,6 +233,16 @@ def test_the_table_formats_run_in_either_layout(code, tables, monkeypatch):
 
 
 @needs_kernels
+def test_whether_the_kernels_read_tables_is_known_before_they_are_built(monkeypatch):
+    """The CPU's flags tell what the build says (the planner prices a file's table
+    formats without compiling anything)."""
+    built = bool(cpu_kernels.load().table_layouts())
+    assert cpu_kernels.reads_tables() == built
+    monkeypatch.setattr(cpu_kernels.load, "cache_info", lambda: type("I", (), {"currsize": 0}))
+    assert cpu_kernels.reads_tables() == built
+
+
+@needs_kernels
 def test_the_kernel_takes_only_a_power_of_two_beside_the_scales():
     """The codebook types' d / 8 is a factor each output takes (exact, so a token's
     result stays its own whatever its batch); anything else is refused."""

@@ -20,6 +20,9 @@
 //           are 0..31, Q6_K's 0..63 (q, not q - 32)
 //           int8 [tiles, K/32 * 8 * 64] (Q8_0): vector s is weights 4s..4s+3
 //           ([16 rows, 4]); ``bits`` is 8
+//           4-bit values may instead index a table of 16 int8 levels (``table``:
+//           IQ4_NL, IQ4_XS, MXFP4), looked up by a byte shuffle and then multiplied as
+//           int8 values are (kTableLayouts: the AVX2 and portable paths)
 //   scales  float16 [tiles, K/group, 16] (group 32), the file's own scales; or, for the
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and

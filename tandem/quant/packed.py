@@ -65,13 +65,11 @@ def record_bytes(group: int, mins: bool) -> int:
 
 
 def kernels_read_tables() -> bool:
-    """Whether the CPU kernels built here read 4-bit table values (quant_ops.cpp's
-    table_layouts)."""
+    """Whether the CPU kernels here read 4-bit table values (kernels/cpu.py's
+    reads_tables: known without building them)."""
     from tandem.kernels import cpu as cpu_kernels
 
-    return cpu_kernels.available(torch.device("cpu"), torch.float32) and bool(
-        cpu_kernels.load().table_layouts()
-    )
+    return cpu_kernels.reads_tables()
 
 
 def table_layout(code: GGMLType) -> int:
@@ -131,14 +129,7 @@ class PackedWeight:
     def from_decoded(cls, dec: Decoded, source: str) -> PackedWeight:
         rows = dec.values.shape[0]
         table = table_layout(GGMLType[source]) if source in GGMLType.__members__ else 0
-        if table:  # the levels back to their 4-bit indices (MXFP4's 0: index 0)
-            levels = TABLES[table].tolist()
-            index = torch.zeros(256, dtype=torch.uint8)
-            for i, level in reversed(list(enumerate(levels))):
-                index[level + 128] = i
-            q, bits = index[dec.values.long() - dec.offset + 128], 4
-        else:
-            q, bits = dec.values, dec.bits
+        q, bits = (_table_indices(dec, table), 4) if table else (dec.values, dec.bits)
         values = _pack_values(_tile(q, rows), bits)
         offset = 0.0 if table else float(dec.offset)
         if dec.supers is not None:
@@ -260,6 +251,15 @@ class PackedWeight:
             out, x, self.values, self.scales, self.corr, bias, self.rows, self.group,
             self.offset, self.factor, self.table,
         )  # fmt: skip
+
+
+def _table_indices(dec: Decoded, table: int) -> torch.Tensor:
+    """A table format's decoded levels back to their 4-bit indices into TABLES[table]
+    (uint8; MXFP4's 0 as index 0, as the compiled packer writes its -0)."""
+    index = torch.zeros(256, dtype=torch.uint8)
+    for i, level in reversed(list(enumerate(TABLES[table].tolist()))):
+        index[level + 128] = i
+    return index[dec.values.long() - dec.offset + 128]
 
 
 def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
