@@ -22,7 +22,7 @@ from tandem.quant.blocks import BLOCK, GGMLType, decode, dequantize
 from tandem.quant.blocks import FORMATS as FORMATS_TABLE
 from tandem.quant.packed import (
     PackedWeight,
-    kernels_read_tables,
+    kernels_read_compact,
     quantize_activations,
     reference,
 )
@@ -201,26 +201,30 @@ def test_the_kernel_equals_the_exact_math(code, rows, columns):
         assert (out.double() - expected).abs().max().item() <= 1e-5 * scale, (batch, code)
 
 
-TABLE_FORMATS = [code for code, spec in FORMATS_TABLE.items() if spec.table]
+COMPACT_FORMATS = [code for code, spec in FORMATS_TABLE.items() if spec.compact_bits]
 
 
 @needs_kernels
-@pytest.mark.parametrize("code", TABLE_FORMATS, ids=lambda c: c.name)
-@pytest.mark.parametrize("tables", [True, False], ids=["indices", "int8-levels"])
-def test_the_table_formats_run_in_either_layout(code, tables, monkeypatch):
+@pytest.mark.parametrize("code", COMPACT_FORMATS, ids=lambda c: c.name)
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "wide"])
+def test_the_compact_formats_run_in_either_layout(code, compact, monkeypatch):
     """IQ4_NL, IQ4_XS and MXFP4 as their 4-bit indices, looked up by the kernel's byte
-    shuffle (where the build reads tables: the AVX2 and portable paths), or as int8
-    levels (the AVX-512 paths' layout, forced here): the file's weights either way, and
-    the kernel the exact math, embedding lookups included."""
-    if tables and not kernels_read_tables():
-        pytest.skip("this build reads no table values (its AVX-512 paths)")
-    monkeypatch.setattr(packed_module, "kernels_read_tables", lambda: tables)
+    shuffle, Q2_K and the ternary types as 2-bit values, Q3_K as 3 (where the build reads
+    compact layouts: the AVX2 and portable paths); or as int8 levels and nibbles (the
+    AVX-512 paths' layouts, forced here): the file's weights either way, and the kernel
+    the exact math, embedding lookups included."""
+    if compact and not kernels_read_compact():
+        pytest.skip("this build reads no compact layouts (its AVX-512 paths)")
+    monkeypatch.setattr(packed_module, "kernels_read_compact", lambda: compact)
+    spec = FORMATS_TABLE[code]
     raw = random_blocks(code, 40, 768, seed=5)
     packed = PackedWeight.from_ggml(code, raw, 768)
-    assert packed.table == (FORMATS_TABLE[code].table if tables else 0)
-    assert (packed.bits == 4) == tables
+    assert packed.table == (spec.table if compact else 0)
+    assert packed.bits == (spec.compact_bits if compact else spec.packed_bits)
     dense = dequantize(code, raw, 768)
     assert torch.equal(packed.dequantize(), dense)
+    from_decoder = PackedWeight.from_decoded(decode(code, raw, 768), code.name)
+    assert torch.equal(from_decoder.values, packed.values)  # the compiled packer's bytes
     index = torch.tensor([39, 0, 17])
     torch.testing.assert_close(packed.dequantize_rows(index), dense[index], rtol=0, atol=0)
     for batch in (1, 2, 3, 5, 16, 33):
@@ -233,13 +237,13 @@ def test_the_table_formats_run_in_either_layout(code, tables, monkeypatch):
 
 
 @needs_kernels
-def test_whether_the_kernels_read_tables_is_known_before_they_are_built(monkeypatch):
-    """The CPU's flags tell what the build says (the planner prices a file's table
+def test_whether_the_kernels_read_compact_layouts_is_known_before_they_are_built(monkeypatch):
+    """The CPU's flags tell what the build says (the planner prices a file's compact
     formats without compiling anything)."""
-    built = bool(cpu_kernels.load().table_layouts())
-    assert cpu_kernels.reads_tables() == built
+    built = bool(cpu_kernels.load().compact_layouts())
+    assert cpu_kernels.reads_compact_layouts() == built
     monkeypatch.setattr(cpu_kernels.load, "cache_info", lambda: type("I", (), {"currsize": 0}))
-    assert cpu_kernels.reads_tables() == built
+    assert cpu_kernels.reads_compact_layouts() == built
 
 
 @needs_kernels
@@ -356,9 +360,10 @@ def test_packed_weights_take_the_files_bits():
     high bits, not a byte each); Q4_1's scales and minimums stay float16 as in the
     file; Q4_0's offset (-8 * d) is not stored at all; the K formats keep the file's
     float16 super-scales and 8-bit sub-scales (Q4_K: 4.625 bits against the file's
-    4.5); IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices where the kernels read
-    tables; and every weight is the file's."""
-    tables = kernels_read_tables()
+    4.5); where the kernels read compact layouts, IQ4_NL, IQ4_XS and MXFP4 keep their
+    4-bit indices, Q2_K and the ternary types 2 bits, Q3_K 3; and every weight is the
+    file's."""
+    compact = kernels_read_compact()
     sizes = {}
     for code in BLOCK:
         raw = random_blocks(code, 32, 512)
@@ -368,13 +373,13 @@ def test_packed_weights_take_the_files_bits():
     assert sizes == {
         GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0,
         GGMLType.Q8_0: 8.5, GGMLType.Q4_K: 4.625, GGMLType.Q5_K: 5.625, GGMLType.Q6_K: 6.5625,
-        GGMLType.Q3_K: 4.5625,  # (3-bit values a nibble each: no 3-bit layout yet)
-        GGMLType.IQ4_NL: 4.5 if tables else 8.5,  # (its indices; or levels as int8, Q8_0's)
-        GGMLType.TQ2_0: 4.5625,  # (2-bit values a nibble each, Q3_K's layout)
-        GGMLType.TQ1_0: 4.5625,  # (TQ2_0's: its base-3 values a nibble each)
-        GGMLType.MXFP4: 4.5 if tables else 5.5,  # (indices; or its values + 16 as Q5_0's)
-        GGMLType.IQ4_XS: 4.5625 if tables else 8.5625,  # (or its levels as int8)
-        GGMLType.Q2_K: 5.125,  # (2-bit values a nibble each, records with minimums)
+        GGMLType.Q3_K: 3.5625 if compact else 4.5625,  # (3 bits, Q6_K's records; or nibbles)
+        GGMLType.IQ4_NL: 4.5 if compact else 8.5,  # (its indices; or levels as int8, Q8_0's)
+        GGMLType.TQ2_0: 2.5625 if compact else 4.5625,  # (2 bits, Q3_K's records; or nibbles)
+        GGMLType.TQ1_0: 2.5625 if compact else 4.5625,  # (TQ2_0's: its base-3 values as 2 bits)
+        GGMLType.MXFP4: 4.5 if compact else 5.5,  # (indices; or its values + 16 as Q5_0's)
+        GGMLType.IQ4_XS: 4.5625 if compact else 8.5625,  # (or its levels as int8)
+        GGMLType.Q2_K: 3.125 if compact else 5.125,  # (2 bits, records with minimums)
         GGMLType.IQ3_S: 8.5625,  # (its codebook's values as int8, IQ4_XS's layout)
         # (the other codebook types as IQ3_S, d's power of two apart)
         **dict.fromkeys([GGMLType.IQ3_XXS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,

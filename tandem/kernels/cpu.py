@@ -90,7 +90,7 @@ FUNCTIONS = [
     "mask_rows",
     "quant_linear",
     "amx_mode",
-    "table_layouts",
+    "compact_layouts",
     "quant_rows",
     "pack_ggml",
     "llama_decode_layer",
@@ -331,14 +331,15 @@ def _only_our_headers(load_inline) -> dict:
     return {"no_implicit_headers": True} if "no_implicit_headers" in known else {}
 
 
-def reads_tables() -> bool:
-    """Whether this machine's build reads 4-bit table values (quant_ops.cpp's
-    kTableLayouts: not where the CPU has AVX-512 F, BW and VNNI), without building: the
-    built module's answer once it is loaded, else the same rule from the CPU's flags
-    (so that pricing a file, ``tandem plan``, compiles nothing)."""
+def reads_compact_layouts() -> bool:
+    """Whether this machine's build reads the compact layouts, 4-bit table values and
+    2- and 3-bit values (quant_ops.cpp's kCompactLayouts: not where the CPU has AVX-512
+    F, BW and VNNI), without building: the built module's answer once it is loaded, else
+    the same rule from the CPU's flags (so that pricing a file, ``tandem plan``,
+    compiles nothing)."""
     if load.cache_info().currsize:
         module = load()
-        return module is not None and bool(module.table_layouts())
+        return module is not None and bool(module.compact_layouts())
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return False
     return not {"avx512f", "avx512bw", "avx512_vnni"} <= set(_flags().split())

@@ -7,7 +7,8 @@
 // Q4_0 file took 66 s that way on 2 cores. Block layouts are in tandem/quant/blocks.py.
 //
 // Outputs, allocated by the caller (packed.py):
-//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's 0..7, Q2_K's 0..3), 5
+//   values  uint8 [tiles, K * 2 * bits]: 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's 0..7, Q2_K's 0..3
+//           unless compact, below), 5
 //           (Q5_0, Q5_1, Q5_K: 0..31), 6 (Q6_K: 0..63), as nibbles and high-bit planes; int8
 //           [tiles, K*16] for Q8_0
 //   scales  float16 [tiles, K/group, 16] holding the file's own scale bits (Q4_0, Q4_1,
@@ -20,9 +21,10 @@
 //           dmin, its 4-bit sub-scales [16] and sub-mins [16]; IQ4_NL as Q8_0, its
 //           values its table's levels (IQ4_XS's too, int8 under its records); MXFP4 as
 //           Q5_0, its values + 16 and its powers of two as float16. Where the kernels
-//           read table values (quant::kTableLayouts) and ``values`` is sized for 4 bits,
-//           IQ4_NL, IQ4_XS and MXFP4 keep the file's 4-bit indices instead, as Q4_0's
-//           nibbles (MXFP4's -0, index 8, as +0, index 0)
+//           read the compact layouts (quant::kCompactLayouts) and ``values`` is sized
+//           for them (compact_bits), IQ4_NL, IQ4_XS and MXFP4 keep the file's 4-bit
+//           indices instead, as Q4_0's nibbles (MXFP4's -0, index 8, as +0, index 0),
+//           Q2_K and the ternary types take 2 bits, Q3_K 3
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
@@ -63,6 +65,16 @@ inline int value_bits(int64_t code) {
     default: return 4;
   }
 }
+// Bits a value takes in the compact layouts, where the kernels read them
+// (quant::kCompactLayouts); 0: none (blocks.py's BlockFormat.compact_bits).
+inline int compact_bits(int64_t code) {
+  switch (code) {
+    case Q2_K: case TQ1_0: case TQ2_0: return 2;
+    case Q3_K: return 3;
+    case IQ4_NL: case IQ4_XS: case MXFP4: return 4;
+    default: return 0;
+  }
+}
 
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
@@ -76,6 +88,7 @@ struct Out {
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
   bool record_mins;      // records: with minimums (groups of 32; Q2_K's of 16)
   bool indices;          // IQ4_NL, IQ4_XS, MXFP4: their 4-bit table indices (see the top)
+  int bits;              // bits a value takes in ``values``
 };
 
 // Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
@@ -97,19 +110,28 @@ inline void put_values(uint8_t* tile, int64_t b, int64_t r, Quad quad) {
   if constexpr (bits == 8) {
     for (int s = 0; s < 8; ++s) put_word(at(tile, 8, b, s, r), q[s]);
   } else {
-    // Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high nibble).
-    for (int p = 0; p < 4; ++p)
-      put_word(at(tile, bits, b, p, r), (q[p] & kNibbles) | ((q[p + 4] & kNibbles) << 4));
-    constexpr int hb = bits - 4;
+    constexpr int low = quant::values::low(bits), hb = quant::values::high(bits);
+    if constexpr (low == 4) {
+      // Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high nibble).
+      for (int p = 0; p < 4; ++p)
+        put_word(at(tile, bits, b, p, r), (q[p] & kNibbles) | ((q[p + 4] & kNibbles) << 4));
+    } else {
+      // Crumb vector h: weights 4s+i, s = 4h + p, at bits 2p.
+      for (int h = 0; h < 2; ++h) {
+        uint32_t crumbs = 0;
+        for (int p = 0; p < 4; ++p) crumbs |= (q[4 * h + p] & 0x03030303u) << (2 * p);
+        put_word(at(tile, bits, b, h, r), crumbs);
+      }
+    }
     if constexpr (hb > 0) {
-      // Nibble vector s = 4h + p (weights 4s..4s+3) keeps its high bits in plane
-      // vector high_vector(hb, s) from bit high_bit(hb, s) of each byte.
+      // Value vector s = 4h + p (weights 4s..4s+3) keeps its high bits in plane
+      // vector high_vector(bits, s) from bit high_bit(bits, s) of each byte.
       constexpr uint32_t high = (1u << hb) - 1;
       uint32_t planes[2] = {0, 0};
       for (int s = 0; s < 8; ++s)
-        planes[quant::values::high_vector(hb, s) - 4] |=
-            ((q[s] >> 4) & (high * 0x01010101u)) << quant::values::high_bit(hb, s);
-      for (int v = 0; v < hb; ++v) put_word(at(tile, bits, b, 4 + v, r), planes[v]);
+        planes[quant::values::high_vector(bits, s) - low] |=
+            ((q[s] >> low) & (high * 0x01010101u)) << quant::values::high_bit(bits, s);
+      for (int v = 0; v < hb; ++v) put_word(at(tile, bits, b, low + v, r), planes[v]);
     }
   }
 }
@@ -141,15 +163,23 @@ inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
 
 // A super-block's 256 2-bit values into 32-blocks sb * 8 .. sb * 8 + 7 of tile row r:
 // weight 128h + 32j + l is bits 2j of qs[32h + l] (TQ2_0's values, Q3_K's low bits),
-// with bit 4h + j of hmask[l] above them when there is a hmask (Q3_K's third bit).
+// with bit 4h + j of hmask[l] above them when there is a hmask (Q3_K's third bit); as
+// values of ``bits`` bits (a nibble each, or 2 and 3: the compact layouts).
+template <int bits>
 inline void put_pairs(uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs, const uint8_t* hmask) {
   for (int h = 0; h < 2; ++h)
     for (int j = 0; j < 4; ++j)
-      put_values<4>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
+      put_values<bits>(dst, sb * 8 + h * 4 + j, r, [&](int k) {
         const uint32_t pairs = (word(qs + 32 * h + 4 * k) >> (2 * j)) & 0x03030303u;
         if (hmask == nullptr) return pairs;
         return pairs | (((word(hmask + 4 * k) >> (4 * h + j)) & 0x01010101u) << 2);
       });
+}
+inline void put_pairs(const Out& o, uint8_t* dst, int64_t sb, int64_t r, const uint8_t* qs,
+                      const uint8_t* hmask) {
+  if (o.bits == 4) put_pairs<4>(dst, sb, r, qs, hmask);
+  else if (o.bits == 3) put_pairs<3>(dst, sb, r, qs, hmask);
+  else put_pairs<2>(dst, sb, r, qs, hmask);
 }
 
 // A 32-weight block's 16 bytes ``qs`` of nibbles (weight j low in byte j, 16 + j high)
@@ -302,7 +332,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           const int top = (packed[8 + g % 4] >> (2 * (g / 4))) & 0x03;
           rec[quant::record::sub_unit(16, false, g) * kRows + r] = static_cast<uint8_t>((low | (top << 4)) - 32);
         }
-        put_pairs(dst, sb, r, qs, hmask);
+        put_pairs(o, dst, sb, r, qs, hmask);
       }
       return;
     case Q2_K:  // Q3_K's pairs; records of groups of 16 with minimums
@@ -315,7 +345,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           rec[quant::record::sub_unit(16, true, g) * kRows + r] = blk[g] & 0x0F;
           rec[quant::record::min_unit(16, g) * kRows + r] = blk[g] >> 4;
         }
-        put_pairs(dst, sb, r, blk + 16, nullptr);
+        put_pairs(o, dst, sb, r, blk + 16, nullptr);
       }
       return;
     case TQ2_0:  // Q3_K's layout: 2-bit values (bits 2j of byte 32h + l), sub-scales of 1
@@ -324,7 +354,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 64));
         for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = 1;
-        put_pairs(dst, sb, r, blk, nullptr);
+        put_pairs(o, dst, sb, r, blk, nullptr);
       }
       return;
     case TQ1_0:  // TQ2_0's layout: its base-3 values rewritten as TQ2_0's 2-bit pairs
@@ -350,7 +380,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 52));
         for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = 1;
-        put_pairs(dst, sb, r, pairs, nullptr);
+        put_pairs(o, dst, sb, r, pairs, nullptr);
       }
       return;
     case Q6_K:
@@ -421,13 +451,15 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   bool record_mins = false;
   if (records) quant::record::kind(record, record_group, record_mins);
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
+  // The compact layouts (quant::kCompactLayouts), where ``values`` is sized for them.
+  const int compact = pack::compact_bits(code);
+  const bool is_compact = compact && quant::kCompactLayouts && values.scalar_type() == torch::kByte &&
+                          values.size(1) == columns * 2 * compact;
   const bool table = code == pack::IQ4_NL || code == pack::IQ4_XS || code == pack::MXFP4;
-  const bool indices = table && quant::kTableLayouts && values.scalar_type() == torch::kByte &&
-                       values.size(1) == columns * 2 * 4;
+  const int bits = is_compact ? compact : pack::value_bits(code);
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record_group, record_mins, indices};
-  const int bits = indices ? 4 : pack::value_bits(code);
+              columns / 256, record_group, record_mins, table && is_compact, bits};
   TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
                   o.values_per_tile == columns * 2 * bits,
               "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");

@@ -10,19 +10,22 @@
 // in one pass for one or two tokens, and for 4-bit values without VNNI (sharing each
 // activation broadcast), else one at a time (so that the accumulators stay in
 // registers).
-//   values  uint8, 4, 5 or 6 bits a weight (bits - 4 of them in high-bit planes):
-//           per block of 32, ``bits`` vectors of [16 rows, 4] bytes. Vectors 0-3
-//           (p) are the low nibbles: byte (p, r, i) holds those of weights 4p+i (low
-//           nibble) and 16+4p+i (high nibble) of row r. For 5 and 6 bits, vectors 4..
-//           hold the rest: the eight nibble vectors s = 4h + p (h = 0: the low
-//           nibbles, 1: the high) each take hb = bits - 4 bits of every byte, s's at
-//           bit hb * s of the planes (vector 4 + hb*s / 8, bit hb*s % 8). Q5's values
-//           are 0..31, Q6_K's 0..63 (q, not q - 32)
+//   values  uint8, 2 to 6 bits a weight: per block of 32, ``bits`` vectors of [16 rows, 4]
+//           bytes. Each of the eight value vectors s = 4h + p (weights 4s..4s+3 of the
+//           block: p = 0..3, h = 0 the first 16 weights, 1 the second) takes its low
+//           bits from the low vectors, the rest (hb of them) from high-bit planes:
+//           - 4 to 6 bits: vectors 0-3 (p) are nibbles: byte (p, r, i) holds the low
+//             nibbles of weights 4p+i (low) and 16+4p+i (high) of row r;
+//           - 2 and 3 bits (kCompactLayouts): vectors 0-1 (h) are crumbs: byte (h, r, i)
+//             holds the low 2 bits of weight 4s+i at bit 2p;
+//           then vectors ``low`` (4 or 2).. hold the planes: s's hb = bits - low bits
+//           at bit hb*s of the planes (vector low + hb*s / 8, bit hb*s % 8). Q5's
+//           values are 0..31, Q6_K's 0..63 (q, not q - 32), Q3_K's 0..7, Q2_K's 0..3
 //           int8 [tiles, K/32 * 8 * 64] (Q8_0): vector s is weights 4s..4s+3
 //           ([16 rows, 4]); ``bits`` is 8
 //           4-bit values may instead index a table of 16 int8 levels (``table``:
 //           IQ4_NL, IQ4_XS, MXFP4), looked up by a byte shuffle and then multiplied as
-//           int8 values are (kTableLayouts: the AVX2 and portable paths)
+//           int8 values are (kCompactLayouts, as the 2- and 3-bit values)
 //   scales  float16 [tiles, K/group, 16] (group 32), the file's own scales; or, for the
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
@@ -182,13 +185,14 @@ alignas(16) constexpr int8_t kTables[2][16] = {
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
     {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},
 };
-// Whether this build's paths read 4-bit table values (the AVX2 and portable ones; the
-// AVX-512 and AMX paths not yet, so there those formats pack as int8 levels:
-// tandem/quant/packed.py asks table_layouts()).
+// Whether this build's paths read the compact layouts: 4-bit table values, and 2- and
+// 3-bit values (the AVX2 and portable paths; the AVX-512 and AMX ones not yet, so
+// there the table formats pack as int8 levels and Q2_K, Q3_K and the ternary types as
+// nibbles: tandem/quant/packed.py asks compact_layouts()).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kTableLayouts = false;
+constexpr bool kCompactLayouts = false;
 #else
-constexpr bool kTableLayouts = true;
+constexpr bool kCompactLayouts = true;
 #endif
 
 // A K format's super-block record (one per tile and super-block of 256 weights), in
@@ -235,14 +239,17 @@ inline void prefetch_block(const uint8_t* block) {
 }
 
 // Where a value lives (the layout at the top of this file): byte i of row r in vector v
-// of block b, for values of ``bits`` bits; and where the high bits of nibble vector s
-// (s = 4h + p) are, hb = bits - 4 of them: plane vector high_vector, from bit high_bit.
-// The one definition: the kernels below and pack_ops.cpp's packer use it
+// of block b, for values of ``bits`` bits; the low bits each value takes from the
+// nibble or crumb vectors (4 or 2: as many vectors); and where the high bits of value
+// vector s (s = 4h + p) are, high(bits) of them: plane vector high_vector, from bit
+// high_bit. The one definition: the kernels below and pack_ops.cpp's packer use it
 // (tandem/quant/packed.py mirrors it in torch).
 namespace values {
 constexpr int64_t offset(int bits, int64_t b, int64_t v, int64_t r) { return ((b * bits + v) * kRows + r) * 4; }
-constexpr int high_vector(int hb, int s) { return 4 + hb * s / 8; }
-constexpr int high_bit(int hb, int s) { return hb * s % 8; }
+constexpr int low(int bits) { return bits < 4 ? 2 : 4; }
+constexpr int high(int bits) { return bits - low(bits); }
+constexpr int high_vector(int bits, int s) { return low(bits) + high(bits) * s / 8; }
+constexpr int high_bit(int bits, int s) { return high(bits) * s % 8; }
 }  // namespace values
 
 // Where a matrix's scales and constants are, for either kind.
@@ -304,11 +311,12 @@ inline int32_t value_at(const uint8_t* tile, int bits, int64_t b, int64_t r, int
   auto byte = [&](int64_t vector, int64_t i) { return tile[values::offset(bits, b, vector, r) + i]; };
   if (bits == 8) return static_cast<int8_t>(byte(j / 4, j % 4));
   const int s = static_cast<int>(j / 4), i = static_cast<int>(j % 4);  // s = 4h + p
-  int32_t q = s >= 4 ? byte(s - 4, i) >> 4 : byte(s, i) & 0x0F;
-  if (bits > 4) {
-    const int hb = bits - 4;
-    q |= ((byte(values::high_vector(hb, s), i) >> values::high_bit(hb, s)) & ((1 << hb) - 1)) << 4;
-  }
+  int32_t q = 0;
+  if (bits < 4) q = (byte(s / 4, i) >> (2 * (s % 4))) & 0x03;
+  else q = s >= 4 ? byte(s - 4, i) >> 4 : byte(s, i) & 0x0F;
+  const int hb = values::high(bits);
+  if (hb > 0)
+    q |= ((byte(values::high_vector(bits, s), i) >> values::high_bit(bits, s)) & ((1 << hb) - 1)) << values::low(bits);
   return q;
 }
 
@@ -408,9 +416,10 @@ inline __m512i broadcast4(const int8_t* p) {
 // moved to bits 4.. of each byte and OR-ed into its low nibbles ``low``.
 template <int kBits>
 inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
-  constexpr int hb = kBits - 4;
-  const int shift = 4 - values::high_bit(hb, s);
-  __m512i v = planes[values::high_vector(hb, s) - 4];
+  static_assert(kBits > 4, "the nibble layouts' planes (kCompactLayouts: no crumbs here)");
+  constexpr int hb = values::high(kBits);
+  const int shift = 4 - values::high_bit(kBits, s);
+  __m512i v = planes[values::high_vector(kBits, s) - 4];
   if (shift > 0) v = _mm512_slli_epi16(v, shift);
   if (shift < 0) v = _mm512_srli_epi16(v, -shift);
   // low | (v & mask): bits 4.. of ``low`` are zero, and a 16-bit shift leaves each
@@ -424,6 +433,7 @@ inline __m512i with_high_bits(__m512i low, const __m512i* planes, int s) {
 // the AMX tiles store them (less the offset) as B tiles.
 template <int kBits>
 struct BlockValues {
+  static_assert(kBits >= 4, "no 2- or 3-bit values on this path (kCompactLayouts)");
   explicit BlockValues(const uint8_t* v) : v(v) {
     for (int i = 0; i < kBits - 4; ++i) planes[i] = _mm512_loadu_si512(v + (4 + i) * 64);
   }
@@ -499,7 +509,7 @@ inline void add_block(const Problem& p, int64_t tile_index, int64_t b, int64_t t
 // One tile (16 rows) x NT tokens starting at t0.
 template <int kBits, int kGroup, int kScales, int NT, bool kTable = false>
 void tile(const Problem& p, int64_t tile_index, int64_t t0) {
-  static_assert(!kTable, "no table values on this path (kTableLayouts)");
+  static_assert(!kTable, "no table values on this path (kCompactLayouts)");
   const int64_t nb = p.K / kBlock;
   const uint8_t* vals = p.values + tile_index * p.tile_bytes;
   const Activations& a = *p.act;
@@ -630,15 +640,16 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// with_high_bits for 8 rows.
+// with_high_bits for 8 rows, above nibbles or (2 and 3 bits) crumbs. A 16-bit shift
+// keeps each byte's own bits where they are kept (at most 5 places for 3 bits).
 template <int kBits>
 inline __m256i with_high_bits(__m256i low, const __m256i* planes, int s) {
-  constexpr int hb = kBits - 4;
-  const int shift = 4 - values::high_bit(hb, s);
-  __m256i v = planes[values::high_vector(hb, s) - 4];
+  constexpr int lb = values::low(kBits), hb = values::high(kBits);
+  const int shift = lb - values::high_bit(kBits, s);
+  __m256i v = planes[values::high_vector(kBits, s) - lb];
   if (shift > 0) v = _mm256_slli_epi16(v, shift);
   if (shift < 0) v = _mm256_srli_epi16(v, -shift);
-  return _mm256_or_si256(low, _mm256_and_si256(v, _mm256_set1_epi8(((1 << hb) - 1) << 4)));
+  return _mm256_or_si256(low, _mm256_and_si256(v, _mm256_set1_epi8(((1 << hb) - 1) << lb)));
 }
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -698,20 +709,31 @@ void tile_rows(const Problem& p, int64_t tile_index, int first, int64_t t0) {
       __m256i levels = _mm256_setzero_si256();
       if constexpr (kTable)
         levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p.s.table)));
-      __m256i planes[kHalves][2];
-      for (int h = 0; h < kHalves; ++h)
-        for (int i = 0; i < kBits - 4; ++i)
-          planes[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (4 + i) * 64 + h * 32));
+      constexpr int kLow = values::low(kBits);
+      __m256i planes[kHalves][2], crumbs[kHalves][2];  // crumbs: 2 and 3 bits' low vectors
+      for (int h = 0; h < kHalves; ++h) {
+        for (int i = 0; i < values::high(kBits); ++i)
+          planes[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (kLow + i) * 64 + h * 32));
+        if constexpr (kBits < 4)
+          for (int i = 0; i < 2; ++i)
+            crumbs[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * 64 + h * 32));
+      }
       __m256i sum16[NT][kHalves][2];  // int16 sums not yet widened (no VNNI)
       // Unrolled, so that which sums start, add and widen is known at compile time.
 #pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
         __m256i lo[kHalves], hi[kHalves];
         for (int h = 0; h < kHalves; ++h) {
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64 + h * 32));
-          lo[h] = _mm256_and_si256(packed, low4);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-          if constexpr (kBits > 4) {
+          if constexpr (kBits < 4) {  // value vector s = 4h' + pair's crumbs: bit 2 * pair of crumbs[h']
+            const __m256i low2 = _mm256_set1_epi8(0x03);
+            lo[h] = _mm256_and_si256(_mm256_srli_epi16(crumbs[h][0], 2 * pair), low2);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(crumbs[h][1], 2 * pair), low2);
+          } else {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + pair * 64 + h * 32));
+            lo[h] = _mm256_and_si256(packed, low4);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          }
+          if constexpr (values::high(kBits) > 0) {
             lo[h] = with_high_bits<kBits>(lo[h], planes[h], pair);
             hi[h] = with_high_bits<kBits>(hi[h], planes[h], 4 + pair);
           }
@@ -1225,24 +1247,26 @@ int value_bits(const torch::Tensor& values, int64_t K) {
     TORCH_CHECK(values.size(1) == K * kRows, "int8 values: K * 16 bytes per tile");
     return 8;
   }
-  TORCH_CHECK(values.scalar_type() == torch::kByte, "values: uint8 (4 to 6 bits) or int8");
+  TORCH_CHECK(values.scalar_type() == torch::kByte, "values: uint8 (2 to 6 bits) or int8");
   const int64_t bits = values.size(1) / (2 * K);
-  TORCH_CHECK(bits >= 4 && bits <= 6 && values.size(1) == 2 * K * bits,
-              "uint8 values: K * 2 * bits bytes per tile, 4 to 6 bits");
+  TORCH_CHECK(bits >= 2 && bits <= 6 && values.size(1) == 2 * K * bits,
+              "uint8 values: K * 2 * bits bytes per tile, 2 to 6 bits");
   return static_cast<int>(bits);
 }
 
 // The layouts the formats pack to (tandem/quant/packed.py's _LAYOUT), no others.
 void check_format(int bits, int64_t group, bool records, bool table) {
-  // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's and Q2_K's (a nibble
-  // each), IQ4_XS's int8 levels (or table indices).
-  const bool sixteen = (bits == 6 || bits == 4 || bits == 8) && records;
-  TORCH_CHECK((group == 16) ? sixteen : (bits != 6 && (bits != 8 || !records)),
+  // Groups of 16, all with records: Q6_K's 6-bit values, Q3_K's (3 bits, or a nibble),
+  // Q2_K's and the ternary types' (2 bits, or a nibble), IQ4_XS's int8 levels (or
+  // table indices).
+  const bool sixteen = bits != 5 && records;
+  TORCH_CHECK((group == 16) ? sixteen : (bits == 4 || bits == 5 || (bits == 8 && !records)),
               "no format packs ", bits, "-bit values in groups of ", group,
               records ? " with records" : " with float16 scales");
   // Table indices: 4 bits, IQ4_NL's and MXFP4's float16 scales, IQ4_XS's records.
   TORCH_CHECK(!table || (bits == 4 && records == (group == 16)), "table values: 4 bits");
-  TORCH_CHECK(!table || kTableLayouts, "this build reads no table values (kTableLayouts)");
+  TORCH_CHECK((!table && bits >= 4) || kCompactLayouts,
+              "this build reads no table or 2- and 3-bit values (kCompactLayouts)");
 }
 
 // The values' offset: a whole number the kernel takes off in integers.
@@ -1254,9 +1278,10 @@ int32_t integer_offset(double offset) {
 
 }  // namespace quant
 
-// Whether this build's kernels read 4-bit values through a table (quant::kTableLayouts):
-// tandem/quant/packed.py then packs IQ4_NL, IQ4_XS and MXFP4 at their 4 bits.
-bool table_layouts() { return quant::kTableLayouts; }
+// Whether this build's kernels read the compact layouts (quant::kCompactLayouts):
+// tandem/quant/packed.py then packs IQ4_NL, IQ4_XS and MXFP4 at their 4 bits, Q2_K and
+// the ternary types at 2, Q3_K at 3.
+bool compact_layouts() { return quant::kCompactLayouts; }
 
 // Whether passes of 16 tokens and more go through the tile registers: -1 asks, 0 or 1
 // sets (1 only where the build has them and the kernel grants them); returns the
@@ -1309,8 +1334,12 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   const bool records = p.s.record != 0;
   quant::check_format(bits, group, records, table != 0);
   switch (bits) {
+    case 2:
+    case 3:
+      if constexpr (quant::kCompactLayouts) bits == 2 ? quant::run<2, 16, kRecords>(p, T) : quant::run<3, 16, kRecords>(p, T);
+      break;
     case 4:
-      if constexpr (quant::kTableLayouts) {
+      if constexpr (quant::kCompactLayouts) {
         if (table) {
           group == 16 ? quant::run<4, 16, kRecords, true>(p, T) : quant::run<4, 32, kHalfScales, true>(p, T);
           break;
@@ -1391,8 +1420,13 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
     p.out_stride = out_stride;
   }
   switch (m.bits) {
+    case 2:
+    case 3:
+      if constexpr (kCompactLayouts)
+        m.bits == 2 ? run_many<2, 16, kRecords>(ps, count, m.tiles) : run_many<3, 16, kRecords>(ps, count, m.tiles);
+      break;
     case 4:
-      if constexpr (kTableLayouts) {
+      if constexpr (kCompactLayouts) {
         if (m.s.table) {
           m.s.group == 16 ? run_many<4, 16, kRecords, true>(ps, count, m.tiles)
                           : run_many<4, 32, kHalfScales, true>(ps, count, m.tiles);

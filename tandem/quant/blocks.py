@@ -598,9 +598,12 @@ class BlockFormat:
     # The power of two its scales take beyond the records' d and sub-scales
     # (SuperScales.factor): the kernels multiply each output by it.
     factor: float = 1.0
-    # The 16 levels (TABLES) its 4-bit values index, for the CPU kernels that read them
-    # through a byte shuffle (packed.py's table_layout: then held at 4 bits, the file's
-    # indices, instead of ``packed_bits``); 0: none.
+    # Bits its values take in the compact layouts, where the CPU kernels read them
+    # (packed.py's layout_bits; instead of ``packed_bits``): Q2_K's and the ternary
+    # types' 2, Q3_K's 3, the table formats' 4-bit indices; 0: none.
+    compact_bits: int = 0
+    # The 16 levels (TABLES) its compact 4-bit values index, through a byte shuffle
+    # (packed.py's table_layout); 0: none.
     table: int = 0
 
     @property
@@ -633,28 +636,29 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
                 SuperFormat(256, 32, 1, 0, True, True)),
     BlockFormat(GGMLType.Q6_K, 256, 210, _decode_q6_k, 6, 16, 32.0, False, 288,
                 SuperFormat(256, 16, 2, 32, True, False)),
-    # Q3_K's 3-bit values packed a nibble each, Q6_K's records (4.5625 bits a weight
-    # packed against the file's 3.4375: the kernels have no 3-bit layout yet).
+    # Q3_K's 3-bit values under Q6_K's records (3.5625 bits a weight held against the
+    # file's 3.4375), or a nibble each (4.5625) where the kernels read no 3 bits.
     BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
-                SuperFormat(256, 16, 0, 4, True, False)),
-    # Q2_K's 2-bit values a nibble each, records of 16-weight groups with minimums
-    # (5.125 bits against 2.625).
+                SuperFormat(256, 16, 0, 4, True, False), compact_bits=3),
+    # Q2_K's 2-bit values, records of 16-weight groups with minimums (3.125 bits against
+    # 2.625; a nibble each: 5.125).
     BlockFormat(GGMLType.Q2_K, 256, 84, _decode_q2_k, 4, 16, 0.0, False, 576,
-                SuperFormat(256, 16, 0, 0, True, True)),
-    # TQ2_0's 2-bit values a nibble each, Q3_K's layouts (4.5625 bits against 2.0625).
+                SuperFormat(256, 16, 0, 0, True, True), compact_bits=2),
+    # TQ2_0's 2-bit values, Q3_K's records (2.5625 bits against 2.0625; nibbles: 4.5625).
     BlockFormat(GGMLType.TQ2_0, 256, 66, _decode_tq2_0, 4, 16, 1.0, False, 288,
-                SuperFormat(256, 16, 0, 1, True, False)),
-    # TQ1_0's ternary values (5 a byte in the file) as TQ2_0's (4.56 bits against 1.69).
+                SuperFormat(256, 16, 0, 1, True, False), compact_bits=2),
+    # TQ1_0's ternary values (5 a byte in the file) as TQ2_0's (2.56 bits against 1.69).
     BlockFormat(GGMLType.TQ1_0, 256, 54, _decode_tq1_0, 4, 16, 1.0, False, 288,
-                SuperFormat(256, 16, 0, 1, True, False)),
+                SuperFormat(256, 16, 0, 1, True, False), compact_bits=2),
     # IQ4_NL's table levels as int8 values: Q8_0's layouts (8.5 bits against 4.5), or its
     # indices (table 1: 4.5 bits).
-    BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8, table=1),
+    BlockFormat(GGMLType.IQ4_NL, 32, 18, _decode_iq4_nl, 8, 32, 0.0, False, 0, 8, compact_bits=4,
+                table=1),
     # IQ4_XS's levels as int8 values under Q6_K's records (8.5625 bits against 4.25), or
     # its indices (4.5625); on the GPU its levels + 128 as 8-bit q (4 high bits) and its
     # sub-scales.
     BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
-                SuperFormat(256, 16, 4, 128, True, False), table=1),
+                SuperFormat(256, 16, 4, 128, True, False), compact_bits=4, table=1),
     # IQ3_S's codebook values (x their signs) as IQ4_XS's are held (8.5625 bits against
     # 3.4375), packed from its torch decoder.
     BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
@@ -673,7 +677,8 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # MXFP4's values + 16 in Q5_0's layouts, its powers of two as their float16 scales
     # (5.5 bits a weight held against the file's 4.25), or its indices (table 2: 4.5).
     BlockFormat(GGMLType.MXFP4, 32, 17, _decode_mxfp4, 5, 32, 16.0, False, 0,
-                SuperFormat(32, 32, 1, 16, False, False), _mxfp4_held_exactly, table=2),
+                SuperFormat(32, 32, 1, 16, False, False), _mxfp4_held_exactly, compact_bits=4,
+                table=2),
 )}  # fmt: skip
 
 # The 16-entry tables of FORMATS' ``table`` (kernels/quant_ops.cpp's kTables).

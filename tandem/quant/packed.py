@@ -23,10 +23,12 @@ which documents the layout) serves every format:
   the file's d in the records and a power of two apart (``factor``), which the kernel
   multiplies each output by.
 
-IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices into a table of 16 levels where the
-kernels read them through a byte shuffle (``table_layout``: the AVX2 and portable
-paths), as Q4_0's nibbles under their own scales (4.5 / 4.5625 / 4.5 bits a weight);
-elsewhere their levels as int8 (MXFP4's as Q5_0's values).
+Where the kernels read the compact layouts (``layout_bits``: the AVX2 and portable
+paths), IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices into a table of 16 levels,
+read through a byte shuffle (``table_layout``), as Q4_0's nibbles under their own scales
+(4.5 / 4.5625 / 4.5 bits a weight), and Q2_K and the ternary types keep 2 bits a value,
+Q3_K 3 (crumbs and a plane: 3.125, 2.5625, 3.5625); elsewhere the table formats' levels
+as int8 (MXFP4's as Q5_0's values) and the 2- and 3-bit values a nibble each.
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
 reproduce: the activations quantized to int8 per block of 32 as the kernel does,
@@ -53,6 +55,8 @@ from tandem.quant.blocks import (
 BLOCK = 32
 ROWS = 16  # rows per tile (the kernel's layout)
 SUPER = 256  # weights per K-format super-block
+# Value vector s = 4h + p's crumbs sit at bit 2p of crumb vector h (quant_ops.cpp).
+_CRUMB_SHIFTS = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 1, 4, 1)
 
 
 def record_bytes(group: int, mins: bool) -> int:
@@ -64,19 +68,27 @@ def record_bytes(group: int, mins: bool) -> int:
     return ROWS * (2 * items + SUPER // group * items)
 
 
-def kernels_read_tables() -> bool:
-    """Whether the CPU kernels here read 4-bit table values (kernels/cpu.py's
-    reads_tables: known without building them)."""
+def kernels_read_compact() -> bool:
+    """Whether the CPU kernels here read the compact layouts: 4-bit table indices, 2-
+    and 3-bit values (kernels/cpu.py's reads_compact_layouts: known without building
+    them)."""
     from tandem.kernels import cpu as cpu_kernels
 
-    return cpu_kernels.reads_tables()
+    return cpu_kernels.reads_compact_layouts()
+
+
+def layout_bits(code: GGMLType) -> int:
+    """Bits a value of ``code`` takes packed: its FORMATS row's compact bits where the
+    kernels read them, else its packed bits."""
+    spec = FORMATS[code]
+    return spec.compact_bits if spec.compact_bits and kernels_read_compact() else spec.packed_bits
 
 
 def table_layout(code: GGMLType) -> int:
     """The table ``code``'s packed values index (its FORMATS row's, where the kernels
-    read tables), 0: its values are held as they decode."""
+    read compact layouts), 0: its values are held as they decode."""
     table = FORMATS[code].table
-    return table if table and kernels_read_tables() else 0
+    return table if table and kernels_read_compact() else 0
 
 
 def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -91,7 +103,7 @@ def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
 class PackedWeight:
     """A [rows, columns] matrix in tiles of 16 rows (layout in quant_ops.cpp)."""
 
-    values: torch.Tensor  # uint8 [tiles, K * 2 * bits] (4-6 bits) or int8 [tiles, K*16]
+    values: torch.Tensor  # uint8 [tiles, K * 2 * bits] (2-6 bits) or int8 [tiles, K*16]
     scales: torch.Tensor  # float16 [tiles, K/group, 16], or uint8 super-block records
     corr: torch.Tensor | None  # like float16 scales: the minimums; None: none, or in records
     rows: int
@@ -115,7 +127,7 @@ class PackedWeight:
 
     @property
     def bits(self) -> int:
-        """Bits a value takes: 4, 5 or 6 (uint8 nibbles and planes) or 8 (int8)."""
+        """Bits a value takes: 2 to 6 (uint8 crumbs or nibbles, and planes) or 8 (int8)."""
         if self.values.dtype == torch.int8:
             return 8
         return self.values.shape[1] // (2 * self.shape[1])
@@ -128,8 +140,10 @@ class PackedWeight:
     @classmethod
     def from_decoded(cls, dec: Decoded, source: str) -> PackedWeight:
         rows = dec.values.shape[0]
-        table = table_layout(GGMLType[source]) if source in GGMLType.__members__ else 0
-        q, bits = (_table_indices(dec, table), 4) if table else (dec.values, dec.bits)
+        code = GGMLType[source] if source in GGMLType.__members__ else None
+        table = table_layout(code) if code is not None else 0
+        bits = layout_bits(code) if code is not None else dec.bits
+        q = _table_indices(dec, table) if table else dec.values
         values = _pack_values(_tile(q, rows), bits)
         offset = 0.0 if table else float(dec.offset)
         if dec.supers is not None:
@@ -271,12 +285,18 @@ def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:  # vector s: weights 4s..4s+3
         vectors = q
     else:
-        # Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high); then the high
-        # bits of the eight nibble vectors s = 4h + p, hb = bits - 4 each, s's at bit
-        # hb*s of the planes.
-        low, high = q & 0x0F, q >> 4
-        vectors = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
-        hb = bits - 4
+        # Nibble vector p: weights 4p+i (low nibble) and 16+4p+i (high); or (2 and 3
+        # bits) crumb vector h: value vector s = 4h + p's at bit 2p; then the high bits
+        # of the eight value vectors s, hb = bits - low each, s's at bit hb*s of the
+        # planes.
+        low_bits = 2 if bits < 4 else 4
+        low, high = q & ((1 << low_bits) - 1), q >> low_bits
+        if low_bits == 4:
+            vectors = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
+        else:
+            crumbs = low.reshape(tiles, ROWS, -1, 2, 4, 4) << _CRUMB_SHIFTS
+            vectors = crumbs.sum(4, dtype=torch.uint8)
+        hb = bits - low_bits
         if hb:
             per_byte = 8 // hb
             shifts = (hb * torch.arange(per_byte, dtype=torch.uint8)).view(1, 1, 1, 1, -1, 1)
@@ -291,15 +311,20 @@ def _unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.reshape(tiles, -1, bits, ROWS, 4).permute(0, 3, 1, 2, 4)  # (row, block, vector)
     if bits == 8:
         return v.reshape(tiles, ROWS, -1)
-    nibbles = v[:, :, :, :4]
-    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # nibble vectors s = 4h + p
-    hb = bits - 4
+    low_bits = 2 if bits < 4 else 4
+    if low_bits == 4:
+        nibbles = v[:, :, :, :4]
+        low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # value vectors s = 4h + p
+    else:
+        crumbs = (v[:, :, :, :2].unsqueeze(4) >> _CRUMB_SHIFTS) & 0x03  # (.., h, p, i)
+        low = crumbs.reshape(*v.shape[:3], 8, 4)
+    hb = bits - low_bits
     if hb:
         per_byte = 8 // hb
         shifts = (hb * torch.arange(per_byte, dtype=torch.uint8)).view(1, 1, 1, 1, -1, 1)
-        planes = v[:, :, :, 4:].unsqueeze(4) >> shifts  # (row, block, plane, s in it, i)
+        planes = v[:, :, :, low_bits:].unsqueeze(4) >> shifts  # (row, block, plane, s in it, i)
         high = (planes & ((1 << hb) - 1)).reshape(low.shape)
-        low = low | (high << 4)
+        low = low | (high << low_bits)
     return low.reshape(tiles, ROWS, -1)
 
 
@@ -355,9 +380,7 @@ def _packed_shapes(code: GGMLType, rows: int, columns: int):
     """((values shape, dtype), (scales shape, dtype), whether corr is stored) of a
     [rows, columns] matrix of ``code`` packed (as ``allocate`` makes it)."""
     spec = FORMATS[code]
-    bits, group, has_corr, record = spec.packed_bits, spec.group, spec.has_corr, spec.record_bytes
-    if table_layout(code):
-        bits = 4
+    bits, group, has_corr, record = layout_bits(code), spec.group, spec.has_corr, spec.record_bytes
     tiles = -(-rows // ROWS)
     values = ((tiles, columns * 2 * bits), torch.int8 if bits == 8 else torch.uint8)
     if record:
