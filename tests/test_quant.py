@@ -437,8 +437,8 @@ def test_the_gpu_keeps_a_matrix_in_blocks_where_its_kernels_read_it():
 
 def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     """blocks.FORMATS is the one row a format has: its sizes are gguf-py's, and the C++
-    packer (kernels/pack_ops.cpp) knows the codes and packed bits of the formats it
-    packs (the others pack from their decoder)."""
+    packer (kernels/pack_ops.cpp) knows every format's code, packed and compact bits
+    and record size."""
     import re
     from pathlib import Path
 
@@ -452,8 +452,8 @@ def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     enum = re.search(r"enum Code : int64_t \{([^}]*)\}", source).group(1)
     cpp_codes = {name.strip(): int(value) for name, value in
                  (item.split("=") for item in enum.split(","))}  # fmt: skip
-    compiled = {code: spec for code, spec in FORMATS.items() if spec.compiled_packer}
-    assert cpp_codes == {code.name: int(code) for code in compiled}
+    compiled = FORMATS
+    assert cpp_codes == {code.name: int(code) for code in compiled}  # every format
     body = re.search(r"inline int value_bits\(int64_t code\) \{(.*?)\n\}", source, re.S).group(1)
     cpp_bits = {}
     for cases, bits in re.findall(r"((?:case \w+: )+)return (\d+);", body):
@@ -461,6 +461,12 @@ def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     default = int(re.search(r"default: return (\d+);", body).group(1))
     for code, spec in compiled.items():
         assert cpp_bits.get(code.name, default) == spec.packed_bits, code.name
+    body = re.search(r"inline int compact_bits\(int64_t code\) \{(.*?)\n\}", source, re.S).group(1)
+    cpp_compact = {}
+    for cases, bits in re.findall(r"((?:case \w+: )+)return (\d+);", body):
+        cpp_compact.update({name: int(bits) for name in re.findall(r"case (\w+):", cases)})
+    assert cpp_compact == {code.name: spec.compact_bits for code, spec in compiled.items()
+                           if spec.compact_bits}  # fmt: skip
     body = re.search(r"inline int64_t record_bytes\(int64_t code\) \{(.*?)\n\}", source, re.S)
     cpp_records = {}
     for cases, size in re.findall(r"((?:case \w+: )+)return (\d+);", body.group(1)):

@@ -374,6 +374,11 @@ def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
     return _codebook(IQ4_NL_VALUES[q], d, sub16, rows)
 
 
+def grid(code: GGMLType) -> torch.Tensor | None:
+    """A codebook type's grid (int8 [entries, weights an entry]); None for the others."""
+    return _grid(code.name) if FORMATS[code].codebook else None
+
+
 @functools.cache
 def _grid(name: str) -> torch.Tensor:
     """A codebook type's grid as gguf-py decodes llama.cpp's table: int8 [entries,
@@ -592,9 +597,9 @@ class BlockFormat:
     # format whose file can hold what they cannot (MXFP4's scales beyond float16): a
     # tensor that fails is decoded to float32 at load instead. None: always.
     held_exactly: Callable[[torch.Tensor], bool] | None = None
-    # Whether kernels/pack_ops.cpp packs it; else packed.py packs it from its decoder
-    # (torch, a slice of rows at a time: slower to load, the same bytes).
-    compiled_packer: bool = True
+    # Whether its values come from a codebook, gguf-py's grid of its name (``grid``; the
+    # compiled packer is given it).
+    codebook: bool = False
     # The power of two its scales take beyond the records' d and sub-scales
     # (SuperScales.factor): the kernels multiply each output by it.
     factor: float = 1.0
@@ -660,13 +665,12 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
                 SuperFormat(256, 16, 4, 128, True, False), compact_bits=4, table=1),
     # IQ3_S's codebook values (x their signs) as IQ4_XS's are held (8.5625 bits against
-    # 3.4375), packed from its torch decoder.
+    # 3.4375).
     BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
-                SuperFormat(256, 16, 4, 128, True, False), compiled_packer=False),
+                SuperFormat(256, 16, 4, 128, True, False), codebook=True),
     # The other codebook types as IQ3_S (d's power of two kept apart: ``factor``).
     *(BlockFormat(code, 256, nbytes, decoder, 8, 16, 0.0, False, 288,
-                  SuperFormat(256, 16, 4, 128, True, False), compiled_packer=False,
-                  factor=factor)
+                  SuperFormat(256, 16, 4, 128, True, False), codebook=True, factor=factor)
       for code, nbytes, decoder, factor in (
           (GGMLType.IQ3_XXS, 98, _decode_iq3_xxs, 0.25),
           (GGMLType.IQ2_XXS, 66, _decode_iq2_xxs, 0.125),

@@ -50,6 +50,7 @@ from tandem.quant.blocks import (
     check_row_bytes,
     decode,
     dequantize_decoded,
+    grid,
 )
 
 BLOCK = 32
@@ -168,7 +169,7 @@ class PackedWeight:
         packed, by the compiled packer when it is built (the same bytes, one pass
         across threads, nothing as large as the matrix allocated but the result),
         else through ``decode``."""
-        if FORMATS[code].compiled_packer and compiled_packer(raw):
+        if compiled_packer(raw):
             weight = cls.allocate(code, raw.shape[0], columns)
             weight.fill_rows(0, code, raw)
             return weight
@@ -192,9 +193,8 @@ class PackedWeight:
 
     def fill_rows(self, row_start: int, code: GGMLType, raw: torch.Tensor) -> None:
         """Pack ``raw`` (``code`` blocks, uint8 [rows, row bytes]) into rows
-        [row_start, row_start + rows), on the compiled packer (or from the format's
-        decoder where that packer has no case for it); ``row_start`` is a whole tile,
-        and a part that ends inside a tile must be the last."""
+        [row_start, row_start + rows), on the compiled packer; ``row_start`` is a whole
+        tile, and a part that ends inside a tile must be the last."""
         from tandem.kernels import cpu as cpu_kernels
 
         columns = self.shape[1]
@@ -203,15 +203,10 @@ class PackedWeight:
             raise ValueError(f"cannot pack {code.name} rows at {row_start} into {self.source}")
         first, last = row_start // ROWS, -(-(row_start + raw.shape[0]) // ROWS)
         corr = None if self.corr is None else self.corr[first:last]
-        if not FORMATS[code].compiled_packer:  # its decoder, then torch's packing
-            part = PackedWeight.from_decoded(decode(code, raw, columns), code.name)
-            self.values[first:last], self.scales[first:last] = part.values, part.scales
-            if corr is not None:
-                corr.copy_(part.corr)
-            return
         cpu_kernels.load().pack_ggml(
-            raw, int(code), columns, self.values[first:last], self.scales[first:last], corr
-        )
+            raw, int(code), columns, self.values[first:last], self.scales[first:last], corr,
+            grid(code),
+        )  # fmt: skip
 
     def decoded(self, tiles: torch.Tensor | None = None) -> Decoded:
         """The rows of all tiles (or of ``tiles``), padding included."""
