@@ -10,13 +10,17 @@ format and batch size, as GB/s of the packed weights streamed.
 figure: compare it with the machine's read bandwidth (printed). Medians of 25 passes.
 
     python -m benchmarks.quantized_kernels --shape llama-3.2-1b --against HEAD~1
+    python -m benchmarks.quantized_kernels --shape llama-3.2-1b --formats Q2_K Q3_K --layouts
 
 compares the working tree's kernel with quant_ops.cpp as it was at a git revision:
 both are built (alone, as their own modules), run alternately in one process, and
 their outputs compared bit for bit; each line gives both medians and the median of
 the rounds' time ratios (old / new: above 1, the working tree is faster).
 ``--cflags "-mno-avx512f -mno-avxvnni"`` builds both sides with those flags too (the
-AVX2 path, on a machine that has AVX-512).
+AVX2 path, on a machine that has AVX-512). ``--layouts`` instead compares, with this
+build, the compact formats (Q2_K, Q3_K, the ternary and table formats: FORMATS'
+compact_bits) packed wide (nibbles and int8 levels, the AVX-512 builds' layouts) and
+compact, alternating: wide / compact time, above 1 the compact layout is faster.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from benchmarks.common import add_against_arguments, alternating, kernel_sides, machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
-from tandem.quant.blocks import BLOCK, GGMLType
+from tandem.quant.blocks import BLOCK, FORMATS, GGMLType
 from tandem.quant.packed import PackedWeight
 
 # Layers, and (out, in) of each linear layer of one layer: qkv, o, gate_up, down.
@@ -85,11 +89,44 @@ def compare(layers, shapes, tokens: int, old, new, rounds: int = 7) -> str:
     return f"{before * 1e3:>9.2f}{after * 1e3:>9.2f}{ratio:>8.2f}x  outputs {same}"
 
 
+def compare_layouts(code: GGMLType, shapes, count: int, tokens_list, rounds: int = 7) -> None:
+    """``code`` packed wide and compact (packed.kernels_read_compact forced each way),
+    the same blocks, alternating on this build's kernel."""
+    from tandem.kernels import cpu as cpu_kernels
+    from tandem.quant import packed
+
+    kernels, read = cpu_kernels.load(), packed.kernels_read_compact
+    sides = {}
+    try:
+        for compact in (False, True):
+            packed.kernels_read_compact = lambda compact=compact: compact
+            rng = np.random.default_rng(0)
+            sides[compact] = [[random_packed(code, n, k, rng) for n, k in shapes]
+                              for _ in range(count)]  # fmt: skip
+    finally:
+        packed.kernels_read_compact = read
+    for tokens in tokens_list:
+        inputs = {k: torch.randn(tokens, k) for _, k in shapes}
+        outs = {c: [torch.empty(tokens, n) for n, _ in shapes] for c in sides}
+
+        def one_pass(compact: bool, inputs=inputs, outs=outs) -> float:
+            started = time.perf_counter()
+            model_pass(sides[compact], shapes, inputs, outs[compact], kernels)
+            return time.perf_counter() - started
+
+        one_pass(False), one_pass(True)
+        equal = all(map(torch.equal, outs[False], outs[True]))
+        wide, compact, ratio = alternating(lambda: one_pass(False), lambda: one_pass(True), rounds)
+        print(f"{code.name:<8}{tokens:>8}{wide * 1e3:>9.2f}{compact * 1e3:>9.2f}{ratio:>8.2f}x"
+              f"  outputs {'equal' if equal else 'NOT equal'}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["Q4_1", "Q4_0", "Q8_0", "Q5_0"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--layouts", action="store_true", help="wide against compact layouts")
     add_against_arguments(parser)
     args = parser.parse_args()
     count, shapes = SHAPES[args.shape]
@@ -100,6 +137,14 @@ def main() -> None:
         if any(k % per_block for _, k in shapes):
             parser.error(f"--formats: {name} needs rows of whole {per_block}-weight blocks; "
                          f"{args.shape}'s {sorted({k for _, k in shapes})} are not")  # fmt: skip
+    if args.layouts:
+        print(f"machine: {machine()}\n\n{'format':<8}{'tokens':>8}{'wide ms':>9}"
+              f"{'compact':>9}{'w/c':>8}")  # fmt: skip
+        for name in args.formats:
+            if not FORMATS[GGMLType[name]].compact_bits:
+                parser.error(f"--layouts: {name} has no compact layout")
+            compare_layouts(GGMLType[name], shapes, count, args.batch)
+        return
     old, new = kernel_sides(args, "quant_ops.cpp", ["quant_linear"])
     print(f"machine: {machine()}; read bandwidth {memory_bandwidth_gbs():.1f} GB/s\n")
     if old is not None:
