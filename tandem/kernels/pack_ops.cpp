@@ -91,10 +91,9 @@ struct Out {
   int64_t supers;  // super-blocks per row (records)
   int64_t record_group;  // records (quant::record): the format's group; 0: float16 scales
   bool record_mins;      // records: with minimums (groups of 32; Q2_K's of 16)
-  bool indices;          // IQ4_NL, IQ4_XS, MXFP4: their 4-bit table indices (see the top)
-  int bits;              // bits a value takes in ``values``
-  const int8_t* grid;    // the codebook types: their grid, ``grid_width`` values an entry
-  int64_t grid_width;
+  int bits;              // bits a value takes in ``values`` (IQ4_NL, IQ4_XS, MXFP4: 4, their
+                         // table indices; see the top)
+  const int8_t* grid;    // the codebook types: their grid (codebook_shape)
 };
 
 // Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
@@ -256,16 +255,19 @@ inline void put_entry(const int8_t* grid, int64_t index, uint32_t signs, int8_t*
 inline uint32_t parity_signs(uint32_t index) {
   return index | ((static_cast<uint32_t>(__builtin_popcount(index)) & 1) << 7);
 }
-inline uint32_t u32(const uint8_t* p) { return word(p); }
 // The codebook types' super-block sb of ``blk`` (blocks.py's decoders, type by type).
 inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Codebook& c) {
   const int8_t* grid = o.grid;
   auto subs_of_32 = [&](int ib, int s) { c.sub[2 * ib] = c.sub[2 * ib + 1] = static_cast<int8_t>(1 + 2 * s); };
+  // scales[8]: an s a group of 16, the low nibble of byte j for group 2j, the high for 2j + 1
+  auto subs_of_16 = [&](const uint8_t* scales) {
+    for (int g = 0; g < 16; ++g) c.sub[g] = static_cast<int8_t>(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 0x0F));
+  };
   switch (code) {
     case IQ3_XXS:  // qs[64] (an index a 4 weights), 8 u32: 4 sign indices and s per 32
       c.d = u16(blk);
       for (int ib = 0; ib < 8; ++ib) {
-        const uint32_t w = u32(blk + 66 + 4 * ib);
+        const uint32_t w = word(blk + 66 + 4 * ib);
         subs_of_32(ib, static_cast<int>(w >> 28));
         for (int j = 0; j < 4; ++j) {
           const uint32_t signs = parity_signs((w >> (7 * j)) & 127);
@@ -278,7 +280,7 @@ inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Code
       c.d = u16(blk);
       for (int ib = 0; ib < 8; ++ib) {
         const uint8_t* q = blk + 2 + 8 * ib;
-        const uint32_t w = u32(q + 4);
+        const uint32_t w = word(q + 4);
         subs_of_32(ib, static_cast<int>(w >> 28));
         for (int j = 0; j < 4; ++j) put_entry<8>(grid, q[j], parity_signs((w >> (7 * j)) & 127), c.v + 32 * ib + 8 * j);
       }
@@ -289,7 +291,7 @@ inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Code
         const uint16_t w = u16(blk + 2 + 2 * i);
         put_entry<8>(grid, w & 511, parity_signs(w >> 9), c.v + 8 * i);
       }
-      for (int g = 0; g < 16; ++g) c.sub[g] = static_cast<int8_t>(1 + 2 * ((blk[66 + g / 2] >> (4 * (g % 2))) & 0x0F));
+      subs_of_16(blk + 66);
       return;
     case IQ2_S:  // qs[32] low index bits, signs[32], qh[8] (2 top bits an index), scales[8]
       c.d = u16(blk);
@@ -297,7 +299,7 @@ inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Code
         const int64_t index = blk[2 + i] | (((blk[66 + i / 4] >> (2 * (i % 4))) & 3) << 8);
         put_entry<8>(grid, index, blk[34 + i], c.v + 8 * i);
       }
-      for (int g = 0; g < 16; ++g) c.sub[g] = static_cast<int8_t>(1 + 2 * ((blk[74 + g / 2] >> (4 * (g % 2))) & 0x0F));
+      subs_of_16(blk + 74);
       return;
     case IQ3_S:  // qs[64], qh[8] (a ninth index bit), signs[32], scales[4] (a nibble a 32)
       c.d = u16(blk);
@@ -342,36 +344,28 @@ inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Code
     }
   }
 }
-inline int64_t codebook_bytes(int64_t code) {
+// A codebook type's block bytes and its grid's entries and values an entry (gguf-py's
+// tables, as blocks.py's _grid reads them); all 0 for the other types.
+struct CodebookShape {
+  int64_t bytes, entries, width;
+};
+inline CodebookShape codebook_shape(int64_t code) {
   switch (code) {
-    case IQ3_XXS: return 98;
-    case IQ2_XXS: return 66;
-    case IQ2_XS: return 74;
-    case IQ2_S: return 82;
-    case IQ3_S: return 110;
-    case IQ1_S: return 50;
-    case IQ1_M: return 56;
-    default: return 0;
-  }
-}
-// The grid a codebook type's values come from: its entries and values an entry (gguf-py's
-// tables, as blocks.py's _grid reads them); 0 entries: none.
-inline void grid_shape(int64_t code, int64_t& entries, int64_t& width) {
-  switch (code) {
-    case IQ3_XXS: entries = 256; width = 4; return;
-    case IQ3_S: entries = 512; width = 4; return;
-    case IQ2_XXS: entries = 256; width = 8; return;
-    case IQ2_XS: entries = 512; width = 8; return;
-    case IQ2_S: entries = 1024; width = 8; return;
-    case IQ1_S: case IQ1_M: entries = 2048; width = 8; return;
-    default: entries = 0; width = 0; return;
+    case IQ3_XXS: return {98, 256, 4};
+    case IQ3_S: return {110, 512, 4};
+    case IQ2_XXS: return {66, 256, 8};
+    case IQ2_XS: return {74, 512, 8};
+    case IQ2_S: return {82, 1024, 8};
+    case IQ1_S: return {50, 2048, 8};
+    case IQ1_M: return {56, 2048, 8};
+    default: return {0, 0, 0};
   }
 }
 
 // One row's blocks -> tile row r.
 void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
-  if (const int64_t size = codebook_bytes(code)) {
+  if (const int64_t size = codebook_shape(code).bytes) {
     Codebook c;
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       decode_codebook(o, code, row + sb * size, c);
@@ -403,7 +397,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 18;
         // Byte j holds weight j (low nibble) and weight 16 + j (high nibble).
-        if (o.indices) put_nibbles(dst, b, r, blk + 2, false);
+        if (o.bits == 4) put_nibbles(dst, b, r, blk + 2, false);
         else put_values<8>(dst, b, r, [&](int k) { return table_quad(blk + 2, k, kIq4Levels, 0); });
         put_scale(o, tile, b, r, u16(blk), o.scales);
       }
@@ -421,7 +415,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
           rec[quant::record::sub_unit(16, false, 2 * g) * kRows + r] = sub;
           rec[quant::record::sub_unit(16, false, 2 * g + 1) * kRows + r] = sub;
           // Byte j of the group's 16 holds weight j (low nibble) and weight 16 + j (high).
-          if (o.indices) put_nibbles(dst, sb * 8 + g, r, blk + 8 + 16 * g, false);
+          if (o.bits == 4) put_nibbles(dst, sb * 8 + g, r, blk + 8 + 16 * g, false);
           else put_values<8>(dst, sb * 8 + g, r, [&](int k) { return table_quad(blk + 8 + 16 * g, k, kIq4Levels, 0); });
         }
       }
@@ -430,7 +424,7 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * 17;
         // Byte 1 + j holds weight j (low nibble) and weight 16 + j (high nibble).
-        if (o.indices) put_nibbles(dst, b, r, blk + 1, true);
+        if (o.bits == 4) put_nibbles(dst, b, r, blk + 1, true);
         else put_values<5>(dst, b, r, [&](int k) { return table_quad(blk + 1, k, kMxfp4Values, 16); });
         // The shared exponent's 2**(e - 128) (ggml's e8m0 half), as a float16 (the
         // loader keeps only tensors whose powers of two a float16 holds).
@@ -623,17 +617,15 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int compact = pack::compact_bits(code);
   const bool is_compact = compact && quant::kCompactLayouts && values.scalar_type() == torch::kByte &&
                           values.size(1) == columns * 2 * compact;
-  const bool table = code == pack::IQ4_NL || code == pack::IQ4_XS || code == pack::MXFP4;
   const int bits = is_compact ? compact : pack::value_bits(code);
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record_group, record_mins, table && is_compact, bits, nullptr, 0};
-  int64_t entries = 0;
-  pack::grid_shape(code, entries, o.grid_width);
-  TORCH_CHECK(entries == 0 || (grid.has_value() && grid->scalar_type() == torch::kChar && grid->is_contiguous() &&
-                               grid->dim() == 2 && grid->size(0) == entries && grid->size(1) == o.grid_width),
-              "grid: int8 [", entries, ", ", o.grid_width, "], the type's codebook");
-  if (entries) o.grid = grid->data_ptr<int8_t>();
+              columns / 256, record_group, record_mins, bits, nullptr};
+  const pack::CodebookShape shape = pack::codebook_shape(code);
+  TORCH_CHECK(shape.entries == 0 || (grid.has_value() && grid->scalar_type() == torch::kChar && grid->is_contiguous() &&
+                                     grid->dim() == 2 && grid->size(0) == shape.entries && grid->size(1) == shape.width),
+              "grid: int8 [", shape.entries, ", ", shape.width, "], the type's codebook");
+  if (shape.entries) o.grid = grid->data_ptr<int8_t>();
   TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
                   o.values_per_tile == columns * 2 * bits,
               "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");

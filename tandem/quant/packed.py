@@ -60,6 +60,12 @@ SUPER = 256  # weights per K-format super-block
 _CRUMB_SHIFTS = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 1, 4, 1)
 
 
+def _low_bits(bits: int) -> int:
+    """The low bits a value of ``bits`` takes from the nibble or crumb vectors
+    (quant_ops.cpp's values::low): 4, or 2 for 2- and 3-bit values."""
+    return 2 if bits < 4 else 4
+
+
 def record_bytes(group: int, mins: bool) -> int:
     """Bytes of one tile's record per super-block (quant_ops.cpp's quant::record): d
     (and dmin) as float16, then a byte per group's sub-scale (and sub-min), each item
@@ -284,7 +290,7 @@ def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
         # bits) crumb vector h: value vector s = 4h + p's at bit 2p; then the high bits
         # of the eight value vectors s, hb = bits - low each, s's at bit hb*s of the
         # planes.
-        low_bits = 2 if bits < 4 else 4
+        low_bits = _low_bits(bits)
         low, high = q & ((1 << low_bits) - 1), q >> low_bits
         if low_bits == 4:
             vectors = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
@@ -306,7 +312,7 @@ def _unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.reshape(tiles, -1, bits, ROWS, 4).permute(0, 3, 1, 2, 4)  # (row, block, vector)
     if bits == 8:
         return v.reshape(tiles, ROWS, -1)
-    low_bits = 2 if bits < 4 else 4
+    low_bits = _low_bits(bits)
     if low_bits == 4:
         nibbles = v[:, :, :, :4]
         low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # value vectors s = 4h + p
