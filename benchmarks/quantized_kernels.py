@@ -20,7 +20,9 @@ the rounds' time ratios (old / new: above 1, the working tree is faster).
 AVX2 path, on a machine that has AVX-512). ``--layouts`` instead compares, with this
 build, the compact formats (Q2_K, Q3_K, the ternary and table formats: FORMATS'
 compact_bits) packed wide (nibbles and int8 levels, the AVX-512 builds' layouts) and
-compact, alternating: wide / compact time, above 1 the compact layout is faster.
+compact, alternating: wide / compact time, above 1 the compact layout is faster; and
+the codebook types, their values decoded once into int8 (wide) against their blocks
+decoded a tile at a time as they are multiplied (compact).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from benchmarks.common import add_against_arguments, alternating, kernel_sides, machine
 from tandem.models import random_gguf
 from tandem.plan.measure import median_time, memory_bandwidth_gbs
-from tandem.quant.blocks import BLOCK, FORMATS, GGMLType
+from tandem.quant.blocks import BLOCK, FORMATS, GGMLType, decode
 from tandem.quant.packed import PackedWeight
 
 # Layers, and (out, in) of each linear layer of one layer: qkv, o, gate_up, down.
@@ -90,10 +92,15 @@ def compare(layers, shapes, tokens: int, old, new, rounds: int = 7) -> str:
 
 
 def compare_layouts(code: GGMLType, shapes, count: int, tokens_list, rounds: int = 7) -> None:
-    """``code`` packed wide and compact (packed.kernels_read_compact forced each way),
-    the same blocks, alternating on this build's kernel."""
+    """``code`` packed wide and compact (packed.kernels_read_compact forced each way; a
+    codebook type's values decoded once into int8, or its blocks), the same blocks,
+    alternating on this build's kernel."""
     from tandem.kernels import cpu as cpu_kernels
     from tandem.quant import packed
+
+    def wide_codebook(rows: int, columns: int, rng) -> PackedWeight:
+        raw = torch.from_numpy(random_gguf.random_blocks(code, rows, columns, rng))
+        return PackedWeight.from_decoded(decode(code, raw, columns), code.name)
 
     kernels, read = cpu_kernels.load(), packed.kernels_read_compact
     sides = {}
@@ -101,8 +108,9 @@ def compare_layouts(code: GGMLType, shapes, count: int, tokens_list, rounds: int
         for compact in (False, True):
             packed.kernels_read_compact = lambda compact=compact: compact
             rng = np.random.default_rng(0)
-            sides[compact] = [[random_packed(code, n, k, rng) for n, k in shapes]
-                              for _ in range(count)]  # fmt: skip
+            pack = wide_codebook if FORMATS[code].codebook and not compact else (
+                lambda n, k, rng: random_packed(code, n, k, rng))  # fmt: skip
+            sides[compact] = [[pack(n, k, rng) for n, k in shapes] for _ in range(count)]
     finally:
         packed.kernels_read_compact = read
     for tokens in tokens_list:
@@ -141,7 +149,7 @@ def main() -> None:
         print(f"machine: {machine()}\n\n{'format':<8}{'tokens':>8}{'wide ms':>9}"
               f"{'compact':>9}{'w/c':>8}")  # fmt: skip
         for name in args.formats:
-            if not FORMATS[GGMLType[name]].compact_bits:
+            if not (FORMATS[GGMLType[name]].compact_bits or FORMATS[GGMLType[name]].codebook):
                 parser.error(f"--layouts: {name} has no compact layout")
             compare_layouts(GGMLType[name], shapes, count, args.batch)
         return

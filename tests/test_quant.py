@@ -159,13 +159,16 @@ needs_kernels = pytest.mark.skipif(
 
 @needs_kernels
 @pytest.mark.parametrize("code", list(BLOCK), ids=lambda c: c.name)
-def test_the_compiled_packer_writes_the_python_packers_bytes(code):
-    """pack_ops.cpp against PackedWeight.from_decoded (torch ops on the decoded
-    values): every byte of values, scales and constants, their dtypes, padding rows;
-    rows read strided from a wider buffer; and a matrix packed from two tensors at a
-    tile boundary (q and k into one fused layer) equals it packed at once."""
+def test_the_compiled_packer_writes_the_python_packers_bytes(code, monkeypatch):
+    """pack_ops.cpp against packed.py's torch path (PackedWeight.from_decoded on the
+    decoded values; the codebook types' blocks tiled): every byte of values, scales and
+    constants, their dtypes, padding rows; rows read strided from a wider buffer; and a
+    matrix packed from two tensors at a tile boundary (q and k into one fused layer)
+    equals it packed at once."""
     raw = random_blocks(code, 37, 512, seed=int(code))
-    expected = PackedWeight.from_decoded(decode(code, raw, 512), code.name)
+    with monkeypatch.context() as torch_only:
+        torch_only.setattr(packed_module, "compiled_packer", lambda raw: False)
+        expected = PackedWeight.from_ggml(code, raw, 512)
     wide = torch.cat([raw, torch.zeros(37, 8, dtype=torch.uint8)], dim=1)[:, : raw.shape[1]]
     for source in (raw, wide):
         packed = PackedWeight.from_ggml(code, source, 512)
@@ -256,9 +259,41 @@ def test_the_kernel_takes_only_a_power_of_two_beside_the_scales():
     kernel = cpu_kernels.load().quant_linear
     for factor in (0.3, 2.0, 0.0, 2.0**-9):
         with pytest.raises(RuntimeError, match="power of two"):
-            kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, factor, 0)
-    kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, 1.0, 0)
+            args = (packed.values, packed.scales, None, None, 16, 16, 0.0, factor, packed.table)
+            kernel(out, x, *args)
+    kernel(out, x, packed.values, packed.scales, None, None, 16, 16, 0.0, 1.0, packed.table)
     torch.testing.assert_close(out * 0.125, reference(packed, x).float(), rtol=1e-5, atol=1e-5)
+
+
+CODEBOOKS = [code for code in BLOCK if FORMATS_TABLE[code].codebook]
+
+
+@needs_kernels
+@pytest.mark.parametrize("code", CODEBOOKS, ids=lambda c: c.name)
+def test_a_codebook_type_held_as_its_blocks_multiplies_as_its_int8_values(code):
+    """The codebook types are held as the file's blocks and each tile is decoded as it
+    is multiplied (quant_ops.cpp's expand_codebook): the same products, bit for bit, as
+    their values decoded once into int8 under records (PackedWeight.from_decoded), at
+    every batch size, and the same rows looked up. The kernels keep the first grid they
+    are given for a type and refuse another."""
+    raw = random_blocks(code, 40, 768, seed=int(code))
+    blocks = PackedWeight.from_ggml(code, raw, 768)
+    values = PackedWeight.from_decoded(decode(code, raw, 768), code.name)
+    assert blocks.codebook == code and values.codebook is None
+    assert blocks.nbytes == raw.numel() + (-40 % 16) * raw.shape[1]  # the file's, padded
+    for batch in (1, 3, 16, 70):
+        x = torch.randn(batch, 768)
+        ours, theirs = torch.empty(batch, 40), torch.empty(batch, 40)
+        blocks.matmul(x, ours)
+        values.matmul(x, theirs)
+        assert torch.equal(ours, theirs), batch
+    index = torch.tensor([0, 17, 39, 17])
+    assert torch.equal(blocks.dequantize_rows(index), values.dequantize_rows(index))
+    assert torch.equal(blocks.dequantize(), values.dequantize())
+    grid = packed_module.grid(code)
+    cpu_kernels.load().set_codebook_grid(int(code), grid.clone())  # the same: taken
+    with pytest.raises(RuntimeError, match="a different grid"):
+        cpu_kernels.load().set_codebook_grid(int(code), -grid)
 
 
 # A block of activations (found by random search) whose value 0x1.fc6aeep-1 times the
@@ -380,10 +415,8 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.MXFP4: 4.5 if compact else 5.5,  # (indices; or its values + 16 as Q5_0's)
         GGMLType.IQ4_XS: 4.5625 if compact else 8.5625,  # (or its levels as int8)
         GGMLType.Q2_K: 3.125 if compact else 5.125,  # (2 bits, records with minimums)
-        GGMLType.IQ3_S: 8.5625,  # (its codebook's values as int8, IQ4_XS's layout)
-        # (the other codebook types as IQ3_S, d's power of two apart)
-        **dict.fromkeys([GGMLType.IQ3_XXS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
-                         GGMLType.IQ1_S, GGMLType.IQ1_M], 8.5625),
+        # (the codebook types as the file's blocks, decoded a tile at a time)
+        **{code: BLOCK[code][1] * 8 / 256 for code in BLOCK if FORMATS_TABLE[code].codebook},
     }  # fmt: skip
 
 
@@ -438,7 +471,8 @@ def test_the_gpu_keeps_a_matrix_in_blocks_where_its_kernels_read_it():
 def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     """blocks.FORMATS is the one row a format has: its sizes are gguf-py's, and the C++
     packer (kernels/pack_ops.cpp) knows every format's code, packed and compact bits
-    and record size."""
+    and record size; the codebook types, whose blocks it copies, have codebook_ops.cpp's
+    block bytes and grid shapes."""
     import re
     from pathlib import Path
 
@@ -459,6 +493,13 @@ def test_the_format_table_agrees_with_gguf_and_the_cpp_packer():
     for cases, bits in re.findall(r"((?:case \w+: )+)return (\d+);", body):
         cpp_bits.update({name: int(bits) for name in re.findall(r"case (\w+):", cases)})
     default = int(re.search(r"default: return (\d+);", body).group(1))
+    codebooks = (Path(cpu_kernels.__file__).parent / "codebook_ops.cpp").read_text()
+    shapes = re.findall(r"case (\w+): return \{(\d+), (\d+), (\d+)\};", codebooks)
+    assert {name: tuple(map(int, shape)) for name, *shape in shapes} == {
+        code.name: (spec.nbytes, *packed_module.grid(code).shape)
+        for code, spec in compiled.items() if spec.codebook
+    }  # fmt: skip
+    compiled = {code: spec for code, spec in FORMATS.items() if not spec.codebook}
     for code, spec in compiled.items():
         assert cpp_bits.get(code.name, default) == spec.packed_bits, code.name
     body = re.search(r"inline int compact_bits\(int64_t code\) \{(.*?)\n\}", source, re.S).group(1)

@@ -14,6 +14,9 @@ quant_ops.cpp: linear layers on weights kept in llama.cpp's block formats, with
 integer dot products (tandem/quant/); prompt-sized passes on AMX tile registers where
 the CPU and its kernel give them (``amx_mode``; TANDEM_AMX=0 declines them).
 
+codebook_ops.cpp: the codebook i-quants' super-blocks decoded through their grids,
+by quant_ops.cpp as it multiplies (those types are held as the file's blocks).
+
 pack_ops.cpp: a GGUF tensor's block bytes repacked into quant_ops.cpp's tiled layout
 at load, in one pass across threads.
 
@@ -59,13 +62,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: parallel.cpp's work sharing is used by the next
-# two, decode_layer.cpp and moe_ops.cpp call those two, decode_stack.cpp the layers and
-# shm_ops.cpp's all-reduce.
+# two, codebook_ops.cpp's decoder by quant_ops.cpp and pack_ops.cpp, decode_layer.cpp and
+# moe_ops.cpp call those, decode_stack.cpp the layers and shm_ops.cpp's all-reduce.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "parallel.cpp",
         "cpu_ops.cpp",
+        "codebook_ops.cpp",
         "quant_ops.cpp",
         "pack_ops.cpp",
         "decode_layer.cpp",
@@ -93,6 +97,7 @@ FUNCTIONS = [
     "compact_layouts",
     "quant_rows",
     "pack_ggml",
+    "set_codebook_grid",
     "llama_decode_layer",
     "llama_decode_attention",
     "llama_decode_mlp",

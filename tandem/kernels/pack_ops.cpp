@@ -26,6 +26,9 @@
 //           indices instead, as Q4_0's nibbles (MXFP4's -0, index 8, as +0, index 0),
 //           Q2_K and the ternary types take 2 bits, Q3_K 3
 //   corr    float16 like scales, or absent: Q4_1 / Q5_1's m
+// The codebook i-quants are copied as the file's blocks (quant::codebook_offset: per
+// super-block, the tile's 16 rows' blocks side by side; no scales), which the kernel
+// decodes as it multiplies them (codebook_ops.cpp).
 // Rows past the matrix's last (padding of the last tile) are zeros everywhere.
 
 #include <torch/python.h>
@@ -53,7 +56,6 @@ inline int64_t record_bytes(int64_t code) {
   switch (code) {
     case Q4_K: case Q5_K: return 320;
     case Q6_K: case Q3_K: case TQ1_0: case TQ2_0: case IQ4_XS: return 288;
-    case IQ3_S: case IQ3_XXS: case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ1_S: case IQ1_M: return 288;
     case Q2_K: return 576;
     default: return 0;
   }
@@ -65,7 +67,6 @@ inline int value_bits(int64_t code) {
     case Q5_0: case Q5_1: case Q5_K: case MXFP4: return 5;
     case Q6_K: return 6;
     case Q8_0: case IQ4_NL: case IQ4_XS: return 8;
-    case IQ3_S: case IQ3_XXS: case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ1_S: case IQ1_M: return 8;
     default: return 4;
   }
 }
@@ -93,7 +94,6 @@ struct Out {
   bool record_mins;      // records: with minimums (groups of 32; Q2_K's of 16)
   int bits;              // bits a value takes in ``values`` (IQ4_NL, IQ4_XS, MXFP4: 4, their
                          // table indices; see the top)
-  const int8_t* grid;    // the codebook types: their grid (codebook_shape)
 };
 
 // Row r's 4 bytes of vector v of 32-block b in its tile (quant_ops.cpp's quant::values).
@@ -213,164 +213,11 @@ inline uint32_t table_quad(const uint8_t* qs, int k, const int8_t* table, int ad
   return quad;
 }
 
-// The codebook i-quants' super-block of 256, decoded as tandem/quant/blocks.py decodes
-// it: the file's float16 d, a sub-scale 1 + 2s per group of 16, and the int8 values
-// (grid x sign, or IQ1's 8 grid +- 1), written as IQ4_XS's int8 values under Q6_K's
-// records (d's power of two stays apart: the matrix's factor).
-struct Codebook {
-  uint16_t d;
-  int8_t sub[16];
-  int8_t v[256];
-};
-inline void put_codebook(const Out& o, uint8_t* dst, int64_t tile, int64_t sb, int64_t r, const Codebook& c) {
-  uint8_t* rec = record(o, tile, sb);
-  put_half(rec + 2 * r, c.d);
-  for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, false, g) * kRows + r] = static_cast<uint8_t>(c.sub[g]);
-  for (int b = 0; b < 8; ++b)
-    put_values<8>(dst, sb * 8 + b, r, [&](int k) { return word(reinterpret_cast<const uint8_t*>(c.v) + 32 * b + 4 * k); });
-}
-// Grid entry ``index``'s kWidth values into v, each times its sign: bit k of ``signs``
-// set makes value k negative. (The width known at compile time, and the grid a local:
-// through Out, every int8 store may alias it, and the loop ran 8x slower.)
-template <int kWidth>
-inline void put_entry(const int8_t* grid, int64_t index, uint32_t signs, int8_t* v) {
-  const int8_t* e = grid + index * kWidth;
-#if defined(__SSSE3__)
-  // Byte k of ``sign``: -1 where bit k of signs is set, else 1; psignb multiplies by it.
-  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-  const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8(static_cast<char>(signs)), bit), bit);
-  const __m128i sign = _mm_or_si128(set, _mm_set1_epi8(1));
-  int64_t entry = 0;
-  std::memcpy(&entry, e, kWidth);
-  const int64_t out = _mm_cvtsi128_si64(_mm_sign_epi8(_mm_cvtsi64_si128(entry), sign));
-  std::memcpy(v, &out, kWidth);
-#else
-  int8_t out[kWidth];
-  for (int k = 0; k < kWidth; ++k) out[k] = static_cast<int8_t>((signs >> k) & 1 ? -e[k] : e[k]);
-  std::memcpy(v, out, kWidth);
-#endif
-}
-// A 7-bit sign index's 8 signs (llama.cpp's ksigns): its bits, and an 8th that makes the
-// count of minus signs even.
-inline uint32_t parity_signs(uint32_t index) {
-  return index | ((static_cast<uint32_t>(__builtin_popcount(index)) & 1) << 7);
-}
-// The codebook types' super-block sb of ``blk`` (blocks.py's decoders, type by type).
-inline void decode_codebook(const Out& o, int64_t code, const uint8_t* blk, Codebook& c) {
-  const int8_t* grid = o.grid;
-  auto subs_of_32 = [&](int ib, int s) { c.sub[2 * ib] = c.sub[2 * ib + 1] = static_cast<int8_t>(1 + 2 * s); };
-  // scales[8]: an s a group of 16, the low nibble of byte j for group 2j, the high for 2j + 1
-  auto subs_of_16 = [&](const uint8_t* scales) {
-    for (int g = 0; g < 16; ++g) c.sub[g] = static_cast<int8_t>(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 0x0F));
-  };
-  switch (code) {
-    case IQ3_XXS:  // qs[64] (an index a 4 weights), 8 u32: 4 sign indices and s per 32
-      c.d = u16(blk);
-      for (int ib = 0; ib < 8; ++ib) {
-        const uint32_t w = word(blk + 66 + 4 * ib);
-        subs_of_32(ib, static_cast<int>(w >> 28));
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t signs = parity_signs((w >> (7 * j)) & 127);
-          put_entry<4>(grid, blk[2 + 8 * ib + 2 * j], signs, c.v + 32 * ib + 8 * j);
-          put_entry<4>(grid, blk[2 + 8 * ib + 2 * j + 1], signs >> 4, c.v + 32 * ib + 8 * j + 4);
-        }
-      }
-      return;
-    case IQ2_XXS:  // per 32: four indices (a byte each, 8 weights), a u32 of sign indices and s
-      c.d = u16(blk);
-      for (int ib = 0; ib < 8; ++ib) {
-        const uint8_t* q = blk + 2 + 8 * ib;
-        const uint32_t w = word(q + 4);
-        subs_of_32(ib, static_cast<int>(w >> 28));
-        for (int j = 0; j < 4; ++j) put_entry<8>(grid, q[j], parity_signs((w >> (7 * j)) & 127), c.v + 32 * ib + 8 * j);
-      }
-      return;
-    case IQ2_XS:  // 32 u16: a 9-bit index and a 7-bit sign index; scales[8], a nibble a 16
-      c.d = u16(blk);
-      for (int i = 0; i < 32; ++i) {
-        const uint16_t w = u16(blk + 2 + 2 * i);
-        put_entry<8>(grid, w & 511, parity_signs(w >> 9), c.v + 8 * i);
-      }
-      subs_of_16(blk + 66);
-      return;
-    case IQ2_S:  // qs[32] low index bits, signs[32], qh[8] (2 top bits an index), scales[8]
-      c.d = u16(blk);
-      for (int i = 0; i < 32; ++i) {
-        const int64_t index = blk[2 + i] | (((blk[66 + i / 4] >> (2 * (i % 4))) & 3) << 8);
-        put_entry<8>(grid, index, blk[34 + i], c.v + 8 * i);
-      }
-      subs_of_16(blk + 74);
-      return;
-    case IQ3_S:  // qs[64], qh[8] (a ninth index bit), signs[32], scales[4] (a nibble a 32)
-      c.d = u16(blk);
-      for (int i = 0; i < 64; ++i) {
-        const int64_t index = blk[2 + i] | (((blk[66 + i / 8] >> (i % 8)) & 1) << 8);
-        put_entry<4>(grid, index, blk[74 + i / 2] >> (4 * (i % 2)), c.v + 4 * i);
-      }
-      for (int ib = 0; ib < 8; ++ib) subs_of_32(ib, (blk[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F);
-      return;
-    case IQ1_S:  // qs[32] low index bits, a u16 per 32: 3 top bits an index, s, delta's sign
-    case IQ1_M: {  // qs[32], qh[16] (3 top bits and delta's sign a nibble), 4 u16: s and d
-      int8_t delta[32];
-      int64_t index[32];
-      if (code == IQ1_S) {
-        c.d = u16(blk);
-        for (int ib = 0; ib < 8; ++ib) {
-          const uint16_t w = u16(blk + 34 + 2 * ib);
-          subs_of_32(ib, (w >> 12) & 7);
-          for (int m = 0; m < 4; ++m) {
-            index[4 * ib + m] = blk[2 + 4 * ib + m] | (((w >> (3 * m)) & 7) << 8);
-            delta[4 * ib + m] = static_cast<int8_t>(w >> 15 ? -1 : 1);
-          }
-        }
-      } else {
-        uint16_t w[4];
-        for (int i = 0; i < 4; ++i) w[i] = u16(blk + 48 + 2 * i);
-        c.d = static_cast<uint16_t>((w[0] >> 12) | ((w[1] >> 12) << 4) | ((w[2] >> 12) << 8) | ((w[3] >> 12) << 12));
-        for (int g = 0; g < 16; ++g) c.sub[g] = static_cast<int8_t>(1 + 2 * ((w[g / 4] >> (3 * (g % 4))) & 7));
-        for (int i = 0; i < 32; ++i) {
-          const int nibble = (blk[32 + i / 2] >> (4 * (i % 2))) & 0x0F;
-          index[i] = blk[i] | ((nibble & 7) << 8);
-          delta[i] = static_cast<int8_t>(nibble >> 3 ? -1 : 1);
-        }
-      }
-      for (int i = 0; i < 32; ++i) {  // 8 grid + delta: the grid's -1, 0, 1 times 8, +- 1
-        int8_t e[8];
-        std::memcpy(e, grid + index[i] * 8, 8);
-        for (int k = 0; k < 8; ++k) e[k] = static_cast<int8_t>(8 * e[k] + delta[i]);
-        std::memcpy(c.v + 8 * i, e, 8);
-      }
-      return;
-    }
-  }
-}
-// A codebook type's block bytes and its grid's entries and values an entry (gguf-py's
-// tables, as blocks.py's _grid reads them); all 0 for the other types.
-struct CodebookShape {
-  int64_t bytes, entries, width;
-};
-inline CodebookShape codebook_shape(int64_t code) {
-  switch (code) {
-    case IQ3_XXS: return {98, 256, 4};
-    case IQ3_S: return {110, 512, 4};
-    case IQ2_XXS: return {66, 256, 8};
-    case IQ2_XS: return {74, 512, 8};
-    case IQ2_S: return {82, 1024, 8};
-    case IQ1_S: return {50, 2048, 8};
-    case IQ1_M: return {56, 2048, 8};
-    default: return {0, 0, 0};
-  }
-}
-
 // One row's blocks -> tile row r.
 void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
-  if (const int64_t size = codebook_shape(code).bytes) {
-    Codebook c;
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      decode_codebook(o, code, row + sb * size, c);
-      put_codebook(o, dst, tile, sb, r, c);
-    }
+  if (const int64_t size = codebook::shape(code).bytes) {  // the file's blocks, as they are
+    for (int64_t sb = 0; sb < K / 256; ++sb) std::memcpy(dst + quant::codebook_offset(size, sb, r), row + sb * size, size);
     return;
   }
   switch (code) {
@@ -572,9 +419,14 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
 }
 
 // Zeros for tile row r (a padding row).
-// Every layout is runs of 4 bytes per row: [vectors, 16 rows, 4].
-void zero_row(const Out& o, int64_t tile, int64_t r) {
+// Every layout is runs of 4 bytes per row: [vectors, 16 rows, 4]; the codebook types'
+// blocks a block a row (quant::codebook_offset).
+void zero_row(int64_t code, const Out& o, int64_t tile, int64_t r) {
   uint8_t* dst = o.values + tile * o.values_per_tile;
+  if (const int64_t size = codebook::shape(code).bytes) {
+    for (int64_t sb = 0; sb < o.supers; ++sb) std::memset(dst + quant::codebook_offset(size, sb, r), 0, size);
+    return;
+  }
   const int64_t steps = o.values_per_tile / (kRows * 4);
   for (int64_t s = 0; s < steps; ++s) std::memset(dst + (s * kRows + r) * 4, 0, 4);
   if (o.record_group) {
@@ -598,17 +450,18 @@ void zero_row(const Out& o, int64_t tile, int64_t r) {
 // raw: uint8 [rows, row bytes] (a GGUF tensor, rows may be strided) of GGML type
 // ``code`` with ``columns`` weights a row -> values, scales (and corr) as laid out above.
 void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor values,
-               torch::Tensor scales, c10::optional<torch::Tensor> corr, c10::optional<torch::Tensor> grid) {
+               torch::Tensor scales, c10::optional<torch::Tensor> corr) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1,
               "raw: uint8 [rows, row bytes], rows contiguous");
   TORCH_CHECK(values.is_contiguous() && scales.is_contiguous(), "outputs: contiguous");
   const int64_t rows = raw.size(0), tiles = values.size(0);
   TORCH_CHECK(tiles * pack::kRows >= rows && (tiles - 1) * pack::kRows < rows, "tile count");
+  const int64_t block = codebook::shape(code).bytes;  // the codebook types': their blocks
   const int64_t record = pack::record_bytes(code);
   const bool records = record > 0;
-  TORCH_CHECK(scales.scalar_type() == (records ? torch::kByte : torch::kHalf),
-              "scales: uint8 records (K formats) or float16");
-  TORCH_CHECK(!records || columns % 256 == 0, "K formats: whole super-blocks");
+  TORCH_CHECK(scales.scalar_type() == (records || block ? torch::kByte : torch::kHalf),
+              "scales: uint8 records (K formats), empty (codebook types) or float16");
+  TORCH_CHECK((!records && !block) || columns % 256 == 0, "K formats: whole super-blocks");
   int64_t record_group = 0;
   bool record_mins = false;
   if (records) quant::record::kind(record, record_group, record_mins);
@@ -620,15 +473,16 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   const int bits = is_compact ? compact : pack::value_bits(code);
   pack::Out o{static_cast<uint8_t*>(values.data_ptr()), values.size(1), scales.data_ptr(),
               corr.has_value() ? corr->data_ptr() : nullptr, records ? 0 : scales.size(1),
-              columns / 256, record_group, record_mins, bits, nullptr};
-  const pack::CodebookShape shape = pack::codebook_shape(code);
-  TORCH_CHECK(shape.entries == 0 || (grid.has_value() && grid->scalar_type() == torch::kChar && grid->is_contiguous() &&
-                                     grid->dim() == 2 && grid->size(0) == shape.entries && grid->size(1) == shape.width),
-              "grid: int8 [", shape.entries, ", ", shape.width, "], the type's codebook");
-  if (shape.entries) o.grid = grid->data_ptr<int8_t>();
-  TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
-                  o.values_per_tile == columns * 2 * bits,
-              "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");
+              columns / 256, record_group, record_mins, bits};
+  if (block) {
+    TORCH_CHECK(values.scalar_type() == torch::kByte && o.values_per_tile == columns / 256 * pack::kRows * block &&
+                    scales.numel() == 0,
+                "codebook types: uint8 values [tiles, K / 256 * 16 * block bytes], no scales");
+  } else {
+    TORCH_CHECK(values.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
+                    o.values_per_tile == columns * 2 * bits,
+                "values: uint8 [tiles, K * 2 * bits] (int8 [tiles, K * 16] for 8 bits)");
+  }
   const uint8_t* base = raw.data_ptr<uint8_t>();
   const int64_t stride = raw.stride(0);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -636,7 +490,7 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
       for (int64_t r = 0; r < pack::kRows; ++r) {
         const int64_t row = t * pack::kRows + r;
         if (row < rows) pack::pack_row(code, base + row * stride, columns, o, t, r);
-        else pack::zero_row(o, t, r);
+        else pack::zero_row(code, o, t, r);
       }
   });
 }

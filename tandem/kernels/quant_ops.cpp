@@ -35,6 +35,9 @@
 //           sub-mins [16][16]), whose scale is d * sub-scale and constant
 //           -(dmin * sub-min), multiplied here in float32 as tandem/quant/blocks.py does
 //   corr    float16 like scales, or empty: the group's minimum (Q4_1, Q5_1)
+//   or, for the codebook i-quants, the file's blocks (codebook_offset), each tile decoded
+//   into int8 values under Q6_K-kind records in the thread's buffers as it is multiplied
+//   (expand_codebook; ScaleTable's codebook)
 //   offset  an integer the values are stored above (Q4_0: 8, Q5_0: 16, Q6_K: 32)
 // so that w[n, k] = scales[n, g] * (q[n, k] - offset) + corr[n, g] with g = k / group.
 //
@@ -259,6 +262,7 @@ struct ScaleTable {
   int64_t groups;      // per row
   int64_t supers;      // records: super-blocks per row
   int64_t record;      // records: bytes of one; 0 for float16 scales
+  int64_t tile_stride; // records: bytes from one tile's to the next (0: one tile's, a buffer)
   int group;
   bool mins;           // records: they hold minimums (groups of 32; Q2_K's of 16)
   // A power of two every scale takes beyond the table's (the codebook i-quants' d / 4
@@ -268,12 +272,18 @@ struct ScaleTable {
   // The 16 levels a 4-bit value indexes (kTables: IQ4_NL's and IQ4_XS's, MXFP4's), read
   // through a byte shuffle; null: the values are q.
   const int8_t* table;
+  // A codebook type (its GGML code; 0: none): the values are its blocks, each tile
+  // decoded into int8 values under Q6_K-kind records as it is multiplied
+  // (expand_codebook); until then ``scales`` is empty and ``record`` is the size of the
+  // records it decodes to.
+  int64_t codebook;
+  const int8_t* grid;  // the codebook's grid (codebook::grid_of)
 
   // Constants beside the offset: Q4_1 / Q5_1's minimums, the K formats' dmin terms.
   bool has_constants() const { return corr != nullptr || (record && mins); }
   // The record of tile ``tile`` and super-block ``super`` (of 256 weights).
   const uint8_t* record_at(int64_t tile, int64_t super) const {
-    return static_cast<const uint8_t*>(scales) + (tile * supers + super) * record;
+    return static_cast<const uint8_t*>(scales) + tile * tile_stride + super * record;
   }
   // The record of tile ``tile`` holding group g. The vector paths below name their
   // group at compile time instead (record_for): a division by the run-time group is an
@@ -318,6 +328,76 @@ inline int32_t value_at(const uint8_t* tile, int bits, int64_t b, int64_t r, int
   if (hb > 0)
     q |= ((byte(values::high_vector(bits, s), i) >> values::high_bit(bits, s)) & ((1 << hb) - 1)) << values::low(bits);
   return q;
+}
+
+// The codebook types' layout: per super-block of 256 columns, the tile's 16 rows'
+// blocks side by side, each as the file holds it (codebook_ops.cpp decodes them).
+constexpr int64_t codebook_offset(int64_t block_bytes, int64_t sb, int64_t r) { return (sb * kRows + r) * block_bytes; }
+
+// Tile ``blocks``'s codebook super-blocks [0, supers) -> int8 values in the layout at the
+// top of this file (``values``: supers * 4096 bytes) under Q6_K-kind records (``records``:
+// supers * 288 bytes), the numbers tandem/quant/blocks.py decodes (d's power of two
+// apart: ScaleTable's factor). Each super-block's 16 rows are decoded side by side, then
+// turned into the layout's [16 rows, 4] vectors: on AVX2 eight rows' 32 values of a block
+// at a time, an 8 x 8 transpose of 4-byte words.
+// (The type a template argument: its decode inlined, no switch a row.)
+template <int64_t kCode>
+void expand_codebook_as(const ScaleTable& s, const uint8_t* blocks, int64_t supers, int8_t* values,
+                        uint8_t* records) {
+  constexpr int64_t bytes = codebook::shape(kCode).bytes;
+  static thread_local codebook::Decoded rows[kRows];
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    uint8_t* rec = records + sb * s.record;
+    for (int64_t r = 0; r < kRows; ++r) {
+      codebook::Decoded& c = rows[r];
+      codebook::decode(kCode, s.grid, blocks + codebook_offset(bytes, sb, r), c);
+      std::memcpy(rec + 2 * r, &c.d, 2);
+      for (int g = 0; g < 16; ++g) rec[record::sub_unit(16, false, g) * kRows + r] = static_cast<uint8_t>(c.sub[g]);
+    }
+    for (int64_t b = 0; b < 8; ++b) {
+#if defined(__AVX2__)
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256i row[8], pair[8], quad[8];
+        for (int i = 0; i < 8; ++i)
+          row[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(rows[8 * half + i].v + 32 * b));
+        for (int i = 0; i < 8; i += 2) {
+          pair[i] = _mm256_unpacklo_epi32(row[i], row[i + 1]);
+          pair[i + 1] = _mm256_unpackhi_epi32(row[i], row[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {  // quad[i + k]: words k and 4 + k of 4 rows
+          quad[i] = _mm256_unpacklo_epi64(pair[i], pair[i + 2]);
+          quad[i + 1] = _mm256_unpackhi_epi64(pair[i], pair[i + 2]);
+          quad[i + 2] = _mm256_unpacklo_epi64(pair[i + 1], pair[i + 3]);
+          quad[i + 3] = _mm256_unpackhi_epi64(pair[i + 1], pair[i + 3]);
+        }
+        for (int k = 0; k < 4; ++k) {  // vector v: word v of the 8 rows
+          auto* low = reinterpret_cast<__m256i*>(values + values::offset(8, sb * 8 + b, k, 8 * half));
+          auto* high = reinterpret_cast<__m256i*>(values + values::offset(8, sb * 8 + b, k + 4, 8 * half));
+          _mm256_storeu_si256(low, _mm256_permute2x128_si256(quad[k], quad[4 + k], 0x20));
+          _mm256_storeu_si256(high, _mm256_permute2x128_si256(quad[k], quad[4 + k], 0x31));
+        }
+      }
+#else
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t v = 0; v < 8; ++v)
+          std::memcpy(values + values::offset(8, sb * 8 + b, v, r), rows[r].v + 32 * b + 4 * v, 4);
+#endif
+    }
+  }
+}
+inline void expand_codebook(const ScaleTable& s, const uint8_t* blocks, int64_t supers, int8_t* values,
+                            uint8_t* records) {
+  using namespace codebook;
+  switch (s.codebook) {
+    case IQ2_XXS: return expand_codebook_as<IQ2_XXS>(s, blocks, supers, values, records);
+    case IQ2_XS: return expand_codebook_as<IQ2_XS>(s, blocks, supers, values, records);
+    case IQ2_S: return expand_codebook_as<IQ2_S>(s, blocks, supers, values, records);
+    case IQ3_XXS: return expand_codebook_as<IQ3_XXS>(s, blocks, supers, values, records);
+    case IQ3_S: return expand_codebook_as<IQ3_S>(s, blocks, supers, values, records);
+    case IQ1_S: return expand_codebook_as<IQ1_S>(s, blocks, supers, values, records);
+    case IQ1_M: return expand_codebook_as<IQ1_M>(s, blocks, supers, values, records);
+    default: TORCH_CHECK(false, "no codebook type ", s.codebook);
+  }
 }
 
 struct Problem {
@@ -1164,6 +1244,23 @@ inline void tile_tokens(const Problem& p, int64_t index, int64_t c0, int64_t c1)
 constexpr int64_t kUnpackTokens = 16;
 template <int kBits, int kGroup, int kScales, bool kTable = false>
 inline void tile_chunk(const Problem& p, int64_t index, int64_t c0, int64_t c1) {
+  if constexpr (kBits == 8 && kGroup == 16 && kScales == kRecords) {
+    if (p.s.codebook) {  // its blocks decoded into the thread's buffers, then int8 values
+      static thread_local std::vector<int8_t> values;
+      static thread_local std::vector<uint8_t> records;
+      const int64_t supers = p.K / 256;
+      values.resize(p.K * kRows);
+      records.resize(supers * p.s.record);
+      expand_codebook(p.s, p.values + index * p.tile_bytes, supers, values.data(), records.data());
+      Problem expanded = p;
+      expanded.values = reinterpret_cast<const uint8_t*>(values.data());
+      expanded.tile_bytes = 0;  // tile ``index``'s values and records are the buffers
+      expanded.s.scales = records.data();
+      expanded.s.tile_stride = 0;
+      expanded.s.codebook = 0;
+      return tile_tokens<8, 16, kRecords>(expanded, index, c0, c1);
+    }
+  }
 #ifdef TANDEM_UNPACKS_COMPACT
   if constexpr (kBits < 4) {
     if (c1 - c0 >= kUnpackTokens) {
@@ -1215,7 +1312,7 @@ template <int kBits, int kGroup, int kScales, bool kTable = false>
 void run(const Problem& p, int64_t T) {
   const int64_t tiles = (p.N + kRows - 1) / kRows;
 #ifdef TANDEM_AMX
-  if (!kTable && amx::takes<kBits>(T, p.offset)) {
+  if (!kTable && !p.s.codebook && amx::takes<kBits>(T, p.offset)) {
     work::share(tiles, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);) amx_tokens<kBits, kGroup, kScales>(p, begin, end, T);
@@ -1241,7 +1338,7 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 #ifdef TANDEM_AMX
   int64_t most = 0;
   for (const int64_t T : Ts) most = std::max(most, T);
-  if (!kTable && amx::takes<kBits>(most, ps[0].offset)) {
+  if (!kTable && !ps[0].s.codebook && amx::takes<kBits>(most, ps[0].offset)) {
     work::share(jobs, kMinRun, [&](work::SharedRuns& runs) {
       const amx::Tiles registers(kGroup);
       for (int64_t begin, end; runs.next(begin, end);)
@@ -1265,9 +1362,9 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
 // (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr;
-// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288);
-// ``factor`` a power of two in 2**-8 .. 1, ``table`` 0 or a row of kTables plus one
-// (ScaleTable's).
+// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288), or
+// none (a codebook type's blocks hold them); ``factor`` a power of two in 2**-8 .. 1,
+// ``table`` 0, a row of kTables plus one, or a codebook type's GGML code (ScaleTable's).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
                        int64_t tiles, int64_t K, int64_t group, double factor, int64_t table) {
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16");
@@ -1275,9 +1372,20 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
   int exponent = 0;
   TORCH_CHECK(factor >= 1.0 / 256 && factor <= 1 && std::frexp(factor, &exponent) == 0.5,
               "factor: a power of two in 2**-8 .. 1");
-  TORCH_CHECK(table >= 0 && table <= 2, "table: 0 (none), 1 (IQ4_NL's levels) or 2 (MXFP4's values)");
-  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, static_cast<int>(group), false,
-               static_cast<float>(factor), table ? kTables[table - 1] : nullptr};
+  const bool codebook = codebook::shape(table).entries > 0;
+  TORCH_CHECK((table >= 0 && table <= 2) || codebook,
+              "table: 0 (none), 1 (IQ4_NL's levels), 2 (MXFP4's values) or a codebook type's GGML code");
+  ScaleTable s{scales.data_ptr(), nullptr, K / group, K / 256, 0, 0, static_cast<int>(group), false,
+               static_cast<float>(factor), table == 1 || table == 2 ? kTables[table - 1] : nullptr, 0, nullptr};
+  if (codebook) {
+    TORCH_CHECK(group == 16 && K % 256 == 0 && scales.numel() == 0 && !(corr.has_value() && corr->numel() > 0),
+                "a codebook type's blocks: groups of 16, whole super-blocks, no scales");
+    s.grid = codebook::grid_of(table);
+    TORCH_CHECK(s.grid != nullptr, "GGML type ", table, ": no grid given (set_codebook_grid)");
+    s.codebook = table;
+    s.record = record::bytes(16, false);  // what its tiles decode to
+    return s;
+  }
   if (scales.scalar_type() == torch::kByte) {
     int64_t record_group = 0;
     const int64_t per = tiles * s.supers > 0 ? scales.numel() / (tiles * s.supers) : 0;
@@ -1285,6 +1393,7 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
                     scales.numel() == tiles * s.supers * per,
                 "scales: records [tiles, K / 256 * R] of groups of ", group);
     s.record = per;
+    s.tile_stride = s.supers * per;
     TORCH_CHECK(!(corr.has_value() && corr->numel() > 0), "records hold their constants");
     return s;
   }
@@ -1299,10 +1408,17 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
 }
 
 // Bits a weight's value takes in ``values`` (laid out at the top of this file) for K
-// columns: 4, 5 or 6 (uint8) or 8 (int8), checked against its bytes per tile.
-int value_bits(const torch::Tensor& values, int64_t K) {
+// columns: 2 to 6 (uint8) or 8 (int8), checked against its bytes per tile; a codebook
+// type's blocks (``s``) are 8, the int8 values they decode to.
+int value_bits(const torch::Tensor& values, int64_t K, const ScaleTable& s) {
   TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a positive multiple of 32");
   TORCH_CHECK(values.is_contiguous() && values.dim() == 2, "values: [tiles, bytes per tile]");
+  if (s.codebook) {
+    TORCH_CHECK(values.scalar_type() == torch::kByte &&
+                    values.size(1) == K / 256 * kRows * codebook::shape(s.codebook).bytes,
+                "a codebook type's values: uint8, its blocks, K / 256 * 16 a tile");
+    return 8;
+  }
   if (values.scalar_type() == torch::kChar) {
     TORCH_CHECK(values.size(1) == K * kRows, "int8 values: K * 16 bytes per tile");
     return 8;
@@ -1368,11 +1484,11 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "x: float32 rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == torch::kFloat, "out: float32 rows");
   const int64_t T = x.size(0), K = x.size(1), tiles = values.size(0);
-  const int bits = quant::value_bits(values, K);
-  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
-  TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   quant::Problem p;
   p.s = quant::scale_table(scales, corr, tiles, K, group, factor, table);
+  const int bits = quant::value_bits(values, K, p.s);
+  TORCH_CHECK(tiles * kRows >= N && (tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
+  TORCH_CHECK(out.size(0) == T && out.size(1) == N, "out: [T, N]");
   p.offset = quant::integer_offset(offset);
   // Reused across calls (a decode step makes ~100 of them): no allocation per call.
   static thread_local quant::Activations act;
@@ -1392,7 +1508,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor values, torc
   using quant::kHalfScales;
   using quant::kRecords;
   const bool records = p.s.record != 0;
-  quant::check_format(bits, group, records, table != 0);
+  quant::check_format(bits, group, records, p.s.table != nullptr);
   switch (bits) {
     case 2:
     case 3:
@@ -1441,13 +1557,13 @@ ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& sca
   m.K = K;
   m.N = N;
   m.tiles = values.size(0);
-  m.bits = value_bits(values, K);
-  TORCH_CHECK(m.tiles * kRows >= N && (m.tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
-  m.tile_bytes = values.size(1);
   m.s = scale_table(scales, corr.numel() > 0 ? c10::optional<torch::Tensor>(corr) : c10::nullopt, m.tiles, K,
                     group, factor, table);
+  m.bits = value_bits(values, K, m.s);
+  TORCH_CHECK(m.tiles * kRows >= N && (m.tiles - 1) * kRows < N, "values: ceil(N / 16) tiles");
+  m.tile_bytes = values.size(1);
   m.records = m.s.record != 0;
-  check_format(m.bits, group, m.records, table != 0);
+  check_format(m.bits, group, m.records, m.s.table != nullptr);
   m.offset = integer_offset(offset);
   return m;
 }
@@ -1463,7 +1579,8 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
   std::vector<Problem> ps(P);
   for (size_t i = 0; i < P; ++i) {
     const int64_t* at = where + 3 * which[i];
-    TORCH_CHECK(at[0] != 0 && at[1] != 0 && (at[2] != 0) == (m.s.corr != nullptr), "where: one layout for all");
+    TORCH_CHECK(at[0] != 0 && (at[1] != 0 || m.s.codebook) && (at[2] != 0) == (m.s.corr != nullptr),
+                "where: one layout for all");
     Problem& p = ps[i];
     p.s = m.s;
     p.s.scales = reinterpret_cast<const void*>(at[1]);
@@ -1518,9 +1635,9 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat, "out: float32");
   TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: int64");
   const int64_t n = ids.size(0), K = out.size(1);
-  const int bits = quant::value_bits(values, K);
   const int64_t tiles = values.size(0);
   const quant::ScaleTable s = quant::scale_table(scales, corr, tiles, K, group, factor, table);
+  const int bits = quant::value_bits(values, K, s);
   const int32_t shift = quant::integer_offset(offset);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -1531,6 +1648,17 @@ void quant_rows(torch::Tensor out, torch::Tensor ids, torch::Tensor values, torc
     for (int64_t i = begin; i < end; ++i) {
       const int64_t tile = id[i] / kRows, r = id[i] % kRows;
       const uint8_t* tv = vals + tile * values.size(1);
+      if (s.codebook) {  // w = d * sub * factor * v, as scale_at multiplies them
+        codebook::Decoded c;
+        const int64_t bytes = codebook::shape(s.codebook).bytes;
+        for (int64_t sb = 0; sb < K / 256; ++sb) {
+          codebook::decode(s.codebook, s.grid, tv + quant::codebook_offset(bytes, sb, r), c);
+          const float d = static_cast<float>(c10::Half(c.d, c10::Half::from_bits()));
+          for (int64_t k = 0; k < 256; ++k)
+            dst[i * K + sb * 256 + k] = d * static_cast<float>(c.sub[k / 16]) * s.factor * static_cast<float>(c.v[k]);
+        }
+        continue;
+      }
       for (int64_t g = 0; g < s.groups; ++g) {
         const float scale = quant::scale_at(s, tile, r, g) * s.factor;
         const float constant = quant::constant_at(s, tile, r, g);

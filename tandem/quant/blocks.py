@@ -598,7 +598,7 @@ class BlockFormat:
     # tensor that fails is decoded to float32 at load instead. None: always.
     held_exactly: Callable[[torch.Tensor], bool] | None = None
     # Whether its values come from a codebook, gguf-py's grid of its name (``grid``; the
-    # compiled packer is given it).
+    # compiled kernels are given it): held as the file's blocks, decoded a tile at a time.
     codebook: bool = False
     # The power of two its scales take beyond the records' d and sub-scales
     # (SuperScales.factor): the kernels multiply each output by it.
@@ -664,8 +664,9 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # sub-scales.
     BlockFormat(GGMLType.IQ4_XS, 256, 136, _decode_iq4_xs, 8, 16, 0.0, False, 288,
                 SuperFormat(256, 16, 4, 128, True, False), compact_bits=4, table=1),
-    # IQ3_S's codebook values (x their signs) as IQ4_XS's are held (8.5625 bits against
-    # 3.4375).
+    # IQ3_S: held as the file's blocks (3.4375 bits; packed.py's codebook_layout), each
+    # tile decoded as it is multiplied into what packed_bits and record_bytes describe:
+    # its codebook values (x their signs) as int8 under IQ4_XS's records.
     BlockFormat(GGMLType.IQ3_S, 256, 110, _decode_iq3_s, 8, 16, 0.0, False, 288,
                 SuperFormat(256, 16, 4, 128, True, False), codebook=True),
     # The other codebook types as IQ3_S (d's power of two kept apart: ``factor``).

@@ -19,8 +19,13 @@ which documents the layout) serves every format:
       Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
                              (Q3_K's, the ternary types' and IQ4_XS's too)
   (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file; IQ4_XS,
-  its levels as int8, 8.5625 against 4.25.) The codebook i-quants' d / 4 and d / 8 are
-  the file's d in the records and a power of two apart (``factor``), which the kernel
+  its levels as int8, 8.5625 against 4.25.)
+- the codebook i-quants (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*): the file's blocks, a tile's 16
+  rows side by side per super-block (uint8 [tiles, K/256 * 16 * block bytes], scales
+  empty, ``table`` the type's code: ``codebook``), at the file's bits. The kernel
+  decodes each tile through its grid as it multiplies it, into int8 values under Q6_K's
+  records (what ``from_decoded`` holds them as, the same products bit for bit); d / 4
+  and d / 8 are the file's d and a power of two apart (``factor``), which the kernel
   multiplies each output by.
 
 Where the kernels read the compact layouts (``layout_bits``: the AVX2 and portable
@@ -119,7 +124,15 @@ class PackedWeight:
     offset: float = 0.0  # the values': Q4_0 8, Q5_0 16, Q6_K 32
     record: int = 0  # bytes of a tile's super-block record (record_bytes); 0: float16 scales
     factor: float = 1.0  # a power of two every scale takes (SuperScales.factor)
-    table: int = 0  # the TABLES entry its 4-bit values index (table_layout); 0: none
+    # The TABLES entry its 4-bit values index (table_layout); a codebook type's GGML code,
+    # whose blocks the values are (codebook_layout); 0: none.
+    table: int = 0
+
+    @property
+    def codebook(self) -> GGMLType | None:
+        """The codebook type whose blocks ``values`` holds, decoded as the kernel
+        multiplies (quant_ops.cpp's expand_codebook); None for the other layouts."""
+        return GGMLType(self.table) if self.table not in TABLES and self.table else None
 
     @property
     def records(self) -> bool:
@@ -128,14 +141,17 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.codebook is not None:
+            return self.rows, self.values.shape[1] // (ROWS * FORMATS[self.codebook].nbytes) * SUPER
         if self.records:
             return self.rows, self.scales.shape[1] // self.record * SUPER
         return self.rows, self.scales.shape[1] * self.group
 
     @property
     def bits(self) -> int:
-        """Bits a value takes: 2 to 6 (uint8 crumbs or nibbles, and planes) or 8 (int8)."""
-        if self.values.dtype == torch.int8:
+        """Bits a value takes: 2 to 6 (uint8 crumbs or nibbles, and planes) or 8 (int8, and
+        the codebook types' values, as their blocks decode)."""
+        if self.values.dtype == torch.int8 or self.codebook is not None:
             return 8
         return self.values.shape[1] // (2 * self.shape[1])
 
@@ -179,6 +195,10 @@ class PackedWeight:
             weight = cls.allocate(code, raw.shape[0], columns)
             weight.fill_rows(0, code, raw)
             return weight
+        if codebook_layout(code):
+            weight = cls.allocate(code, raw.shape[0], columns)
+            weight.values.copy_(_tile_blocks(raw, FORMATS[code].nbytes))
+            return weight
         return cls.from_decoded(decode(code, raw, columns), code.name)
 
     @classmethod
@@ -194,6 +214,9 @@ class PackedWeight:
         corr = torch.empty_like(scales) if has_corr else None
         spec, table = FORMATS[code], table_layout(code)
         group, offset, record = spec.group, 0.0 if table else spec.offset, spec.record_bytes
+        if codebook_layout(code):
+            _give_kernels_grid(code)
+            table, record = int(code), 0
         return cls(values, scales, corr, rows, group, code.name, offset, record, spec.factor,
                    table)  # fmt: skip
 
@@ -210,9 +233,8 @@ class PackedWeight:
         first, last = row_start // ROWS, -(-(row_start + raw.shape[0]) // ROWS)
         corr = None if self.corr is None else self.corr[first:last]
         cpu_kernels.load().pack_ggml(
-            raw, int(code), columns, self.values[first:last], self.scales[first:last], corr,
-            grid(code),
-        )  # fmt: skip
+            raw, int(code), columns, self.values[first:last], self.scales[first:last], corr
+        )
 
     def decoded(self, tiles: torch.Tensor | None = None) -> Decoded:
         """The rows of all tiles (or of ``tiles``), padding included."""
@@ -220,6 +242,9 @@ class PackedWeight:
         if tiles is not None:
             values, scales = values[tiles], scales[tiles]
             corr = None if corr is None else corr[tiles]
+        if self.codebook is not None:
+            return decode(self.codebook, _untile_blocks(values, FORMATS[self.codebook].nbytes),
+                          self.shape[1])  # fmt: skip
         q = _unpack_values(values, self.bits).reshape(-1, self.shape[1])
         bits = self.bits
         if self.table:  # the indices' levels, as int8 values
@@ -266,6 +291,40 @@ class PackedWeight:
             out, x, self.values, self.scales, self.corr, bias, self.rows, self.group,
             self.offset, self.factor, self.table,
         )  # fmt: skip
+
+
+def codebook_layout(code: GGMLType) -> bool:
+    """Whether ``code`` is held as its file's blocks (the codebook types: 1.56-3.06 bits a
+    weight where int8 values take 8.56), each tile decoded as the kernel multiplies it."""
+    return FORMATS[code].codebook
+
+
+def _give_kernels_grid(code: GGMLType) -> None:
+    """The compiled kernels, where there are any, given ``code``'s grid (once a process:
+    they keep it)."""
+    from tandem.kernels import cpu as cpu_kernels
+
+    if code not in _GRIDS_GIVEN and cpu_kernels.available(torch.device("cpu"), torch.float32):
+        cpu_kernels.load().set_codebook_grid(int(code), grid(code))
+        _GRIDS_GIVEN.add(code)
+
+
+_GRIDS_GIVEN: set[GGMLType] = set()
+
+
+def _tile_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """A codebook type's rows of blocks (uint8 [rows, K/256 * block bytes]) in the
+    kernel's layout (quant_ops.cpp's codebook_offset): per tile and super-block, its 16
+    rows' blocks side by side; padding rows zero."""
+    tiled = _tile(raw, raw.shape[0])  # [tiles, 16, supers * bytes]
+    tiled = tiled.reshape(tiled.shape[0], ROWS, -1, block_bytes).transpose(1, 2)
+    return tiled.reshape(tiled.shape[0], -1)
+
+
+def _untile_blocks(values: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """_tile_blocks undone: uint8 [tiles * 16, K/256 * block bytes]."""
+    tiles = values.reshape(values.shape[0], -1, ROWS, block_bytes).transpose(1, 2)
+    return tiles.reshape(values.shape[0] * ROWS, -1)
 
 
 def _table_indices(dec: Decoded, table: int) -> torch.Tensor:
@@ -383,6 +442,9 @@ def _packed_shapes(code: GGMLType, rows: int, columns: int):
     spec = FORMATS[code]
     bits, group, has_corr, record = layout_bits(code), spec.group, spec.has_corr, spec.record_bytes
     tiles = -(-rows // ROWS)
+    if codebook_layout(code):  # its blocks, no scales beside them
+        blocks = (tiles, columns // SUPER * ROWS * spec.nbytes)
+        return (blocks, torch.uint8), ((tiles, 0), torch.uint8), False
     values = ((tiles, columns * 2 * bits), torch.int8 if bits == 8 else torch.uint8)
     if record:
         scales = ((tiles, columns // SUPER * record), torch.uint8)
