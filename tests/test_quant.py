@@ -414,7 +414,7 @@ def test_packed_weights_take_the_files_bits():
         GGMLType.TQ1_0: 2.5625 if compact else 4.5625,  # (TQ2_0's: its base-3 values as 2 bits)
         GGMLType.MXFP4: 4.5 if compact else 5.5,  # (indices; or its values + 16 as Q5_0's)
         GGMLType.IQ4_XS: 4.5625 if compact else 8.5625,  # (or its levels as int8)
-        GGMLType.Q2_K: 3.125 if compact else 5.125,  # (2 bits, records with minimums)
+        GGMLType.Q2_K: 2.625 if compact else 4.625,  # (2 bits, records with minimums)
         # (the codebook types as the file's blocks, decoded a tile at a time)
         **{code: BLOCK[code][1] * 8 / 256 for code in BLOCK if FORMATS_TABLE[code].codebook},
     }  # fmt: skip

@@ -17,8 +17,8 @@
 //           side (quant_ops.cpp's quant::record): Q4_K / Q5_K (R = 320) d, dmin
 //           (float16 bits), sub-scales [8], sub-mins [8]; Q6_K and Q3_K (R = 288) d,
 //           sub-scales [16] (int8; Q3_K's 6-bit scale - 32; TQ1_0's and TQ2_0's 1s;
-//           IQ4_XS's 6-bit scale - 32 for both groups of its 32); Q2_K (R = 576) d,
-//           dmin, its 4-bit sub-scales [16] and sub-mins [16]; IQ4_NL as Q8_0, its
+//           IQ4_XS's 6-bit scale - 32 for both groups of its 32); Q2_K (R = 320) d,
+//           dmin, its 16 bytes of a 4-bit sub-scale and sub-min; IQ4_NL as Q8_0, its
 //           values its table's levels (IQ4_XS's too, int8 under its records); MXFP4 as
 //           Q5_0, its values + 16 and its powers of two as float16. Where the kernels
 //           read the compact layouts (quant::kCompactLayouts) and ``values`` is sized
@@ -56,10 +56,13 @@ inline int64_t record_bytes(int64_t code) {
   switch (code) {
     case Q4_K: case Q5_K: return 320;
     case Q6_K: case Q3_K: case TQ1_0: case TQ2_0: case IQ4_XS: return 288;
-    case Q2_K: return 576;
+    case Q2_K: return 320;
     default: return 0;
   }
 }
+
+// The group of the format's records' sub-scales (quant::record).
+inline int64_t record_group(int64_t code) { return code == Q4_K || code == Q5_K ? 32 : 16; }
 
 // Bits a value of the format takes packed.
 inline int value_bits(int64_t code) {
@@ -350,10 +353,8 @@ void pack_row(int64_t code, const uint8_t* row, int64_t K, const Out& o, int64_t
         uint8_t* rec = record(o, tile, sb);
         put_half(rec + 2 * r, u16(blk + 80));
         put_half(rec + 2 * (kRows + r), u16(blk + 82));
-        for (int g = 0; g < 16; ++g) {  // scale g: its low nibble the scale, its high the min
-          rec[quant::record::sub_unit(16, true, g) * kRows + r] = blk[g] & 0x0F;
-          rec[quant::record::min_unit(16, g) * kRows + r] = blk[g] >> 4;
-        }
+        // Byte g: group g's sub-scale (low nibble) and sub-min (high), as records keep them.
+        for (int g = 0; g < 16; ++g) rec[quant::record::sub_unit(16, true, g) * kRows + r] = blk[g];
         put_pairs(o, dst, sb, r, blk + 16, nullptr);
       }
       return;
@@ -464,7 +465,10 @@ void pack_ggml(torch::Tensor raw, int64_t code, int64_t columns, torch::Tensor v
   TORCH_CHECK((!records && !block) || columns % 256 == 0, "K formats: whole super-blocks");
   int64_t record_group = 0;
   bool record_mins = false;
-  if (records) quant::record::kind(record, record_group, record_mins);
+  if (records) {
+    record_group = pack::record_group(code);
+    quant::record::kind(record, record_group, record_mins);
+  }
   TORCH_CHECK(!records || scales.size(1) == columns / 256 * record, "scales: records per tile");
   // The compact layouts (quant::kCompactLayouts), where ``values`` is sized for them.
   const int compact = pack::compact_bits(code);

@@ -30,9 +30,10 @@
 //           K formats, uint8 records [tiles, K/256, R] of the file's factors (R = 320
 //           for Q4_K / Q5_K: float16 d[16] and dmin[16], uint8 sub-scales [8][16] and
 //           sub-mins [8][16]; R = 288 for Q6_K, group 16: d[16], int8 sub-scales
-//           [16][16]; Q3_K's 4-bit and IQ4_XS's int8 values the same way; R = 576 for
-//           Q2_K, group 16 with minimums: d[16], dmin[16], sub-scales [16][16] and
-//           sub-mins [16][16]), whose scale is d * sub-scale and constant
+//           [16][16]; Q3_K's 4-bit and IQ4_XS's int8 values the same way; R = 320 for
+//           Q2_K, group 16 with minimums: d[16], dmin[16], and [16][16] bytes of a
+//           sub-scale (low nibble) and a sub-min (high), as the file packs them), whose
+//           scale is d * sub-scale and constant
 //           -(dmin * sub-min), multiplied here in float32 as tandem/quant/blocks.py does
 //   corr    float16 like scales, or empty: the group's minimum (Q4_1, Q5_1)
 //   or, for the codebook i-quants, the file's blocks (codebook_offset), each tile decoded
@@ -200,26 +201,34 @@ constexpr bool kCompactLayouts = true;
 
 // A K format's super-block record (one per tile and super-block of 256 weights), in
 // units of 16 bytes, one byte a row: float16 d (units 0-1), dmin (2-3, with minimums:
-// groups of 32, and Q2_K's of 16), the sub-scales, then the sub-mins (with minimums).
+// groups of 32, and Q2_K's of 16), the sub-scales, then the sub-mins (with minimums;
+// groups of 16 with minimums, Q2_K's, keep both in one byte as the file does: the
+// sub-scale the low nibble, the sub-min the high).
 // The one definition: pack_ops.cpp writes records with it (tandem/quant/packed.py
 // mirrors it in torch).
 namespace record {
 constexpr int64_t halves(bool mins) { return mins ? 2 : 1; }  // d (, dmin)
 constexpr int64_t subs(int64_t group) { return 256 / group; }  // sub-scales a record
+constexpr bool nibbles(int64_t group, bool mins) { return group == 16 && mins; }
 constexpr int64_t sub_unit(int64_t group, bool mins, int64_t g) { return 2 * halves(mins) + g % subs(group); }
-constexpr int64_t min_unit(int64_t group, int64_t g) { return sub_unit(group, true, g) + subs(group); }
-// 320 (group 32), 288 (16), 576 (16 with minimums)
-constexpr int64_t bytes(int64_t group, bool mins) { return (2 * halves(mins) + subs(group) * halves(mins)) * kRows; }
-// The kind of a record of ``size`` bytes: its group and whether it holds minimums
-// (groups of 32 always do); false for a size no kind has.
-inline bool kind(int64_t size, int64_t& group, bool& mins) {
-  for (const int64_t g : {32, 16})
-    for (const bool m : {true, false})
-      if ((g == 16 || m) && size == bytes(g, m)) {
-        group = g;
-        mins = m;
-        return true;
-      }
+constexpr int64_t min_unit(int64_t group, int64_t g) {
+  return sub_unit(group, true, g) + (nibbles(group, true) ? 0 : subs(group));
+}
+// The sub-scale and the sub-min in a unit's byte.
+constexpr uint8_t sub_of(int64_t group, bool mins, uint8_t byte) { return nibbles(group, mins) ? byte & 0x0F : byte; }
+constexpr uint8_t min_of(int64_t group, uint8_t byte) { return nibbles(group, true) ? byte >> 4 : byte; }
+// 320 (group 32; 16 with minimums), 288 (16)
+constexpr int64_t bytes(int64_t group, bool mins) {
+  return (2 * halves(mins) + subs(group) * (nibbles(group, mins) ? 1 : halves(mins))) * kRows;
+}
+// Whether ``size`` bytes are a record of groups of ``group``, and then whether it holds
+// minimums (groups of 32 always do).
+inline bool kind(int64_t size, int64_t group, bool& mins) {
+  for (const bool m : {true, false})
+    if ((group == 16 || m) && size == bytes(group, m)) {
+      mins = m;
+      return true;
+    }
   return false;
 }
 }  // namespace record
@@ -302,7 +311,7 @@ inline float half_at(const void* base, int64_t i) {
 inline float scale_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g) {
   if (!s.record) return half_at(s.scales, (tile * s.groups + g) * kRows + r);
   const uint8_t* rec = s.record_of(tile, g);
-  const uint8_t sub = rec[record::sub_unit(s.group, s.mins, g) * kRows + r];
+  const uint8_t sub = record::sub_of(s.group, s.mins, rec[record::sub_unit(s.group, s.mins, g) * kRows + r]);
   const float q = s.group == 32 ? static_cast<float>(sub) : static_cast<float>(static_cast<int8_t>(sub));
   return half_at(rec, r) * q;
 }
@@ -310,7 +319,8 @@ inline float constant_at(const ScaleTable& s, int64_t tile, int64_t r, int64_t g
   if (s.record) {
     if (!s.mins) return 0.f;
     const uint8_t* rec = s.record_of(tile, g);
-    return -(half_at(rec, kRows + r) * static_cast<float>(rec[record::min_unit(s.group, g) * kRows + r]));
+    const uint8_t sub_min = record::min_of(s.group, rec[record::min_unit(s.group, g) * kRows + r]);
+    return -(half_at(rec, kRows + r) * static_cast<float>(sub_min));
   }
   return s.corr != nullptr ? half_at(s.corr, (tile * s.groups + g) * kRows + r) : 0.f;
 }
@@ -452,7 +462,8 @@ template <int kScales, int kGroup>
 inline __m512 scales16(const ScaleTable& s, int64_t tile, int64_t g, __m512 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows));
+    __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows));
+    if (kGroup == 16 && s.mins) sub = _mm_and_si128(sub, _mm_set1_epi8(0x0F));  // record::nibbles
     const __m512i q = kGroup == 32 ? _mm512_cvtepu8_epi32(sub) : _mm512_cvtepi8_epi32(sub);
     return product(d, _mm512_cvtepi32_ps(q));
   } else {
@@ -475,7 +486,8 @@ template <int kScales, int kGroup>
 inline __m512 constants16(const ScaleTable& s, int64_t tile, int64_t g, __m512 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows));
+    __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows));
+    if constexpr (record::nibbles(kGroup, true)) mins = _mm_and_si128(_mm_srli_epi16(mins, 4), _mm_set1_epi8(0x0F));
     return product(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
   } else {
     return halves16(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows);
@@ -683,7 +695,8 @@ template <int kScales, int kGroup>
 inline __m256 scales8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 d) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows + half * 8));
+    __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::sub_unit(kGroup, kGroup == 32 || s.mins, g) * kRows + half * 8));
+    if (kGroup == 16 && s.mins) sub = _mm_and_si128(sub, _mm_set1_epi8(0x0F));  // record::nibbles
     const __m256i q = kGroup == 32 ? _mm256_cvtepu8_epi32(sub) : _mm256_cvtepi8_epi32(sub);
     return product(d, _mm256_cvtepi32_ps(q));
   } else {
@@ -703,7 +716,8 @@ template <int kScales, int kGroup>
 inline __m256 constants8(const ScaleTable& s, int64_t tile, int half, int64_t g, __m256 dmin) {
   if constexpr (kScales == kRecords) {
     const uint8_t* rec = s.record_for<kGroup>(tile, g);
-    const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows + half * 8));
+    __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + record::min_unit(kGroup, g) * kRows + half * 8));
+    if constexpr (record::nibbles(kGroup, true)) mins = _mm_and_si128(_mm_srli_epi16(mins, 4), _mm_set1_epi8(0x0F));
     return product(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
   } else {
     return halves8(static_cast<const at::Half*>(s.corr) + (tile * s.groups + g) * kRows + half * 8);
@@ -1362,7 +1376,7 @@ void run_many(const std::vector<Problem>& ps, const std::vector<int64_t>& Ts, in
 
 // A packed matrix's scales and constants, checked: float16 scales [tiles, K/group, 16]
 // (corr float16 like them, or empty), or uint8 records [tiles, K/256 * R] (no corr;
-// for groups of 16, R says whether they hold minimums: 576 bytes, Q2_K's, or 288), or
+// for groups of 16, R says whether they hold minimums: 320 bytes, Q2_K's, or 288), or
 // none (a codebook type's blocks hold them); ``factor`` a power of two in 2**-8 .. 1,
 // ``table`` 0, a row of kTables plus one, or a codebook type's GGML code (ScaleTable's).
 ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::Tensor>& corr,
@@ -1387,10 +1401,8 @@ ScaleTable scale_table(const torch::Tensor& scales, const c10::optional<torch::T
     return s;
   }
   if (scales.scalar_type() == torch::kByte) {
-    int64_t record_group = 0;
     const int64_t per = tiles * s.supers > 0 ? scales.numel() / (tiles * s.supers) : 0;
-    TORCH_CHECK(K % 256 == 0 && record::kind(per, record_group, s.mins) && record_group == group &&
-                    scales.numel() == tiles * s.supers * per,
+    TORCH_CHECK(K % 256 == 0 && record::kind(per, group, s.mins) && scales.numel() == tiles * s.supers * per,
                 "scales: records [tiles, K / 256 * R] of groups of ", group);
     s.record = per;
     s.tile_stride = s.supers * per;

@@ -645,9 +645,9 @@ FORMATS: dict[GGMLType, BlockFormat] = {f.code: f for f in (
     # file's 3.4375), or a nibble each (4.5625) where the kernels read no 3 bits.
     BlockFormat(GGMLType.Q3_K, 256, 110, _decode_q3_k, 4, 16, 4.0, False, 288,
                 SuperFormat(256, 16, 0, 4, True, False), compact_bits=3),
-    # Q2_K's 2-bit values, records of 16-weight groups with minimums (3.125 bits against
-    # 2.625; a nibble each: 5.125).
-    BlockFormat(GGMLType.Q2_K, 256, 84, _decode_q2_k, 4, 16, 0.0, False, 576,
+    # Q2_K's 2-bit values, records of 16-weight groups with minimums, a group's sub-scale
+    # and sub-min in one byte as in the file (2.625 bits, the file's; a nibble each: 4.625).
+    BlockFormat(GGMLType.Q2_K, 256, 84, _decode_q2_k, 4, 16, 0.0, False, 320,
                 SuperFormat(256, 16, 0, 0, True, True), compact_bits=2),
     # TQ2_0's 2-bit values, Q3_K's records (2.5625 bits against 2.0625; nibbles: 4.5625).
     BlockFormat(GGMLType.TQ2_0, 256, 66, _decode_tq2_0, 4, 16, 1.0, False, 288,

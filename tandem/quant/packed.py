@@ -18,6 +18,9 @@ which documents the layout) serves every format:
                              sub-mins [8][16] (uint8): 320 bytes
       Q6_K (group 16):       d[16] (float16), sub-scales [16][16] (int8): 288 bytes
                              (Q3_K's, the ternary types' and IQ4_XS's too)
+      Q2_K (group 16):       d[16], dmin[16] (float16), [16][16] bytes of a
+                             sub-scale (low nibble) and a sub-min (high), as the
+                             file packs them: 320 bytes
   (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K 6.5625 as the file; IQ4_XS,
   its levels as int8, 8.5625 against 4.25.)
 - the codebook i-quants (IQ3_XXS, IQ3_S, IQ2_*, IQ1_*): the file's blocks, a tile's 16
@@ -32,7 +35,7 @@ Where the kernels read the compact layouts (``layout_bits``: the AVX2 and portab
 paths), IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit indices into a table of 16 levels,
 read through a byte shuffle (``table_layout``), as Q4_0's nibbles under their own scales
 (4.5 / 4.5625 / 4.5 bits a weight), and Q2_K and the ternary types keep 2 bits a value,
-Q3_K 3 (crumbs and a plane: 3.125, 2.5625, 3.5625); elsewhere the table formats' levels
+Q3_K 3 (crumbs and a plane: 2.625, 2.5625, 3.5625); elsewhere the table formats' levels
 as int8 (MXFP4's as Q5_0's values) and the 2- and 3-bit values a nibble each.
 
 ``nbytes`` reports what is held. ``reference`` is the exact math the kernel must
@@ -71,13 +74,20 @@ def _low_bits(bits: int) -> int:
     return 2 if bits < 4 else 4
 
 
+def _nibbles(group: int, mins: bool) -> bool:
+    """Whether a record keeps a group's sub-scale and sub-min in one byte (quant_ops.cpp's
+    record::nibbles: groups of 16 with minimums, Q2_K's, as the file packs them)."""
+    return group == 16 and mins
+
+
 def record_bytes(group: int, mins: bool) -> int:
     """Bytes of one tile's record per super-block (quant_ops.cpp's quant::record): d
-    (and dmin) as float16, then a byte per group's sub-scale (and sub-min), each item
-    for the tile's 16 rows side by side: 320 for groups of 32 (always with minimums),
-    288 for groups of 16, 576 for groups of 16 with minimums (Q2_K)."""
+    (and dmin) as float16, then a byte per group's sub-scale (and sub-min: its own byte,
+    or, for groups of 16, the sub-scale's high nibble), each item for the tile's 16 rows
+    side by side: 320 for groups of 32 (always with minimums) and for groups of 16 with
+    minimums (Q2_K), 288 for groups of 16."""
     items = 1 + mins
-    return ROWS * (2 * items + SUPER // group * items)
+    return ROWS * (2 * items + SUPER // group * (1 if _nibbles(group, mins) else items))
 
 
 def kernels_read_compact() -> bool:
@@ -402,7 +412,10 @@ def _records(dec: Decoded, rows: int) -> torch.Tensor:
 
     subs = SUPER // dec.group
     parts = [per_row(supers.d.half(), 1)]
-    if supers.dmin is not None:
+    if supers.dmin is not None and _nibbles(dec.group, True):
+        parts.append(per_row(supers.dmin.half(), 1))
+        parts.append(per_row(supers.sub | (supers.sub_mins << 4), subs))
+    elif supers.dmin is not None:
         parts.append(per_row(supers.dmin.half(), 1))
         parts += [per_row(supers.sub, subs), per_row(supers.sub_mins, subs)]
     else:
@@ -427,12 +440,15 @@ def _unrecord(
 
     start = 2 * ROWS * (1 + mins)
     sub = r[..., start : start + subs * ROWS].reshape(tiles, -1, subs, ROWS)
+    if _nibbles(group, mins):
+        sub, low = sub & 0x0F, sub >> 4
+    elif mins:
+        low = r[..., start + subs * ROWS :].reshape(tiles, -1, subs, ROWS)
     if group == 16:
         sub = sub.contiguous().view(torch.int8)
     scales = (halves(0) * sub.float()).reshape(tiles, -1, ROWS)
     if not mins:
         return scales, None
-    low = r[..., start + subs * ROWS :].reshape(tiles, -1, subs, ROWS)
     return scales, (-(halves(1) * low.float())).reshape(tiles, -1, ROWS)
 
 
