@@ -154,6 +154,8 @@ def test_an_uncached_model_offline_is_refused_by_name(tmp_path):
     assert "tandem pull org/elsewhere" in result.stderr and "Traceback" not in result.stderr
     unreachable = tandem(tmp_path, "pull", "org/elsewhere:Q4_K_M")  # no hub listening
     assert unreachable.returncode == 2 and "not in the Hugging Face cache" in unreachable.stderr
+    # (asked once, without the listing's retries: an offline start does not wait ~25 s)
+    assert "nothing answers at http://127.0.0.1:9" in unreachable.stderr
 
 
 def test_the_cache_folder_is_named_as_huggingface_hub_names_it(tmp_path, monkeypatch):

@@ -186,6 +186,9 @@ def _repo_files(hub_id: HubId, revision: str | None) -> list[str] | None:
 
     if constants.HF_HUB_OFFLINE:
         return None
+    if not _answers(constants.ENDPOINT):
+        logger.warning("nothing answers at %s: looking in the cache", constants.ENDPOINT)
+        return None
     try:
         return HfApi().list_repo_files(hub_id.repo_id, revision=revision)
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError):
@@ -193,6 +196,22 @@ def _repo_files(hub_id: HubId, revision: str | None) -> list[str] | None:
     except Exception as exc:  # the client's connection and server errors alike
         logger.warning("the hub cannot be reached (%s): looking in the cache", exc)
         return None
+
+
+def _answers(endpoint: str) -> bool:
+    """Whether a connection to the hub can be made at all, asked once through the
+    client's own session (its proxies and certificates): the listing retries a refused
+    connection or an unknown name five times with backoff, about 25 s before the cache
+    is looked in, which every offline start would wait. Anything else that goes wrong
+    (a timeout, an HTTP error) is left to the listing and its retries."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=10)
+    except Exception as exc:  # requests' ConnectionError or httpx's ConnectError
+        names = {kind.__name__ for kind in type(exc).__mro__}
+        return not names & {"ConnectError", "ConnectionError"} or "Timeout" in type(exc).__name__
+    return True
 
 
 def _cached(hub_id: HubId, revision: str | None) -> Path:
