@@ -310,16 +310,19 @@ def codebook_layout(code: GGMLType) -> bool:
 
 
 def _give_kernels_grid(code: GGMLType) -> None:
-    """The compiled kernels, where there are any, given ``code``'s grid (once a process:
+    """The compiled kernels, where there are any, given ``code``'s grid (once a module:
     they keep it)."""
     from tandem.kernels import cpu as cpu_kernels
 
-    if code not in _GRIDS_GIVEN and cpu_kernels.available(torch.device("cpu"), torch.float32):
-        cpu_kernels.load().set_codebook_grid(int(code), grid(code))
-        _GRIDS_GIVEN.add(code)
+    if not cpu_kernels.available(torch.device("cpu"), torch.float32):
+        return
+    kernels = cpu_kernels.load()
+    if (id(kernels), code) not in _GRIDS_GIVEN:
+        kernels.set_codebook_grid(int(code), grid(code))
+        _GRIDS_GIVEN.add((id(kernels), code))
 
 
-_GRIDS_GIVEN: set[GGMLType] = set()
+_GRIDS_GIVEN: set[tuple[int, GGMLType]] = set()  # (the module's id, the type)
 
 
 def _tile_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
