@@ -84,7 +84,7 @@ inline int compact_bits(int64_t code) {
   }
 }
 
-inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+using codebook::u16;  // little-endian loads: codebook_ops.cpp's, before this file
 
 struct Out {
   uint8_t* values;
@@ -105,7 +105,7 @@ inline uint8_t* at(uint8_t* tile, int bits, int64_t b, int64_t v, int64_t r) {
 }
 // Four consecutive bytes as one little-endian word: the packer moves values four at
 // a time, as the layout keeps them (4 weights of a row side by side).
-inline uint32_t word(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint32_t word(const uint8_t* p) { return codebook::u32(p); }
 inline void put_word(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 constexpr uint32_t kNibbles = 0x0F0F0F0Fu;
 
