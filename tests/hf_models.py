@@ -31,6 +31,7 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
+    "gpt_oss",
 )  # fmt: skip
 
 
@@ -109,6 +110,19 @@ def hf_config(arch: str, **overrides):
         )
         cfg = transformers.Gemma3TextConfig(**{**gemma, **overrides})
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gpt_oss":
+        # Sliding layers (0 and 2) over 8 tokens, YaRN over 64 positions, 6 experts
+        # with 2 a token; head_dim * heads != hidden.
+        oss = dict(
+            llama_like, head_dim=32, num_hidden_layers=3, num_local_experts=6,
+            num_experts_per_tok=2, intermediate_size=48, sliding_window=8,
+            rope_parameters={
+                "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        )  # fmt: skip
+        cfg = transformers.GptOssConfig(**{**oss, **overrides})
     elif arch == "gpt2":
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
         cfg = transformers.GPT2Config(**{**gpt2, **overrides})
@@ -126,11 +140,13 @@ def save_model(
     config = hf_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     # Random init leaves norms at 1 and biases at 0; perturb them so a loader that
-    # skipped one would be caught.
+    # skipped one would be caught. Attention sinks (gpt-oss) as large as the scores.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith("sinks"):
+                param.copy_(torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     build_tokenizer().save_pretrained(folder)

@@ -24,7 +24,26 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # (conftest.py)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 
 
-def reference(q, k_ctx, v_ctx, num_computed, window):
+def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of scores [H, ..., keys]; with ``sinks`` [H], as
+    transformers' gpt-oss writes it: each head's sink a last column, dropped after."""
+    if sinks is None:
+        return scores.softmax(-1)
+    column = (
+        sinks.to(scores.dtype).view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    )
+    return torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+
+
+def sink_logits(heads: int) -> torch.Tensor:
+    """Sinks of every size against the scores: around them, far above (a row of almost
+    nothing: exp overflows unless the kernel keeps it apart) and far below."""
+    sinks = torch.randn(heads) * 2
+    sinks[0], sinks[-1] = 60.0, -60.0
+    return sinks
+
+
+def reference(q, k_ctx, v_ctx, num_computed, window, sinks=None):
     """Attention of the new tokens of one sequence over its whole context, written out."""
     group = HEADS // KV_HEADS
     k_ctx = k_ctx.repeat_interleave(group, dim=1)
@@ -34,7 +53,7 @@ def reference(q, k_ctx, v_ctx, num_computed, window):
         pos = num_computed + i
         first = 0 if window is None else max(0, pos - window + 1)
         scores = torch.einsum("hd,thd->ht", q[i], k_ctx[first : pos + 1]) / HEAD_DIM**0.5
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v_ctx[first : pos + 1]))
+        out.append(torch.einsum("ht,thd->hd", softmax(scores, sinks), v_ctx[first : pos + 1]))
     return torch.stack(out)
 
 
@@ -60,7 +79,9 @@ def backend_device(backend: str, kv_dtype: str = "auto") -> torch.device:
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "decode-arrays", "verify"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16", "fp8"])
-def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, monkeypatch):
+def test_batch_matches_brute_force(
+    backend, window, strided, batch, kv_dtype, monkeypatch, sinks: bool = False
+):
     """With an int8 cache, every token read from the cache is its int8 row times its
     scale; with a bfloat16 or fp8 cache, its row rounded to that type (the reference
     reads the same rows), prompts attended without the cache too. "mixed-split": every
@@ -119,6 +140,7 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
     if batch == "verify" and backend != "triton-paged":
         assert metadata.groups[0].decodes and metadata.groups[0].query_index.shape[1] == 5
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
+    sink = sink_logits(HEADS) if sinks else None
     k = torch.cat([ctx[0][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     v = torch.cat([ctx[1][cached:] for ctx, (cached, _) in zip(contexts, shapes, strict=True)])
     if strided:  # as the model passes them: views into one fused qkv row
@@ -129,7 +151,10 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
         )
     attention = cls(metadata, kv_cache.to(device))
     with torch.inference_mode():
-        out = attention.attend(0, q.to(device), k.to(device), v.to(device), HEAD_DIM**-0.5)
+        options = {} if sink is None else {"sinks": sink.to(device)}
+        out = attention.attend(
+            0, q.to(device), k.to(device), v.to(device), HEAD_DIM**-0.5, **options
+        )
     out = out.cpu()
     # Every token sees its context as the cache holds it, fresh prompts attended over
     # this forward's own K/V included.
@@ -140,9 +165,19 @@ def test_batch_matches_brute_force(backend, window, strided, batch, kv_dtype, mo
             v_ctx = dequantize_kv_rows(quantize_kv_rows(v_ctx), torch.float32)
         elif kv_dtype in STORED_DTYPES:  # rounded to the cache type
             k_ctx, v_ctx = (cache_rows(x, kv_cache.dtype).float() for x in (k_ctx, v_ctx))
-        expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window)
+        expected = reference(q[start : start + new], k_ctx, v_ctx, cached, window, sink)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new
+
+
+@pytest.mark.parametrize("backend", ["torch-sdpa", "cpu-paged", "triton-paged"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("batch", ["mixed", "mixed-split", "decodes", "verify"])
+def test_sinks_match_brute_force(backend, window, batch, monkeypatch):
+    """Attention sinks (gpt-oss: a logit per query head in every row's softmax) on every
+    path of every backend: fresh prompts, chunks (masked, or split and merged by
+    log-sum-exp), decodes and verification rows."""
+    test_batch_matches_brute_force(backend, window, True, batch, "auto", monkeypatch, True)
 
 
 LONG_HEAD_DIM, LONG_BLOCK = 64, 16
@@ -166,6 +201,13 @@ def test_long_contexts_match_brute_force(kv_dtype, window):
     _check_decode_kernel(kv_dtype, window, shapes, LONG_HEAD_DIM)
 
 
+@pytest.mark.parametrize("window", [None, 700])
+def test_sinks_over_long_contexts_match_brute_force(window):
+    """Sinks where the spans of a context are merged (each sink joins once)."""
+    shapes = [(3000, 1), (256, 1), (257, 1), (514, 3), (1, 1)]
+    _check_decode_kernel("auto", window, shapes, LONG_HEAD_DIM, sinks=sink_logits(HEADS))
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [128, 80])
 def test_every_head_size_path_matches_brute_force(kv_dtype, head_dim):
@@ -187,7 +229,7 @@ def test_wide_query_groups_match_brute_force(kv_dtype):
 
 
 def _check_decode_kernel(
-    kv_dtype: str, window: int | None, shapes, head_dim: int, heads: int = HEADS
+    kv_dtype: str, window: int | None, shapes, head_dim: int, heads: int = HEADS, sinks=None
 ) -> None:
     """``shapes``: (context length, query rows) per sequence; a row r of a sequence
     sees length - rows + r + 1 tokens; ``heads`` query heads over KV_HEADS."""
@@ -216,14 +258,14 @@ def _check_decode_kernel(
     q = torch.randn(len(row_lens), heads, head_dim)
     scale = head_dim**-0.5
     out = cpu_kernels.paged_attention_rows(
-        q, cache[0], cache[1], tables, torch.tensor(row_lens), row_starts, scale, window
+        q, cache[0], cache[1], tables, torch.tensor(row_lens), row_starts, scale, window, sinks
     )
     group = heads // KV_HEADS
     for row, length in enumerate(row_lens):
         seq = int(torch.searchsorted(row_starts, row, right=True)) - 1
         first = 0 if window is None else max(0, length - window)
         k_ctx, v_ctx = (x[first:length].repeat_interleave(group, 1) for x in contexts[seq])
-        probs = (torch.einsum("hd,thd->ht", q[row].double(), k_ctx.double()) * scale).softmax(-1)
+        probs = softmax(torch.einsum("hd,thd->ht", q[row].double(), k_ctx.double()) * scale, sinks)
         expected = torch.einsum("ht,thd->hd", probs, v_ctx.double()).float()
         torch.testing.assert_close(out[row], expected, atol=2e-5, rtol=1e-4)
     # A decode alone is the first row of its verification run, to the bit.
@@ -231,14 +273,14 @@ def _check_decode_kernel(
     first_rows = row_starts[runs]
     alone = cpu_kernels.decode_attention(
         q[first_rows], cache[0], cache[1], tables[runs], torch.tensor(row_lens)[first_rows],
-        scale, window,
+        scale, window, sinks=sinks,
     )  # fmt: skip
     assert torch.equal(alone, out[first_rows])
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8", "int8"])
 @pytest.mark.parametrize("window", [None, 700])
-def test_triton_decode_splits_match_brute_force(kv_dtype, window):
+def test_triton_decode_splits_match_brute_force(kv_dtype, window, sinks: bool = False):
     """The Triton kernel splits a small decode batch's keys among programs and merges
     the splits by their softmax statistics (flash-decoding): contexts ending on, before
     and after a split's edge, verification runs (3 rows: a decode's tile; 6 rows x 3
@@ -267,9 +309,13 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
         LONG_BLOCK, device=device,
     )  # fmt: skip
     q = torch.randn(metadata.num_tokens, HEADS, LONG_HEAD_DIM)
+    sink = sink_logits(HEADS) if sinks else None
+    options = {} if sink is None else {"sinks": sink.to(device)}
     scale = LONG_HEAD_DIM**-0.5
     cache = cache.to(device)
-    out = triton_paged.paged_attention(q.to(device), cache[0], cache[1], metadata, scale, window)
+    out = triton_paged.paged_attention(
+        q.to(device), cache[0], cache[1], metadata, scale, window, **options
+    )
     out = out.cpu()
     group, row = HEADS // KV_HEADS, 0
     for (length, rows), (k_all, v_all) in zip(shapes, contexts, strict=True):
@@ -278,7 +324,7 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
             first = 0 if window is None else max(0, seen - window)
             k_ctx, v_ctx = (x[first:seen].repeat_interleave(group, 1) for x in (k_all, v_all))
             scores = torch.einsum("hd,thd->ht", q[row].double(), k_ctx.double()) * scale
-            expected = torch.einsum("ht,thd->hd", scores.softmax(-1), v_ctx.double()).float()
+            expected = torch.einsum("ht,thd->hd", softmax(scores, sink), v_ctx.double()).float()
             torch.testing.assert_close(out[row], expected, atol=2e-5, rtol=1e-4)
             row += 1
     # Split or not, the result is the same function: one split per sequence.
@@ -286,16 +332,23 @@ def test_triton_decode_splits_match_brute_force(kv_dtype, window):
     try:
         triton_paged.SPLIT_BELOW_PROGRAMS = 0
         whole = triton_paged.paged_attention(
-            q.to(device), cache[0], cache[1], metadata, scale, window
+            q.to(device), cache[0], cache[1], metadata, scale, window, **options
         ).cpu()
     finally:
         triton_paged.SPLIT_BELOW_PROGRAMS = saved
     torch.testing.assert_close(whole, out, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 700])
+def test_triton_decode_splits_with_sinks_match_brute_force(window):
+    """Each sink joins a split decode's merged sums once."""
+    test_triton_decode_splits_match_brute_force("auto", window, True)
+
+
 @pytest.mark.parametrize("query_slice", [512, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype, query_slice, monkeypatch):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype, query_slice, sinks, monkeypatch):
     """A 512-token chunk after 2,600 cached tokens (over SPLIT_MASK_ELEMENTS: no mask
     is built), its prefix given in three spans, equals attention written out over the
     whole context: its queries in one slice, or in slices of 200, 200 and 112 rows
@@ -309,11 +362,12 @@ def test_long_chunk_after_a_long_prefix_matches_brute_force(dtype, query_slice, 
     # The prefix in spans of any size and order, as the blocks are read.
     bounds = [(1000, 2600), (0, 7), (7, 1000)]
     spans = [(k[a:b], v[a:b]) for a, b in bounds]
-    out = torch_sdpa.split_chunk_attention(q, k[cached:], v[cached:], spans, head_dim**-0.5)
+    sink = sink_logits(heads) if sinks else None
+    out = torch_sdpa.split_chunk_attention(q, k[cached:], v[cached:], spans, head_dim**-0.5, sink)
     keys, values = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
     causal = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    probs = softmax(scores.masked_fill(~causal, float("-inf")), sink)
     expected = torch.einsum("hqk,khd->qhd", probs, values)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)

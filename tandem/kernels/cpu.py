@@ -375,14 +375,24 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one token per sequence; tokens may be strided), k/v blocks
-    [num_blocks, block_size, Hkv, D] -> [S, H, D]. Requires ``load()``."""
+    [num_blocks, block_size, Hkv, D] -> [S, H, D]; ``sinks`` [H]: each query head's
+    sink logit (gpt-oss). Requires ``load()``."""
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     load().decode_attention(
-        out, q, k_blocks, v_blocks, block_tables, context_lens, scale, sliding_window or 0
-    )
+        out, q, k_blocks, v_blocks, block_tables, context_lens, scale, sliding_window or 0,
+        _sink_logits(sinks),
+    )  # fmt: skip
     return out
+
+
+def _sink_logits(sinks: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' ``sinks``: float32 [H], or empty for none."""
+    if sinks is None:
+        return torch.empty(0, dtype=torch.float32)
+    return sinks.detach().float().contiguous()
 
 
 def paged_attention_rows(
@@ -394,15 +404,16 @@ def paged_attention_rows(
     row_starts: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A few query rows per sequence straight from the blocks (speculative
     verification, short chunks): q [R, H, D], the rows of sequence s being
     ``row_starts[s]:row_starts[s + 1]`` and row r attending to the first
-    ``row_lens[r]`` tokens of its sequence. Each sequence's K/V is read once for all
-    of its rows. Requires ``load()``."""
+    ``row_lens[r]`` tokens of its sequence (``sinks`` as decode_attention's). Each
+    sequence's K/V is read once for all of its rows. Requires ``load()``."""
     out = torch.empty(q.shape, dtype=q.dtype)
     load().paged_attention_rows(
         out, q, k_blocks, v_blocks, block_tables, row_lens, row_starts, scale,
-        sliding_window or 0,
+        sliding_window or 0, _sink_logits(sinks),
     )  # fmt: skip
     return out

@@ -443,10 +443,11 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
                            const KV* k_ptr, const KV* v_ptr, int64_t block_size,
                            int64_t num_kv_heads, const int64_t* tables, int64_t table_width,
                            const int64_t* lens, double scale, int64_t window,
-                           const int64_t* row_starts = nullptr) {
+                           const int64_t* row_starts = nullptr, const float* sinks = nullptr) {
   // Rows of sequence s: [row_starts[s], row_starts[s + 1]) (nullptr: row s alone), each a
   // query token attending to the first lens[row] tokens of its sequence's context (minus
-  // the window).
+  // the window). sinks (nullptr: none): a logit per query head that joins each row's
+  // softmax denominator and adds no value (gpt-oss's attention sinks).
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   // What the per-tile loops read: the cache's own rows where row_lanes converts them
   // (float32; bfloat16 and int8 on AVX-512) and the head size is compiled, else float32
@@ -650,7 +651,9 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         if (spans[seq] == 1) {  // the whole context: normalise in place
           const int64_t r = qi / group, g = qi % group;
           T* o = out + (r0 + r) * out_stride + (h * group + g) * head_dim;
-          const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
+          // (a sink far above the scores: exp overflows, and the row is 0, its limit)
+          const float sink = sinks ? std::exp(sinks[h * group + g] - top[i]) : 0.f;
+          const float inv = total[i] + sink > 0.f ? 1.f / (total[i] + sink) : 0.f;
           const float* a = acc.data() + i * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv);
           continue;
@@ -690,6 +693,7 @@ void decode_attention_impl(T* out, int64_t out_stride, const T* q, int64_t q_str
         }
         const int64_t r = i / group, g = i % group;
         T* o = out + (r0 + r) * out_stride + (kv_head * group + g) * head_dim;
+        if (sinks) denominator += std::exp(sinks[kv_head * group + g] - top);
         const float inv = denominator > 0.f ? 1.f / denominator : 0.f;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
       }
@@ -869,15 +873,19 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor block_tables,
                           torch::Tensor context_lens, torch::Tensor row_starts, double scale,
-                          int64_t window) {
+                          int64_t window, torch::Tensor sinks) {
   // q [R, H, D]: a few query rows per sequence (row_starts [S + 1]; empty: one row per
-  // sequence), each with its own context length (context_lens [R]).
+  // sequence), each with its own context length (context_lens [R]). sinks: float32 [H],
+  // each query head's sink logit, or empty.
   check_rows(out, "out"); check_rows(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
   const bool runs = row_starts.numel() > 0;
   TORCH_CHECK(!runs || (row_starts.is_contiguous() && row_starts.numel() == block_tables.size(0) + 1));
   TORCH_CHECK(context_lens.numel() == q.size(0));
+  const bool sunk = sinks.numel() > 0;
+  TORCH_CHECK(!sunk || (sinks.scalar_type() == torch::kFloat && sinks.is_contiguous() &&
+                        sinks.numel() == q.size(1)), "sinks: float32, one per query head");
   TANDEM_DISPATCH(q.scalar_type(), "paged_attention_rows", [&] {
     dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
       using KV = decltype(tag);
@@ -889,7 +897,8 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
             k_cache.size(1), k_cache.size(2), block_tables.data_ptr<int64_t>(),
             block_tables.size(1), context_lens.data_ptr<int64_t>(), scale, window,
-            runs ? row_starts.data_ptr<int64_t>() : nullptr);
+            runs ? row_starts.data_ptr<int64_t>() : nullptr,
+            sunk ? sinks.data_ptr<float>() : nullptr);
       };
       if (q.size(2) == 64) run(std::integral_constant<int64_t, 64>{});
       else if (q.size(2) == 128) run(std::integral_constant<int64_t, 128>{});
@@ -900,9 +909,10 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
 
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_tables,
-                      torch::Tensor context_lens, double scale, int64_t window) {
+                      torch::Tensor context_lens, double scale, int64_t window,
+                      torch::Tensor sinks) {
   paged_attention_rows(out, q, k_cache, v_cache, block_tables, context_lens,
-                       torch::empty({0}, block_tables.options()), scale, window);
+                       torch::empty({0}, block_tables.options()), scale, window, sinks);
 }
 
 // -- small-batch linear ----------------------------------------------------------------

@@ -91,7 +91,7 @@ std::vector<torch::Tensor> llama_decode_attention(
   write_kv(k, v, k_cache, v_cache, slots);
   torch::Tensor attn = torch::empty({T, num_heads, head_dim}, h.options());
   paged_attention_rows(attn, q, k_cache, v_cache, block_tables, context_lens, row_starts,
-                       scale, window);
+                       scale, window, torch::empty({0}, h.options().dtype(torch::kFloat)));
   return {packed_linear(attn.view({T, q_size}), o_proj), residual};
 }
 

@@ -41,6 +41,9 @@ class MoEConfig:
     # size whose output is scaled by sigmoid(a learned 1-output gate) (Qwen2-MoE's);
     # 0: none. Its weights are always read, so they count as non-expert weights.
     shared_intermediate_size: int = 0
+    # gpt-oss: a bias on the router's logits, and on each expert's projections.
+    router_bias: bool = False
+    expert_bias: bool = False
     # The experts this process holds, [start, stop) of ``num_experts`` (a
     # tensor-parallel rank's: models/sharding.py); None: every one. The router still
     # scores all of them.

@@ -24,9 +24,17 @@ from tandem.models.config import RopeConfig
 
 class AttentionContext(Protocol):
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] for the T tokens of this forward -> [T, H, D]."""
+        """q: [T, H, D], k/v: [T, Hkv, D] for the T tokens of this forward -> [T, H, D].
+        ``sinks`` [H] (gpt-oss): a learned logit per query head that joins each row's
+        softmax and adds no value (its share of the weight is dropped)."""
         ...
 
 

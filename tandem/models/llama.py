@@ -100,8 +100,12 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate(q, k, rope)
-        out = attn.attend(self.layer_idx, q, k, v, self.scale)
+        out = self.attend(attn, q, k, v)
         return self.o_proj(out.reshape(num_tokens, -1))
+
+    def attend(self, attn: AttentionContext, q, k, v) -> torch.Tensor:
+        """The attention itself, through the backend (gpt-oss adds its sinks)."""
+        return attn.attend(self.layer_idx, q, k, v, self.scale)
 
 
 # A prompt chunk runs the MLP this many rows at a time on a CPU: its float32 gate/up
@@ -184,10 +188,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_class: type[nn.Module] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         assert config.rope is not None
         rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)

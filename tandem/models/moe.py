@@ -1,8 +1,9 @@
 """A mixture-of-experts MLP: a router picks each token's experts, only they run.
 
-    route     logits = gate(x) [T, experts]; softmax in float32; the top k experts of
-              each token and their probabilities (renormalized over the k when the
-              family says so), in the model's dtype
+    route     logits = gate(x) [T, experts] (plus a bias: gpt-oss); softmax in
+              float32; the top k experts of each token and their probabilities
+              (renormalized over the k when the family says so: the same as a softmax
+              over the k logits, gpt-oss's), in the model's dtype
     experts   each a gated MLP (its own Linear layers: a block-quantized file's
               experts stay in their formats and run on the packed kernels); the
               batch's token slots are grouped by expert, and each expert that was
@@ -50,9 +51,9 @@ class SparseMoE(nn.Module):
         assert moe is not None
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.normalize = moe.normalize_top_k
-        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias)
         expert = dataclasses.replace(
-            config, intermediate_size=moe.intermediate_size, mlp_bias=False, moe=None
+            config, intermediate_size=moe.intermediate_size, mlp_bias=moe.expert_bias, moe=None
         )
         self.held = moe.held
         self.experts = nn.ModuleDict({str(e): make_expert(expert) for e in self.held})

@@ -17,6 +17,7 @@ from tandem.models.decoder_classifier import causal_names
 from tandem.models.family import Family
 from tandem.models.gemma3 import GEMMA3
 from tandem.models.gpt2 import GPT2
+from tandem.models.gpt_oss import GPT_OSS
 from tandem.models.layers import AttentionContext
 from tandem.models.llama import LLAMA, MISTRAL
 from tandem.models.mixtral import MIXTRAL
@@ -72,6 +73,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_MOE,
     MIXTRAL,
     GEMMA3,
+    GPT_OSS,
     GPT2,
     BERT,
     XLM_ROBERTA,

@@ -101,7 +101,10 @@ def load_weights(
     (the caller checked that the compiled kernels run here). ``shard``: a
     tensor-parallel rank's plan; each tensor is narrowed to the rank's slice before it
     is read (the model was built from ``shard.config`` and cut by ``shard_model``)."""
-    tensors = list(tensors)
+    # A tensor that holds several parameters' data (gpt-oss's stacked experts) comes as
+    # one tensor per parameter, each reading its own part.
+    split = getattr(model, "split_checkpoint_tensor", None)
+    tensors = [part for t in tensors for part in (split(t) if split else [t])]
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     config = getattr(model, "config", None)

@@ -102,7 +102,10 @@ def layer_arguments(layer) -> tuple | None:
     # after the compiled attention half; no gate/up, down or activation here.
     experts = isinstance(mlp, SparseMoE) and hasattr(mlp, "fused_experts")
     act = None if experts else getattr(mlp, "act_and_mul", None)
-    ready = attn is not None and (act is not None or experts)
+    # (attention sinks, gpt-oss's, are not in the kernel)
+    ready = (
+        attn is not None and getattr(attn, "sinks", None) is None and (act is not None or experts)
+    )
     norms = _norm_args(layer) if ready else None
     if norms is not None:
         unbiased = [attn.o_proj] + ([] if experts else [mlp.gate_up_proj, mlp.down_proj])

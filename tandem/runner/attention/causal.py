@@ -21,9 +21,11 @@ class CausalAttention:
         self.layer_windows = tuple(layer_windows)
         self._masks: dict[tuple[int | None, torch.device], torch.Tensor | None] = {}
 
-    def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx, q, k, v, scale: float, sinks=None) -> torch.Tensor:
         window = self.layer_windows[layer_idx] if self.layer_windows else None
         key = (window, q.device)
         if key not in self._masks:
             self._masks[key] = sliding_causal_mask(self.seq_len, window, q.device)
-        return causal_attention(q, k, v, self.batch_size, self.seq_len, scale, self._masks[key])
+        return causal_attention(
+            q, k, v, self.batch_size, self.seq_len, scale, self._masks[key], sinks=sinks
+        )

@@ -56,16 +56,18 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def attend_group(
         self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float,
-        window: int | None,
+        window: int | None, sinks=None,
     ) -> None:  # fmt: skip
         num_queries = group.query_index.shape[1]
         if not group.decodes or num_queries > ROWS_MAX:
-            return super().attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
+            return super().attend_group(
+                index, group, q, k_blocks, v_blocks, out, scale, window, sinks
+            )
         if num_queries > 1:
             row_lens, row_starts = self._query_rows(index, group)
             group_out = cpu_kernels.paged_attention_rows(
                 q.index_select(0, group.valid_tokens), k_blocks, v_blocks, group.block_tables,
-                row_lens, row_starts, scale, window,
+                row_lens, row_starts, scale, window, sinks,
             )  # fmt: skip
             out.index_copy_(0, group.valid_tokens, group_out)
             return None
@@ -74,12 +76,12 @@ class CpuPagedAttention(TorchPagedAttention):
             rows = slice(first, first + len(group.context_lens))
             cpu_kernels.decode_attention(
                 q[rows], k_blocks, v_blocks, group.block_tables, group.context_lens, scale,
-                window, out=out[rows],
+                window, out=out[rows], sinks=sinks,
             )  # fmt: skip
             return None
         group_out = cpu_kernels.decode_attention(
             q.index_select(0, group.valid_tokens), k_blocks, v_blocks, group.block_tables,
-            group.context_lens, scale, window,
+            group.context_lens, scale, window, sinks=sinks,
         )  # fmt: skip
         out.index_copy_(0, group.valid_tokens, group_out)
         return None

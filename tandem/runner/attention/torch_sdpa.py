@@ -20,6 +20,11 @@ blocks a span of PREFIX_SPAN tokens at a time, each span merged in as it comes: 
 is read and no copy of a long context is held (so do chunks of any length once the
 context passes PREFIX_SPAN). The chunk's queries go QUERY_SLICE rows at a time, so its
 temporaries beside the output are a slice's, whatever the chunk's length.
+
+Attention sinks (gpt-oss: a learned logit per query head that joins every row's
+softmax and adds no value) need each row's log-sum-exp: a row's output is then its
+sink-free output times sigmoid(lse - sink) (``with_sinks``). Those paths run torch's
+tiled CPU flash kernel, which returns it, or on other devices the explicit softmax.
 """
 
 from __future__ import annotations
@@ -31,25 +36,69 @@ from tandem.runner.attention.metadata import AttentionGroup, PagedAttentionMetad
 from tandem.runner.kv_cache import as_cached, cache_rows, dequantize_kv_rows, quantize_kv_rows
 
 
-def _grouped_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Rows' attention without sinks -> with them: out [..., L, D], its rows' log-sum-exp
+    of scaled scores lse [..., L], ``sinks`` each row's sink logit (broadcast to lse's
+    shape). The sink's term joins a row's softmax denominator and adds no value, so the
+    row is scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)."""
+    keep = torch.sigmoid(lse.float() - sinks.float())
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
+def _attention(q, k, v, mask, scale: float, causal: bool, sinks=None) -> torch.Tensor:
+    """F.scaled_dot_product_attention over q/k/v [B, H, L, D] (as many heads each; mask
+    boolean, True where allowed), with each row's sink (``sinks`` broadcast to
+    [B, H, L]) when given (``with_sinks``)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale
+        )
+    if q.device.type == "cpu":
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            additive.masked_fill_(~mask, float("-inf"))
+        out, lse = _flash(q, k, v, causal and mask is None, scale, additive)
+        return with_sinks(out, lse, sinks)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (no lse from SDPA here)
+    if causal and mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = (torch.softmax(scores, -1).nan_to_num_(0.0) @ v.float()).to(q.dtype)
+    return with_sinks(out, lse, sinks)
+
+
+def _grouped_attention(q, k, v, mask, scale: float, sinks=None) -> torch.Tensor:
     """q [S, Lq, H, D], k/v [S, Lk, Hkv, D], mask [S, 1, G*Lq, Lk] -> [S, Lq, H, D]."""
     s, lq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
     qg = q.view(s, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * lq, d)
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-    )
+    # A folded row's sink is its query head's: rows run (head of the group, token).
+    if sinks is not None:
+        sinks = sinks.view(hkv, g, 1).expand(hkv, g, lq).reshape(hkv, g * lq)
+    out = _attention(qg, k.transpose(1, 2), v.transpose(1, 2), mask, scale, False, sinks)
     return out.view(s, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(s, lq, h, d)
 
 
 def causal_attention(
-    q, k, v, num_seqs: int, length: int, scale: float, mask=None, causal: bool = True
-):
+    q, k, v, num_seqs: int, length: int, scale: float, mask=None, causal: bool = True,
+    sinks=None,
+):  # fmt: skip
     """num_seqs sequences of ``length`` tokens, flattened: q [n*L, H, D], k/v
     [n*L, Hkv, D] -> [n*L, H, D]; causal unless an explicit ``mask`` is given, or
-    ``causal`` is False (an encoder's: every token attends to its whole sequence)."""
+    ``causal`` is False (an encoder's: every token attends to its whole sequence);
+    ``sinks`` [H]: each query head's sink logit (``with_sinks``)."""
     h, hkv = q.shape[1], k.shape[1]
+    if sinks is not None:  # the K/V heads repeated for their query heads
+        k, v = (x.repeat_interleave(h // hkv, 1) for x in (k, v))
+        out = _attention(
+            *(x.reshape(num_seqs, length, h, -1).transpose(1, 2) for x in (q, k, v)),
+            mask, scale, causal, sinks[:, None],
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(num_seqs * length, h, -1)
     out = F.scaled_dot_product_attention(
         q.reshape(num_seqs, length, h, -1).transpose(1, 2),
         k.reshape(num_seqs, length, hkv, -1).transpose(1, 2),
@@ -73,14 +122,15 @@ PREFIX_SPAN = 4096
 QUERY_SLICE = 512
 
 
-def _flash(q, k, v, causal: bool, scale: float):
-    """torch's tiled CPU flash kernel: q [1, H, Lq, D], k/v [1, H, Lk, D] -> the output
-    [1, H, Lq, D] and each row's log-sum-exp [1, H, Lq]."""
+def _flash(q, k, v, causal: bool, scale: float, mask=None):
+    """torch's tiled CPU flash kernel: q [B, H, Lq, D], k/v [B, H, Lk, D] (``mask``
+    additive, q's dtype) -> the output [B, H, Lq, D] and each row's log-sum-exp
+    [B, H, Lq] (0 for a row that attends nothing, whose output is 0)."""
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return kernel(q, k, v, 0.0, causal, scale=scale)
+    return kernel(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
-def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float) -> torch.Tensor:
+def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float, sinks=None) -> torch.Tensor:
     """One sequence's prompt chunk after cached tokens: q [Lq, H, D], own_k/own_v
     [Lq, Hkv, D] (the chunk's own K/V), ``prefix_spans`` the cached prefix as (k, v)
     pieces [n, Hkv, D] in any order -> [Lq, H, D]. Every row sees the whole prefix and
@@ -88,7 +138,8 @@ def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float) -> torch.
     its own rows (square and causal), then over each piece of the prefix and over the
     chunk's earlier rows (no mask), attended apart by the flash kernel and merged into
     the slice's output by their log-sum-exps as they come. Only one piece is held at a
-    time, and every temporary but the output is a slice's size, not the chunk's."""
+    time, and every temporary but the output is a slice's size, not the chunk's.
+    ``sinks`` [H]: each query head's sink logit, merged last (``with_sinks``)."""
     lq, h, d = q.shape
     hkv = own_k.shape[1]
     g = h // hkv
@@ -119,6 +170,8 @@ def split_chunk_attention(q, own_k, own_v, prefix_spans, scale: float) -> torch.
             merge(a, b, k, v)
     for a, b in slices[1:]:
         merge(a, b, own_k[:a], own_v[:a])
+    if sinks is not None:
+        out = with_sinks(out, lse, sinks[:, None])
     return out.to(q.dtype).transpose(0, 1)
 
 
@@ -146,13 +199,14 @@ class TorchPagedAttention:
         self._span_workspaces: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
-    def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx, q, k, v, scale: float, sinks=None) -> torch.Tensor:
+        """``sinks`` [H]: each query head's sink logit (gpt-oss), or None."""
         k_blocks, v_blocks = self.kv_cache[layer_idx]  # [num_blocks, block_size, Hkv, D]
         self.write_kv(k, v, k_blocks, v_blocks)
         out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
         window = self.metadata.window(layer_idx)
         for index, group in enumerate(self.metadata.groups):
-            self.attend_group(index, group, q, k_blocks, v_blocks, out, scale, window)
+            self.attend_group(index, group, q, k_blocks, v_blocks, out, scale, window, sinks)
         for group in self.metadata.fresh_prompts:
             num_seqs, length = group.token_index.shape
             tokens = group.token_index.flatten()
@@ -164,6 +218,7 @@ class TorchPagedAttention:
                 length,
                 scale,
                 group.mask(window),
+                sinks=sinks,
             )
             out.index_copy_(0, tokens, group_out)
         return out
@@ -181,7 +236,7 @@ class TorchPagedAttention:
 
     def attend_group(
         self, index: int, group: AttentionGroup, q, k_blocks, v_blocks, out, scale: float,
-        window: int | None,
+        window: int | None, sinks=None,
     ) -> None:  # fmt: skip
         num_kv_heads, width = k_blocks.shape[-2:]
         stored = k_blocks.dtype
@@ -199,7 +254,7 @@ class TorchPagedAttention:
                 or padded_context > PREFIX_SPAN
             )
         ):
-            self._attend_split(group, q, k_blocks, v_blocks, out, scale)
+            self._attend_split(group, q, k_blocks, v_blocks, out, scale, sinks)
             return
         blocks = group.block_tables.flatten()
         if index not in self._workspaces:
@@ -219,13 +274,15 @@ class TorchPagedAttention:
             # mask repeats once per head of the group (built once per forward).
             self._masks[index, window] = group.mask(window).repeat(1, 1, heads_per_kv, 1)
         mask = self._masks[index, window]
-        group_out = _grouped_attention(queries, keys, values, mask, scale)
+        group_out = _grouped_attention(queries, keys, values, mask, scale, sinks)
         group_out = group_out.flatten(0, 1)
         if group.valid_rows is not None:
             group_out = group_out.index_select(0, group.valid_rows)
         out.index_copy_(0, group.valid_tokens, group_out)
 
-    def _attend_split(self, group: AttentionGroup, q, k_blocks, v_blocks, out, scale) -> None:
+    def _attend_split(
+        self, group: AttentionGroup, q, k_blocks, v_blocks, out, scale, sinks
+    ) -> None:
         """Prompt chunks after a long prefix (split_chunk_attention), a sequence at a
         time, the prefix read from the blocks PREFIX_SPAN tokens at a time."""
         for table, q_len, computed, start in zip(
@@ -243,7 +300,7 @@ class TorchPagedAttention:
             )
             # A sequence's queries are the flat batch's rows [start, start + q_len).
             mine = slice(start, start + q_len)
-            out[mine] = split_chunk_attention(q[mine], own_k, own_v, spans, scale)
+            out[mine] = split_chunk_attention(q[mine], own_k, own_v, spans, scale, sinks)
 
     def _context_rows(self, k_blocks, v_blocks, table, start: int, end: int, dtype, slot: str):
         """One sequence's cached K/V rows [start, end) -> k, v [end - start, Hkv, D] in

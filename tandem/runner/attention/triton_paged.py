@@ -118,18 +118,21 @@ if triton is not None:
     @triton.jit
     def _paged_attention(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, computed_ptr,
-        part_acc_ptr, part_top_ptr, part_total_ptr,
+        part_acc_ptr, part_top_ptr, part_total_ptr, sinks_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_table,
         scale, window, splits, keys_per_split,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         PRECISION: tl.constexpr, SPLIT: tl.constexpr, INT8: tl.constexpr,
+        SINKS: tl.constexpr,
     ):  # fmt: skip
         """Program (sequence, tile x split, KV head): a tile's rows over the keys of one
         split of the context (SPLIT: written as partial results for _combine_splits;
         else one split, normalised and written out). INT8: the cache's rows are int8
-        values and their float32 scale (kv_cache.quantize_kv_rows), widened on load."""
+        values and their float32 scale (kv_cache.quantize_kv_rows), widened on load.
+        SINKS: each query head's sink logit (float32 at ``sinks_ptr``) joins its rows'
+        denominators, as one more key that adds no value (gpt-oss)."""
         seq = tl.program_id(0)
         tile = tl.program_id(1) // splits
         split = tl.program_id(1) % splits
@@ -192,6 +195,9 @@ if triton is not None:
             tl.store(part_total_ptr + at, total)
             tl.store(part_acc_ptr + at[:, None] * BLOCK_D + dims[None, :], acc)
         else:
+            if SINKS:
+                sink = tl.load(sinks_ptr + head, mask=row_real, other=float("-inf"))
+                total += tl.exp(sink - tl.where(top == float("-inf"), 0.0, top))
             acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
             tl.store(
                 out_ptr + (first_token + tok)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -202,12 +208,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits(
-        out_ptr, starts_ptr, part_acc_ptr, part_top_ptr, part_total_ptr,
+        out_ptr, starts_ptr, part_acc_ptr, part_top_ptr, part_total_ptr, sinks_ptr,
         stride_ot, stride_oh, splits,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SINKS: tl.constexpr,
     ):  # fmt: skip
-        """A decode tile's splits merged by their maxima and sums (flash-decoding)."""
+        """A decode tile's splits merged by their maxima and sums (flash-decoding), the
+        sinks (SINKS) joining the sums."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         first_token = tl.load(starts_ptr + seq)
@@ -226,6 +233,8 @@ if triton is not None:
         safe = tl.where(best == float("-inf"), 0.0, best)
         weight = tl.exp(tops - safe[None, :])
         total = tl.sum(weight * totals, 0)
+        if SINKS:
+            total += tl.exp(tl.load(sinks_ptr + head) - safe)
         dims = tl.arange(0, BLOCK_D)
         acc = tl.load(part_acc_ptr + at[:, :, None] * BLOCK_D + dims[None, None, :],
                       mask=real[:, :, None], other=0.0)  # fmt: skip
@@ -297,10 +306,12 @@ def paged_attention(
     scale: float,
     window: int | None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (T tokens of ``metadata``'s sequences), k/v_blocks [num_blocks,
     block_size, Hkv, D] holding every token's K/V already -> [T, H, D]: each token
-    attends its sequence's positions up to its own (within ``window`` when given).
+    attends its sequence's positions up to its own (within ``window`` when given;
+    ``sinks`` [H], each query head's sink logit, joining its softmax).
 
     The launch depends on host-side shapes only (sequences, longest query, block
     table width), so a CUDA graph replays it for any contents of the metadata."""
@@ -325,6 +336,7 @@ def paged_attention(
     keys_per_split = -(-capacity // splits)
     keys_per_split = -(-keys_per_split // block_n) * block_n
     parts = (None, None, None)
+    sink_logits = out if sinks is None else sinks.detach().float().contiguous()
     if splits > 1:
         rows = num_seqs * num_kv_heads * splits * block_m
         parts = (
@@ -334,21 +346,21 @@ def paged_attention(
         )
     _paged_attention[(num_seqs, tiles * splits, num_kv_heads)](
         out, q, k_blocks, v_blocks, metadata.block_tables, metadata.query_starts,
-        metadata.num_computed, *(p if p is not None else out for p in parts),
+        metadata.num_computed, *(p if p is not None else out for p in parts), sink_logits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
         metadata.block_tables.stride(0),
         scale, window or 0, splits, keys_per_split,
         G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-        INT8=k_blocks.dtype == torch.uint8,
+        INT8=k_blocks.dtype == torch.uint8, SINKS=sinks is not None,
         num_warps=4 if prompt_like else 2,
     )  # fmt: skip
     if splits > 1:
         _combine_splits[(num_seqs, num_kv_heads)](
-            out, metadata.query_starts, *parts, out.stride(0), out.stride(1), splits,
-            G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-            SPLITS=triton.next_power_of_2(splits), num_warps=4,
+            out, metadata.query_starts, *parts, sink_logits, out.stride(0), out.stride(1),
+            splits, G=g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+            SPLITS=triton.next_power_of_2(splits), SINKS=sinks is not None, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -362,11 +374,11 @@ class TritonPagedAttention:
         self.metadata = metadata
         self.kv_cache = kv_cache
 
-    def attend(self, layer_idx, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx, q, k, v, scale: float, sinks=None) -> torch.Tensor:
         k_blocks, v_blocks = self.kv_cache[layer_idx]
         write_kv(k, v, k_blocks, v_blocks, self.metadata.slot_mapping)
         return paged_attention(q, k_blocks, v_blocks, self.metadata, scale,
-                               self.metadata.window(layer_idx))  # fmt: skip
+                               self.metadata.window(layer_idx), sinks=sinks)  # fmt: skip
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
