@@ -31,8 +31,9 @@ class Family:
     # layout; norm weights written as 1 + weight.
     gguf_permuted_qk: bool = False
     gguf_norm_plus_one: bool = False
-    # GGUF layer tensor names that differ from gguf_checkpoint.LAYER_NAMES.
-    gguf_layer_names: dict[str, str] = field(default_factory=dict)
+    # GGUF layer tensor names that differ from gguf_checkpoint.LAYER_NAMES (None: a
+    # common name the family's files do not use).
+    gguf_layer_names: dict[str, str | None] = field(default_factory=dict)
     # A mixture as llama.cpp's graph runs it: the picked experts' weights renormalized
     # (not for Qwen2-MoE); a shared expert.
     gguf_renormalizes_experts: bool = True

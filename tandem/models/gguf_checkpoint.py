@@ -82,8 +82,12 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def layer_names(family: Family | None) -> dict[str, str]:
-    """GGUF layer tensor names -> Hugging Face's, for ``family`` (None: the common ones)."""
-    return LAYER_NAMES if family is None else {**LAYER_NAMES, **family.gguf_layer_names}
+    """GGUF layer tensor names -> Hugging Face's, for ``family`` (None: the common ones;
+    a family's None drops a common name it does not use)."""
+    if family is None:
+        return LAYER_NAMES
+    names = {**LAYER_NAMES, **family.gguf_layer_names}
+    return {gguf: hf for gguf, hf in names.items() if hf is not None}
 
 
 def hf_name(name: str, family: Family | None = None) -> str | None:
@@ -210,8 +214,6 @@ class GGUFCheckpoint:
                 )
         elif self.family.gguf_has_experts:
             raise ModelLoadError(f"{self.path.name} has no {self.architecture}.expert_count")
-        if self.family.gguf_read_keys is not None:
-            self.family.gguf_read_keys(self, config)
         rotary = self._arch("rope.dimension_count")
         if rotary is not None and rotary != config["head_dim"]:
             config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -224,6 +226,11 @@ class GGUFCheckpoint:
                     "rope.scaling.original_context_length"
                 ),
             }
+            for key in ("beta_fast", "beta_slow"):
+                if self._arch(f"rope.scaling.yarn_{key}") is not None:
+                    config["rope_scaling"][key] = self._arch(f"rope.scaling.yarn_{key}")
+        if self.family.gguf_read_keys is not None:
+            self.family.gguf_read_keys(self, config)
         return config
 
     def tensors(self) -> Iterator[CheckpointTensor]:
@@ -257,6 +264,9 @@ class GGUFCheckpoint:
                     functools.partial(self._file.release, info),
                 )  # fmt: skip
                 continue
+            if len(shape) == 2:  # the experts' biases (gpt-oss): a vector each
+                yield from self._expert_vectors(info, code, shape, name)
+                continue
             experts, rows, columns = shape
             stacked = CheckpointTensor(
                 name, (experts * rows, columns), self.path.name, code,
@@ -266,6 +276,16 @@ class GGUFCheckpoint:
             for expert in range(experts):
                 part = stacked.narrow(0, expert * rows, rows)
                 yield dataclasses.replace(part, name=name.format(expert=expert))
+
+    def _expert_vectors(self, info: TensorInfo, code, shape, name: str):
+        """A stack of one vector per expert [experts, size] (float) -> each vector."""
+        read = functools.partial(self._read, info, code, shape, name, {})
+        for expert in range(shape[0]):
+            yield CheckpointTensor(
+                name.format(expert=expert), (shape[1],), self.path.name, code,
+                lambda expert=expert: read()[expert],
+                functools.partial(self._file.release, info),
+            )  # fmt: skip
 
     def _read(
         self, info: TensorInfo, code: GGMLType, shape: tuple[int, ...], name: str, heads: dict

@@ -37,18 +37,18 @@ EXPORT_TYPES.update(FORMATS)
 _GGUF_NAMES = {f"{hf}.": f"{gguf}." for gguf, hf in GLOBAL_NAMES.items()}
 
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)")
 _STACKED = {hf: gguf for gguf, hf in EXPERT_NAMES.items()}
 
 
 def expert_of(name: str) -> tuple[str, int] | None:
     """``model.layers.3.mlp.experts.5.up_proj.weight`` -> (``blk.3.ffn_up_exps.weight``,
-    5): the stacked tensor it goes into and its place there."""
+    5): the stacked tensor it goes into and its place there (biases alike)."""
     match = _EXPERT.fullmatch(name)
     if match is None or match.group(3) not in _STACKED:
         return None
-    layer, expert, projection = match.groups()
-    return f"blk.{layer}.{_STACKED[projection]}.weight", int(expert)
+    layer, expert, projection, kind = match.groups()
+    return f"blk.{layer}.{_STACKED[projection]}.{kind}", int(expert)
 
 
 def gguf_name(name: str, family: Family | None = None) -> str | None:
@@ -182,7 +182,20 @@ def add_shape_keys(writer, config: ModelConfig) -> None:
     if config.rope is not None:
         writer.add_rope_freq_base(config.rope.theta)
         writer.add_rope_dimension_count(config.rope.rotary_dim)
-        if config.rope.scaling_type != "default":
+        if config.rope.scaling_type == "yarn":  # as llama.cpp's converter writes it
+            import gguf
+
+            scaling = config.rope.scaling
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(scaling["factor"])
+            writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            for key, add in (
+                ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+            ):
+                if scaling.get(key) is not None:
+                    add(scaling[key])
+        elif config.rope.scaling_type != "default":
             raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
 
 
@@ -251,8 +264,10 @@ def export_gguf(
     # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
     # them: each stack is written once its last expert is read.
     stacks: dict[str, dict[int, torch.Tensor]] = {}
+    split = getattr(family.model_class, "split_checkpoint_tensor", None)
     with SafetensorsCheckpoint(folder) as checkpoint:
-        for tensor in checkpoint.tensors():
+        tensors = checkpoint.tensors()
+        for tensor in (part for t in tensors for part in (split(t) if split else [t])):
             name = tensor.name
             if family is MIXTRAL:
                 name = hf_expert_name(name)

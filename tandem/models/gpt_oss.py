@@ -16,10 +16,17 @@ What differs from Llama, each as transformers' ``GptOssForCausalLM`` computes it
 - Checkpoints hold each layer's experts in one tensor per projection, [experts, in,
   out], gate and up interleaved column by column (``gate_up_proj``); each expert's
   matrices are read from it as tensors of their own (``split_checkpoint_tensor``).
+
+GGUF files (llama.cpp's ``gpt-oss``) hold the experts stacked per projection, gate and
+up apart, biases stacked likewise, the sinks as ``attn_sinks.weight``; llama.cpp fixes
+what the file does not say: even layers slide, the SwiGLU's 1.702 and 7. YaRN is
+computed as transformers computes it for this family (its ramp not truncated to whole
+dimensions; llama.cpp's ggml truncates it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -126,6 +133,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
+_SINKS = ".self_attn.sinks"
 # A layer's experts in one tensor per projection (Hugging Face's names).
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
@@ -146,13 +154,18 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.tie_weights()
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
-        return super().checkpoint_target(name.replace(".mlp.router.", ".mlp.gate."))
+        name = name.replace(".mlp.router.", ".mlp.gate.")
+        return super().checkpoint_target(name.removesuffix(".weight") if _SINKS in name else name)
 
-    def split_checkpoint_tensor(self, tensor: CheckpointTensor) -> list[CheckpointTensor]:
-        """A layer's stacked experts -> each expert's own tensors, in the names and
-        layouts of the Llama MLP (``gate_proj`` / ``up_proj`` [out, in] and their
-        biases, from the interleaved columns of ``gate_up_proj``); anything else as
-        it is. Each expert's tensors read only its slice of the stack."""
+    @staticmethod
+    def split_checkpoint_tensor(tensor: CheckpointTensor) -> list[CheckpointTensor]:
+        """A Hugging Face checkpoint's tensor in the names GGUF files have too: a
+        layer's stacked experts -> each expert's own tensors, in the names and layouts
+        of the Llama MLP (``gate_proj`` / ``up_proj`` [out, in] and their biases, from
+        the interleaved columns of ``gate_up_proj``), each reading only its slice of
+        the stack; the sinks as a ``.weight``; anything else as it is."""
+        if tensor.name.endswith(_SINKS):
+            return [dataclasses.replace(tensor, name=f"{tensor.name}.weight")]
         found = _STACKED.match(tensor.name)
         if found is None or tensor.quantized:
             return [tensor]
@@ -189,8 +202,43 @@ def _expert_tensor(one: CheckpointTensor, name: str, column: int | None) -> Chec
     return CheckpointTensor(name, shape, one.file, None, read)
 
 
+def _read_gguf_keys(reader, config: dict) -> None:
+    """The experts' size is the file's expert_feed_forward_length; YaRN untruncated."""
+    config["intermediate_size"] = reader._required("expert_feed_forward_length")
+    if config.get("rope_scaling"):
+        config["rope_scaling"]["truncate"] = False
+
+
+def _write_gguf_keys(writer, config: ModelConfig) -> None:
+    """llama.cpp's gpt-oss reads the window from the file and fixes the rest: even
+    layers slide, the SwiGLU's alpha 1.702 and limit 7. A model that differs cannot be
+    written faithfully."""
+    expected = tuple(config.sliding_window if i % 2 == 0 else None
+                     for i in range(config.num_layers))  # fmt: skip
+    options = config.family_options
+    if config.layer_windows() != expected or (
+        (options["swiglu_alpha"], options["swiglu_limit"]) != (1.702, 7.0)
+    ):
+        raise ModelLoadError(
+            "this gpt-oss config differs from what llama.cpp's gpt-oss assumes (even "
+            "layers sliding, the others not; swiglu_alpha 1.702, swiglu_limit 7.0): it "
+            "cannot be exported faithfully"
+        )
+    writer.add_sliding_window(config.sliding_window)
+
+
 GPT_OSS = Family(
     "gpt-oss",
     ("GptOssForCausalLM",),
     GptOssForCausalLM,
+    gguf_architecture="gpt-oss",
+    gguf_has_experts=True,
+    gguf_layer_names={
+        "ffn_norm": None,  # (the norm before the mixture is the one after attention)
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+        "ffn_gate_inp": "mlp.router",
+    },
+    gguf_read_keys=_read_gguf_keys,
+    gguf_write_keys=_write_gguf_keys,
 )
