@@ -28,7 +28,7 @@ from tandem.models.loader import read_config
 from tandem.models.mixtral import MIXTRAL, hf_expert_name
 from tandem.models.registry import FAMILIES, family_for
 from tandem.models.weight_source import SafetensorsCheckpoint
-from tandem.quant.blocks import GGMLType
+from tandem.quant.blocks import GGMLType, dequantize_other
 from tandem.quant.quantize import FORMATS, QUANTIZERS, quantize
 
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
@@ -264,10 +264,11 @@ def export_gguf(
     # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
     # them: each stack is written once its last expert is read.
     stacks: dict[str, dict[int, torch.Tensor]] = {}
-    split = getattr(family.model_class, "split_checkpoint_tensor", None)
     with SafetensorsCheckpoint(folder) as checkpoint:
-        tensors = checkpoint.tensors()
-        for tensor in (part for t in tensors for part in (split(t) if split else [t])):
+        tensors = list(checkpoint.tensors())
+        if hasattr(family.model_class, "checkpoint_tensors"):  # (gpt-oss's stacked experts)
+            tensors = family.model_class.checkpoint_tensors(tensors)
+        for tensor in tensors:
             name = tensor.name
             if family is MIXTRAL:
                 name = hf_expert_name(name)
@@ -275,7 +276,7 @@ def export_gguf(
             if expert is not None and config.moe is not None:
                 target, index = expert
                 stack = stacks.setdefault(target, {})
-                stack[index] = tensor.read().float()
+                stack[index] = _float(tensor)
                 if len(stack) == config.moe.num_experts:
                     whole = torch.stack([stack[i] for i in range(len(stack))])
                     _add_tensor(writer, target, whole, family, config, code, encoder)
@@ -283,7 +284,7 @@ def export_gguf(
                 continue
             target = gguf_name(name, family)
             if target is not None:
-                _add_tensor(writer, target, tensor.read().float(), family, config, code, encoder)
+                _add_tensor(writer, target, _float(tensor), family, config, code, encoder)
     if stacks:
         raise ModelLoadError(f"{folder}: experts missing from {', '.join(sorted(stacks))}")
     writer.write_header_to_file()
@@ -292,6 +293,14 @@ def export_gguf(
     writer.close()
     parts = sorted(out.parent.glob(f"{out.stem}-00001-of-*{out.suffix}"))
     return parts[0] if split_max_tensors and parts else out
+
+
+def _float(tensor) -> torch.Tensor:
+    """A checkpoint tensor's values in float32 (a block format's decoded: gpt-oss's
+    MXFP4 experts in a Hugging Face folder)."""
+    if tensor.quantized:
+        return dequantize_other(int(tensor.type), tensor.read().numpy(), tensor.shape)
+    return tensor.read().float()
 
 
 def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, code: GGMLType,

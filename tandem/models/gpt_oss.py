@@ -15,7 +15,8 @@ What differs from Llama, each as transformers' ``GptOssForCausalLM`` computes it
   with ``g = min(gate, l)``, a = 1.702, l = 7.
 - Checkpoints hold each layer's experts in one tensor per projection, [experts, in,
   out], gate and up interleaved column by column (``gate_up_proj``); each expert's
-  matrices are read from it as tensors of their own (``split_checkpoint_tensor``).
+  matrices are read from it as tensors of their own (``checkpoint_tensors``); OpenAI's
+  files hold them as MXFP4 (``_blocks`` and ``_scales``), kept in their bits.
 
 GGUF files (llama.cpp's ``gpt-oss``) hold the experts stacked per projection, gate and
 up apart, biases stacked likewise, the sinks as ``attn_sinks.weight``; llama.cpp fixes
@@ -48,6 +49,8 @@ from tandem.models.llama import (
 )
 from tandem.models.moe import SparseMoE
 from tandem.models.weight_source import CheckpointTensor
+from tandem.quant.blocks import BLOCK, GGMLType, dequantize_other, held_exactly
+from tandem.quant.openai_mxfp4 import ggml_blocks
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' GptOssConfig defaults, for a config.json that leaves the rotary out.
@@ -134,13 +137,19 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 
 _SINKS = ".self_attn.sinks"
-# A layer's experts in one tensor per projection (Hugging Face's names).
-_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+# A layer's experts in one tensor per projection (Hugging Face's names): float, or
+# MXFP4 as OpenAI's blocks and scales (quant/openai_mxfp4.py).
+_STACKED = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$"
+)
+# Each stacked projection's experts as the Llama MLP's tensors: (name, which of the
+# interleaved gate/up outputs: 0 gate, 1 up; None: all of them).
+_PARTS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """Checkpoint names are Hugging Face's, the router read as the mixture's ``gate``
-    and each layer's stacked experts split into experts (``split_checkpoint_tensor``)."""
+    and each layer's stacked experts split into experts (``checkpoint_tensors``)."""
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -158,48 +167,80 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return super().checkpoint_target(name.removesuffix(".weight") if _SINKS in name else name)
 
     @staticmethod
-    def split_checkpoint_tensor(tensor: CheckpointTensor) -> list[CheckpointTensor]:
-        """A Hugging Face checkpoint's tensor in the names GGUF files have too: a
+    def checkpoint_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+        """A Hugging Face checkpoint's tensors in the names GGUF files have too: a
         layer's stacked experts -> each expert's own tensors, in the names and layouts
-        of the Llama MLP (``gate_proj`` / ``up_proj`` [out, in] and their biases, from
-        the interleaved columns of ``gate_up_proj``), each reading only its slice of
-        the stack; the sinks as a ``.weight``; anything else as it is."""
-        if tensor.name.endswith(_SINKS):
-            return [dataclasses.replace(tensor, name=f"{tensor.name}.weight")]
-        found = _STACKED.match(tensor.name)
-        if found is None or tensor.quantized:
-            return [tensor]
-        prefix, projection, bias = found.groups()
-        kind = "bias" if bias else "weight"
-        parts = (
-            [("gate_proj", 0), ("up_proj", 1)]
-            if projection == "gate_up_proj"
-            else [("down_proj", None)]
-        )
+        of the Llama MLP (``gate_proj`` / ``up_proj`` [out, in] and their biases, the
+        interleaved outputs of ``gate_up_proj`` apart), each reading only its slice of
+        the stack; MXFP4 stacks (``_blocks`` with their ``_scales``) as GGML's MXFP4
+        blocks, kept in their bits; the sinks as a ``.weight``; the rest as they are."""
+        by_name = {t.name: t for t in tensors}
         out = []
-        for expert in range(tensor.shape[0]):
-            one = tensor.narrow(0, expert, 1)
-            for name, column in parts:
-                out.append(_expert_tensor(one, f"{prefix}.{expert}.{name}.{kind}", column))
+        for tensor in tensors:
+            found = _STACKED.match(tensor.name)
+            if tensor.name.endswith(_SINKS):
+                out.append(dataclasses.replace(tensor, name=f"{tensor.name}.weight"))
+            elif found is None or tensor.quantized:
+                out.append(tensor)
+            elif found.group(3) == "_blocks":
+                scales = by_name.get(tensor.name.removesuffix("_blocks") + "_scales")
+                if scales is None:
+                    raise ModelLoadError(f"{tensor.file}: {tensor.name} has no _scales beside it")
+                out += _mxfp4_experts(tensor, scales, *found.groups()[:2])
+            elif found.group(3) != "_scales":  # (scales are read with their blocks)
+                out += _float_experts(tensor, *found.groups())
         return out
 
 
-def _expert_tensor(one: CheckpointTensor, name: str, column: int | None) -> CheckpointTensor:
-    """One expert's matrix [out, in] (or bias [out]) from its slice [1, in, out] of the
-    stack: every second column from ``column`` (gate 0, up 1), or all of them."""
-    shape = one.shape[1:]
-    if column is not None:
-        shape = (*shape[:-1], shape[-1] // 2)
-    if len(shape) == 2:
-        shape = (shape[1], shape[0])
+def _float_experts(stack: CheckpointTensor, prefix: str, projection: str, bias: str | None):
+    """A float stack [experts, in, out] (a bias: [experts, out]) -> each expert's
+    matrices [out, in] (biases [out]), gate and up from alternate outputs."""
+    kind = "bias" if bias else "weight"
+    for expert in range(stack.shape[0]):
+        one = stack.narrow(0, expert, 1)
+        for name, column in _PARTS[projection]:
+            shape = one.shape[1:]
+            if column is not None:
+                shape = (*shape[:-1], shape[-1] // 2)
 
-    def read() -> torch.Tensor:
-        data = one.read()[0]
-        if column is not None:
-            data = data[..., column::2]
-        return data.t().contiguous() if data.dim() == 2 else data.contiguous()
+            def read(one=one, column=column) -> torch.Tensor:
+                data = one.read()[0]
+                if column is not None:
+                    data = data[..., column::2]
+                return data.t().contiguous() if data.dim() == 2 else data.contiguous()
 
-    return CheckpointTensor(name, shape, one.file, None, read)
+            full = f"{prefix}.{expert}.{name}.{kind}"
+            yield CheckpointTensor(full, tuple(reversed(shape)), one.file, None, read)
+
+
+def _mxfp4_experts(
+    blocks: CheckpointTensor, scales: CheckpointTensor, prefix: str, projection: str
+):
+    """OpenAI's MXFP4 stack, blocks [experts, out, n, 16] and scales [experts, out, n]
+    -> each expert's matrices [out, n * 32] as GGML MXFP4 blocks (gate and up from
+    alternate rows); decoded to float32 where the kernels' layouts cannot hold the
+    exponents (quant/blocks.py's held_exactly), as a GGUF file's would be."""
+    experts, rows, count = scales.shape
+    all_scales = scales.read()
+    raw = torch.zeros(all_scales.numel(), BLOCK[GGMLType.MXFP4][1], dtype=torch.uint8)
+    raw[:, 0] = all_scales.reshape(-1)  # (held_exactly reads a block's exponent only)
+    kept = held_exactly(GGMLType.MXFP4, raw)
+    del raw, all_scales
+    for expert in range(experts):
+        own_blocks, own_scales = blocks.narrow(0, expert, 1), scales.narrow(0, expert, 1)
+        for name, column in _PARTS[projection]:
+            picked = slice(None) if column is None else slice(column, None, 2)
+            shape = (len(range(rows)[picked]), count * 32)
+
+            def read(own_blocks=own_blocks, own_scales=own_scales, picked=picked, shape=shape):
+                data = ggml_blocks(own_blocks.read()[0][picked], own_scales.read()[0][picked])
+                if kept:
+                    return data
+                return dequantize_other(GGMLType.MXFP4, data.numpy(), shape)
+
+            full = f"{prefix}.{expert}.{name}.weight"
+            kind = GGMLType.MXFP4 if kept else GGMLType.F32
+            yield CheckpointTensor(full, shape, blocks.file, kind, read)
 
 
 def _read_gguf_keys(reader, config: dict) -> None:

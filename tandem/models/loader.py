@@ -155,7 +155,8 @@ def load_model(
 ) -> LoadedModel:
     """A Hugging Face folder or a GGUF file (or a folder holding one) -> LoadedModel.
 
-    ``quantization``: ``auto`` keeps a GGUF file's formats (weights stay quantized on
+    ``quantization``: ``auto`` keeps a GGUF file's formats, and those of a folder's
+    block-format tensors (gpt-oss's MXFP4 experts) (weights stay quantized on
     a CPU with the compiled kernels, and block matrices on a CUDA GPU with Triton,
     split_blocks.kept_in_blocks; any other tensor is dequantized to ``dtype``, as
     transformers' GGUF loader does, which is also the reference the tests compare the
@@ -184,10 +185,9 @@ def load_model(
     config = cls.parse_config(raw)
     classifier = classifier_of(raw, config.encoder)
     dtype = resolve_dtype(dtype, device)
-    keep = (
-        gguf_file is not None
-        and quantization == "auto"
-        and (cpu_kernels.available(device, torch.float32) or split_blocks.runs_on(device))
+    # (a Hugging Face folder's block-format tensors: gpt-oss's MXFP4 experts)
+    keep = quantization == "auto" and (
+        cpu_kernels.available(device, torch.float32) or split_blocks.runs_on(device)
     )
     with source, torch.no_grad():
         tensors = list(source.tensors())

@@ -103,8 +103,9 @@ def load_weights(
     is read (the model was built from ``shard.config`` and cut by ``shard_model``)."""
     # A tensor that holds several parameters' data (gpt-oss's stacked experts) comes as
     # one tensor per parameter, each reading its own part.
-    split = getattr(model, "split_checkpoint_tensor", None)
-    tensors = [part for t in tensors for part in (split(t) if split else [t])]
+    tensors = list(tensors)
+    if hasattr(model, "checkpoint_tensors"):
+        tensors = model.checkpoint_tensors(tensors)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     config = getattr(model, "config", None)

@@ -1,0 +1,147 @@
+"""gpt-oss beyond the shared family tests (test_models_match_hf, test_gguf): OpenAI's
+MXFP4 checkpoints (the experts as ``_blocks`` and ``_scales``) against transformers on
+the float weights they hold, decoded by OpenAI's definition; the config's defaults;
+what llama.cpp's gpt-oss cannot hold is refused on export."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tandem.errors import ModelLoadError
+from tandem.models.gguf_export import export_gguf
+from tandem.models.gpt_oss import parse_gpt_oss_config
+from tandem.models.loader import load_model
+from tandem.runner.model_runner import ModelRunner, SequenceChunk
+from tests.hf_models import VOCAB_SIZE, assert_close, reference_logits, save_model
+
+# OpenAI's E2M1 values (gpt_oss's FP4_VALUES): a nibble q is FP4[q] * 2**(e - 127).
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # fmt: skip
+
+
+def to_openai_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] float -> (blocks uint8 [..., out, in/32, 16], scales uint8
+    [..., out, in/32]): each block of 32 under the exponent that puts its largest
+    value within 6, each value its nearest E2M1 number; byte j holds values 2j (low
+    nibble) and 2j + 1 (high)."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    largest = groups.abs().amax(-1).clamp(min=1e-30)
+    exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    q = (scaled[..., None] - FP4).abs().argmin(-1).to(torch.uint8)
+    blocks = q[..., 0::2] | (q[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def from_openai_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's definition, written out: the inverse of the layout above."""
+    q = torch.stack((blocks & 0x0F, blocks >> 4), -1).flatten(-2).long()
+    values = FP4[q] * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2)
+
+
+# A small config.json as OpenAI's name some keys (experts_per_token).
+SMALL = {"architectures": ["GptOssForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+         "experts_per_token": 2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folders(tmp_path_factory):
+    """(a folder as OpenAI's files are: experts in MXFP4, the rest float; the same model
+    in float, its experts the MXFP4 values decoded) from one random model."""
+    float_folder = tmp_path_factory.mktemp("oss-float")
+    save_model(float_folder, "gpt_oss", hidden_size=128, intermediate_size=64)
+    weights = load_file(float_folder / "model.safetensors")
+    quantized = {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = to_openai_mxfp4(tensor.transpose(1, 2))  # [E, out, in]
+            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+            weights[name] = from_openai_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            quantized[name] = tensor
+    save_file(weights, float_folder / "model.safetensors", metadata={"format": "pt"})
+    mxfp4_folder = tmp_path_factory.mktemp("oss-mxfp4")
+    for path in float_folder.iterdir():
+        if path.name != "model.safetensors":
+            (mxfp4_folder / path.name).write_bytes(path.read_bytes())
+    save_file(quantized, mxfp4_folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mxfp4_folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (mxfp4_folder / "config.json").write_text(json.dumps(config))
+    return mxfp4_folder, float_folder
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_openai_mxfp4_experts_equal_transformers_on_their_values(mxfp4_folders, quantization):
+    """The experts' nibbles moved into GGML's blocks, not decoded: decoded ("none") the
+    model equals transformers on the float values OpenAI's definition gives; kept in
+    MXFP4 ("auto", the kernels) the same up to the int8 activations."""
+    mxfp4_folder, float_folder = mxfp4_folders
+    hf = transformers.AutoModelForCausalLM.from_pretrained(float_folder).eval()
+    loaded = load_model(mxfp4_folder, quantization=quantization)
+    expert = loaded.model.model.layers[0].mlp.experts["0"].gate_up_proj
+    assert (getattr(expert, "packed_parts", None) is not None) == (quantization == "auto")
+    ids = [random.Random(4).randrange(VOCAB_SIZE) for _ in range(40)]
+    runner = ModelRunner(loaded, 8, 16)
+    ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2])], all_logits=True)
+    expected = reference_logits(hf, ids)
+    if quantization == "none":
+        assert_close(ours, expected)
+    else:
+        assert (ours - expected).abs().max() < 0.05 * expected.abs().max()
+        assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_an_mxfp4_folder_exports_as_the_same_model(mxfp4_folders, tmp_path):
+    """`tandem quantize` of an OpenAI folder: the experts' MXFP4 blocks as read."""
+    mxfp4_folder, float_folder = mxfp4_folders
+    path = export_gguf(mxfp4_folder, tmp_path / "model.gguf", "f32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(float_folder).eval()
+    loaded = load_model(path, quantization="none")
+    ids = list(range(3, 30))
+    ours = ModelRunner(loaded, 8, 16).forward([SequenceChunk(ids, 0, [0, 1])], all_logits=True)
+    assert_close(ours, reference_logits(hf, ids))
+
+
+def test_a_config_without_rotary_or_layer_types_takes_transformers_defaults():
+    raw = SMALL
+    config = parse_gpt_oss_config(raw)
+    theirs = transformers.GptOssConfig(**{k: v for k, v in raw.items() if k != "experts_per_token"},
+                                     num_experts_per_tok=2)  # fmt: skip
+    assert config.layer_windows() == tuple(
+        128 if kind == "sliding_attention" else None for kind in theirs.layer_types
+    )
+    rope = theirs.rope_parameters
+    assert config.rope.scaling_type == rope["rope_type"] == "yarn"
+    assert config.rope.theta == rope["rope_theta"] == 150000.0
+    assert config.rope.scaling["factor"] == rope["factor"]
+    assert config.moe.top_k == 2 and config.moe.router_bias and config.moe.expert_bias
+
+
+def test_a_layout_llama_cpp_cannot_hold_is_refused_on_export(tmp_path):
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    save_model(folder, "gpt_oss", layer_types=["full_attention"] * 3)
+    with pytest.raises(ModelLoadError, match="even layers sliding"):
+        export_gguf(folder, tmp_path / "odd.gguf", "f32")
+
+
+def test_the_experts_kernels_path_is_left_to_the_loop():
+    """The clamped SwiGLU with biases is not the fused experts' call (runner/linear/
+    experts.py) nor the whole-layer decode (sinks): both decline these layers."""
+    from tandem.models.gpt_oss import GptOssDecoderLayer
+    from tandem.runner.fused_decode import layer_arguments
+
+    config = parse_gpt_oss_config({**SMALL, "num_hidden_layers": 2})
+    layer = GptOssDecoderLayer(config, 0)
+    assert layer.mlp.experts["0"].act_and_mul is None
+    assert layer_arguments(layer) is None
