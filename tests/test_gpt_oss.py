@@ -15,8 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from tandem.errors import ModelLoadError
 from tandem.models.gguf_export import export_gguf
+from tandem.models.gguf_file import GGUFFile
 from tandem.models.gpt_oss import parse_gpt_oss_config
 from tandem.models.loader import load_model
+from tandem.models.quantized import packed_parts
+from tandem.models.random_gguf import Shape, write_random_gguf
+from tandem.quant.blocks import GGMLType, dequantize
 from tandem.runner.model_runner import ModelRunner, SequenceChunk
 from tests.hf_models import VOCAB_SIZE, assert_close, reference_logits, save_model
 
@@ -145,3 +149,31 @@ def test_the_experts_kernels_path_is_left_to_the_loop():
     layer = GptOssDecoderLayer(config, 0)
     assert layer.mlp.experts["0"].act_and_mul is None
     assert layer_arguments(layer) is None
+
+
+def test_a_random_file_of_the_20b_layout_loads_every_expert_in_its_bits(tmp_path):
+    """write_random_gguf's gpt-oss (the benchmarks' 20b, here narrow): experts MXFP4
+    (llama-quantize's MXFP4_MOE: the rest Q8_0), stacked biases read one expert at a
+    time; every expert holds the weights dequantizing its rows of the stack gives."""
+    shape = Shape(256, 4, 4, 2, 256, tied=False, vocab=512, architecture="gpt-oss",
+                  head_size=64, experts=6, experts_used=2, expert_intermediate=256)  # fmt: skip
+    path = write_random_gguf(tmp_path / "oss.gguf", shape, "mxfp4")
+    file = GGUFFile(path)
+    infos = {info.name: info for info in file.tensors}
+    assert GGMLType(infos["blk.0.ffn_up_exps.weight"].type) == GGMLType.MXFP4
+    assert GGMLType(infos["blk.0.attn_q.weight"].type) == GGMLType.Q8_0
+    assert list(infos["blk.0.ffn_gate_exps.bias"].shape) == [256, 6]
+    loaded = load_model(path, load_tokenizer=False)
+    assert loaded.config.layer_windows() == (128, None, 128, None)
+    layer = loaded.model.model.layers[1].mlp
+    info = infos["blk.1.ffn_down_exps.weight"]
+    stack = torch.from_numpy(file.data(info).reshape(6 * 256, -1).copy())
+    whole = dequantize(GGMLType.MXFP4, stack, 256)
+    for expert in range(6):
+        ((_, part),) = packed_parts(layer.experts[str(expert)].down_proj)
+        assert torch.equal(part.dequantize(), whole[expert * 256 : (expert + 1) * 256])
+        assert torch.equal(layer.experts[str(expert)].down_proj.bias, torch.ones(256))
+    file.close()
+    ids = list(range(3, 20))
+    logits = ModelRunner(loaded, 4, 16).forward([SequenceChunk(ids, 0, [0, 1])], all_logits=True)
+    assert torch.isfinite(logits).all()

@@ -5,8 +5,10 @@ thinking (or closes it, with ``enable_thinking: false``)."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+from pathlib import Path
 
 import openai
 import pytest
@@ -17,7 +19,7 @@ from tandem.executor import make_executor
 from tandem.models.tokenizer import Tokenizer
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.server.api import build_app
-from tandem.server.reasoning import ThinkParser, parser_for, starts_inside
+from tandem.server.reasoning import HarmonyParser, ThinkParser, parser_for, plan, starts_inside
 from tandem.server.responses import ChoiceStream
 from tandem.server.tool_calls import ToolCalling
 from tandem.serving.async_engine import AsyncEngine
@@ -112,6 +114,123 @@ def test_the_thinking_tokens_are_counted_to_the_end_tags_token():
     assert ThinkParser(False, decode).thinking_tokens(ids[6:], decode(ids[6:])) == 0  # none
     assert ThinkParser(True, decode).thinking_tokens(ids[1:], decode(ids[1:])) == 5
     assert ThinkParser(False).thinking_tokens(ids, text) is None  # no decode: not counted
+
+
+# -- harmony (gpt-oss) -----------------------------------------------------------------
+
+GPT_OSS = Path(__file__).parent / "chat_templates" / "openai-gpt-oss-120b.jinja"
+HARMONY = (
+    "<|channel|>analysis<|message|>The user asks where Paris is. <b>France</b>.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris is in France."
+)
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>"
+    '{"city": "Oslo"}'
+)
+
+
+def test_harmony_keeps_the_analysis_apart_from_the_final_message():
+    parser = HarmonyParser(False)
+    thinking = "The user asks where Paris is. <b>France</b>."
+    assert parser.split(HARMONY) == (thinking, "Paris is in France.")
+    assert parser.split(HARMONY + "<|return|>") == (thinking, "Paris is in France.")
+    # no analysis: the final message alone; a reply held to a structure: as it is
+    assert parser.split("<|channel|>final<|message|>Paris.") == (None, "Paris.")
+    assert parser.split('<|channel|>analysis<|message|>x<|end|>{"a": 1}') == ("x", '{"a": 1}')
+    inside = "so.<|end|><|start|>assistant<|channel|>final<|message|>ok"
+    assert HarmonyParser(True).split(inside) == ("so.", "ok")
+    # a preamble (commentary, no recipient) is what the user sees
+    preamble = "<|channel|>analysis<|message|>t<|end|><|start|>assistant<|channel|>commentary"
+    assert parser.split(f"{preamble}<|message|>Checking.<|end|>") == ("t", "Checking.")
+
+
+def test_auto_reads_harmony_where_the_template_writes_it():
+    template = GPT_OSS.read_text()
+    assert parser_for("auto", template) == "harmony"
+    assert parser_for("openai_gptoss", None) == parser_for("harmony", None) == "harmony"
+    prompt = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    gated = plan(prompt, 10, False, HarmonyParser)  # the analysis opened for the budget
+    assert gated.prompt == prompt + "<|channel|>analysis<|message|>" and gated.starts_inside
+    assert not plan(prompt, None, False, HarmonyParser).gated
+    assert starts_inside(gated.prompt, HarmonyParser) and not starts_inside(prompt, HarmonyParser)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_harmony_deltas_add_up_to_the_whole_answer(seed):
+    """However the markers are cut, nothing of a header reaches either part."""
+    parser = HarmonyParser(False)
+    thinking, content, _, message = _stream(HARMONY, parser, None, seed)
+    assert (thinking, content) == parser.split(HARMONY)
+    assert message["reasoning_content"] == thinking and message["content"] == content
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_harmony_call_after_the_analysis_is_read_by_the_harmony_format(seed):
+    tools = ToolCalling.of(
+        [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+        "auto", "harmony",
+    )  # fmt: skip
+    thinking, content, calls, message = _stream(HARMONY_CALL, HarmonyParser(False), tools, seed)
+    assert thinking == "Need the weather." and content == ""
+    assert [c["function"]["name"] for c in calls] == ["weather"]
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert message["content"] is None or message["content"] == ""
+
+
+@pytest.fixture(scope="module")
+def harmony_client(model_dirs, tmp_path_factory):
+    """A server of a model whose tokenizer has harmony's markers as special tokens
+    and whose chat template is gpt-oss's (the random Llama stands in for its weights)."""
+    from tokenizers import Tokenizer as Backend
+
+    folder, _ = model_dirs("llama")
+    copy = tmp_path_factory.mktemp("harmony-model")
+    for path in folder.iterdir():
+        shutil.copy(path, copy / path.name)
+    backend = Backend.from_file(str(copy / "tokenizer.json"))
+    backend.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                                "<|constrain|>", "<|return|>", "<|call|>"])  # fmt: skip
+    backend.save(str(copy / "tokenizer.json"))
+    (copy / "chat_template.jinja").write_text(GPT_OSS.read_text())
+    config = EngineConfig.from_kwargs(str(copy))
+    engine = AsyncEngine(Engine(config, make_executor(config)))
+    try:
+        with thread_server(build_app(engine, "m")) as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_harmony_budget_ends_the_analysis_and_a_required_call_follows(harmony_client):
+    """The budget opens the analysis in the prompt and forces its <|end|> (one special
+    token); a required call is then written in harmony's header, special tokens and
+    all, and read back as the call."""
+    budget = _ask(harmony_client, thinking_budget=3, max_tokens=12)
+    message = budget.choices[0].message
+    assert message.reasoning_content and "<|" not in message.reasoning_content
+    assert budget.usage.completion_tokens_details.reasoning_tokens == 3 + 1
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    called = harmony_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=60,
+        temperature=0, tools=[weather], tool_choice="required",
+        extra_body={"thinking_budget": 2},
+    ).choices[0]  # fmt: skip
+    assert called.finish_reason == "tool_calls", called
+    call = called.message.tool_calls[0].function
+    assert call.name == "weather" and isinstance(json.loads(call.arguments)["city"], str)
+    assert called.message.reasoning_content and not called.message.content
 
 
 # -- a real server, OpenAI's SDK --------------------------------------------------------

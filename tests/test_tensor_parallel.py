@@ -172,13 +172,15 @@ def smollm2_like(model_dirs):
 
 
 @pytest.mark.parametrize("arch", ["smollm2-like", "mistral", "qwen2", "qwen3", "gemma3", "gpt2",
-                                  "qwen3_moe", "mixtral", "qwen2_moe"])  # fmt: skip
+                                  "qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])  # fmt: skip
 def test_two_ranks_equal_transformers_and_one_process(smollm2_like, model_dirs, arch):
     """Mistral's sliding window, Qwen2's q/k/v biases (cut with their rows), Qwen3's
     per-head norms, Gemma 3's local and global layers, GPT-2's fused c_attn (each
     rank's q, k and v columns of one Conv1D [in, out] tensor, with their biases),
     mixtures of experts (each rank holding half the experts; Qwen3-MoE's dense layer
-    and Qwen2-MoE's shared expert split as MLPs), each on 2 ranks."""
+    and Qwen2-MoE's shared expert split as MLPs), gpt-oss's sinks (cut with their
+    heads) and its experts' biases (the down projection's added once), each on 2
+    ranks."""
     folder, hf_model = smollm2_like if arch == "smollm2-like" else model_dirs(arch)
     ids = prompts([7, 13, 5], seed=4)
     one = LLM(str(folder), max_num_seqs=4)

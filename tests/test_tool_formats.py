@@ -41,6 +41,7 @@ FAMILIES = {
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
     "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek_v3",
+    "openai-gpt-oss-120b.jinja": "harmony",
 }
 
 # The tool-calling tests' tools; Hermes 3's template needs every tool described.
@@ -55,8 +56,8 @@ QUESTION = [{"role": "user", "content": "The weather in Oslo, and 2 + 40?"}]
 
 
 def _calls_for(name: str) -> list[dict]:
-    """Llama 3.2's template renders one call a turn."""
-    return CALLS[:1] if name.startswith("meta-llama") else CALLS
+    """Llama 3.2's and gpt-oss's templates render one call a turn."""
+    return CALLS[:1] if name.startswith(("meta-llama", "openai")) else CALLS
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +174,8 @@ def test_each_format_reads_what_its_template_writes_whole_and_streamed(name, fol
 
 
 def test_plain_text_stays_content_in_every_format():
-    for name in ("hermes", "qwen3_xml", "llama3_json", "mistral", "deepseek_v3", "pythonic"):
+    for name in ("hermes", "qwen3_xml", "llama3_json", "mistral", "deepseek_v3", "pythonic",
+                 "harmony"):  # fmt: skip
         tools = ToolCalling.of(TOOLS, "auto", name)
         assert tools.parse("It is sunny in Oslo.") == ("It is sunny in Oslo.", [])
         content, calls, _ = _stream("It is sunny in Oslo.", tools, 0)
@@ -240,7 +242,8 @@ def test_a_required_grammar_accepts_the_templates_own_spelling(name, folders):
 
 
 @pytest.mark.parametrize(
-    "format_name", ["hermes", "qwen3_xml", "llama3_json", "mistral", "deepseek_v3", "pythonic"]
+    "format_name",
+    ["hermes", "qwen3_xml", "llama3_json", "mistral", "deepseek_v3", "pythonic", "harmony"],
 )
 def test_a_model_held_to_each_grammar_writes_calls_its_format_reads(format_name, model_dirs):
     llm = LLM(str(model_dirs("llama")[0]))

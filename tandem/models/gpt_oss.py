@@ -282,4 +282,5 @@ GPT_OSS = Family(
     },
     gguf_read_keys=_read_gguf_keys,
     gguf_write_keys=_write_gguf_keys,
+    tensor_parallel=True,
 )

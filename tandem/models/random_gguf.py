@@ -9,10 +9,13 @@ initialisation) and the K formats' sub-scale minimums centre them on zero; no fl
 matrix is ever made. Norms (and Qwen2-MoE's q/k/v biases and shared-expert gate) are
 float32 ones.
 
-Mixtures of experts (``qwen3-30b-a3b``, ``mixtral-mini``, ``qwen1.5-moe-a2.7b``) stack
+Mixtures of experts (``qwen3-30b-a3b``, ``mixtral-mini``, ``qwen1.5-moe-a2.7b``,
+``gpt-oss-20b``: its attention biases and sinks, router bias and stacked expert biases
+float32 ones too, as its norm after attention) stack
 each layer's experts in one tensor per projection, as llama.cpp does (one stack, a few
 hundred MB, is the most held in memory); the router stays float32 (random normal
-weights). Formats, as llama.cpp's ``llama-quantize`` mixes them: ``q8_0`` (every matrix), ``q4_0``
+weights). Formats, as llama.cpp's ``llama-quantize`` mixes them: ``mxfp4`` (experts MXFP4,
+every other matrix Q8_0: its MXFP4_MOE), ``q8_0`` (every matrix), ``q4_0``
 (every matrix but the output one, Q6_K), ``q4_k_m`` (Q4_K, with Q6_K for the output
 matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
@@ -51,7 +54,7 @@ class Shape:
     rope_theta: float = 500000.0
     context: int = 131072
     head_size: int = 0  # when it is not hidden / heads (Qwen3's 128)
-    architecture: str = "llama"  # the GGUF architecture: llama, qwen3moe or qwen2moe
+    architecture: str = "llama"  # the GGUF architecture: llama, qwen3moe, qwen2moe, gpt-oss
     # A mixture of experts in every layer (0: dense MLPs): ``experts`` of
     # ``expert_intermediate``, ``experts_used`` a token. llama with experts is Mixtral.
     experts: int = 0
@@ -86,7 +89,7 @@ class Shape:
                        moe_intermediate_size=self.expert_intermediate)  # fmt: skip
             if family.gguf_shared_expert:
                 raw["shared_expert_intermediate_size"] = self.shared_intermediate
-            if family is MIXTRAL:  # (its experts' width is the MLP's)
+            if family is MIXTRAL or self.architecture == "gpt-oss":  # (the MLP's width)
                 raw["intermediate_size"] = self.expert_intermediate
         return raw
 
@@ -127,19 +130,33 @@ class Shape:
             out.append(("output.weight", (self.vocab, self.hidden)))
         return out
 
-    def norms(self) -> list[tuple[str, int]]:
-        """(GGUF name, length) of every vector, written as float32 ones: the norms'
-        weights, and qwen2moe's q/k/v biases and shared-expert gate."""
+    def norms(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(GGUF name, dimensions) of every vector, written as float32 ones: the norms'
+        weights, qwen2moe's q/k/v biases and shared-expert gate, gpt-oss's biases (its
+        experts' stacked: [experts, rows]) and sinks."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.architecture == "gpt-oss":
+            rows, stack = self.expert_intermediate, self.experts
+            kinds = [
+                ("attn_norm.weight", (self.hidden,)),
+                ("post_attention_norm.weight", (self.hidden,)),
+                ("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,)),
+                ("attn_output.bias", (self.hidden,)), ("attn_sinks.weight", (self.heads,)),
+                ("ffn_gate_inp.bias", (stack,)), ("ffn_gate_exps.bias", (stack, rows)),
+                ("ffn_up_exps.bias", (stack, rows)), ("ffn_down_exps.bias", (stack, self.hidden)),
+            ]  # fmt: skip
+            return [("output_norm.weight", (self.hidden,))] + [
+                (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in kinds
+            ]
         kinds = [("attn_norm.weight", self.hidden), ("ffn_norm.weight", self.hidden)]
         if self.architecture == "qwen3moe":
             kinds += [("attn_q_norm.weight", self.head_dim), ("attn_k_norm.weight", self.head_dim)]
         if self.architecture == "qwen2moe":
-            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
             kinds += [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]
             if self.shared_intermediate:
                 kinds.append(("ffn_gate_inp_shexp.weight", self.hidden))
-        return [("output_norm.weight", self.hidden)] + [
-            (f"blk.{i}.{kind}", n) for i in range(self.layers) for kind, n in kinds
+        return [("output_norm.weight", (self.hidden,))] + [
+            (f"blk.{i}.{kind}", (n,)) for i in range(self.layers) for kind, n in kinds
         ]
 
 
@@ -185,6 +202,24 @@ SHAPES = {
         expert_intermediate=1408,
         shared_intermediate=5632,
     ),
+    # gpt-oss-20b: 32 experts of 2,880, 4 a token (about 3.6B of 21B parameters read),
+    # every second layer sliding over 128 tokens; o200k's vocabulary of 201,088.
+    "gpt-oss-20b": Shape(
+        hidden=2880,
+        layers=24,
+        heads=64,
+        kv_heads=8,
+        intermediate=2880,
+        tied=False,
+        vocab=201088,
+        rope_theta=150000.0,
+        context=131072,
+        head_size=64,
+        architecture="gpt-oss",
+        experts=32,
+        experts_used=4,
+        expert_intermediate=2880,
+    ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
     # benchmarks copy it), not Mixtral's 32,000.
@@ -208,7 +243,7 @@ SHAPES = {
 THROUGHOUT = {"q3_k_s": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K, "iq4_xs": GGMLType.IQ4_XS,
               "iq3_s": GGMLType.IQ3_S, "iq3_xxs": GGMLType.IQ3_XXS,
               "iq2_xxs": GGMLType.IQ2_XXS}  # fmt: skip
-FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", *THROUGHOUT)
+FORMATS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "mxfp4", *THROUGHOUT)
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -224,6 +259,8 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.F32
     if fmt == "q8_0":
         return GGMLType.Q8_0
+    if fmt == "mxfp4":  # llama-quantize's MXFP4_MOE
+        return GGMLType.MXFP4 if "_exps." in name else GGMLType.Q8_0
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
         return GGMLType.Q6_K
     if fmt == "q4_0":
@@ -384,9 +421,13 @@ def write_random_gguf(
                   "q5_k_m": "MOSTLY_Q5_K_M", "q3_k_s": "MOSTLY_Q3_K_S",
                   "q2_k": "MOSTLY_Q2_K", "iq4_xs": "MOSTLY_IQ4_XS",
                   "iq3_s": "MOSTLY_IQ3_S", "iq3_xxs": "MOSTLY_IQ3_XXS",
-                  "iq2_xxs": "MOSTLY_IQ2_XXS"}  # fmt: skip
+                  "iq2_xxs": "MOSTLY_IQ2_XXS", "mxfp4": "MOSTLY_MXFP4_MOE"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
-    add_shape_keys(writer, shape.config())
+    config = shape.config()
+    add_shape_keys(writer, config)
+    family = gguf_family(shape.architecture, bool(shape.experts))
+    if family.gguf_write_keys is not None:  # (gpt-oss: its sliding window)
+        family.gguf_write_keys(writer, config)
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
 
     norms, matrices = shape.norms(), shape.matrices()
@@ -397,8 +438,8 @@ def write_random_gguf(
                 f"{name}: {dims[-1]} columns are not whole {code.name} blocks "
                 f"(a {fmt} file of this shape cannot be written; q4_0 or q8_0 can)"
             )
-    for name, length in norms:
-        writer.add_tensor_info(name, [length], np.dtype(np.float32), length * 4)
+    for name, dims in norms:
+        writer.add_tensor_info(name, list(dims), np.dtype(np.float32), int(np.prod(dims)) * 4)
     for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
         if code == GGMLType.F32:
@@ -413,8 +454,8 @@ def write_random_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, length in norms:
-        writer.write_tensor_data(np.ones(length, np.float32))
+    for _, dims in norms:
+        writer.write_tensor_data(np.ones(dims, np.float32))
     for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
         if code == GGMLType.F32:

@@ -1,7 +1,8 @@
 """Which slice of every weight one tensor-parallel rank holds (Megatron's layout).
 
     q/k/v, gate/up   column-parallel: a rank's rows (its heads, its share of the MLP;
-                     of GPT-2's fused c_attn, its rows of each of q, k and v)
+                     of GPT-2's fused c_attn, its rows of each of q, k and v); an
+                     attention's own per-head parameters (gpt-oss's sinks) its heads
     o, down          row-parallel: the matching columns; the ranks' outputs are partial
                      sums, added by an all-reduce (runner/linear/parallel.py)
     embedding, head  vocabulary-parallel: a rank's rows of the vocabulary (lookups
@@ -17,7 +18,8 @@
                      busiest rank has 5.1 of a token's 8, not 4). A mixture's shared
                      expert is split as an MLP; the mixture's partial sums (routed
                      and shared) are all-reduced once (models/moe.py)
-    everything else  (norms, routers, biases of row-parallel layers) whole on every rank
+    everything else  (norms, routers, biases of row-parallel and partial-sum layers:
+                     added once, by rank 0) whole on every rank
 
 Heads are split by KV groups, so that a rank's query heads read only its own KV
 heads: with at least as many KV heads as ranks each rank takes a run of whole groups
@@ -61,6 +63,7 @@ LAYOUT: dict[str, tuple[str, tuple[str, ...]]] = {
     "down_proj": (ROW, ("mlp",)),
     "shared_expert.gate_up_proj": (COLUMN, ("shared", "shared")),
     "shared_expert.down_proj": (PARTIAL, ("shared",)),
+    "self_attn": (COLUMN, ("heads",)),  # (parameters of the attention itself: sinks)
     "embed_tokens": (VOCAB, ("vocab",)),
     "lm_head": (VOCAB, ("vocab",)),
     # GPT-2
@@ -203,6 +206,7 @@ class ShardPlan:
         q, kv = self.heads
         d, moe = self.full.head_dim, self.full.moe
         ranges = {
+            "heads": q,
             "q": range(q.start * d, q.stop * d),
             "kv": range(kv.start * d, kv.stop * d),
             "mlp": split_evenly(self.full.intermediate_size, self.size, self.rank, self.block),
@@ -257,6 +261,7 @@ class ShardPlan:
         """A unit's rows (or columns) in the whole model."""
         c = self.full
         return {
+            "heads": c.num_heads,
             "q": c.num_heads * c.head_dim,
             "kv": c.num_kv_heads * c.head_dim,
             "mlp": c.intermediate_size,
@@ -275,8 +280,8 @@ class ShardPlan:
         if layout is None:
             return tensor
         how, units = layout
-        if how == ROW and kind == "bias":
-            return tensor  # added once, after the all-reduce (rank 0 keeps it)
+        if how in (ROW, PARTIAL) and kind == "bias":
+            return tensor  # added once (rank 0 keeps it: runner/linear/parallel.py)
         dim = 1 if how in (ROW, PARTIAL) else 0
         if transposed and len(tensor.shape) == 2:
             dim = 1 - dim

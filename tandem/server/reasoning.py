@@ -16,6 +16,16 @@ prompt, and the whole text is the reply.
 thinking and as reply without being taken back (a tag cut between two steps is held
 until it is whole). Tool calls and the reply's other parsing apply to the reply.
 
+gpt-oss thinks in harmony's ``analysis`` channel (tool_formats/harmony.py; vLLM's
+``openai_gptoss`` parser): ``HarmonyParser``, the same parts with the analysis
+message's header and ``<|end|>`` as the tags, the reply a final message's body (or
+the header of a call, for the harmony tool format to read).
+
+    text          <|channel|>analysis<|message|>Paris is in France.<|end|>
+                  <|start|>assistant<|channel|>final<|message|>Paris.
+    thinking      Paris is in France.
+    reply         Paris.
+
 The engine's part (``plan``): a request with a thinking budget, a structured output or
 a required tool call gets a ThinkingParams (sampling.py): the end of the thinking is
 forced at the budget, and the constraint holds the reply only. Its prompt must open the
@@ -29,22 +39,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.server.tool_formats import harmony
+
 START, END = "<think>", "</think>"
 # --reasoning-parser: what each name parses (vLLM's names for the same tags too).
-PARSERS = ("think", "deepseek_r1", "qwen3")
+PARSERS = {"think": "think", "deepseek_r1": "think", "qwen3": "think",
+           "harmony": "harmony", "openai_gptoss": "harmony"}  # fmt: skip
 CHOICES = ("auto", "none", *PARSERS)
 
 
 def parser_for(name: str, chat_template: str | None) -> str | None:
-    """The parser a server uses: ``auto`` takes ``think`` when the chat template
-    mentions the tag, else none."""
+    """The parser a server uses (``think`` or ``harmony``): ``auto`` takes harmony
+    when the chat template writes its analysis channel, ``think`` when it mentions
+    the tag, else none."""
     if name == "none":
         return None
     if name == "auto":
+        if chat_template is not None and HarmonyParser.start in chat_template:
+            return "harmony"
         return "think" if chat_template is not None and END in chat_template else None
     if name not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(CHOICES)})")
-    return "think"
+    return PARSERS[name]
 
 
 # OpenAI's reasoning_effort as a thinking budget in tokens (None: unbounded).
@@ -71,6 +87,13 @@ class Parts:
 
 
 class ThinkParser:
+    # The tags around the thinking, and what a prompt gets appended to open it.
+    start: str = START
+    end: str = END
+    opener: str = START + "\n"
+    # Whether the tags are special tokens (the text must keep them to be parsed).
+    special: bool = False
+
     def __init__(
         self, starts_inside: bool, decode: Callable[[list[int]], str] | None = None
     ) -> None:
@@ -86,20 +109,24 @@ class ThinkParser:
         body = len(text) - len(text.lstrip())
         if self.starts_inside:
             start = 0
-        elif text[body:].startswith(START):
-            start = body + len(START)
-        elif not final and START.startswith(text[body:]):  # "<thi": maybe the tag
+        elif text[body:].startswith(self.start):
+            start = body + len(self.start)
+        elif not final and self.start.startswith(text[body:]):  # "<thi": maybe the tag
             return Parts(0, 0, 0, 0)
         else:  # no thinking: the whole text is the reply
-            return Parts(0, 0, 0, len(text))
-        end = text.find(END, start)
+            return Parts(0, 0, *self.reply(text, 0, final))
+        end = text.find(self.end, start)
         if end < 0:  # still thinking
-            stop = len(text) if final else len(text) - _held(text, END)
+            stop = len(text) if final else len(text) - _held(text, self.end)
             return Parts(start, stop, stop, stop)
-        reply = end + len(END)
-        while reply < len(text) and text[reply] in "\n\r \t":
-            reply += 1
-        return Parts(start, end, reply, len(text))
+        return Parts(start, end, *self.reply(text, end + len(self.end), final))
+
+    def reply(self, text: str, at: int, final: bool) -> tuple[int, int]:
+        """Where the reply lies in ``text`` from ``at`` (after the thinking, or the
+        whole text without any): past the blank lines the model writes first."""
+        while at < len(text) and text[at] in "\n\r \t":
+            at += 1
+        return at, len(text)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(thinking, reply) of a whole answer; thinking is None when there was none."""
@@ -116,24 +143,55 @@ class ThinkParser:
         parts = self.parts(text, final=True)
         if not self.starts_inside and parts.thinking_start == 0:
             return 0
-        if text.find(END, parts.thinking_start) < 0:
+        if text.find(self.end, parts.thinking_start) < 0:
             return len(token_ids)
         if self.decode is None:
             return None
         low, high = 1, len(token_ids)  # the shortest prefix holding the end
         while low < high:
             middle = (low + high) // 2
-            if END in self.decode(token_ids[:middle]):
+            if self.end in self.decode(token_ids[:middle]):
                 high = middle
             else:
                 low = middle + 1
         return low
 
 
-def starts_inside(prompt_tail: str) -> bool:
+class HarmonyParser(ThinkParser):
+    """gpt-oss's analysis channel (the module's docstring). The generation prompt ends
+    with ``<|start|>assistant``, so the answer's first header has no ``<|start|>``."""
+
+    start = f"{harmony.CHANNEL}analysis{harmony.MESSAGE}"
+    end = harmony.END
+    opener = start
+    special = True
+
+    def reply(self, text: str, at: int, final: bool) -> tuple[int, int]:
+        """A final message's (or a preamble's) body, up to its end; a call's header
+        on, for the harmony tool format (and what follows a body, once a call does);
+        text with no header (a structured reply held right after the thinking) as it
+        is; nothing while a header is still being written."""
+        header = harmony.HEADER.match(text, at)
+        if header is None:
+            if harmony.opens_header(text, at, final):
+                return at, at
+            return at, harmony.boundary(text, at, final)
+        if harmony.RECIPIENT.search(header.group("header")):
+            return at, len(text)
+        body = header.end()
+        stop = harmony.boundary(text, body, final)
+        if harmony.RECIPIENT.search(text, stop):  # a call follows the preamble
+            return body, len(text)
+        return body, stop
+
+
+PARSER_CLASSES: dict[str, type[ThinkParser]] = {"think": ThinkParser, "harmony": HarmonyParser}
+
+
+def starts_inside(prompt_tail: str, parser: type[ThinkParser] = ThinkParser) -> bool:
     """Whether a rendered prompt (its last characters) leaves the model thinking."""
     tail = prompt_tail.rstrip()
-    return tail.endswith(START)
+    return tail.endswith(parser.start.rstrip())
 
 
 @dataclass(frozen=True)
@@ -146,14 +204,17 @@ class Plan:
     gated: bool
 
 
-def plan(prompt: str, budget: int | None, constrained: bool) -> Plan:
+def plan(
+    prompt: str, budget: int | None, constrained: bool, parser: type[ThinkParser] = ThinkParser
+) -> Plan:
     """The thinking of a request whose rendered prompt is ``prompt``, with a thinking
-    ``budget`` (or None) and a constraint on its reply (``constrained``)."""
+    ``budget`` (or None) and a constraint on its reply (``constrained``), in the tags
+    of ``parser``."""
     tail = prompt[-64:].rstrip()
-    if tail.endswith(END):  # the template closed it: no thinking to hold
+    if tail.endswith(parser.end):  # the template closed it: no thinking to hold
         return Plan(prompt, False, False)
-    inside = starts_inside(tail)
+    inside = starts_inside(tail, parser)
     gated = budget is not None or constrained
     if gated and not inside:  # what the model would write first
-        return Plan(prompt + START + "\n", True, True)
+        return Plan(prompt + parser.opener, True, True)
     return Plan(prompt, inside, gated)

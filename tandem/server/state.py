@@ -22,7 +22,7 @@ from tandem.server.errors import APIError
 from tandem.server.handlers import CompletionHandler, engine_prompt
 from tandem.server.limits import ServerLimits
 from tandem.server.protocol import ChatCompletionRequest, ErrorResponse
-from tandem.server.reasoning import EFFORT_BUDGETS, END, ThinkParser, parser_for
+from tandem.server.reasoning import EFFORT_BUDGETS, PARSER_CLASSES, parser_for
 from tandem.server.reasoning import plan as reasoning_plan
 from tandem.server.tool_calls import ToolCalling, special_literal
 from tandem.server.tool_formats import tool_format
@@ -66,8 +66,9 @@ class ServedModel:
         self.defaults = model_sampling_defaults(info.generation_config)
         template = getattr(self.tokenizer, "chat_template_source", None)
         self.reasoning = parser_for(self.reasoning_parser, template)
+        self._parser = PARSER_CLASSES[self.reasoning] if self.reasoning else None
         self.tool_format = tool_format(self.tool_call_parser, template)
-        self._thinking_end: tuple[int, ...] | None = None  # </think>'s token ids
+        self._thinking_end: tuple[int, ...] | None = None  # </think>'s (or <|end|>'s) ids
         self.card = {
             "id": self.model_name,
             "object": "model",
@@ -122,7 +123,8 @@ class ServedModel:
         self.limits.check(body)
         tools = self.tool_calling(body)
         params = body.sampling_params(self.defaults, tools)
-        if tools is not None and tools.format.special:  # its markers are special tokens
+        special = tools is not None and tools.format.special  # its markers: special tokens
+        if special or (self._parser is not None and self._parser.special):
             params = dataclasses.replace(params, skip_special_tokens=False)
         text = await self.chat_text(body, tools)
         reasoning = None
@@ -147,13 +149,14 @@ class ServedModel:
         budget = body.thinking_budget
         if budget is None and body.reasoning_effort is not None:
             budget = EFFORT_BUDGETS[body.reasoning_effort]
-        plan = reasoning_plan(text, budget, params.structured_outputs is not None)
+        parser = self._parser
+        plan = reasoning_plan(text, budget, params.structured_outputs is not None, parser)
         if plan.gated:
             if self._thinking_end is None:
-                self._thinking_end = tuple(self.tokenizer.encode(END, False))
+                self._thinking_end = tuple(self.tokenizer.encode(parser.end, False))
             thinking = ThinkingParams(self._thinking_end, budget)
             params = dataclasses.replace(params, thinking=thinking)
-        return plan.prompt, params, ThinkParser(plan.starts_inside, self._decode_all)
+        return plan.prompt, params, parser(plan.starts_inside, self._decode_all)
 
     def _decode_all(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)

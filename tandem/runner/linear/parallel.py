@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from tandem.models.linear import Linear, LinearMethod
-from tandem.models.sharding import ROW, VOCAB
+from tandem.models.sharding import PARTIAL, ROW, VOCAB
 
 
 class Collectives(Protocol):
@@ -34,10 +34,14 @@ class Collectives(Protocol):
 
 class RowParallelLinearMethod:
     """The rank's partial product, summed over the ranks; the bias is added once
-    (rank 0 keeps it, the others zero theirs)."""
+    (rank 0 keeps it, the others zero theirs). ``reduce`` False: a partial sum that a
+    later collective completes (a mixture's split experts' down projections: the
+    mixture all-reduces once, models/moe.py), so none here."""
 
-    def __init__(self, inner: LinearMethod, comm: Collectives, rank: int) -> None:
-        self.inner, self.comm, self.rank = inner, comm, rank
+    def __init__(
+        self, inner: LinearMethod, comm: Collectives, rank: int, reduce: bool = True
+    ) -> None:
+        self.inner, self.comm, self.rank, self.reduce = inner, comm, rank, reduce
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.inner.process_weights_after_loading(layer)
@@ -46,7 +50,8 @@ class RowParallelLinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.apply(layer, x)
-        self.comm.all_reduce(out)
+        if self.reduce:
+            self.comm.all_reduce(out)
         return out
 
 
@@ -74,6 +79,8 @@ def parallel_linear_method(
     style = getattr(layer, "tp_style", None)
     if style == ROW:
         return RowParallelLinearMethod(inner, comm, rank)
+    if style == PARTIAL and layer.bias is not None:  # (the bias added by rank 0 alone)
+        return RowParallelLinearMethod(inner, comm, rank, reduce=False)
     if style == VOCAB:
         return GatheredLinearMethod(inner, comm, sizes)
     return inner

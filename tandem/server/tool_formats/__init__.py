@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tandem.server.tool_formats.base import ToolFormat
 from tandem.server.tool_formats.deepseek_v3 import DeepSeekV3
+from tandem.server.tool_formats.harmony import Harmony
 from tandem.server.tool_formats.hermes import Hermes
 from tandem.server.tool_formats.llama3_json import Llama3Json
 from tandem.server.tool_formats.mistral import Mistral
@@ -14,7 +15,7 @@ from tandem.server.tool_formats.pythonic import Pythonic
 from tandem.server.tool_formats.qwen3_xml import Qwen3Xml
 
 FORMATS: tuple[ToolFormat, ...] = (
-    Qwen3Xml(), Mistral(), DeepSeekV3(), Pythonic(), Hermes(), Llama3Json(),
+    Harmony(), Qwen3Xml(), Mistral(), DeepSeekV3(), Pythonic(), Hermes(), Llama3Json(),
 )  # fmt: skip
 DEFAULT = "hermes"
 _BY_NAME = {name: f for f in FORMATS for name in (f.name, *f.aliases)}
