@@ -218,6 +218,8 @@ def test_mixtures_of_experts_equal_their_references(gguf_files, hf_folders, arch
     file = GGUFFile(path)
     stacked = [t for t in file.tensors if "_exps.weight" in t.name]
     assert stacked and all(len(t.shape) == 3 for t in stacked)
+    biases = [t for t in file.tensors if t.name.endswith(".bias")]  # float32, as llama.cpp's
+    assert all(GGMLType(t.type) == GGMLType.F32 for t in biases)
     assert "tokenizer.chat_template" in file.fields  # (transformers 5 keeps it in a .jinja)
     file.close()
 

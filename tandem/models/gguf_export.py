@@ -316,7 +316,8 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's
         t = t.reshape(-1)
     kind = code
-    if t.dim() == 1 or ".ffn_gate_inp." in target:  # (a router stays float32, as llama.cpp's)
+    # (a router, and biases, stacked experts' too, stay float32, as llama.cpp's)
+    if t.dim() == 1 or ".ffn_gate_inp." in target or target.endswith(".bias"):
         kind = GGMLType.F32
     elif code in QUANTIZERS and t.shape[-1] % _block_weights(code):
         kind = _FALLBACK.get(code, GGMLType.F16)
