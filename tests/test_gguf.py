@@ -292,8 +292,9 @@ def test_random_files_hold_llama_cpps_mix_of_valid_blocks(tmp_path, fmt):
         assert torch.isfinite(w).all(), info.name
         assert abs(w.mean().item()) < 0.004 and 0.012 < w.std().item() < 0.03, info.name
     main = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K",
+            "mxfp4": "Q8_0",  # (MXFP4_MOE: experts MXFP4, this dense model's all Q8_0)
             **{f: code.name for f, code in random_gguf.THROUGHOUT.items()}}[fmt]  # fmt: skip
-    assert types["output.weight"] == ("Q8_0" if fmt == "q8_0" else "Q6_K")
+    assert types["output.weight"] == ("Q8_0" if fmt in ("q8_0", "mxfp4") else "Q6_K")
     assert types["blk.3.ffn_gate.weight"] == types["blk.1.ffn_down.weight"] == main
     more_bits = "Q6_K" if fmt.endswith("_k_m") else main  # layer 0: the first eighth
     assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == more_bits
