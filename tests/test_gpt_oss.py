@@ -177,3 +177,24 @@ def test_a_random_file_of_the_20b_layout_loads_every_expert_in_its_bits(tmp_path
     ids = list(range(3, 20))
     logits = ModelRunner(loaded, 4, 16).forward([SequenceChunk(ids, 0, [0, 1])], all_logits=True)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["split-experts", "whole-experts"])
+def test_an_mxfp4_folder_on_two_ranks_gives_one_processs_tokens(mxfp4_folders, expert_parallel):
+    """The MXFP4 experts cut on their own 32-weight blocks (each rank its columns of
+    every expert), or whole experts a rank; the sinks with their heads."""
+    from tandem import LLM, SamplingParams
+
+    mxfp4_folder, _ = mxfp4_folders
+    prompts = [{"prompt_token_ids": [random.Random(s).randrange(VOCAB_SIZE) for _ in range(n)]}
+               for s, n in ((1, 9), (2, 17))]  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    one = LLM(str(mxfp4_folder), max_num_seqs=2)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(str(mxfp4_folder), max_num_seqs=2, tensor_parallel_size=2,
+              enable_expert_parallel=expert_parallel)  # fmt: skip
+    try:
+        ours = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    finally:
+        two.engine.executor.close()
+    assert ours == expected

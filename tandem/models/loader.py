@@ -191,6 +191,11 @@ def load_model(
     )
     with source, torch.no_grad():
         tensors = list(source.tensors())
+        # A tensor that holds several parameters' data (gpt-oss's stacked experts) as
+        # one tensor per parameter, each reading its own part (the shard plan below
+        # cuts them on their own blocks).
+        if hasattr(cls, "checkpoint_tensors"):
+            tensors = cls.checkpoint_tensors(tensors)
         shard = None
         if tensor_parallel is not None:  # (size 1 too: a group of one runs its collectives)
             blocks = [BLOCK[t.type][0] for t in tensors if t.quantized]

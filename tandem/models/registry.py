@@ -63,6 +63,10 @@ class CausalLM(Protocol):
         """Share the LM head with the embedding when the config says so."""
         ...
 
+    # Optionally (a staticmethod): ``checkpoint_tensors(tensors) -> tensors``, the
+    # checkpoint's tensors as the family's names take them (gpt-oss: each stacked
+    # expert tensor as every expert's own); the loader and the GGUF writer apply it.
+
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,

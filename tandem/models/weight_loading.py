@@ -101,11 +101,7 @@ def load_weights(
     (the caller checked that the compiled kernels run here). ``shard``: a
     tensor-parallel rank's plan; each tensor is narrowed to the rank's slice before it
     is read (the model was built from ``shard.config`` and cut by ``shard_model``)."""
-    # A tensor that holds several parameters' data (gpt-oss's stacked experts) comes as
-    # one tensor per parameter, each reading its own part.
     tensors = list(tensors)
-    if hasattr(model, "checkpoint_tensors"):
-        tensors = model.checkpoint_tensors(tensors)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     config = getattr(model, "config", None)
