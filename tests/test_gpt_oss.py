@@ -139,15 +139,15 @@ def test_a_layout_llama_cpp_cannot_hold_is_refused_on_export(tmp_path):
         export_gguf(folder, tmp_path / "odd.gguf", "f32")
 
 
-def test_the_experts_kernels_path_is_left_to_the_loop():
-    """The clamped SwiGLU with biases is not the fused experts' call (runner/linear/
-    experts.py) nor the whole-layer decode (sinks): both decline these layers."""
+def test_the_whole_layer_decode_leaves_a_layer_with_sinks_to_its_calls():
+    """The compiled whole-layer decode has no sinks: it declines gpt-oss's layers (their
+    experts still take their one call: tests/test_moe.py)."""
     from tandem.models.gpt_oss import GptOssDecoderLayer
     from tandem.runner.fused_decode import layer_arguments
 
     config = parse_gpt_oss_config({**SMALL, "num_hidden_layers": 2})
     layer = GptOssDecoderLayer(config, 0)
-    assert layer.mlp.experts["0"].act_and_mul is None
+    assert layer.mlp.experts["0"].swiglu == (1.702, 7.0)
     assert layer_arguments(layer) is None
 
 

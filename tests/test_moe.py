@@ -193,25 +193,30 @@ def test_a_quantized_files_experts_split_across_ranks_in_the_fused_kernel(
                 torch.testing.assert_close(total, layer(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k_m", "q8_0", "iq4_xs", "q2_k", "iq2_xxs"])
+@pytest.mark.parametrize(
+    "arch, fmt",
+    [("qwen3moe", f) for f in ("q4_0", "q4_k_m", "q8_0", "iq4_xs", "q2_k", "iq2_xxs")]
+    + [("gpt-oss", "mxfp4"), ("gpt-oss", "q8_0")],
+)
 @pytest.mark.parametrize(
     "tokens, round_rows", [(1, 512), (3, 512), (40, 512), (600, 512), (600, 64)]
 )
 def test_the_fused_experts_kernel_equals_the_loop_over_experts(
-    tmp_path, monkeypatch, fmt, tokens, round_rows
+    tmp_path, monkeypatch, arch, fmt, tokens, round_rows
 ):
-    """A random Qwen3-MoE file's packed experts: two kernel calls a layer (every picked
-    expert's gate/up, then every one's down) give the per-expert loop's result bit for
-    bit, for a token alone, a few sharing experts, many splitting over all, and a
-    prompt chunk whose slots go in rounds (1,200 slots in rounds of 512, or of 64:
-    experts then cut mid-way); the loop itself is the reference above (transformers)."""
+    """A random Qwen3-MoE file's packed experts (or gpt-oss's: biases and the clamped
+    SwiGLU): two kernel calls a layer (every picked expert's gate/up, then every one's
+    down) give the per-expert loop's result bit for bit, for a token alone, a few
+    sharing experts, many splitting over all, and a prompt chunk whose slots go in
+    rounds (1,200 slots in rounds of 512, or of 64: experts then cut mid-way); the loop
+    itself is the reference above (transformers)."""
     from tandem.models.random_gguf import Shape, write_random_gguf
     from tandem.runner.linear import experts
 
     monkeypatch.setattr(experts, "MLP_ROWS", round_rows)
 
     shape = Shape(256, 2, 4, 2, 512, tied=False, vocab=512, head_size=64,
-                  architecture="qwen3moe", experts=8, experts_used=2,
+                  architecture=arch, experts=8, experts_used=2,
                   expert_intermediate=256)  # fmt: skip
     path = write_random_gguf(tmp_path / "moe.gguf", shape, fmt)
     llm = LLM(str(path))

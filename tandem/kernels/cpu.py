@@ -86,6 +86,7 @@ FUNCTIONS = [
     "rotary",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    "clamped_swiglu_and_mul",
     "write_kv",
     "decode_attention",
     "paged_attention_rows",

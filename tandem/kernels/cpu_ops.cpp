@@ -140,6 +140,28 @@ void act_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out
   });
 }
 
+// gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+// g = min(gate, limit), in float32, rounded once. The experts' loop (models/gpt_oss.py)
+// and their one call (moe_ops.cpp) both run this, so the two agree to the bit.
+template <typename T>
+void clamped_swiglu_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
+                         int64_t x_stride, float alpha, float limit) {
+  at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + dim;
+      T* o = out + r * out_stride;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float g = std::min(to_f(gate[i]), limit);
+        const float u = std::clamp(to_f(up[i]), -limit, limit);
+        const float z = alpha * g;  // (exp(-z) would overflow, under -ffast-math to NaN)
+        const float sigmoid = z < -80.f ? 0.f : 1.f / (1.f + std::exp(-z));
+        o[i] = static_cast<T>((u + 1.f) * (g * sigmoid));
+      }
+    }
+  });
+}
+
 // -- paged KV cache ------------------------------------------------------------------
 
 // k/v: [T, Hkv, D] with row stride; cache rows [num_blocks * block_size, Hkv * D].
@@ -834,6 +856,16 @@ void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
     act_and_mul_impl<scalar_t, Act::kGeluTanh>(out.data_ptr<scalar_t>(),
                                                x.data_ptr<scalar_t>(), x.size(0), out.size(1),
                                                out.stride(0), x.stride(0));
+  });
+}
+
+// out [R, N] = gpt-oss's clamped SwiGLU of x [R, 2N] (gate, up): clamped_swiglu_impl
+void clamped_swiglu_and_mul(torch::Tensor out, torch::Tensor x, double alpha, double limit) {
+  check_rows(out, "out"); check_rows(x, "x");
+  TANDEM_DISPATCH(x.scalar_type(), "clamped_swiglu_and_mul", [&] {
+    clamped_swiglu_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0),
+                                  out.size(1), out.stride(0), x.stride(0),
+                                  static_cast<float>(alpha), static_cast<float>(limit));
   });
 }
 

@@ -92,7 +92,10 @@ std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t top_k, bool n
   return {weights, ids};
 }
 
-// out [T, hidden] and the tokens each expert took [experts] (int64).
+// out [T, hidden] and the tokens each expert took [experts] (int64). gu_bias / dn_bias:
+// each held expert's float32 bias of its gate/up and down by address (int64 [held]), or
+// empty; swiglu_limit > 0: gpt-oss's clamped SwiGLU (cpu_ops.cpp) with swiglu_alpha,
+// not silu or GELU.
 std::vector<torch::Tensor> moe_experts(
     torch::Tensor x, torch::Tensor logits, int64_t top_k, bool normalize,
     torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
@@ -101,7 +104,8 @@ std::vector<torch::Tensor> moe_experts(
     torch::Tensor dn_where, torch::Tensor dn_values, torch::Tensor dn_scales, torch::Tensor dn_corr,
     int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor,
     int64_t dn_table, bool gelu, int64_t round_rows,
-    int64_t first_expert) {
+    int64_t first_expert, torch::Tensor gu_bias, torch::Tensor dn_bias, double swiglu_alpha,
+    double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x: float32 [T, hidden], contiguous");
   const int64_t T = x.size(0), H = x.size(1), E = logits.size(1);
@@ -112,6 +116,11 @@ std::vector<torch::Tensor> moe_experts(
     TORCH_CHECK(where->scalar_type() == torch::kLong && where->is_contiguous() && where->dim() == 2 &&
                 where->size(0) == held && where->size(1) == 3, "where: int64 [held experts, 3]");
   TORCH_CHECK(dn_rows == H && gu_rows % 2 == 0, "down gives hidden rows; gate/up two halves");
+  for (const torch::Tensor* bias : {&gu_bias, &dn_bias})
+    TORCH_CHECK(bias->numel() == 0 || (bias->scalar_type() == torch::kLong && bias->is_contiguous() &&
+                                       bias->numel() == held), "bias: int64 [held experts] or empty");
+  const int64_t* gu_biases = gu_bias.numel() ? gu_bias.data_ptr<int64_t>() : nullptr;
+  const int64_t* dn_biases = dn_bias.numel() ? dn_bias.data_ptr<int64_t>() : nullptr;
   const quant::ManyMatrices gate_up_layout =
       quant::many_matrices(gu_values, gu_scales, gu_corr, H, gu_rows, gu_group, gu_offset, gu_factor,
                            gu_table);
@@ -174,11 +183,13 @@ std::vector<torch::Tensor> moe_experts(
     float* gathered = rows.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) std::memcpy(gathered + i * H, src + token[s0 + i] * H, H * sizeof(float));
     quant::run_many(gate_up_layout, gu_where.data_ptr<int64_t>(), experts, first, rows_of,
-                    gathered, H, gate_up.data_ptr<float>(), gu_rows);
-    torch::Tensor acted_n = acted.narrow(0, 0, n);
-    if (gelu) gelu_tanh_and_mul(acted_n, gate_up.narrow(0, 0, n)); else silu_and_mul(acted_n, gate_up.narrow(0, 0, n));
+                    gathered, H, gate_up.data_ptr<float>(), gu_rows, gu_biases);
+    torch::Tensor acted_n = acted.narrow(0, 0, n), gate_up_n = gate_up.narrow(0, 0, n);
+    if (swiglu_limit > 0) clamped_swiglu_and_mul(acted_n, gate_up_n, swiglu_alpha, swiglu_limit);
+    else if (gelu) gelu_tanh_and_mul(acted_n, gate_up_n);
+    else silu_and_mul(acted_n, gate_up_n);
     quant::run_many(down_layout, dn_where.data_ptr<int64_t>(), experts, first, rows_of,
-                    acted.data_ptr<float>(), I, down.data_ptr<float>(), H);
+                    acted.data_ptr<float>(), I, down.data_ptr<float>(), H, dn_biases);
     // Each row times its routing weight, then added into its token's row in slot
     // order (two passes, as the Python path's product and index_add_).
     float* d = down.data_ptr<float>();
@@ -229,7 +240,8 @@ std::vector<torch::Tensor> mixture_mlp(const torch::Tensor& o, const torch::Tens
                              m.gu_corr, m.gu_rows, m.gu_group, m.gu_offset, m.gu_factor, m.gu_table,
                              m.dn_where, m.dn_values, m.dn_scales, m.dn_corr, m.dn_rows, m.dn_group,
                              m.dn_offset, m.dn_factor, m.dn_table, m.gelu,
-                             m.round_rows, m.first_expert);
+                             m.round_rows, m.first_expert, torch::empty({0}, torch::kLong),
+                             torch::empty({0}, torch::kLong), 0.0, 0.0);
   m.load.copy_(experts[1]);
   return {experts[0], stream};
 }

@@ -1581,10 +1581,13 @@ ManyMatrices many_matrices(const torch::Tensor& values, const torch::Tensor& sca
 }
 
 // Matrix which[i] of ``where`` (addresses as above) over rows first[i] ..
-// first[i] + count[i] of x [*, K] into the same rows of out [*, N], all in one loop.
+// first[i] + count[i] of x [*, K] into the same rows of out [*, N], all in one loop;
+// ``biases`` (or null): each matrix's float32 bias [N] by address, added as one
+// matrix's call adds it.
 void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int64_t>& which,
               const std::vector<int64_t>& first, const std::vector<int64_t>& count,
-              const float* x, int64_t x_stride, float* out, int64_t out_stride) {
+              const float* x, int64_t x_stride, float* out, int64_t out_stride,
+              const int64_t* biases = nullptr) {
   const size_t P = which.size();
   static thread_local std::vector<Activations> acts;
   if (acts.size() < P) acts.resize(P);
@@ -1600,7 +1603,7 @@ void run_many(const ManyMatrices& m, const int64_t* where, const std::vector<int
     p.values = reinterpret_cast<const uint8_t*>(at[0]);
     p.tile_bytes = m.tile_bytes;
     p.offset = m.offset;
-    p.bias = nullptr;
+    p.bias = biases != nullptr ? reinterpret_cast<const float*>(biases[which[i]]) : nullptr;
     p.N = m.N;
     p.K = m.K;
     quantize_activations(x + first[i] * x_stride, x_stride, count[i], m.K, m.offset, acts[i]);

@@ -28,6 +28,7 @@ dimensions; llama.cpp's ggml truncates it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -37,7 +38,7 @@ from torch import nn
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
-from tandem.models.layers import AttentionContext, RMSNorm
+from tandem.models.layers import AttentionContext, RMSNorm, clamped_swiglu_and_mul
 from tandem.models.linear import Linear
 from tandem.models.llama import (
     GatedMLP,
@@ -101,21 +102,17 @@ def parse_gpt_oss_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 class ClampedSwiGLU(GatedMLP):
-    """An expert: gate/up and down with biases, the clamped SwiGLU between. No fused
-    activation (``act_and_mul`` None), so the experts' compiled path
-    (runner/linear/experts.py) leaves these layers to the loop."""
+    """An expert: gate/up and down with biases, the clamped SwiGLU between
+    (``swiglu``: its alpha and limit, which the experts' one call takes too:
+    runner/linear/experts.py)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.act_and_mul = None
-        self.alpha = config.family_options["swiglu_alpha"]
-        self.limit = config.family_options["swiglu_limit"]
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        options = config.family_options
+        self.swiglu = (options["swiglu_alpha"], options["swiglu_limit"])
+        self.act_and_mul = functools.partial(
+            clamped_swiglu_and_mul, alpha=self.swiglu[0], limit=self.swiglu[1]
+        )
 
 
 class GptOssAttention(LlamaAttention):

@@ -103,6 +103,20 @@ def _act_and_mul(x: torch.Tensor, kernel: str, act) -> torch.Tensor:
     return act(x[..., :size]) * x[..., size:]
 
 
+def clamped_swiglu_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2N] -> gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g *
+    sigmoid(alpha * g), g = min(gate, limit); on the CPU the kernel its experts' one
+    call runs too (runner/linear/experts.py)."""
+    size = x.shape[-1] // 2
+    if x.dim() == 2 and cpu_kernels.usable(x):
+        out = x.new_empty(x.shape[0], size)
+        cpu_kernels.load().clamped_swiglu_and_mul(out, x, alpha, limit)
+        return out
+    gate = x[..., :size].clamp(max=limit)
+    up = x[..., size:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 # Gated MLP activations computed in one pass with the up projection.
 FUSED_ACTIVATIONS = {
     "silu": silu_and_mul,

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
-from tandem.models.layers import gelu_tanh_and_mul
+from tandem.models.layers import gelu_tanh_and_mul, silu_and_mul
 from tandem.models.moe import SparseMoE
 from tandem.runner.linear.parallel import RowParallelLinearMethod
 from tandem.runner.linear.quantized import QuantizedLinearMethod
@@ -102,6 +102,8 @@ def layer_arguments(layer) -> tuple | None:
     # after the compiled attention half; no gate/up, down or activation here.
     experts = isinstance(mlp, SparseMoE) and hasattr(mlp, "fused_experts")
     act = None if experts else getattr(mlp, "act_and_mul", None)
+    if act not in (silu_and_mul, gelu_tanh_and_mul):  # (the kernel's two activations)
+        act = None
     # (attention sinks, gpt-oss's, are not in the kernel)
     ready = (
         attn is not None and getattr(attn, "sinks", None) is None and (act is not None or experts)

@@ -122,9 +122,10 @@ class ThinkParser:
         return Parts(start, end, *self.reply(text, end + len(self.end), final))
 
     def reply(self, text: str, at: int, final: bool) -> tuple[int, int]:
-        """Where the reply lies in ``text`` from ``at`` (after the thinking, or the
-        whole text without any): past the blank lines the model writes first."""
-        while at < len(text) and text[at] in "\n\r \t":
+        """Where the reply lies in ``text`` from ``at``: after the thinking, past the
+        blank lines the model writes first; without any thinking (``at`` 0), the whole
+        text as it is."""
+        while 0 < at < len(text) and text[at] in "\n\r \t":
             at += 1
         return at, len(text)
 

@@ -15,7 +15,9 @@ without meeting in between.
     slots     the batch's (token, expert) picks, sorted by expert (stable: a token's
               picks stay in order), the tokens' rows gathered in that order
     gate/up   one pass: expert e's rows x its gate/up matrix, for every picked e
-    act       silu(gate) * up (or GELU-tanh) over those rows
+    act       silu(gate) * up (or GELU-tanh, or gpt-oss's clamped SwiGLU) over those
+              rows; gpt-oss's experts' biases added by the two passes, as each
+              expert's own call adds them
     down      one pass, the same way
     combine   each row times its routing weight, added into its token's row in the
               sorted order: the same sum, in the same order, as models/moe.py's loop,
@@ -84,6 +86,10 @@ class FusedExperts:
         self.gate_up = _Projection([_only_part(e.gate_up_proj) for e in experts])
         self.down = _Projection([_only_part(e.down_proj) for e in experts])
         self.gelu = experts[0].act_and_mul is gelu_tanh_and_mul
+        # gpt-oss's: each expert's biases by address (held here), its clamped SwiGLU.
+        self.biases = [[_float_bias(getattr(e, p)) for e in experts] for p in PROJECTIONS]
+        alpha, limit = getattr(experts[0], "swiglu", (0.0, 0.0))
+        self.extras = (*(_addresses(b) for b in self.biases), alpha, limit)
         # The tokens each expert took in the last forward: ``layer.expert_load`` reads
         # this table (converted once a step by the runner, not a tensor a layer).
         self.load = torch.zeros(layer.num_experts, dtype=torch.int64)
@@ -103,7 +109,7 @@ class FusedExperts:
     def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
-            x.float().contiguous(), logits, *self._experts(layer)
+            x.float().contiguous(), logits, *self._experts(layer), *self.extras
         )
         self.load.copy_(counts)
         self.counted(layer)
@@ -121,6 +127,7 @@ class FusedExperts:
             layer.shared_expert is not None
             or not isinstance(method, CpuSmallBatchLinearMethod)
             or gate.bias is not None
+            or self.extras[-1] > 0  # (the whole-layer call takes no SwiGLU nor biases)
             or gate.weight.dtype != torch.float32
             or not gate.weight.is_contiguous()
         ):
@@ -133,6 +140,24 @@ class FusedExperts:
         list of its own in between)."""
         if layer.__dict__.get("_expert_load") is not self.load:
             layer.expert_load = self.load
+
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def _float_bias(linear: nn.Module) -> torch.Tensor | None:
+    """The float32 bias a packed matrix's call adds (runner/linear/quantized.py)."""
+    bias = getattr(linear, "float_bias", linear.bias)
+    return None if bias is None else bias.contiguous()
+
+
+def _addresses(biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """Each expert's bias by address, or empty when the experts have none."""
+    if all(b is None for b in biases):
+        return torch.empty(0, dtype=torch.int64)
+    if any(b is None for b in biases):
+        raise ValueError("some experts' biases missing")
+    return torch.tensor([b.data_ptr() for b in biases], dtype=torch.int64)
 
 
 def _only_part(linear: nn.Module) -> PackedWeight:
@@ -152,13 +177,13 @@ def attach_fused_experts(model: nn.Module) -> int:
         if not isinstance(module, SparseMoE):
             continue
         experts = list(module.experts.values())
-        if experts[0].act_and_mul is None:
+        if experts[0].act_and_mul is None or len({getattr(e, "swiglu", None) for e in experts}) > 1:
             continue
         try:
             fused = FusedExperts(module)
             layouts = [
                 {_layout(_only_part(getattr(e, projection))) for e in experts}
-                for projection in ("gate_up_proj", "down_proj")
+                for projection in PROJECTIONS
             ]
         except ValueError:  # not one packed matrix each, or not contiguous
             continue
