@@ -116,25 +116,31 @@ def attention_kernels() -> None:
             **ints, "out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache,
             "tables_ptr": "*i64", "starts_ptr": "*i64", "computed_ptr": "*i64",
             "part_acc_ptr": "*fp32", "part_top_ptr": "*fp32", "part_total_ptr": "*fp32",
-            "scale": "fp32",
+            "sinks_ptr": "*fp32", "scale": "fp32",
         }  # fmt: skip
         # prompt tiles, decode tiles split (flash-decoding), and a verification step's
-        # wider tile split (its rows x query heads above 16, a few sequences)
-        for split, block_m, block_n in ((False, 64, 64), (True, 16, 32), (True, 64, 64)):
+        # wider tile split (its rows x query heads above 16, a few sequences); a prompt
+        # tile and a split decode tile with attention sinks (gpt-oss)
+        for split, block_m, block_n, sinks in (
+            (False, 64, 64, False), (True, 16, 32, False), (True, 64, 64, False),
+            (False, 64, 64, True), (True, 16, 32, True),
+        ):  # fmt: skip
             build(
                 triton_paged._paged_attention, types,
                 dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n,
-                     PAGE=16, PRECISION="tf32", SPLIT=split, INT8=int8),
+                     PAGE=16, PRECISION="tf32", SPLIT=split, INT8=int8, SINKS=sinks),
             )  # fmt: skip
         writes = {**ints, "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": cache,
                   "v_cache_ptr": cache, "slots_ptr": "*i64"}  # fmt: skip
         build(triton_paged._write_kv, writes,
               dict(HEAD_DIM=128, BLOCK_D=128, FP8=fp8, INT8=int8))  # fmt: skip
     combine = {**ints, "out_ptr": "*bf16", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
-               "part_top_ptr": "*fp32", "part_total_ptr": "*fp32"}  # fmt: skip
-    for block_m in (16, 64):
+               "part_top_ptr": "*fp32", "part_total_ptr": "*fp32",
+               "sinks_ptr": "*fp32"}  # fmt: skip
+    for block_m, sinks in ((16, False), (64, False), (16, True)):
         build(triton_paged._combine_splits, combine,
-              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, SPLITS=8))  # fmt: skip
+              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, SPLITS=8,
+                   SINKS=sinks))  # fmt: skip
 
 
 def token_kernels() -> None:
