@@ -198,3 +198,32 @@ def test_an_mxfp4_folder_on_two_ranks_gives_one_processs_tokens(mxfp4_folders, e
     finally:
         two.engine.executor.close()
     assert ours == expected
+
+
+def test_a_gguf_files_harmony_ends_stop_generation_and_o200k_splits_as_its_tokenizer(tmp_path):
+    """A file states one EOS; harmony's <|return|> and <|call|> end a generation too
+    (llama.cpp's EOG list). gpt-4o's pre-tokenizer (o200k): words cut at case
+    changes with their contractions, digits in threes, punctuation before a letter
+    kept with it."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    from tandem.models.gguf_tokenizer import SPLIT_REGEX
+
+    folder = tmp_path / "oss"
+    folder.mkdir()
+    save_model(folder, "gpt_oss")
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                                "<|return|>", "<|call|>"])  # fmt: skip
+    backend.save(str(folder / "tokenizer.json"))
+    path = export_gguf(folder, tmp_path / "oss.gguf", "f32")
+    loaded = load_model(path)
+    ends = [loaded.tokenizer.encode(t, False)[0] for t in ("<|return|>", "<|call|>")]
+    assert set(ends) <= set(loaded.eos_token_ids)
+    assert loaded.tokenizer.encode("<|end|>", False)[0] not in loaded.eos_token_ids
+
+    split = pre_tokenizers.Split(Regex(SPLIT_REGEX["gpt-4o"]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("HelloWorld's CamelCASEWord 1234567 a/b\n\n x")]
+    assert pieces == ["Hello", "World's", " Camel", "CASEWord", " ", "123", "456", "7", " a",
+                      "/b", "\n\n", " x"]  # fmt: skip

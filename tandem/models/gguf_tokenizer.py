@@ -41,6 +41,15 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss, Llama 4): words cut at case changes, contractions kept on the word,
+# digits in threes, "/" and line ends kept on punctuation (its tokenizer.json's).
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPLIT_REGEX = {
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
@@ -49,6 +58,8 @@ SPLIT_REGEX = {
     "dbrx": _LLAMA3,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "gpt-4o": _O200K,
+    "llama4": _O200K,
 }
 
 

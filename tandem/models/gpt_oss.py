@@ -240,11 +240,22 @@ def _mxfp4_experts(
             yield CheckpointTensor(full, shape, blocks.file, kind, read)
 
 
+# Harmony's tokens that end a generation beside the file's EOS (llama.cpp's EOG list):
+# a final message's end and a call's.
+END_OF_GENERATION = ("<|return|>", "<|call|>")
+
+
 def _read_gguf_keys(reader, config: dict) -> None:
-    """The experts' size is the file's expert_feed_forward_length; YaRN untruncated."""
+    """The experts' size is the file's expert_feed_forward_length; YaRN untruncated;
+    harmony's <|return|> and <|call|> end a generation too (a file states one EOS)."""
     config["intermediate_size"] = reader._required("expert_feed_forward_length")
     if config.get("rope_scaling"):
         config["rope_scaling"]["truncate"] = False
+    tokens = list(reader.value("tokenizer.ggml.tokens") or ())
+    ends = [tokens.index(t) for t in END_OF_GENERATION if t in tokens]
+    if ends:
+        first = [] if config.get("eos_token_id") is None else [config["eos_token_id"]]
+        config["eos_token_id"] = list(dict.fromkeys([*first, *ends]))
 
 
 def _write_gguf_keys(writer, config: ModelConfig) -> None:
