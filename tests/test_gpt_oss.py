@@ -227,3 +227,34 @@ def test_a_gguf_files_harmony_ends_stop_generation_and_o200k_splits_as_its_token
     pieces = [p for p, _ in split.pre_tokenize_str("HelloWorld's CamelCASEWord 1234567 a/b\n\n x")]
     assert pieces == ["Hello", "World's", " Camel", "CASEWord", " ", "123", "456", "7", " a",
                       "/b", "\n\n", " x"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_batched_tokens=16, block_size=5, num_blocks=14),  # chunks, preemption
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "disable_by_batch_size": None}),  # verification rows
+    ],
+    ids=["chunked-preempted", "ngram-speculation"],
+)  # fmt: skip
+def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
+    """Through the whole engine (sliding layers over 8 tokens, sinks, the mixture):
+    prompts cut into chunks under a budget that forces preemption, or decoded with
+    n-gram drafts verified as rows of the paged kernel, give transformers' tokens."""
+    from tandem import LLM, SamplingParams
+    from tests.hf_models import reference_greedy
+
+    folder, hf_model = model_dirs("gpt_oss")
+    rng = random.Random(11)
+    motif = [rng.randrange(VOCAB_SIZE) for _ in range(5)]
+    prompts = [motif * 4 + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (3, 17, 9)]
+    llm = LLM(str(folder), **options)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, 12)
+    if "num_blocks" in options:
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    else:
+        assert llm.engine.spec_stats.num_drafts > 0
+    llm.engine.kv_manager.check_no_leaks()
