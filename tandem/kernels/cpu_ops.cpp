@@ -125,19 +125,26 @@ template <Act A> inline float activate(float g) {
   }
 }
 
-template <typename T, Act A>
-void act_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
-                      int64_t x_stride) {
+// out [R, dim] = combine(gate, up) of x [R, 2 * dim] (gate half, then up half), each
+// element widened to float and the result rounded to T once.
+template <typename T, typename Combine>
+void gated_rows(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
+                int64_t x_stride, Combine combine) {
   at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
       const T* up = gate + dim;
       T* o = out + r * out_stride;
-      for (int64_t i = 0; i < dim; ++i) {
-        o[i] = static_cast<T>(round_t<T>(activate<A>(to_f(gate[i]))) * to_f(up[i]));
-      }
+      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(combine(to_f(gate[i]), to_f(up[i])));
     }
   });
+}
+
+template <typename T, Act A>
+void act_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
+                      int64_t x_stride) {
+  gated_rows(out, x, rows, dim, out_stride, x_stride,
+             [](float g, float u) { return round_t<T>(activate<A>(g)) * u; });
 }
 
 // gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
@@ -146,19 +153,12 @@ void act_and_mul_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out
 template <typename T>
 void clamped_swiglu_impl(T* out, const T* x, int64_t rows, int64_t dim, int64_t out_stride,
                          int64_t x_stride, float alpha, float limit) {
-  at::parallel_for(0, rows, grain_rows(2 * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = x + r * x_stride;
-      const T* up = gate + dim;
-      T* o = out + r * out_stride;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float g = std::min(to_f(gate[i]), limit);
-        const float u = std::clamp(to_f(up[i]), -limit, limit);
-        const float z = alpha * g;  // (exp(-z) would overflow, under -ffast-math to NaN)
-        const float sigmoid = z < -80.f ? 0.f : 1.f / (1.f + std::exp(-z));
-        o[i] = static_cast<T>((u + 1.f) * (g * sigmoid));
-      }
-    }
+  gated_rows(out, x, rows, dim, out_stride, x_stride, [=](float gate, float up) {
+    const float g = std::min(gate, limit);
+    const float u = std::clamp(up, -limit, limit);
+    const float z = alpha * g;  // (exp(-z) would overflow, under -ffast-math to NaN)
+    const float sigmoid = z < -80.f ? 0.f : 1.f / (1.f + std::exp(-z));
+    return (u + 1.f) * (g * sigmoid);
   });
 }
 
