@@ -37,6 +37,8 @@ class NewRequestData:
     stop_token_ids: tuple[int, ...]
     grammar: str | None = None  # structured outputs (tandem/engine/grammar.py)
     cache_salt: str | None = None  # its tenant (suffix decoding keeps tenants apart)
+    # A hybrid model's: the state cache slot it holds while it runs (-1: none).
+    state_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class RunnerInfo:
     num_labels: int = 0
     # Whether it writes text (an encoder and a decoder with a score head do not).
     generates: bool = True
+    # A hybrid's state cache slots (runner/state_cache.py): how many sequences can run at
+    # once; 0: the model has no recurrent layers.
+    num_state_slots: int = 0
 
 
 @dataclass

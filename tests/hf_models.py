@@ -31,7 +31,7 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-    "gpt_oss",
+    "gpt_oss", "qwen3_5",
 )  # fmt: skip
 
 
@@ -123,6 +123,17 @@ def hf_config(arch: str, **overrides):
             },
         )  # fmt: skip
         cfg = transformers.GptOssConfig(**{**oss, **overrides})
+    elif arch == "qwen3_5":
+        # Gated DeltaNet layers around two gated-attention ones (each keeps K/V), value
+        # heads twice the key heads; head_dim * heads != hidden, a quarter of it rotated.
+        hybrid = dict(
+            llama_like, head_dim=32, num_hidden_layers=5, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "linear_attention", "full_attention"],
+        )  # fmt: skip
+        cfg = transformers.Qwen3_5TextConfig(**{**hybrid, **overrides})
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
     elif arch == "gpt2":
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
         cfg = transformers.GPT2Config(**{**gpt2, **overrides})

@@ -1,5 +1,6 @@
 """Every architecture against transformers on the same random weights: one flat
-batch, chunked prefill and token-by-token decode through the paged cache."""
+batch, chunked prefill and token-by-token decode through the paged cache (and a
+hybrid's state cache, one slot a sequence)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ def test_flat_batch_matches_transformers(model_dirs, arch, overrides):
     loaded = load_model(folder)
     batch = prompts()
     tables, num_blocks = contiguous_tables([len(p) for p in batch], 16)
-    runner = ModelRunner(loaded, num_blocks, 16)
-    chunks = [SequenceChunk(p, 0, t) for p, t in zip(batch, tables, strict=False)]
+    runner = ModelRunner(loaded, num_blocks, 16, num_state_slots=len(batch))
+    chunks = [
+        SequenceChunk(p, 0, t, state_slot=i)
+        for i, (p, t) in enumerate(zip(batch, tables, strict=True))
+    ]
     logits = runner.forward(chunks, all_logits=True)
     start = 0
     for ids in batch:
@@ -80,7 +84,7 @@ def test_whole_chunked_and_token_by_token_agree(model_dirs, arch, block_size):
     references = [reference_logits(hf_model, ids) for ids in batch]
     tables, num_blocks = contiguous_tables([len(p) for p in batch], block_size)
     for chunk_sizes in ([100], [8, 3, 13], [1]):
-        runner = ModelRunner(loaded, num_blocks, block_size)
+        runner = ModelRunner(loaded, num_blocks, block_size, num_state_slots=len(batch))
         done = [0] * len(batch)
         collected = [[] for _ in batch]
         step = 0
@@ -90,7 +94,8 @@ def test_whole_chunked_and_token_by_token_agree(model_dirs, arch, block_size):
                 # Each sequence takes a different chunk size in the same step.
                 size = chunk_sizes[(step + i) % len(chunk_sizes)]
                 if done[i] < len(ids):
-                    chunks.append(SequenceChunk(ids[done[i] : done[i] + size], done[i], tables[i]))
+                    chunk = ids[done[i] : done[i] + size]
+                    chunks.append(SequenceChunk(chunk, done[i], tables[i], state_slot=i))
                     owners.append(i)
             logits = runner.forward(chunks, all_logits=True)
             start = 0

@@ -23,6 +23,7 @@ from tandem.engine.observer import EngineObserver, StepStats
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.state_slots import StateSlots
 from tandem.errors import InvalidParameterError
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
@@ -41,12 +42,15 @@ class Engine:
         self.model_info = info = executor.info
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
-        # (an encoder's blocks hold nothing to reuse: its K/V are never cached)
+        # (an encoder's blocks hold nothing to reuse: its K/V are never cached; a
+        # hybrid's K/V do not make a state: engine/state_slots.py)
+        hybrid = info.num_state_slots > 0
         self.kv_manager = KVCacheManager(
             info.num_blocks,
             info.block_size,
-            config.cache.enable_prefix_caching and not info.encoder,
+            config.cache.enable_prefix_caching and not info.encoder and not hybrid,
         )
+        self.state_slots = StateSlots(info.num_state_slots) if hybrid else None
         self.observers: list[EngineObserver] = []
         self.scheduler = Scheduler(
             config.scheduler,
@@ -55,6 +59,7 @@ class Engine:
             config.speculative,
             on_finish=self._notify_finished,
             whole_prompts=info.encoder,
+            state_slots=self.state_slots,
         )
         self.input_processor = InputProcessor.of(info)
         self.output_processor = OutputProcessor(
@@ -168,6 +173,12 @@ class Engine:
 
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Disaggregated serving: hand requests' K/V to and from other instances."""
+        if self.state_slots is not None:
+            raise InvalidParameterError(
+                "kv_transfer_config",
+                "a hybrid model's recurrent state is not moved between instances: "
+                "disaggregated serving takes attention-only models",
+            )
         self.scheduler.connector = connector
 
     def poll_kv_transfers(self) -> list[str]:

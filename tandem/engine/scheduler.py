@@ -20,6 +20,9 @@ its blocks are freed and it returns to the front of the waiting queue, to recomp
 its prompt and output so far when it resumes (identical output, since its tokens are
 kept). No request is admitted in a step that had to preempt.
 
+A hybrid model's request also holds a slot of the state cache while it runs
+(state_slots.py): admission waits for a free one, and preemption gives it back.
+
 A request whose prompt's K/V come from another instance (a KV connector,
 kv_connector.py) waits aside, its blocks allocated, until they have arrived.
 
@@ -39,6 +42,7 @@ from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec_control import SpeculationControl
+from tandem.engine.state_slots import StateSlots
 from tandem.step import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 
 
@@ -52,13 +56,16 @@ class Scheduler:
         on_finish: Callable[[Request], None] = lambda request: None,
         connector: KVConnector | None = None,
         whole_prompts: bool = False,
+        state_slots: StateSlots | None = None,
     ) -> None:
         """``on_finish`` hears of every request that finishes (stop, length, abort);
         ``connector`` (engine/kv_connector.py) brings K/V from and keeps them for other
         instances. ``whole_prompts``: a prompt is never cut into chunks (an encoder's
         tokens attend to the tokens after them): it waits for a step with room for it
-        all, or runs alone when it is longer than a step's budget."""
+        all, or runs alone when it is longer than a step's budget. ``state_slots``: a
+        hybrid model's (engine/state_slots.py): a request runs only while it holds one."""
         self.config = config
+        self.state_slots = state_slots
         self.whole_prompts = whole_prompts
         self.on_finish = on_finish
         self.connector = connector
@@ -133,6 +140,8 @@ class Scheduler:
         # A request whose K/V are still arriving keeps its blocks (the sender writes into
         # them) until poll_transfers frees them; the runner never saw it.
         receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        if self.state_slots is not None:
+            self.state_slots.give_back(request.request_id)
         request.status = status
         request.timeline.finished = clock.now()
         if not receiving:
@@ -256,6 +265,8 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.give_back(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_blocks_sent = 0  # the runner forgets it; resuming sends it anew
@@ -270,6 +281,7 @@ class Scheduler:
             self.waiting
             and self._budget_left(out) > 0
             and len(self.running) < self.config.max_num_seqs
+            and (self.state_slots is None or self.state_slots.num_free > 0)
         ):
             request = self.waiting[0]
             # A prefix cache hit starts the request past the tokens found there. (A request
@@ -292,11 +304,13 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if self.state_slots is not None:
+                self.state_slots.take(request.request_id)
             request.num_blocks_sent = 0
             out.add(self._scheduled(request, num_new), self._new_request_data(request))
 
-    @staticmethod
-    def _new_request_data(request: Request) -> NewRequestData:
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        slots = self.state_slots
         return NewRequestData(
             request.request_id,
             request.prompt_token_ids,
@@ -305,6 +319,7 @@ class Scheduler:
             (*request.eos_token_ids, *request.stop_token_ids),
             request.grammar,
             request.cache_salt,
+            -1 if slots is None else slots.slot_of(request.request_id),
         )
 
     def update(

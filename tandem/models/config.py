@@ -87,6 +87,31 @@ class ModelConfig:
     # An encoder (BERT): every token attends to every token of its prompt, so a prompt
     # runs whole, keeps no K/V, and makes vectors (embeddings, scores), never tokens.
     encoder: bool = False
+    # Hybrids (Qwen3.5's Gated DeltaNet): layers whose token mixer is a recurrence with a
+    # fixed-size state per sequence instead of attention. They keep no K/V; each holds,
+    # per running sequence, float32 states of the shapes ``recurrent_state`` (one slot of
+    # the state cache: runner/state_cache.py).
+    recurrent_layers: tuple[int, ...] = ()
+    recurrent_state: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged cache, in order (an encoder's: none)."""
+        if self.encoder:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.recurrent_layers)
+
+    def cache_index(self, layer: int) -> int:
+        """Where attention layer ``layer`` keeps its K/V in the cache (its place among the
+        layers that keep K/V: a hybrid's recurrent layers take none)."""
+        return self.kv_layers.index(layer) if self.recurrent_layers else layer
+
+    def state_bytes_per_sequence(self) -> int:
+        """The state cache's bytes for one sequence: every recurrent layer's states,
+        float32. The one formula the runner sizes its slots with and the planner
+        reports."""
+        one = sum(math.prod(shape) for shape in self.recurrent_state)
+        return 4 * one * len(self.recurrent_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -101,20 +126,22 @@ class ModelConfig:
         return layers * self.moe.num_experts * per_expert
 
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: the layer attends its whole context)."""
+        """Each K/V layer's sliding window, by cache index (None: the layer attends its
+        whole context)."""
+        layers = self.kv_layers if self.recurrent_layers else range(self.num_layers)
         if self.sliding_window is None:
-            return (None,) * self.num_layers
+            return (None,) * len(layers)
         sliding = range(self.num_layers) if self.sliding_layers is None else self.sliding_layers
-        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
+        return tuple(self.sliding_window if i in sliding else None for i in layers)
 
     def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
         """KV cache bytes one token takes (on one of ``tp`` tensor-parallel ranks): K and
-        V, every layer, the KV heads of the rank. The one formula the runner sizes its
-        cache with and the planner reports. An encoder keeps none."""
+        V, every layer that keeps them, the KV heads of the rank. The one formula the
+        runner sizes its cache with and the planner reports. An encoder keeps none."""
         if self.encoder:
             return 0.0
         heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
-        return 2 * self.num_layers * heads_per_rank * self.head_dim * bytes_per_element
+        return 2 * len(self.kv_layers) * heads_per_rank * self.head_dim * bytes_per_element
 
 
 def require(raw: dict[str, Any], *keys: str) -> Any:

@@ -25,6 +25,7 @@ from tandem.models.modernbert import MODERNBERT
 from tandem.models.qwen2 import QWEN2
 from tandem.models.qwen2_moe import QWEN2_MOE
 from tandem.models.qwen3 import QWEN3
+from tandem.models.qwen3_5 import QWEN3_5
 from tandem.models.qwen3_moe import QWEN3_MOE
 
 
@@ -75,6 +76,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3,
     QWEN2_MOE,
     QWEN3_MOE,
+    QWEN3_5,
     MIXTRAL,
     GEMMA3,
     GPT_OSS,

@@ -46,6 +46,7 @@ class RequestState:
     thinking: ThinkingGate | None = None  # a thinking model's: its end, its budget
     pooler: PromptPooler | None = None  # an embedding request's vector, as it gathers
     cache_salt: str | None = None  # its tenant
+    state_slot: int = -1  # a hybrid's slot of the state cache (runner/state_cache.py)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +159,7 @@ class InputBatch:
             generator,
             None,
             cache_salt=new.cache_salt,
+            state_slot=new.state_slot,
         )
         state = self.requests[new.request_id]
         if needs_penalties(params):

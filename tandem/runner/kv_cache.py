@@ -1,6 +1,6 @@
 """The paged KV cache memory: one tensor for all layers.
 
-Layout ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``: a
+Layout ``[kv_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``: a
 block is ``block_size`` consecutive token slots, and slot ``b * block_size + i`` is
 token ``i`` of block ``b`` in every layer. One allocation keeps the cache easy to size
 from a memory budget and to hand to a transfer engine as a single region.
@@ -64,8 +64,7 @@ def allocate_kv_cache(
     kv_cache_dtype: str = "auto",
     shared_file: str | None = None,
 ) -> torch.Tensor:
-    layers = 0 if config.encoder else config.num_layers  # (an encoder keeps no K/V)
-    shape = (layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (len(config.kv_layers), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "int8":
         shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
     dtype = STORED_DTYPES.get(kv_cache_dtype, dtype)
@@ -163,13 +162,7 @@ def num_blocks_for(
     available = host_available_bytes() if device.type == "cpu" else None
     setting = "num_blocks" if num_blocks is not None else "kv_cache_memory"
     if num_blocks is None:
-        if kv_cache_memory is not None:
-            budget = kv_cache_memory
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - (1 - gpu_memory_utilization) * total
-        else:
-            budget = default_cpu_budget(available)
+        budget = cache_budget(device, kv_cache_memory, gpu_memory_utilization, available)
         useful = max_num_seqs * -(-max_model_len // block_size)
         # (an encoder's blocks cost nothing: they only count a batch's tokens)
         num_blocks = max(1, min(int(budget // per_block) if per_block else useful, useful))
@@ -181,6 +174,23 @@ def num_blocks_for(
             "loading the model",
         )
     return num_blocks
+
+
+def cache_budget(
+    device: torch.device,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    available: int | None = None,
+) -> float:
+    """The cache's memory budget in bytes: ``kv_cache_memory`` if given; on CUDA the part
+    of ``gpu_memory_utilization`` x total memory still free after the weights; on CPU
+    ``default_cpu_budget`` of the ``available`` memory."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free - (1 - gpu_memory_utilization) * total
+    return default_cpu_budget(available)
 
 
 def default_cpu_budget(available: int | None) -> int:

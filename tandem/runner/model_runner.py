@@ -41,6 +41,7 @@ from tandem.runner.linear.experts import attach_fused_experts
 from tandem.runner.proposing import SpecItem
 from tandem.runner.rejection import verify
 from tandem.runner.sampler import argmax_rows, sample, scored_tokens, unprocessed
+from tandem.runner.state_cache import RecurrentBatch, StateCache
 from tandem.runner.tensor_parallel import (
     TensorParallel,
     method_with_collectives,
@@ -65,6 +66,7 @@ class SequenceChunk:
     block_table: Sequence[int]  # blocks holding this sequence, covering all its tokens
     verifies: bool = False  # a decode and its draft tokens (attended as decodes are)
     second_segment: int | None = None  # an encoder's pair: where its second text starts
+    state_slot: int = -1  # a hybrid's: its slot of the state cache (state_cache.py)
 
 
 # Prompt positions whose logits are made at once when scoring a prompt (memory bound).
@@ -82,11 +84,13 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         tp: TensorParallel | None = None,
         cuda_graph_batch: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         """``tp``: this process is one rank of a tensor-parallel group; ``loaded`` holds
         its shard (load_model's ``tensor_parallel``). ``cuda_graph_batch``: on a CUDA
         GPU, decode and verification steps of up to this many sequences replay CUDA
-        graphs (cuda_graphs.py; 0: every step runs eagerly)."""
+        graphs (cuda_graphs.py; 0: every step runs eagerly). ``num_state_slots``: a
+        hybrid model's sequences that can run at once (its state cache's slots)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -96,6 +100,11 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype,
             shared_file=None if tp is None else tp.kv_file,
         )  # fmt: skip
+        self.states = None
+        if loaded.config.recurrent_layers:
+            if num_state_slots < 1:
+                raise ValueError("a hybrid model needs state slots (state_cache.py)")
+            self.states = StateCache(loaded.config, num_state_slots, loaded.device)
         self.attention = (
             EncoderAttention
             if loaded.config.encoder
@@ -119,7 +128,12 @@ class ModelRunner:
             host_memory.keep_large_temporaries()
         self.moe_layers = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
         self.graphs = None
-        capturable = self.attention is TritonPagedAttention and not self.moe_layers and tp is None
+        capturable = (
+            self.attention is TritonPagedAttention
+            and not self.moe_layers
+            and tp is None
+            and self.states is None
+        )
         if cuda_graph_batch > 0 and capturable and loaded.device.type == "cuda":
             self.graphs = DecodeGraphs(
                 loaded.model, self.kv_cache, block_size, loaded.config.layer_windows(),
@@ -151,6 +165,7 @@ class ModelRunner:
             encoder=loaded.config.encoder,
             num_labels=num_labels,
             generates=not loaded.config.encoder and getattr(loaded.model, "generates", True),
+            num_state_slots=0 if self.states is None else self.states.num_slots,
         )
 
     def expert_load(self) -> tuple[tuple[int, ...], ...]:
@@ -212,8 +227,11 @@ class ModelRunner:
             pooling = state.sampling_params.pooling
             second = None if pooling is None else pooling.second_segment
             chunks.append(
-                SequenceChunk([*tokens, *guess], start, state.block_ids, bool(guess), second)
-            )
+                SequenceChunk(
+                    [*tokens, *guess], start, state.block_ids, bool(guess), second,
+                    state.state_slot,
+                )
+            )  # fmt: skip
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(start + len(tokens), len(state.prompt_token_ids) - 1) - start
                 if count > 0:
@@ -436,6 +454,7 @@ class ModelRunner:
             [c.verifies for c in chunks],
             max(c.num_computed_tokens + len(c.token_ids) for c in chunks),
             [c.second_segment for c in chunks] if self.config.encoder else None,
+            [c.state_slot for c in chunks],
         )
 
     @torch.inference_mode()
@@ -447,6 +466,8 @@ class ModelRunner:
         ids [S] on the device (the last step's argmax: no trip through the host),
         ``num_computed`` int64 [S], ``block_tables`` int64 [S, >= blocks in use], every
         entry a block of the cache -> logits [S, vocab]. Eager (no graph)."""
+        if self.states is not None:
+            raise ValueError("a static batch runs attention-only models (no state slots)")
         hidden = self._run(
             token_ids,
             np.ones(len(num_computed), np.int64),
@@ -459,11 +480,12 @@ class ModelRunner:
 
     def _run(
         self, input_ids, query_lens, num_computed, block_tables, verifies, context,
-        second_segments=None,
+        second_segments=None, state_slots=(),
     ):  # fmt: skip
         """The model over a flat batch (``hidden_states``' and ``decode_logits``'
         arguments for the attention metadata; ``second_segments``: an encoder's pairs,
-        None for any other model) -> final hidden states [T, hidden]."""
+        None for any other model; ``state_slots``: a hybrid's sequences' slots) -> final
+        hidden states [T, hidden]."""
         build = getattr(self.attention, "build_metadata", build_paged_metadata)
         pairs = {} if second_segments is None else {"second_segments": second_segments}
         metadata = build(
@@ -478,7 +500,12 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             host_memory.for_forward(len(input_ids), context)
-        return self.model(input_ids, metadata.positions, self.attention(metadata, self.kv_cache))
+        attn = self.attention(metadata, self.kv_cache)
+        if self.states is not None:
+            attn.recurrent = RecurrentBatch.build(
+                self.states, query_lens, num_computed, state_slots, self.device
+            )
+        return self.model(input_ids, metadata.positions, attn)
 
     def _rows(self, hidden: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         """hidden[indices]; every row in order needs no gather (the same count in
@@ -493,5 +520,7 @@ def forward_no_cache(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tens
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
     attn = CausalAttention(batch, length, loaded.config.layer_windows())
+    if loaded.config.recurrent_layers:
+        attn.recurrent = RecurrentBatch.fresh(loaded.config, batch, length, input_ids.device)
     hidden = loaded.model(input_ids.flatten(), positions, attn)
     return loaded.model.compute_logits(hidden).view(batch, length, -1)

@@ -19,9 +19,15 @@ from tandem.models.catalog import default_draft_model
 from tandem.models.dtypes import torch_dtype_name
 from tandem.models.loader import load_model
 from tandem.models.registry import family_of
-from tandem.runner.kv_cache import kv_bytes_per_block, num_blocks_for
+from tandem.runner.kv_cache import (
+    cache_budget,
+    host_available_bytes,
+    kv_bytes_per_block,
+    num_blocks_for,
+)
 from tandem.runner.model_runner import ModelRunner
 from tandem.runner.proposing import Proposer
+from tandem.runner.state_cache import split_budget
 from tandem.runner.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("tandem.worker")
@@ -75,13 +81,36 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
         )
     max_model_len = config.max_model_len or limit
     cache = config.cache
+    kv_cache_memory, num_slots = cache.kv_cache_memory, 0
+    if loaded.config.recurrent_layers:  # a hybrid: state slots first, from the same budget
+        budget = cache_budget(
+            loaded.device, cache.kv_cache_memory, cache.gpu_memory_utilization,
+            host_available_bytes() if loaded.device.type == "cpu" else None,
+        )  # fmt: skip
+        num_slots, kv_cache_memory = split_budget(
+            loaded.config, int(budget), config.scheduler.max_num_seqs
+        )
+        if tp is not None:
+            num_slots = tp.smallest(num_slots)
+        logger.info(
+            "state cache: %d sequences (%d recurrent layers, %.1f MiB a sequence, %.2f GiB)",
+            num_slots, len(loaded.config.recurrent_layers),
+            loaded.config.state_bytes_per_sequence() / (1 << 20),
+            num_slots * loaded.config.state_bytes_per_sequence() / (1 << 30),
+        )  # fmt: skip
+        if config.speculative is not None:
+            raise InvalidParameterError(
+                "speculative",
+                f"{family.name} keeps a recurrent state that rejected drafts would stay "
+                "in: speculative decoding takes attention-only models",
+            )
     num_blocks = num_blocks_for(
         loaded.config,
         cache.block_size,
         loaded.dtype,
         loaded.device,
         cache.num_blocks,
-        cache.kv_cache_memory,
+        kv_cache_memory,
         cache.gpu_memory_utilization,
         config.scheduler.max_num_seqs,
         max_model_len,
@@ -108,7 +137,7 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
         )  # fmt: skip
     runner = ModelRunner(
         loaded, num_blocks, cache.block_size, config.seed, None, cache.kv_cache_dtype, tp,
-        0 if config.enforce_eager else config.scheduler.max_num_seqs,
+        0 if config.enforce_eager else config.scheduler.max_num_seqs, num_slots,
     )  # fmt: skip
     if tp is not None and tp.kv_file is not None:
         tp.smallest(0)  # every rank's cache file exists before rank 0 maps them

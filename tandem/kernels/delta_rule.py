@@ -1,0 +1,125 @@
+"""The gated delta rule (Gated DeltaNet's linear attention) and the short causal
+convolution before it: the recurrences a hybrid model's linear-attention layers run, for
+prompts in chunked form and for decode one step at a time.
+
+Per head, with a state S [Dk, Dv] carried from token to token::
+
+    S_t = a_t S_{t-1} + k_t (b_t (v_t - a_t S_{t-1}^T k_t))^T      a_t = exp(g_t), g_t <= 0
+    o_t = S_t^T q_t
+
+(the state decays by a_t, then its prediction for k_t is corrected toward v_t at rate
+b_t: the delta rule). The chunked form computes C tokens at once (WY representation, as
+the flash-linear-attention kernels do): within a chunk, with G_i the cumulative log
+decay up to token i and A = strictly_lower(diag(b) K K^T * exp(G_i - G_j)),
+
+    T = (I + A)^-1,  U = T (b V),  W = T (b exp(G) K),  V' = U - W S
+    O = (Q exp(G)) S + lower(Q K^T * exp(G_i - G_j)) V'
+    S <- exp(G_C) S + (K exp(G_C - G))^T V'
+
+so the only sequential work is one small matrix product per chunk. Everything is float32
+(the states are kept in float32 whatever the model computes in).
+
+The convolution is depthwise over channels, ``width`` taps, causal: a sequence's state
+is its last ``width - 1`` inputs, so a prompt's next chunk (or its decode) continues
+where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's size)
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q/k [L, H, Dk] (normalized and scaled as the layer wants), v [L, H,
+    Dv], g/beta [L, H], state [H, Dk, Dv] (float32, the state before these tokens) ->
+    (o [L, H, Dv] float32, the state after them)."""
+    length, heads, _ = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk
+    n = (length + pad) // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, n, C, ...]
+        x = x.float().transpose(0, 1)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
+        return x.reshape(heads, n, chunk, *x.shape[2:])
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = g.cumsum(-1)  # [H, n, C]; padding adds no decay (g = 0 there)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
+    eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
+    # (I + A) is unit lower triangular: T (I + A) = I.
+    T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    U = T @ (v * beta[..., None])
+    W = T @ (kb * G.exp()[..., None])
+    attn = q @ k.transpose(-1, -2) * decay  # lower, diagonal included
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    out = torch.empty(heads, n, chunk, dv, dtype=torch.float32, device=q.device)
+    S = state.float()
+    for i in range(n):
+        v_new = U[:, i] - W[:, i] @ S
+        out[:, i] = q_decayed[:, i] @ S + attn[:, i] @ v_new
+        S = S * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, n * chunk, dv)[:, :length].transpose(0, 1)
+    return out, S
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of B sequences: q/k [B, H, Dk], v [B, H, Dv], g/beta [B, H];
+    ``states`` [slots, H, Dk, Dv] float32, sequence b's at ``slots[b]``, updated in
+    place -> o [B, H, Dv] float32."""
+    S = states[slots]  # [B, H, Dk, Dv]
+    a = g.float().exp()[..., None, None]
+    q, k, v = q.float(), k.float(), v.float()
+    S = S * a
+    predicted = (S * k[..., None]).sum(-2)  # S^T k: [B, H, Dv]
+    delta = (v - predicted) * beta.float()[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    states[slots] = S
+    return (S * q[..., None]).sum(-2)
+
+
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: x [L, C], ``weight`` [C, width], ``state`` [C, width - 1] (its
+    previous inputs, oldest first) -> (y [L, C] before the activation, in x's dtype;
+    the new state, float32)."""
+    width = weight.shape[-1]
+    full = torch.cat([state.to(x.dtype), x.t()], dim=-1)  # [C, width - 1 + L]
+    y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]
+    return y.t(), full[:, full.shape[-1] - (width - 1) :].float()
+
+
+def causal_conv_step(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One token for each of B sequences: x [B, C]; ``states`` [slots, C, width - 1],
+    sequence b's at ``slots[b]``, updated in place -> y [B, C] before the activation."""
+    window = torch.cat([states[slots], x.float()[..., None]], dim=-1)  # [B, C, width]
+    states[slots] = window[..., 1:]
+    return (window * weight.float()).sum(-1).to(x.dtype)

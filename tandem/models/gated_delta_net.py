@@ -1,0 +1,123 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3.5 and Qwen3-Next.
+
+In place of attention over a growing K/V cache, each sequence carries two fixed-size
+states through its tokens (the state cache: runner/state_cache.py):
+
+    x -> in_proj -> [q k v | z | b | a]
+    q k v -> causal depthwise conv (width 4, state: the last 3 inputs) -> silu
+    q, k: L2-normalized per head (q then scaled by Dk^-0.5), repeated to the value heads
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)      (per value head)
+    o = gated delta rule(q, k, v, g, beta)      (state: [Hv, Dk, Dv] per sequence)
+    out_proj(rmsnorm(o) * silu(z))      (the norm per head, its weight plain)
+
+as transformers' ``Qwen3_5GatedDeltaNet`` computes it. The recurrences are
+kernels/delta_rule.py's: a step's decodes run one batched step over their slots; a
+prompt (or a chunk of one) runs the chunked form, in its sequence's slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunked_gated_delta_rule,
+    gated_delta_rule_step,
+)
+from tandem.models.config import ModelConfig
+from tandem.models.layers import AttentionContext
+from tandem.models.linear import Linear, MergedLinear
+
+L2_EPS = 1e-6  # as the flash-linear-attention kernels normalize q and k
+
+
+def delta_net_shapes(options: dict) -> tuple[tuple[int, ...], ...]:
+    """One sequence's states in one layer: the convolution's window [C, width - 1] and
+    the delta rule's matrices [Hv, Dk, Dv] (``options``: the family's config keys)."""
+    conv_dim = 2 * options["key_heads"] * options["key_dim"]
+    conv_dim += options["value_heads"] * options["value_dim"]
+    return (
+        (conv_dim, options["conv_width"] - 1),
+        (options["value_heads"], options["key_dim"], options["value_dim"]),
+    )
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (weight plain), times silu of the gate z."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+def l2_normalized(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        o = config.family_options
+        self.layer_idx = layer_idx
+        self.key_heads, self.key_dim = o["key_heads"], o["key_dim"]
+        self.value_heads, self.value_dim = o["value_heads"], o["value_dim"]
+        key_size = self.key_heads * self.key_dim
+        value_size = self.value_heads * self.value_dim
+        self.conv_dim = 2 * key_size + value_size
+        # q k v, z, b, a in one projection (the checkpoint's four: packed_modules).
+        self.split_sizes = [self.conv_dim, value_size, self.value_heads, self.value_heads]
+        self.in_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, o["conv_width"], groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, config.norm_eps)
+        self.out_proj = Linear(value_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        batch = attn.recurrent
+        conv_states, delta_states = batch.states(self.layer_idx)
+        weight = self.conv1d.weight[:, 0]
+        if batch.decodes:
+            mixed = causal_conv_step(qkv, weight, conv_states, batch.slots)
+        else:
+            mixed = qkv.new_empty(tokens, self.conv_dim)
+            for start, n, slot in zip(batch.starts, batch.lens, batch.host_slots, strict=True):
+                rows = slice(start, start + n)
+                mixed[rows], conv_states[slot] = causal_conv(qkv[rows], weight, conv_states[slot])
+        mixed = F.silu(mixed)
+        key_size = self.key_heads * self.key_dim
+        q, k, v = mixed.split([key_size, key_size, self.value_heads * self.value_dim], dim=-1)
+        repeat = self.value_heads // self.key_heads
+        q = l2_normalized(q.view(tokens, self.key_heads, self.key_dim)) * self.key_dim**-0.5
+        k = l2_normalized(k.view(tokens, self.key_heads, self.key_dim))
+        if repeat > 1:  # value head j reads key head j // repeat
+            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        v = v.reshape(tokens, self.value_heads, self.value_dim)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if batch.decodes:
+            out = gated_delta_rule_step(q, k, v, g, beta, delta_states, batch.slots)
+        else:
+            out = torch.empty(tokens, self.value_heads, self.value_dim, device=x.device)
+            for start, n, slot in zip(batch.starts, batch.lens, batch.host_slots, strict=True):
+                rows = slice(start, start + n)
+                out[rows], delta_states[slot] = chunked_gated_delta_rule(
+                    q[rows], k[rows], v[rows], g[rows], beta[rows], delta_states[slot]
+                )
+        out = self.norm(out.to(x.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
+        return self.out_proj(out.reshape(tokens, -1))

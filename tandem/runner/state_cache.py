@@ -1,0 +1,119 @@
+"""The state cache: a hybrid model's recurrent states, a fixed-size slot per sequence.
+
+A recurrent layer (Qwen3.5's Gated DeltaNet) carries, per sequence, states whose size
+does not grow with the context: its convolution's last inputs and the delta rule's
+matrix per head. The cache holds them for ``num_slots`` sequences at once, one float32
+tensor per layer and state, ``[num_slots, *shape]`` (ModelConfig.recurrent_state). The
+engine decides which request holds which slot (engine/state_slots.py); the runner only
+reads and writes them:
+
+    a step's sequences      slots [3, 0, 5]      fresh: [False, True, False]
+    layer 0: conv [slots, C, width - 1]    delta [slots, H, Dk, Dv]
+    layer 1: ...
+
+A sequence whose tokens start at position 0 (a new prompt, or a preempted request
+recomputing) starts from zero states: its slot is cleared before the forward, so a slot
+freed by one request never leaks into the next. A prompt cut into chunks carries its
+state from chunk to chunk in its slot.
+
+The budget: slots and KV blocks share one memory budget (``split_budget``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.models.config import ModelConfig
+
+# The share of the cache budget a hybrid's state slots may take, at most (the rest is
+# KV blocks for its attention layers); within it, one slot per ``max_num_seqs``.
+STATE_SHARE = 0.5
+
+
+def split_budget(config: ModelConfig, budget: int, max_num_seqs: int) -> tuple[int, int]:
+    """(state slots, bytes left for KV blocks) from a cache budget of ``budget`` bytes:
+    a slot for each of ``max_num_seqs`` sequences, or as many as ``STATE_SHARE`` of the
+    budget holds (at least one)."""
+    per_slot = config.state_bytes_per_sequence()
+    if not per_slot:
+        return 0, budget
+    slots = max(1, min(max_num_seqs, int(budget * STATE_SHARE // per_slot)))
+    return slots, max(0, budget - slots * per_slot)
+
+
+class StateCache:
+    """Every recurrent layer's states for ``num_slots`` sequences (zeros to start)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.layers = {
+            layer: tuple(
+                torch.zeros((num_slots, *shape), dtype=torch.float32, device=device)
+                for shape in config.recurrent_state
+            )
+            for layer in config.recurrent_layers
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for states in self.layers.values() for t in states)
+
+    def clear(self, slots: torch.Tensor) -> None:
+        for states in self.layers.values():
+            for tensor in states:
+                tensor[slots] = 0
+
+
+@dataclass
+class RecurrentBatch:
+    """One forward's sequences as a recurrent layer reads them: sequence s's tokens are
+    rows [starts[s], starts[s] + lens[s]) of the flat batch, its states at ``slots[s]``
+    of ``cache``."""
+
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    slots: torch.Tensor  # [S] int64, on the model's device
+    host_slots: tuple[int, ...]  # the same, on the host
+    cache: StateCache
+
+    @property
+    def decodes(self) -> bool:
+        """Every sequence runs one token (the step's recurrences run batched)."""
+        return all(n == 1 for n in self.lens)
+
+    def states(self, layer: int) -> tuple[torch.Tensor, ...]:
+        return self.cache.layers[layer]
+
+    @classmethod
+    def build(
+        cls,
+        cache: StateCache,
+        lens: Sequence[int],
+        num_computed: Sequence[int],
+        slots: Sequence[int],
+        device: torch.device,
+    ) -> RecurrentBatch:
+        """The batch of sequences running ``lens[s]`` tokens after ``num_computed[s]``,
+        in ``slots[s]``; those starting at position 0 get cleared slots."""
+        if min(slots, default=0) < 0:
+            raise ValueError("a sequence of a hybrid model runs without a state slot")
+        starts, total = [], 0
+        for n in lens:
+            starts.append(total)
+            total += n
+        slots = tuple(int(slot) for slot in slots)
+        batch = cls(tuple(starts), tuple(lens), torch.tensor(slots, device=device), slots, cache)
+        fresh = [slot for slot, done in zip(slots, num_computed, strict=True) if done == 0]
+        if fresh:
+            cache.clear(torch.tensor(fresh, device=device))
+        return batch
+
+    @classmethod
+    def fresh(cls, config: ModelConfig, batch: int, length: int, device) -> RecurrentBatch:
+        """``batch`` sequences of ``length`` tokens from position 0, in states of their
+        own (the no-cache forward)."""
+        cache = StateCache(config, batch, device)
+        return cls.build(cache, [length] * batch, [0] * batch, list(range(batch)), device)
