@@ -1,0 +1,210 @@
+"""Qwen3.5 and the state cache beyond the shared family tests (test_models_match_hf):
+the delta rule and the convolution against their recurrent definitions (float64, brute
+force), the whole engine against transformers under chunking, batching, preemption and
+fewer state slots than requests, the published vision-and-text folders read as text,
+and what a hybrid cannot do refused or turned off."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from tandem.engine.state_slots import StateSlots
+from tandem.errors import InvalidParameterError
+from tandem.kernels.delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunked_gated_delta_rule,
+    gated_delta_rule_step,
+)
+from tandem.models.loader import load_model
+from tandem.models.qwen3_5 import parse_qwen3_5_config
+from tandem.runner.state_cache import split_budget
+from tests.hf_models import VOCAB_SIZE, assert_close, reference_greedy, reference_logits
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state):
+    """The gated delta rule token by token, in float64: the definition."""
+    S = state.double().clone()
+    out = []
+    for t in range(q.shape[0]):
+        S = S * g[t].double().exp()[:, None, None]
+        predicted = (S * k[t].double()[..., None]).sum(-2)
+        delta = (v[t].double() - predicted) * beta[t].double()[:, None]
+        S = S + k[t].double()[..., None] * delta[:, None, :]
+        out.append((S * q[t].double()[..., None]).sum(-2))
+    return torch.stack(out), S
+
+
+def delta_inputs(length, heads=2, dk=16, dv=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(length, heads, dv, generator=gen)
+    g = -torch.rand(length, heads, generator=gen) * 0.5
+    beta = torch.rand(length, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("length", [1, 7, 64, 65, 300, 8192])
+def test_chunked_delta_rule_equals_the_recurrence(length):
+    """The chunked (WY) form, from a nonzero state, equals the token-by-token
+    definition in float64, outputs and final state, up to 8k tokens (and a length that
+    ends mid-chunk)."""
+    q, k, v, g, beta, state = delta_inputs(length)
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, state)
+    ref_out, ref_final = recurrent_delta_rule(q, k, v, g, beta, state)
+    assert (out.double() - ref_out).abs().max() < 1e-4
+    assert (final.double() - ref_final).abs().max() < 1e-4
+    # Cut anywhere, the second part continues from the first part's state.
+    cut = length // 3
+    first, middle = chunked_gated_delta_rule(*(x[:cut] for x in (q, k, v, g, beta)), state)
+    second, last = chunked_gated_delta_rule(*(x[cut:] for x in (q, k, v, g, beta)), middle)
+    assert (torch.cat([first, second]).double() - ref_out).abs().max() < 1e-4
+    assert (last.double() - ref_final).abs().max() < 1e-4
+
+
+@pytest.mark.unit
+def test_decode_step_runs_each_sequence_in_its_slot():
+    """One batched step over sequences in scattered slots equals each one's recurrence,
+    and leaves the other slots as they were."""
+    states = torch.randn(6, 2, 16, 8)
+    before = states.clone()
+    slots = torch.tensor([4, 1, 3])
+    inputs = [delta_inputs(1, seed=s) for s in range(3)]
+    q, k, v, g, beta = (torch.cat([x[i] for x in inputs]) for i in range(5))
+    out = gated_delta_rule_step(q, k, v, g, beta, states, slots)
+    for b, slot in enumerate(slots.tolist()):
+        one = (x[b : b + 1] for x in (q, k, v, g, beta))
+        ref_out, ref_state = recurrent_delta_rule(*one, before[slot])
+        assert (out[b].double() - ref_out[0]).abs().max() < 1e-5
+        assert (states[slot].double() - ref_state).abs().max() < 1e-5
+    for untouched in (0, 2, 5):
+        assert torch.equal(states[untouched], before[untouched])
+
+
+@pytest.mark.unit
+def test_causal_conv_with_state_equals_one_convolution():
+    """A sequence convolved in chunks (its state carried) and then token by token in a
+    slot equals one causal convolution over all of it."""
+    channels, width, length = 10, 4, 23
+    x = torch.randn(length, channels, dtype=torch.float64)
+    weight = torch.randn(channels, width, dtype=torch.float64)
+    ref = F.conv1d(x.t()[None], weight[:, None, :], padding=width - 1, groups=channels)[0]
+    ref = ref[:, :length].t()
+    state = torch.zeros(channels, width - 1, dtype=torch.float64)
+    first, state = causal_conv(x[:9], weight, state)
+    second, state = causal_conv(x[9:20], weight, state)
+    states = torch.zeros(3, channels, width - 1, dtype=torch.float32)
+    states[2] = state
+    slot = torch.tensor([2])
+    steps = [causal_conv_step(x[t : t + 1], weight, states, slot) for t in (20, 21, 22)]
+    got = torch.cat([first, second, *steps])
+    assert (got - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_batched_tokens=16, long_prefill_token_threshold=0),  # chunks of 16
+        dict(max_num_batched_tokens=24, block_size=4, num_blocks=20),  # preemption
+        dict(kv_cache_memory=90_000, num_blocks=40),  # two state slots for five requests
+    ],
+    ids=["chunked", "preempted", "two-slots"],
+)
+def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
+    """Through the whole engine: prompts cut into chunks (each carrying its state to
+    the next), requests preempted and recomputed in whatever slot is free, and more
+    requests than slots (admission waits for one) give transformers' tokens, and every
+    slot and block comes back."""
+    from tandem import LLM, SamplingParams
+
+    folder, hf_model = model_dirs("qwen3_5")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (40, 3, 67, 1, 18)]
+    llm = LLM(str(folder), **options)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, 10)
+    slots = llm.engine.state_slots
+    if "block_size" in options:
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    if "kv_cache_memory" in options:
+        assert slots.num_slots == 2
+    assert not llm.engine.kv_manager.enable_prefix_caching  # (a state is not a prefix)
+    slots.check_no_leaks()
+    llm.engine.kv_manager.check_no_leaks()
+
+
+def test_speculative_decoding_and_disaggregation_are_refused(model_dirs):
+    from tandem import LLM
+
+    folder, _ = model_dirs("qwen3_5")
+    with pytest.raises(InvalidParameterError, match="speculative"):
+        LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm = LLM(str(folder))
+    with pytest.raises(InvalidParameterError, match="kv_transfer_config"):
+        llm.engine.set_kv_connector(object())
+
+
+@pytest.mark.unit
+def test_state_slots_are_taken_and_given_back():
+    slots = StateSlots(3)
+    assert [slots.take(r) for r in "abc"] == [0, 1, 2] and slots.num_free == 0
+    slots.give_back("b")
+    assert slots.take("d") == 1
+    for r in "acd":
+        slots.give_back(r)
+    slots.give_back("a")  # (twice: nothing more)
+    slots.check_no_leaks()
+
+
+@pytest.mark.unit
+def test_the_budget_holds_the_slots_and_the_blocks():
+    """Slots for max_num_seqs when they fit half the budget, else what half holds, at
+    least one; the KV blocks get the rest."""
+    raw = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16,
+    ).to_dict()  # fmt: skip
+    raw["architectures"] = ["Qwen3_5ForCausalLM"]
+    config = parse_qwen3_5_config(raw)
+    per = config.state_bytes_per_sequence()
+    # 3 delta-net layers: conv [2*2*16 + 4*16 = 128, 3] and state [4, 16, 16], float32.
+    assert per == 3 * 4 * (128 * 3 + 4 * 16 * 16)
+    assert config.kv_layers == (3,) and config.cache_index(3) == 0
+    assert split_budget(config, 100 * per, 8) == (8, 92 * per)
+    assert split_budget(config, 10 * per, 8) == (5, 5 * per)
+    assert split_budget(config, per // 2, 8) == (1, 0)
+
+
+def test_vision_and_text_folders_load_as_text(tmp_path, model_dirs):
+    """The published Qwen3.5 folders (``Qwen3_5ForConditionalGeneration``: the text
+    model under model.language_model, a vision tower beside it) load as the text model
+    and give transformers' logits for text."""
+    _, text_model = model_dirs("qwen3_5")
+    text_config = text_model.config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, temporal_patch_size=1)  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config=text_config, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    loaded = load_model(tmp_path)
+    from tandem.runner.model_runner import forward_no_cache
+
+    ids = list(range(3, 40))
+    ours = forward_no_cache(loaded, torch.tensor([ids]))[0]
+    assert_close(ours, reference_logits(text_model, ids))
