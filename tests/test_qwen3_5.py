@@ -16,6 +16,7 @@ import transformers
 
 from tandem.engine.state_slots import StateSlots
 from tandem.errors import InvalidParameterError
+from tandem.kernels import cpu as cpu_kernels
 from tandem.kernels.delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -71,10 +72,14 @@ def test_chunked_delta_rule_equals_the_recurrence(length):
     assert (last.double() - ref_final).abs().max() < 1e-4
 
 
-@pytest.mark.unit
-def test_decode_step_runs_each_sequence_in_its_slot():
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
+def test_decode_step_runs_each_sequence_in_its_slot(monkeypatch, compiled):
     """One batched step over sequences in scattered slots equals each one's recurrence,
-    and leaves the other slots as they were."""
+    and leaves the other slots as they were: the compiled kernel and the torch ops."""
+    if not compiled:
+        monkeypatch.setattr(cpu_kernels, "available", lambda device, dtype: False)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no compiled CPU kernels here")
     states = torch.randn(6, 2, 16, 8)
     before = states.clone()
     slots = torch.tensor([4, 1, 3])
@@ -208,3 +213,29 @@ def test_vision_and_text_folders_load_as_text(tmp_path, model_dirs):
     ids = list(range(3, 40))
     ours = forward_no_cache(loaded, torch.tensor([ids]))[0]
     assert_close(ours, reference_logits(text_model, ids))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_gguf_files_written_for_llama_cpp_read_back(tmp_path, model_dirs, fmt):
+    """A qwen35 GGUF file as llama.cpp's converter lays it out (norms plus one but the
+    delta net's, ssm_a = -exp(A_log), value heads tiled) reads back to transformers'
+    logits: exactly from float32, within the quantization's error from Q8_0."""
+    from tandem.models.gguf_export import export_gguf
+    from tandem.models.gguf_file import GGUFFile
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs("qwen3_5")
+    path = export_gguf(folder, tmp_path / f"q35-{fmt}.gguf", fmt)
+    file = GGUFFile(path)
+    names = {t.name for t in file.tensors}
+    assert file.fields["general.architecture"] == "qwen35"
+    assert list(file.fields["qwen35.attention.recurrent_layers"]) == [1, 0, 1, 1, 0]
+    file.close()
+    assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.attn_qkv.weight",
+            "blk.1.post_attention_norm.weight", "blk.1.attn_q.weight"} <= names  # fmt: skip
+    loaded = load_model(path)
+    assert loaded.model.model.layers[0].linear_attn.tiled_value_heads
+    ids = list(range(5, 60))
+    runner = ModelRunner(loaded, 4, 16, num_state_slots=1)
+    ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2, 3], state_slot=0)], all_logits=True)
+    assert_close(ours, reference_logits(hf_model, ids), 1e-4 if fmt == "f32" else 3e-2)

@@ -32,6 +32,8 @@ read_probe.cpp: every byte of a tensor read once, as the kernels stream: the mac
 read bandwidth that decode is measured against (plan/measure.py).
 quantize_ops.cpp: float weights -> Q3_K, Q2_K, IQ4_NL and IQ4_XS blocks by llama.cpp's
 scale searches, across threads (quant/quantize.py; `tandem quantize`).
+delta_rule_ops.cpp: the gated delta rule's decode step, each state read and written in
+place in its slot (a hybrid's linear-attention layers: kernels/delta_rule.py).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -78,6 +80,7 @@ SOURCES = [
         "decode_stack.cpp",
         "read_probe.cpp",
         "quantize_ops.cpp",
+        "delta_rule_ops.cpp",
     )
 ]
 FUNCTIONS = [
@@ -112,6 +115,7 @@ FUNCTIONS = [
     "shm_all_reduce",
     "read_stream",
     "quantize_ggml",
+    "gated_delta_step",
 ]
 
 

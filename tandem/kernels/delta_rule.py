@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import cpu as cpu_kernels
+
 CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's size)
 
 
@@ -91,7 +93,14 @@ def gated_delta_rule_step(
 ) -> torch.Tensor:
     """One token for each of B sequences: q/k [B, H, Dk], v [B, H, Dv], g/beta [B, H];
     ``states`` [slots, H, Dk, Dv] float32, sequence b's at ``slots[b]``, updated in
-    place -> o [B, H, Dv] float32."""
+    place -> o [B, H, Dv] float32. On the CPU, one compiled pass that reads each state
+    twice and writes it once (delta_rule_ops.cpp)."""
+    kernels = cpu_kernels.load() if cpu_kernels.enabled(states.device, states.dtype) else None
+    if kernels is not None:
+        args = [x.float().contiguous() for x in (q, k, v, g, beta)]
+        out = torch.empty_like(args[2])
+        kernels.gated_delta_step(out, *args, states, slots.contiguous())
+        return out
     S = states[slots]  # [B, H, Dk, Dv]
     a = g.float().exp()[..., None, None]
     q, k, v = q.float(), k.float(), v.float()

@@ -31,6 +31,9 @@ class Family:
     # layout; norm weights written as 1 + weight.
     gguf_permuted_qk: bool = False
     gguf_norm_plus_one: bool = False
+    # GGUF layer tensors (names as gguf_layer_names' keys) of norms stored as they are
+    # although the family's others are written plus one (Qwen3.5's delta-net norm).
+    gguf_plain_norms: tuple[str, ...] = ()
     # GGUF layer tensor names that differ from gguf_checkpoint.LAYER_NAMES (None: a
     # common name the family's files do not use).
     gguf_layer_names: dict[str, str | None] = field(default_factory=dict)
@@ -43,6 +46,10 @@ class Family:
     # writes beyond the common keys when exported, ``(gguf.GGUFWriter, ModelConfig)``.
     gguf_read_keys: Callable[[Any, dict[str, Any]], None] | None = None
     gguf_write_keys: Callable[[Any, Any], None] | None = None
+    # What the family changes in a checkpoint tensor as it is written, ``(hf name,
+    # float tensor, ModelConfig) -> (hf name to write it as, or None to leave it out;
+    # tensor)``: the inverse of how its model reads the file (Qwen3.5's delta nets).
+    gguf_write_tensor: Callable[[str, Any, Any], tuple[str | None, Any]] | None = None
     # Tensor parallelism: its modules are the ones models/sharding.py's LAYOUT names.
     tensor_parallel: bool = False
     # Its decoder layers offer runner/fused_decode.py's hook (``attn.decode_layer``,

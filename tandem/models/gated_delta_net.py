@@ -6,11 +6,13 @@ states through its tokens (the state cache: runner/state_cache.py):
     x -> in_proj -> [q k v | z | b | a]
     q k v -> causal depthwise conv (width 4, state: the last 3 inputs) -> silu
     q, k: L2-normalized per head (q then scaled by Dk^-0.5), repeated to the value heads
-    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)      (per value head)
+    beta = sigmoid(b), g = A * softplus(a + dt_bias)      (per value head; A = -exp(A_log))
     o = gated delta rule(q, k, v, g, beta)      (state: [Hv, Dk, Dv] per sequence)
     out_proj(rmsnorm(o) * silu(z))      (the norm per head, its weight plain)
 
-as transformers' ``Qwen3_5GatedDeltaNet`` computes it. The recurrences are
+as transformers' ``Qwen3_5GatedDeltaNet`` computes it. With more value heads than key
+heads, value head j reads key head j // r (Hugging Face's order, grouped by key head) or
+j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The recurrences are
 kernels/delta_rule.py's: a step's decodes run one batched step over their slots; a
 prompt (or a chunk of one) runs the chunked form, in its sequence's slot.
 """
@@ -65,6 +67,15 @@ def l2_normalized(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
+class DepthwiseConv(nn.Module):
+    """The causal convolution's taps, [channels, width] (checkpoints' Conv1d weight
+    [channels, 1, width] without its middle axis, as GGUF files hold it)."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width))
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -78,11 +89,10 @@ class GatedDeltaNet(nn.Module):
         # q k v, z, b, a in one projection (the checkpoint's four: packed_modules).
         self.split_sizes = [self.conv_dim, value_size, self.value_heads, self.value_heads]
         self.in_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=False)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, o["conv_width"], groups=self.conv_dim, bias=False
-        )
+        self.conv1d = DepthwiseConv(self.conv_dim, o["conv_width"])
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
-        self.A_log = nn.Parameter(torch.empty(self.value_heads))
+        self.A = nn.Parameter(torch.empty(self.value_heads))  # -exp(A_log): GGUF's ssm_a
+        self.tiled_value_heads = bool(o.get("tiled_value_heads"))
         self.norm = GatedRMSNorm(self.value_dim, config.norm_eps)
         self.out_proj = Linear(value_size, config.hidden_size, bias=False)
 
@@ -91,7 +101,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
         batch = attn.recurrent
         conv_states, delta_states = batch.states(self.layer_idx)
-        weight = self.conv1d.weight[:, 0]
+        weight = self.conv1d.weight
         if batch.decodes:
             mixed = causal_conv_step(qkv, weight, conv_states, batch.slots)
         else:
@@ -105,11 +115,13 @@ class GatedDeltaNet(nn.Module):
         repeat = self.value_heads // self.key_heads
         q = l2_normalized(q.view(tokens, self.key_heads, self.key_dim)) * self.key_dim**-0.5
         k = l2_normalized(k.view(tokens, self.key_heads, self.key_dim))
-        if repeat > 1:  # value head j reads key head j // repeat
+        if repeat > 1 and self.tiled_value_heads:  # value head j reads key head j % Hk
+            q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+        elif repeat > 1:  # value head j reads key head j // repeat
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
         if batch.decodes:
             out = gated_delta_rule_step(q, k, v, g, beta, delta_states, batch.slots)
         else:

@@ -78,7 +78,8 @@ EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# (a few layer tensors have no .weight: Gated DeltaNet's ssm_a)
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
 
 
 def layer_names(family: Family | None) -> dict[str, str]:
@@ -101,7 +102,8 @@ def hf_name(name: str, family: Family | None = None) -> str | None:
         names = layer_names(family)
         if part not in names:
             return None
-        return f"model.layers.{layer}.{names[part]}.{kind}"
+        suffix = f".{kind}" if kind else ""
+        return f"model.layers.{layer}.{names[part]}{suffix}"
     base, _, kind = name.rpartition(".")
     return f"{GLOBAL_NAMES[base]}.{kind}" if base in GLOBAL_NAMES else None
 
@@ -302,7 +304,11 @@ class GGUFCheckpoint:
         part = info.name.split(".")[-2]
         if part in heads:
             data = _unpermute_rows(data, heads[part])
-        if self.family.gguf_norm_plus_one and name.endswith("norm.weight"):
+        if (
+            self.family.gguf_norm_plus_one
+            and name.endswith("norm.weight")
+            and part not in self.family.gguf_plain_norms
+        ):
             data = data - 1
         return data
 

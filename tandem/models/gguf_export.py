@@ -56,6 +56,8 @@ def gguf_name(name: str, family: Family | None = None) -> str | None:
     if name.startswith("model.layers."):
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         for gguf, hf in layer_names(family).items():
+            if rest == hf:  # (a tensor with no .weight: Gated DeltaNet's ssm_a)
+                return f"blk.{layer}.{gguf}"
             hf, gguf = f"{hf}.", f"{gguf}."
             if rest.startswith(hf):
                 return f"blk.{layer}.{gguf}{rest.removeprefix(hf)}"
@@ -269,14 +271,18 @@ def export_gguf(
         if hasattr(family.model_class, "checkpoint_tensors"):  # (gpt-oss's stacked experts)
             tensors = family.model_class.checkpoint_tensors(tensors)
         for tensor in tensors:
-            name = tensor.name
+            name, values = tensor.name, None
+            if family.gguf_write_tensor is not None:
+                name, values = family.gguf_write_tensor(name, _float(tensor), config)
+                if name is None:
+                    continue
             if family is MIXTRAL:
                 name = hf_expert_name(name)
             expert = expert_of(name)
             if expert is not None and config.moe is not None:
                 target, index = expert
                 stack = stacks.setdefault(target, {})
-                stack[index] = _float(tensor)
+                stack[index] = _float(tensor) if values is None else values
                 if len(stack) == config.moe.num_experts:
                     whole = torch.stack([stack[i] for i in range(len(stack))])
                     _add_tensor(writer, target, whole, family, config, code, encoder)
@@ -284,7 +290,8 @@ def export_gguf(
                 continue
             target = gguf_name(name, family)
             if target is not None:
-                _add_tensor(writer, target, _float(tensor), family, config, code, encoder)
+                values = _float(tensor) if values is None else values
+                _add_tensor(writer, target, values, family, config, code, encoder)
     if stacks:
         raise ModelLoadError(f"{folder}: experts missing from {', '.join(sorted(stacks))}")
     writer.write_header_to_file()
@@ -308,8 +315,9 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     """One matrix or vector, in llama.cpp's layout and the chosen format."""
     import gguf
 
+    part = target.split(".")[-2]
     if family.gguf_norm_plus_one and target.endswith("norm.weight"):
-        t = t + 1
+        t = t if part in family.gguf_plain_norms else t + 1
     if family.gguf_permuted_qk and (".attn_q." in target or ".attn_k." in target):
         heads = config.num_kv_heads if ".attn_k." in target else config.num_heads
         t = _permute_rows(t, heads)

@@ -12,6 +12,11 @@ over the paged K/V cache. What differs from Qwen3, each as transformers'
   head; the rotary turns only the first quarter of each head (partial_rotary_factor).
 - Every RMSNorm but the delta net's scales by 1 + weight (Gemma's).
 
+GGUF files (llama.cpp's ``qwen35``, its converter's or ``tandem quantize``'s): the norms
+stored as 1 + weight (the delta net's as it is), ``ssm_a`` = -exp(A_log), the delta
+nets' value heads reordered from grouped to tiled (the layer reads them in that order:
+``tiled_value_heads``), its M-RoPE sections (text turns all alike: plain partial rotary).
+
 Checkpoints: ``Qwen3_5ForCausalLM`` folders name the layers ``model.layers.N``; the
 published ``Qwen3_5ForConditionalGeneration`` ones (text and vision) hold the text model
 under ``model.language_model`` and its config under ``text_config``: read as the text
@@ -20,6 +25,7 @@ model, the vision tower left out (images are the vision issue's).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -53,6 +59,8 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         "key_dim": require(text, "linear_key_head_dim"),
         "value_dim": require(text, "linear_value_head_dim"),
         "conv_width": text.get("linear_conv_kernel_dim") or 4,
+        # (a GGUF file's order of the value heads: gguf_checkpoint.py's reader says so)
+        "tiled_value_heads": bool(text.get("linear_value_heads_tiled")),
     }
     if options["value_heads"] % options["key_heads"]:
         raise ModelLoadError("Qwen3.5: linear_num_value_heads must be a multiple of key heads")
@@ -173,11 +181,122 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith(("model.visual.", "mtp.")):
             return None  # the vision tower; multi-token prediction layers
-        return super().checkpoint_target(name.replace("model.language_model.", "model.", 1))
+        name = name.replace("model.language_model.", "model.", 1)
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer is not None and int(layer.group(1)) >= self.config.num_layers:
+            return None  # (a GGUF file's multi-token prediction layers)
+        name = name.replace(".linear_attn.dt.bias", ".linear_attn.dt_bias")  # (GGUF's ssm_dt)
+        if name.endswith(".linear_attn.A_log"):
+            name = name.removesuffix("_log")  # held as -exp(A_log): convert_checkpoint_tensor
+        return super().checkpoint_target(name)
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".A_log"):
+            return -tensor.float().exp()
+        if name.endswith(".conv1d.weight") and tensor.dim() == 3:
+            return tensor[:, 0]
+        return tensor
+
+
+def _read_gguf_keys(reader, config: dict) -> None:
+    """The delta nets' shape from llama.cpp's ssm keys; which layers are recurrent; the
+    value heads in the converter's tiled order; multi-token prediction layers (past
+    ``block_count - nextn_predict_layers``) left out."""
+    value_heads = reader._required("ssm.time_step_rank")
+    config.update(
+        linear_conv_kernel_dim=reader._required("ssm.conv_kernel"),
+        linear_key_head_dim=reader._required("ssm.state_size"),
+        linear_num_key_heads=reader._required("ssm.group_count"),
+        linear_num_value_heads=value_heads,
+        linear_value_head_dim=reader._required("ssm.inner_size") // value_heads,
+        linear_value_heads_tiled=True,
+    )
+    config["num_hidden_layers"] -= reader._arch("nextn_predict_layers") or 0
+    recurrent = reader._arch("attention.recurrent_layers")
+    if recurrent is not None:
+        config["layer_types"] = [
+            LINEAR if flag else FULL for flag in list(recurrent)[: config["num_hidden_layers"]]
+        ]
+    else:
+        config["full_attention_interval"] = reader._arch("full_attention_interval") or 4
+
+
+def _write_gguf_keys(writer, config: ModelConfig) -> None:
+    """llama.cpp's qwen35 keys: the delta nets' shape as its ssm keys, which layers are
+    recurrent, and the rotary's M-RoPE sections (text positions turn all alike)."""
+    o, arch = config.family_options, writer.arch
+    for key, value in (
+        ("ssm.conv_kernel", o["conv_width"]),
+        ("ssm.state_size", o["key_dim"]),
+        ("ssm.group_count", o["key_heads"]),
+        ("ssm.time_step_rank", o["value_heads"]),
+        ("ssm.inner_size", o["value_heads"] * o["value_dim"]),
+    ):
+        writer.add_uint32(f"{arch}.{key}", value)
+    layers = [i in config.recurrent_layers for i in range(config.num_layers)]
+    writer.add_array(f"{arch}.attention.recurrent_layers", layers)
+    writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+
+
+def _tiled(t: torch.Tensor, dim: int, o: dict, head_size: int) -> torch.Tensor:
+    """Value heads along ``dim`` from Hugging Face's order (grouped by key head) to the
+    order llama.cpp's converter writes (tiled: [G0 v0, G1 v0, ..., G0 v1, ...])."""
+    groups, per_group = o["key_heads"], o["value_heads"] // o["key_heads"]
+    if per_group == 1:
+        return t
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], groups, per_group, head_size, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
+    """A Hugging Face tensor as llama.cpp's qwen35 holds it: (name to write it under, in
+    Hugging Face's spelling, or None to leave it out; the tensor)."""
+    if name.startswith(("model.visual.", "mtp.")):
+        return None, t
+    name = name.replace("model.language_model.", "model.", 1)
+    if ".linear_attn." not in name:
+        return name, t
+    o = config.family_options
+    if name.endswith(".A_log"):
+        name, t = name.removesuffix("_log"), -t.float().exp()
+    elif name.endswith(".dt_bias"):
+        name = name.replace(".dt_bias", ".dt.bias")
+    elif name.endswith(".conv1d.weight"):
+        t = t.reshape(t.shape[0], -1)
+    key_channels = 2 * o["key_heads"] * o["key_dim"]
+    if ".in_proj_qkv." in name or ".conv1d." in name:  # the value rows after q and k
+        t = torch.cat([t[:key_channels], _tiled(t[key_channels:], 0, o, o["value_dim"])])
+    elif ".in_proj_z." in name:
+        t = _tiled(t, 0, o, o["value_dim"])
+    elif ".in_proj_a." in name or ".in_proj_b." in name or name.endswith((".A", ".dt.bias")):
+        t = _tiled(t, 0, o, 1)
+    elif ".out_proj." in name:
+        t = _tiled(t, 1, o, o["value_dim"])
+    return name, t
 
 
 QWEN3_5 = Family(
     "Qwen3.5",
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     Qwen3_5ForCausalLM,
+    gguf_architecture="qwen35",
+    gguf_norm_plus_one=True,
+    gguf_plain_norms=("ssm_norm",),
+    gguf_layer_names={
+        "ffn_norm": None,
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_dt": "linear_attn.dt",
+        "ssm_a": "linear_attn.A",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+    },
+    gguf_read_keys=_read_gguf_keys,
+    gguf_write_keys=_write_gguf_keys,
+    gguf_write_tensor=_write_gguf_tensor,
 )
