@@ -239,3 +239,25 @@ def test_gguf_files_written_for_llama_cpp_read_back(tmp_path, model_dirs, fmt):
     runner = ModelRunner(loaded, 4, 16, num_state_slots=1)
     ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2, 3], state_slot=0)], all_logits=True)
     assert_close(ours, reference_logits(hf_model, ids), 1e-4 if fmt == "f32" else 3e-2)
+
+
+def test_the_planner_sizes_a_hybrid_as_the_engine_allocates(model_dirs):
+    """``tandem plan``'s capacity for this machine's CPU engine is the engine's own
+    allocation (its KV blocks and its state slots), and its decode floor reads each
+    sequence's states once a step beside the weights."""
+    from tandem import LLM
+    from tandem.plan.calculator import plan
+    from tandem.plan.hardware import Hardware
+
+    folder, _ = model_dirs("qwen3_5")
+    hardware = Hardware("test", memory_gb=8.0, bandwidth_gbs=10.0, tflops={"fp32": 0.1})
+    result = plan(folder, hardware, "fp32", None, 64, 64, batch=4, engine_cpu=True)
+    llm = LLM(str(folder))
+    engine = llm.engine
+    assert result["max_kv_tokens"] == engine.kv_manager.num_blocks * engine.kv_manager.block_size
+    assert result["max_sequences"] == min(engine.state_slots.num_slots,
+                                          result["max_kv_tokens"] // 128)  # fmt: skip
+    state = result["state_bytes_per_sequence"]
+    assert state == load_model(folder).config.state_bytes_per_sequence() > 0
+    weights_and_states = result["weight_bytes_read_per_step"] + 4 * state
+    assert result["decode_step_floor_s"] > weights_and_states / 10e9

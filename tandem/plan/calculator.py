@@ -240,22 +240,27 @@ def experts_block(model: str | Path) -> int:
     return file_weights(gguf).expert_block if gguf is not None else 1
 
 
-def engine_cpu_kv_tokens(config: ModelConfig, weight_bytes: float, kv_dtype: str) -> int:
-    """The KV tokens the CPU engine allocates by default for this model (block size,
-    max_num_seqs and max_model_len at their defaults): the same function, with the
-    memory available now less the weights it is about to load."""
+def engine_cpu_kv_tokens(
+    config: ModelConfig, weight_bytes: float, kv_dtype: str
+) -> tuple[int, int]:
+    """The KV tokens and the state slots (a hybrid's; else 0) the CPU engine allocates by
+    default for this model (block size, max_num_seqs and max_model_len at their
+    defaults): the same functions, with the memory available now less the weights it is
+    about to load."""
     from tandem.config import CacheConfig, SchedulerConfig
     from tandem.runner.kv_cache import default_cpu_budget, host_available_bytes, num_blocks_for
+    from tandem.runner.state_cache import split_budget
 
     block_size = CacheConfig().block_size
+    max_num_seqs = SchedulerConfig().max_num_seqs
     available = host_available_bytes()
     budget = default_cpu_budget(None if available is None else max(0, available - weight_bytes))
+    slots, budget = split_budget(config, max(budget, 1), max_num_seqs)
     blocks = num_blocks_for(
         config, block_size, torch.float32, torch.device("cpu"), None, max(budget, 1), 0.9,
-        SchedulerConfig().max_num_seqs, config.max_position_embeddings,
-        engine_cache_dtype(kv_dtype),
+        max_num_seqs, config.max_position_embeddings, engine_cache_dtype(kv_dtype),
     )  # fmt: skip
-    return blocks * block_size
+    return blocks * block_size, slots
 
 
 # The plan's KV dtypes (short names) as the CPU engine's --kv-cache-dtype: fp32 is the
@@ -371,16 +376,23 @@ def plan(
     kv_bandwidth = (hardware.kv_bandwidth_gbs or hardware.bandwidth_gbs) * tp
     weights_per_rank = weight_bytes / tp
     budget = hardware.memory_gb * 1e9 * MEMORY_UTILIZATION - weights_per_rank
-    max_tokens = max(0, int(budget // kv_rank))
-    if engine_cpu and tp == 1:
-        max_tokens = engine_cpu_kv_tokens(config, weight_bytes, kv_dtype)
     sequence = prompt_len + output_len
+    # A hybrid's sequence also holds its recurrent layers' states (a fixed size).
+    state = config.state_bytes_per_sequence()
+    max_sequences = max(0, int(budget // (sequence * kv_rank + state)))
+    max_tokens = max(0, int((budget - max_sequences * state) // kv_rank))
+    if engine_cpu and tp == 1:
+        max_tokens, slots = engine_cpu_kv_tokens(config, weight_bytes, kv_dtype)
+        max_sequences = max_tokens // sequence
+        if state:
+            max_sequences = min(max_sequences, slots)
     # During decode a sequence's context grows from P to P + O: the mean is read per step.
     context = prompt_len + output_len / 2
     # Every rank reads its share of weights and KV; in aggregate that is all of them.
     kv_all_ranks = kv_rank * tp
+    # (a hybrid's states are read once a step too, as the weights are)
     decode_memory = decode_step_seconds(
-        read_bytes, batch, context, kv_all_ranks, bandwidth, kv_bandwidth
+        read_bytes + batch * state, batch, context, kv_all_ranks, bandwidth, kv_bandwidth
     )
     decode_compute = 2 * active * batch / (tflops * 1e12)
     prefill = prefill_seconds(active, prompt_len, tflops)
@@ -447,8 +459,9 @@ def plan(
         else f"{MEMORY_UTILIZATION:.0%} of memory",
         "weights_fit": budget > 0,
         "max_kv_tokens": max_tokens,
-        "max_sequences": max_tokens // sequence,
-        "batch_fits": batch * sequence <= max_tokens,
+        "state_bytes_per_sequence": state,
+        "max_sequences": max_sequences,
+        "batch_fits": batch <= max_sequences,
         "context_limit": config.max_position_embeddings,
         "prompt_len": prompt_len,
         "output_len": output_len,
@@ -538,6 +551,14 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({_bytes(r['weight_bytes_per_rank'])} per rank); fit: {fits}",
         f"KV per token       {r['kv_bytes_per_token']:,.0f} bytes in {r['kv_dtype']} "
         f"({r['kv_bytes_per_token_per_rank']:,.0f} per rank)",
+        *(
+            [
+                f"state per sequence {_bytes(r['state_bytes_per_sequence'])} (a hybrid's "
+                "recurrent layers, float32, whatever the context)"
+            ]
+            if r["state_bytes_per_sequence"]
+            else []
+        ),
         f"KV capacity        {r['max_kv_tokens']:,} tokens beside the weights (at "
         f"{r['kv_capacity_source']}) = {r['max_sequences']:,} sequences of "
         f"{r['prompt_len']} + {r['output_len']}; batch {r['batch']} "
@@ -552,8 +573,9 @@ def format_plan(result: dict[str, Any]) -> str:
         + f" + attention's FLOPs / {_flops(r['attention_tflops'])}: "
         f"{_seconds(r['prefill_attention_s'])})",
         f"decode step floor  {_seconds(r['decode_step_floor_s'])} at batch {r['batch']} "
-        f"({_bytes(r['weight_bytes_read_per_step'])} of weights / bandwidth + batch x "
-        f"context x KV per token / {r['kv_bandwidth_gbs']:,.1f} GB/s)",
+        f"({_bytes(r['weight_bytes_read_per_step'])} of weights"
+        + (" + batch x state" if r["state_bytes_per_sequence"] else "")
+        + f" / bandwidth + batch x context x KV per token / {r['kv_bandwidth_gbs']:,.1f} GB/s)",
         f"decode compute     {_seconds(r['decode_step_compute_s'])} at batch {r['batch']} "
         "(2 x active params x batch / FLOP/s)",
         f"compute-bound at   {_batch(r['crossover_batch'])}; counting weight reads only: "
