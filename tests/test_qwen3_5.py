@@ -261,3 +261,18 @@ def test_the_planner_sizes_a_hybrid_as_the_engine_allocates(model_dirs):
     assert state == load_model(folder).config.state_bytes_per_sequence() > 0
     weights_and_states = result["weight_bytes_read_per_step"] + 4 * state
     assert result["decode_step_floor_s"] > weights_and_states / 10e9
+
+
+def test_perplexity_windows_score_a_hybrid_as_transformers(model_dirs):
+    """``tandem eval perplexity``'s windows run on a slot of their own (each from empty
+    states), in chunks that carry the states, and score as transformers does."""
+    from tandem import LLM
+    from tandem.eval.windows import score_windows
+
+    folder, hf_model = model_dirs("qwen3_5")
+    llm = LLM(str(folder))
+    tokens = random.Random(3).choices(range(VOCAB_SIZE), k=200)
+    for scored in score_windows(llm, tokens, 64, batch=24):
+        ref = reference_logits(hf_model, scored.tokens).log_softmax(-1)[32:63]
+        assert_close(scored.log_probs, ref)
+    llm.engine.state_slots.check_no_leaks()

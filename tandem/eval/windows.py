@@ -10,8 +10,8 @@ tokens of context). A window runs in chunks of ``batch`` tokens (llama.cpp's ``-
 by default the whole window at once): a token attends to earlier chunks through the
 KV cache, so a cache dtype's effect shows only with chunks smaller than the window
 (``batch=1`` scores every token as decode does). Windows run straight through the
-model runner, on blocks borrowed from the KV manager (evicting what they cached), while
-the engine is idle.
+model runner, on blocks borrowed from the KV manager (evicting what they cached), and a
+hybrid's state slot, while the engine is idle.
 """
 
 from __future__ import annotations
@@ -71,20 +71,31 @@ def score_windows(
     bos = tokenizer.bos_token_id if tokenizer is not None and tokenizer.add_bos_token else None
     first = ctx // 2
     blocks = kv.borrow(needed)
+    slots = engine.state_slots  # (a hybrid's: a window's states in a slot of its own)
+    slot = -1 if slots is None else slots.take(WINDOW_ID)
     try:
         for window in windows(token_ids, ctx, bos):
-            yield _score(runner, window, blocks, first, batch)
+            yield _score(runner, window, blocks, first, batch, slot)
     finally:
         kv.release_detached(blocks)
+        if slots is not None:
+            slots.give_back(WINDOW_ID)
 
 
-def _score(runner, window: list[int], blocks: list[int], first: int, batch: int) -> ScoredWindow:
-    """One window from an empty cache, in chunks of ``batch``: its scored half."""
+# Who holds the state slot windows borrow (the engine is idle: no request holds one).
+WINDOW_ID = "<perplexity window>"
+
+
+def _score(
+    runner, window: list[int], blocks: list[int], first: int, batch: int, slot: int = -1
+) -> ScoredWindow:
+    """One window from an empty cache (and empty states: it starts at position 0), in
+    chunks of ``batch``: its scored half."""
     ctx, parts = len(window), []
     for start in range(0, ctx, batch):
         end = min(start + batch, ctx)
         wanted = [p - start for p in range(max(start, first), min(end, ctx - 1))]
-        chunk = SequenceChunk(window[start:end], start, blocks)
+        chunk = SequenceChunk(window[start:end], start, blocks, state_slot=slot)
         if wanted:
             parts.append(runner.forward([chunk], logit_indices=wanted).float())
         else:  # the first half: its K/V only, no LM head

@@ -324,8 +324,13 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's
         t = t.reshape(-1)
     kind = code
-    # (a router, and biases, stacked experts' too, stay float32, as llama.cpp's)
-    if t.dim() == 1 or ".ffn_gate_inp." in target or target.endswith(".bias"):
+    # (a router, a delta net's conv taps, and biases, stacked experts' too, stay
+    # float32, as llama-quantize keeps them)
+    if (
+        t.dim() == 1
+        or target.endswith(".bias")
+        or any(part in target for part in (".ffn_gate_inp.", ".ssm_conv1d."))
+    ):
         kind = GGMLType.F32
     elif code in QUANTIZERS and t.shape[-1] % _block_weights(code):
         kind = _FALLBACK.get(code, GGMLType.F16)

@@ -465,9 +465,8 @@ class ModelRunner:
         thousands, with no Python object per sequence; runner/static_batch.py): token
         ids [S] on the device (the last step's argmax: no trip through the host),
         ``num_computed`` int64 [S], ``block_tables`` int64 [S, >= blocks in use], every
-        entry a block of the cache -> logits [S, vocab]. Eager (no graph)."""
-        if self.states is not None:
-            raise ValueError("a static batch runs attention-only models (no state slots)")
+        entry a block of the cache -> logits [S, vocab]. Eager (no graph). A hybrid's
+        sequence s holds state slot s."""
         hidden = self._run(
             token_ids,
             np.ones(len(num_computed), np.int64),
@@ -475,6 +474,8 @@ class ModelRunner:
             block_tables,
             None,
             int(num_computed.max()) + 1,
+            None,
+            range(len(num_computed)) if self.states is not None else (),
         )
         return self.model.compute_logits(hidden)
 

@@ -39,7 +39,7 @@ def stream_with_cache(
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     blocks_per_seq = math.ceil((max(lengths) + max_new_tokens) / block_size)
-    runner = ModelRunner(loaded, batch * blocks_per_seq, block_size)
+    runner = ModelRunner(loaded, batch * blocks_per_seq, block_size, num_state_slots=batch)
     tables = np.arange(batch * blocks_per_seq, dtype=np.int64).reshape(batch, -1)
 
     last_logits = []
@@ -49,7 +49,7 @@ def stream_with_cache(
         while end < batch and (end == start or tokens + len(prompts[end]) <= max_prefill_tokens):
             tokens += len(prompts[end])
             end += 1
-        chunks = [SequenceChunk(prompts[i], 0, tables[i]) for i in range(start, end)]
+        chunks = [SequenceChunk(prompts[i], 0, tables[i], state_slot=i) for i in range(start, end)]
         last_logits.append(runner.forward(chunks))
         start = end
     tokens = torch.cat(last_logits).argmax(dim=-1)

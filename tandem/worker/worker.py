@@ -166,6 +166,11 @@ def make_proposer(
         return LayerSkipProposer(target, spec.skip_layers)
 
     def draft_runner(loaded):  # a draft's own paged cache, on the target's block ids
+        if loaded.config.recurrent_layers:
+            raise InvalidParameterError(
+                "speculative", "a draft model with recurrent layers cannot roll its state "
+                "back past rejected drafts: draft with an attention-only model"
+            )  # fmt: skip
         return ModelRunner(loaded, num_blocks, block_size)
 
     if spec.method == "eagle":  # a trained head over the target's hidden states
