@@ -340,8 +340,10 @@ def plan_point(path: Path) -> dict[str, float]:
 
 def _bytes_per_token(path: Path) -> float:
     """The bytes a batch-1 decode step reads: every matrix but the embedding (one row);
-    of a mixture's stacked experts, the share a token picks (used / count)."""
+    of a mixture's stacked experts, the share a token picks (used / count); a hybrid's
+    recurrent states (float32, one sequence's)."""
     from tandem.models.gguf_file import GGUFFile
+    from tandem.plan.calculator import read_model
 
     file = GGUFFile(path)
     arch = file.fields.get("general.architecture", "llama")
@@ -351,7 +353,8 @@ def _bytes_per_token(path: Path) -> float:
     def read(t) -> float:
         return (t.nbytes or 0) * (picked if "_exps." in t.name else 1.0)
 
-    return sum(read(t) for t in file.tensors if t.name != "token_embd.weight") + (
+    states = read_model(path)[0].state_bytes_per_sequence()
+    return states + sum(read(t) for t in file.tensors if t.name != "token_embd.weight") + (
         0 if any(t.name == "output.weight" for t in file.tensors) else
         next(t.nbytes for t in file.tensors if t.name == "token_embd.weight")
     )  # fmt: skip

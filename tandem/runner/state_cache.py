@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.models.config import ModelConfig
+from tandem.runner.kv_cache import zeroed_on_first_touch
 
 # The share of the cache budget a hybrid's state slots may take, at most (the rest is
 # KV blocks for its attention layers); within it, one slot per ``max_num_seqs``.
@@ -49,11 +50,14 @@ class StateCache:
 
     def __init__(self, config: ModelConfig, num_slots: int, device: torch.device) -> None:
         self.num_slots = num_slots
+
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+            if device.type == "cpu":  # (resident as slots are first used, as the KV cache)
+                return zeroed_on_first_touch((num_slots, *shape), torch.float32)
+            return torch.zeros((num_slots, *shape), dtype=torch.float32, device=device)
+
         self.layers = {
-            layer: tuple(
-                torch.zeros((num_slots, *shape), dtype=torch.float32, device=device)
-                for shape in config.recurrent_state
-            )
+            layer: tuple(zeros(shape) for shape in config.recurrent_state)
             for layer in config.recurrent_layers
         }
 
