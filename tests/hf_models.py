@@ -31,7 +31,7 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-    "gpt_oss", "qwen3_5",
+    "gpt_oss", "qwen3_5", "qwen3_5_moe",
 )  # fmt: skip
 
 
@@ -134,6 +134,16 @@ def hf_config(arch: str, **overrides):
         )  # fmt: skip
         cfg = transformers.Qwen3_5TextConfig(**{**hybrid, **overrides})
         cfg.architectures = ["Qwen3_5ForCausalLM"]
+    elif arch == "qwen3_5_moe":
+        # Qwen3.5's layers with a mixture in each: 6 experts, 2 a token, and a shared one.
+        hybrid = dict(
+            llama_like, head_dim=32, num_hidden_layers=4, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+        )  # fmt: skip
+        cfg = transformers.Qwen3_5MoeTextConfig(**{**hybrid, **overrides})
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
     elif arch == "gpt2":
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
         cfg = transformers.GPT2Config(**{**gpt2, **overrides})

@@ -190,7 +190,12 @@ class GGUFCheckpoint:
                 else self._required("attention.head_count_kv")
             ),
             "head_dim": self._arch("attention.key_length") or hidden // heads,
-            "intermediate_size": self._required("feed_forward_length"),
+            # (a mixture with no dense MLP may state only its experts' size)
+            "intermediate_size": self._required(
+                "feed_forward_length"
+                if self._arch("feed_forward_length") is not None
+                else "expert_feed_forward_length"
+            ),
             "max_position_embeddings": self._arch("context_length", 2048),
             "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self._arch("rope.freq_base", 10000.0),

@@ -17,6 +17,9 @@ stored as 1 + weight (the delta net's as it is), ``ssm_a`` = -exp(A_log), the de
 nets' value heads reordered from grouped to tiled (the layer reads them in that order:
 ``tiled_value_heads``), its M-RoPE sections (text turns all alike: plain partial rotary).
 
+Qwen3.5-MoE is the same network with every MLP a mixture (models/moe.py: the top k of
+a softmax, renormalized, beside a shared expert scaled by sigmoid of its gate).
+
 Checkpoints: ``Qwen3_5ForCausalLM`` folders name the layers ``model.layers.N``; the
 published ``Qwen3_5ForConditionalGeneration`` ones (text and vision) hold the text model
 under ``model.language_model`` and its config under ``text_config``: read as the text
@@ -32,13 +35,14 @@ import torch
 from torch import nn
 
 from tandem.errors import ModelLoadError
-from tandem.models.config import ModelConfig, require
+from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
 from tandem.models.gated_delta_net import GatedDeltaNet, delta_net_shapes
 from tandem.models.gemma3 import GemmaRMSNorm
 from tandem.models.layers import AttentionContext, RotaryEmbedding, RotaryPositions
 from tandem.models.linear import Linear, MergedLinear
 from tandem.models.llama import GatedMLP, LlamaForCausalLM, LlamaModel, parse_llama_config
+from tandem.models.moe import SparseMoE
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -71,8 +75,19 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         rope.pop(key, None)
     text["rope_parameters"] = rope
     text["head_dim"] = text.get("head_dim") or 256
+    moe = None
+    if text.get("num_experts"):  # Qwen3.5-MoE: every layer's MLP a mixture
+        moe = MoEConfig(
+            num_experts=text["num_experts"],
+            top_k=require(text, "num_experts_per_tok"),
+            intermediate_size=require(text, "moe_intermediate_size"),
+            normalize_top_k=True,
+            shared_intermediate_size=text.get("shared_expert_intermediate_size") or 0,
+        )
+        text.setdefault("intermediate_size", moe.intermediate_size)  # (no dense MLP)
     return parse_llama_config(
         text,
+        moe=moe,
         max_position_embeddings=text.get("max_position_embeddings") or 32768,
         qk_norm=True,
         recurrent_layers=tuple(i for i, kind in enumerate(layer_types) if kind == LINEAR),
@@ -124,7 +139,8 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, layer_idx)
         else:
             self.self_attn = GatedAttention(config, layer_idx)
-        self.mlp = GatedMLP(config)
+        sparse = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoE(config, GatedMLP) if sparse else GatedMLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
 
@@ -276,27 +292,42 @@ def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
     return name, t
 
 
+_GGUF_LAYER_NAMES = {
+    "ffn_norm": None,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt",
+    "ssm_a": "linear_attn.A",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_GGUF = dict(
+    gguf_norm_plus_one=True,
+    gguf_plain_norms=("ssm_norm",),
+    gguf_layer_names=_GGUF_LAYER_NAMES,
+    gguf_read_keys=_read_gguf_keys,
+    gguf_write_keys=_write_gguf_keys,
+    gguf_write_tensor=_write_gguf_tensor,
+)
 QWEN3_5 = Family(
     "Qwen3.5",
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     Qwen3_5ForCausalLM,
     gguf_architecture="qwen35",
-    gguf_norm_plus_one=True,
-    gguf_plain_norms=("ssm_norm",),
-    gguf_layer_names={
-        "ffn_norm": None,
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_qkv": "linear_attn.in_proj_qkv",
-        "attn_gate": "linear_attn.in_proj_z",
-        "ssm_beta": "linear_attn.in_proj_b",
-        "ssm_alpha": "linear_attn.in_proj_a",
-        "ssm_conv1d": "linear_attn.conv1d",
-        "ssm_dt": "linear_attn.dt",
-        "ssm_a": "linear_attn.A",
-        "ssm_norm": "linear_attn.norm",
-        "ssm_out": "linear_attn.out_proj",
-    },
-    gguf_read_keys=_read_gguf_keys,
-    gguf_write_keys=_write_gguf_keys,
-    gguf_write_tensor=_write_gguf_tensor,
+    **_GGUF,
+)
+# Qwen3.5-MoE (35B-A3B, 122B-A10B...): every MLP a mixture of experts, the top k of a
+# softmax renormalized, beside a shared expert scaled by sigmoid of its gate.
+QWEN3_5_MOE = Family(
+    "Qwen3.5 MoE",
+    ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    Qwen3_5ForCausalLM,
+    gguf_architecture="qwen35moe",
+    gguf_has_experts=True,
+    gguf_shared_expert=True,
+    **_GGUF,
 )

@@ -130,12 +130,16 @@ class Shape:
         out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
             gated = 2 if self.architecture == "qwen35" else 1  # (q and its gate)
-            out += self._delta_net(i) if self.recurrent(i) else [
-                (f"blk.{i}.attn_q.weight", (gated * q, self.hidden)),
-                (f"blk.{i}.attn_k.weight", (kv, self.hidden)),
-                (f"blk.{i}.attn_v.weight", (kv, self.hidden)),
-                (f"blk.{i}.attn_output.weight", (self.hidden, q)),
-            ]
+            out += (
+                self._delta_net(i)
+                if self.recurrent(i)
+                else [
+                    (f"blk.{i}.attn_q.weight", (gated * q, self.hidden)),
+                    (f"blk.{i}.attn_k.weight", (kv, self.hidden)),
+                    (f"blk.{i}.attn_v.weight", (kv, self.hidden)),
+                    (f"blk.{i}.attn_output.weight", (self.hidden, q)),
+                ]
+            )
             if self.experts:
                 stack, rows = self.experts, self.expert_intermediate
                 out += [

@@ -25,7 +25,7 @@ from tandem.models.modernbert import MODERNBERT
 from tandem.models.qwen2 import QWEN2
 from tandem.models.qwen2_moe import QWEN2_MOE
 from tandem.models.qwen3 import QWEN3
-from tandem.models.qwen3_5 import QWEN3_5
+from tandem.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from tandem.models.qwen3_moe import QWEN3_MOE
 
 
@@ -77,6 +77,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_MOE,
     QWEN3_MOE,
     QWEN3_5,
+    QWEN3_5_MOE,
     MIXTRAL,
     GEMMA3,
     GPT_OSS,
