@@ -1,8 +1,9 @@
 """Qwen3.5 and the state cache beyond the shared family tests (test_models_match_hf):
 the delta rule and the convolution against their recurrent definitions (float64, brute
 force), the whole engine against transformers under chunking, batching, preemption and
-fewer state slots than requests, the published vision-and-text folders read as text,
-and what a hybrid cannot do refused or turned off."""
+fewer state slots than requests and n-gram speculation (states rolled back), the
+published vision-and-text folders read as text, and what a hybrid cannot do refused or
+turned off."""
 
 from __future__ import annotations
 
@@ -119,41 +120,54 @@ def test_causal_conv_with_state_equals_one_convolution():
     "options",
     [
         dict(max_num_batched_tokens=16, long_prefill_token_threshold=0),  # chunks of 16
-        dict(max_num_batched_tokens=24, block_size=4, num_blocks=20),  # preemption
+        dict(max_num_batched_tokens=24, block_size=4, num_blocks=26),  # preemption
         dict(kv_cache_memory=90_000, num_blocks=40),  # two state slots for five requests
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "disable_by_batch_size": None}),  # states rolled back
     ],
-    ids=["chunked", "preempted", "two-slots"],
-)
+    ids=["chunked", "preempted", "two-slots", "ngram-speculation"],
+)  # fmt: skip
 def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
     """Through the whole engine: prompts cut into chunks (each carrying its state to
-    the next), requests preempted and recomputed in whatever slot is free, and more
-    requests than slots (admission waits for one) give transformers' tokens, and every
+    the next), requests preempted and recomputed in whatever slot is free, more
+    requests than slots (admission waits for one), and n-gram drafts verified (each
+    slot rolled back to its last accepted token) give transformers' tokens, and every
     slot and block comes back."""
     from tandem import LLM, SamplingParams
 
     folder, hf_model = model_dirs("qwen3_5")
     rng = random.Random(5)
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (40, 3, 67, 1, 18)]
+    motif = [rng.randrange(VOCAB_SIZE) for _ in range(4)]  # (something for n-grams to find)
+    lengths = (40, 3, 67, 1, 18)
+    prompts = [motif * 3 + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
     llm = LLM(str(folder), **options)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    # (long enough for this model's outputs to repeat themselves: drafts accepted in part)
+    new = 40 if "speculative_config" in options else 10
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, 10)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, new)
     slots = llm.engine.state_slots
     if "block_size" in options:
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
     if "kv_cache_memory" in options:
         assert slots.num_slots == 2
+    if "speculative_config" in options:  # drafts verified, some accepted, some not
+        spec = llm.engine.spec_stats
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert not llm.engine.kv_manager.enable_prefix_caching  # (a state is not a prefix)
     slots.check_no_leaks()
     llm.engine.kv_manager.check_no_leaks()
 
 
-def test_speculative_decoding_and_disaggregation_are_refused(model_dirs):
+def test_layer_skipping_drafts_and_disaggregation_are_refused(model_dirs):
+    """A draft that skips layers would leave their states without its tokens; another
+    instance's K/V would come without the states: both refused by name."""
     from tandem import LLM
 
     folder, _ = model_dirs("qwen3_5")
     with pytest.raises(InvalidParameterError, match="speculative"):
-        LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        LLM(str(folder), speculative_config={"method": "layer_skip",
+                                             "num_speculative_tokens": 2})  # fmt: skip
     llm = LLM(str(folder))
     with pytest.raises(InvalidParameterError, match="kv_transfer_config"):
         llm.engine.set_kv_connector(object())

@@ -7,10 +7,11 @@ KV blocks. A request takes a slot when it is admitted and gives it back when it
 finishes, is aborted or is preempted; a preempted request recomputes its state from its
 tokens when it resumes (in whatever slot is free then), as it recomputes its K/V.
 
-A state summarises every token before it and cannot be shared or cut back, so a hybrid
-runs without the prefix cache (a cache hit would start a request past tokens whose state
-no slot holds) and without speculative decoding (rejected drafts would stay in the
-state): the engine turns the first off and refuses the second.
+A state summarises every token before it and cannot be shared, so a hybrid runs
+without the prefix cache (a cache hit would start a request past tokens whose state no
+slot holds): the engine turns it off. Speculative decoding works: the runner keeps the
+states after each verified token and the slot takes the last accepted one's
+(runner/state_cache.py).
 
 No tensors here: the runner owns the memory, this class only does the accounting.
 """

@@ -14,7 +14,9 @@ as transformers' ``Qwen3_5GatedDeltaNet`` computes it. With more value heads tha
 heads, value head j reads key head j // r (Hugging Face's order, grouped by key head) or
 j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The recurrences are
 kernels/delta_rule.py's: a step's decodes run one batched step over their slots; a
-prompt (or a chunk of one) runs the chunked form, in its sequence's slot.
+prompt (or a chunk of one) runs the chunked form, in its sequence's slot; a decode
+verifying drafts runs a step a token and keeps the states after each (the runner keeps
+the accepted one's: runner/state_cache.py).
 """
 
 from __future__ import annotations
@@ -102,12 +104,17 @@ class GatedDeltaNet(nn.Module):
         batch = attn.recurrent
         conv_states, delta_states = batch.states(self.layer_idx)
         weight = self.conv1d.weight
+        conv_after = {}  # a verifying sequence: its conv window after each token
         if batch.decodes:
             mixed = causal_conv_step(qkv, weight, conv_states, batch.slots)
         else:
             mixed = qkv.new_empty(tokens, self.conv_dim)
-            for start, n, slot in zip(batch.starts, batch.lens, batch.host_slots, strict=True):
+            for s, (start, n, slot) in enumerate(
+                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
+            ):
                 rows = slice(start, start + n)
+                if batch.verifies(s):  # (before the slot is overwritten)
+                    conv_after[slot] = windows_after(conv_states[slot], qkv[rows])
                 mixed[rows], conv_states[slot] = causal_conv(qkv[rows], weight, conv_states[slot])
         mixed = F.silu(mixed)
         key_size = self.key_heads * self.key_dim
@@ -126,10 +133,37 @@ class GatedDeltaNet(nn.Module):
             out = gated_delta_rule_step(q, k, v, g, beta, delta_states, batch.slots)
         else:
             out = torch.empty(tokens, self.value_heads, self.value_dim, device=x.device)
-            for start, n, slot in zip(batch.starts, batch.lens, batch.host_slots, strict=True):
+            for s, (start, n, slot) in enumerate(
+                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
+            ):
                 rows = slice(start, start + n)
+                if batch.verifies(s):  # token by token, the state after each kept
+                    out[rows], after = self._steps(q, k, v, g, beta, rows, delta_states, slot)
+                    batch.snapshots.setdefault(slot, {})[self.layer_idx] = (conv_after[slot], after)
+                    continue
                 out[rows], delta_states[slot] = chunked_gated_delta_rule(
                     q[rows], k[rows], v[rows], g[rows], beta[rows], delta_states[slot]
                 )
         out = self.norm(out.to(x.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, -1))
+
+    @staticmethod
+    def _steps(q, k, v, g, beta, rows: slice, states: torch.Tensor, slot: int):
+        """A verifying sequence's tokens (``rows``) one decode step each, in its slot ->
+        (outputs [n, H, Dv], the state after each token [n, H, Dk, Dv])."""
+        index = torch.tensor([slot], device=states.device)
+        outs, after = [], []
+        for t in range(rows.start, rows.stop):
+            one = slice(t, t + 1)
+            outs.append(gated_delta_rule_step(q[one], k[one], v[one], g[one], beta[one],
+                                              states, index))  # fmt: skip
+            after.append(states[slot].clone())
+        return torch.cat(outs), torch.stack(after)
+
+
+def windows_after(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A convolution's window (its last width - 1 inputs) after each of x's [n, C]
+    rows, from ``state`` [C, width - 1] -> [n, C, width - 1] float32."""
+    kept = state.shape[-1]
+    full = torch.cat([state.float(), x.float().t()], dim=-1)  # [C, width - 1 + n]
+    return full.unfold(-1, kept, 1)[:, 1:].transpose(0, 1).contiguous()

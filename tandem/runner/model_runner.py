@@ -100,7 +100,7 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, loaded.device, kv_cache_dtype,
             shared_file=None if tp is None else tp.kv_file,
         )  # fmt: skip
-        self.states = None
+        self.states = self.recurrent = None  # (a hybrid's: state_cache.py)
         if loaded.config.recurrent_layers:
             if num_state_slots < 1:
                 raise ValueError("a hybrid model needs state slots (state_cache.py)")
@@ -361,6 +361,9 @@ class ModelRunner:
                     self.shared_generator, own,
                 )  # fmt: skip
                 result.sampled[item.request_id] = tokens
+                if self.states is not None:  # its states after the last accepted token
+                    slot = self.input_batch.requests[item.request_id].state_slot
+                    self.recurrent.keep(slot, len(tokens))
                 result.drafted[item.request_id] = len(guess)
                 self.spec_stats.record(len(guess), len(tokens) - 1)
                 self.proposer.rollback(item.request_id, item.num_computed_tokens + len(tokens))
@@ -502,9 +505,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_memory.for_forward(len(input_ids), context)
         attn = self.attention(metadata, self.kv_cache)
-        if self.states is not None:
-            attn.recurrent = RecurrentBatch.build(
-                self.states, query_lens, num_computed, state_slots, self.device
+        if self.states is not None:  # (kept: verification keeps its accepted states)
+            attn.recurrent = self.recurrent = RecurrentBatch.build(
+                self.states, query_lens, num_computed, state_slots, self.device, verifies
             )
         return self.model(input_ids, metadata.positions, attn)
 

@@ -16,13 +16,19 @@ recomputing) starts from zero states: its slot is cleared before the forward, so
 freed by one request never leaks into the next. A prompt cut into chunks carries its
 state from chunk to chunk in its slot.
 
+Speculative decoding: a sequence verifying k drafts runs its k + 1 tokens one step at a
+time, and each layer keeps its states after every one of them (``snapshots``: k + 1
+copies of a sequence's states, for the step's duration); once the drafts are judged,
+the slot takes the states after the last accepted token (``keep``), as the KV cache's
+rejected rows are simply never read again.
+
 The budget: slots and KV blocks share one memory budget (``split_budget``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +88,12 @@ class RecurrentBatch:
     slots: torch.Tensor  # [S] int64, on the model's device
     host_slots: tuple[int, ...]  # the same, on the host
     cache: StateCache
+    # Per sequence: whether it verifies drafts (a decode token and its drafts). Its
+    # layers keep the states after each of its tokens (``snapshots``) until the runner
+    # knows how many were accepted (``keep``).
+    verifying: tuple[bool, ...] = ()
+    # slot -> layer -> each state's values after each of the chunk's tokens [n, ...]
+    snapshots: dict[int, dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
     @property
     def decodes(self) -> bool:
@@ -91,6 +103,17 @@ class RecurrentBatch:
     def states(self, layer: int) -> tuple[torch.Tensor, ...]:
         return self.cache.layers[layer]
 
+    def verifies(self, sequence: int) -> bool:
+        return bool(self.verifying) and self.verifying[sequence]
+
+    def keep(self, slot: int, accepted: int) -> None:
+        """Speculation's rollback: of a verifying sequence's tokens, the first
+        ``accepted`` had their drafts accepted (the decode token counted): its slot
+        takes the states after the last of them, in every layer."""
+        for layer, after in self.snapshots.pop(slot, {}).items():
+            for tensor, values in zip(self.cache.layers[layer], after, strict=True):
+                tensor[slot] = values[accepted - 1]
+
     @classmethod
     def build(
         cls,
@@ -99,9 +122,11 @@ class RecurrentBatch:
         num_computed: Sequence[int],
         slots: Sequence[int],
         device: torch.device,
+        verifying: Sequence[bool] | None = None,
     ) -> RecurrentBatch:
         """The batch of sequences running ``lens[s]`` tokens after ``num_computed[s]``,
-        in ``slots[s]``; those starting at position 0 get cleared slots."""
+        in ``slots[s]`` (``verifying[s]``: a decode token and its drafts); those
+        starting at position 0 get cleared slots."""
         if min(slots, default=0) < 0:
             raise ValueError("a sequence of a hybrid model runs without a state slot")
         starts, total = [], 0
@@ -109,7 +134,10 @@ class RecurrentBatch:
             starts.append(total)
             total += n
         slots = tuple(int(slot) for slot in slots)
-        batch = cls(tuple(starts), tuple(lens), torch.tensor(slots, device=device), slots, cache)
+        batch = cls(
+            tuple(starts), tuple(lens), torch.tensor(slots, device=device), slots, cache,
+            tuple(verifying or ()),
+        )  # fmt: skip
         fresh = [slot for slot, done in zip(slots, num_computed, strict=True) if done == 0]
         if fresh:
             cache.clear(torch.tensor(fresh, device=device))

@@ -98,11 +98,11 @@ def load_runner(config: EngineConfig, tp: TensorParallel | None = None) -> Model
             loaded.config.state_bytes_per_sequence() / (1 << 20),
             num_slots * loaded.config.state_bytes_per_sequence() / (1 << 30),
         )  # fmt: skip
-        if config.speculative is not None:
+        if config.speculative is not None and config.speculative.method == "layer_skip":
             raise InvalidParameterError(
                 "speculative",
-                f"{family.name} keeps a recurrent state that rejected drafts would stay "
-                "in: speculative decoding takes attention-only models",
+                f"{family.name}'s recurrent layers cannot be skipped by a draft (their "
+                "states would miss its tokens): use ngram, suffix, eagle or a draft model",
             )
     num_blocks = num_blocks_for(
         loaded.config,
