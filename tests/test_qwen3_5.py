@@ -124,10 +124,12 @@ def test_causal_conv_with_state_equals_one_convolution():
         dict(kv_cache_memory=90_000, num_blocks=40),  # two state slots for five requests
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                  "disable_by_batch_size": None}),  # states rolled back
+        dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2,
+                                 "disable_by_batch_size": None}),  # a head over the hybrid
     ],
-    ids=["chunked", "preempted", "two-slots", "ngram-speculation"],
+    ids=["chunked", "preempted", "two-slots", "ngram-speculation", "eagle-speculation"],
 )  # fmt: skip
-def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
+def test_the_engine_gives_transformers_greedy_tokens(model_dirs, eagle_heads, options):
     """Through the whole engine: prompts cut into chunks (each carrying its state to
     the next), requests preempted and recomputed in whatever slot is free, more
     requests than slots (admission waits for one), and n-gram drafts verified (each
@@ -140,6 +142,9 @@ def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
     motif = [rng.randrange(VOCAB_SIZE) for _ in range(4)]  # (something for n-grams to find)
     lengths = (40, 3, 67, 1, 18)
     prompts = [motif * 3 + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    if options.get("speculative_config", {}).get("method") == "eagle":
+        options = {"speculative_config": {**options["speculative_config"],
+                                          "model": eagle_heads(folder)}}  # fmt: skip
     llm = LLM(str(folder), **options)
     # (long enough for this model's outputs to repeat themselves: drafts accepted in part)
     new = 40 if "speculative_config" in options else 10
@@ -151,9 +156,11 @@ def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
     if "kv_cache_memory" in options:
         assert slots.num_slots == 2
-    if "speculative_config" in options:  # drafts verified, some accepted, some not
-        spec = llm.engine.spec_stats
-        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    spec = llm.engine.spec_stats
+    if "speculative_config" in options:  # drafts verified (n-grams: some accepted, some not)
+        assert spec.num_drafts > 0
+        if options["speculative_config"]["method"] == "ngram":
+            assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert not llm.engine.kv_manager.enable_prefix_caching  # (a state is not a prefix)
     slots.check_no_leaks()
     llm.engine.kv_manager.check_no_leaks()

@@ -51,8 +51,11 @@ class EagleHead(nn.Module):
 
     def __init__(self, target_config, draft_vocab: torch.Tensor) -> None:
         super().__init__()
-        config = dataclasses.replace(target_config, num_layers=1, sliding_layers=None)
-        self.config = config  # one layer shaped as the target's
+        config = dataclasses.replace(
+            target_config, num_layers=1, sliding_layers=None, recurrent_layers=(),
+            recurrent_state=(),
+        )  # fmt: skip
+        self.config = config  # one attention layer shaped as the target's
         self.target_config = target_config
         hidden = config.hidden_size
         self.token_norm = RMSNorm(hidden, config.norm_eps)
