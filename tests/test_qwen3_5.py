@@ -24,6 +24,7 @@ from tandem.kernels.delta_rule import (
     chunked_gated_delta_rule,
     gated_delta_rule_step,
 )
+from tandem.models.gated_delta_net import delta_net_shapes
 from tandem.models.loader import load_model
 from tandem.models.qwen3_5 import parse_qwen3_5_config
 from tandem.runner.state_cache import split_budget
@@ -94,6 +95,48 @@ def test_decode_step_runs_each_sequence_in_its_slot(monkeypatch, compiled):
         assert (states[slot].double() - ref_state).abs().max() < 1e-5
     for untouched in (0, 2, 5):
         assert torch.equal(states[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_a_delta_net_decode_step_in_one_call_equals_the_torch_ops(monkeypatch, tiled):
+    """The compiled layer step (conv, norms, gates, the rule, the gated norm) equals the
+    same layer's torch ops on random weights and states, the states left alike, with
+    the value heads in either order (more value heads than key heads)."""
+    from tandem.models.config import ModelConfig
+    from tandem.models.gated_delta_net import GatedDeltaNet
+    from tandem.runner.state_cache import RecurrentBatch, StateCache
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no compiled CPU kernels here")
+    options = dict(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_width=4,
+                   tiled_value_heads=tiled)  # fmt: skip
+    config = ModelConfig(
+        "Qwen3_5ForCausalLM", 64, 48, 1, 2, 1, 16, 64, 64, 1e-6, "silu", False, None,
+        recurrent_layers=(0,), recurrent_state=delta_net_shapes(options),
+        family_options=options,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config, 0)
+    for param in layer.parameters():
+        param.data = torch.randn_like(param) * 0.3
+    layer.A.data = -layer.A.data.abs()
+    x = torch.randn(3, 48)
+    outs, caches = [], []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_kernels, "available", lambda device, dtype: False)
+        cache = StateCache(config, 5, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for tensor in cache.layers[0]:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen))
+        attn = type("Attn", (), {})()
+        attn.recurrent = RecurrentBatch.build(cache, [1, 1, 1], [5, 9, 2], [4, 0, 2], "cpu")
+        with torch.no_grad():
+            outs.append(layer(x, attn))
+        caches.append(cache.layers[0])
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    for compiled, plain in zip(*caches, strict=True):
+        assert (compiled - plain).abs().max() < 1e-5
 
 
 @pytest.mark.unit

@@ -33,7 +33,8 @@ read bandwidth that decode is measured against (plan/measure.py).
 quantize_ops.cpp: float weights -> Q3_K, Q2_K, IQ4_NL and IQ4_XS blocks by llama.cpp's
 scale searches, across threads (quant/quantize.py; `tandem quantize`).
 delta_rule_ops.cpp: the gated delta rule's decode step, each state read and written in
-place in its slot (a hybrid's linear-attention layers: kernels/delta_rule.py).
+place in its slot (a hybrid's linear-attention layers: kernels/delta_rule.py), and a
+whole Gated DeltaNet decode step after its projection (conv, norms, gates, the rule).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -116,6 +117,7 @@ FUNCTIONS = [
     "read_stream",
     "quantize_ggml",
     "gated_delta_step",
+    "gated_delta_net_step",
 ]
 
 

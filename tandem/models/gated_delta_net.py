@@ -13,7 +13,8 @@ states through its tokens (the state cache: runner/state_cache.py):
 as transformers' ``Qwen3_5GatedDeltaNet`` computes it. With more value heads than key
 heads, value head j reads key head j // r (Hugging Face's order, grouped by key head) or
 j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The recurrences are
-kernels/delta_rule.py's: a step's decodes run one batched step over their slots; a
+kernels/delta_rule.py's: a step's decodes run one batched step over their slots (on the
+CPU the whole layer after its projection in one compiled call: delta_rule_ops.cpp); a
 prompt (or a chunk of one) runs the chunked form, in its sequence's slot; a decode
 verifying drafts runs a step a token and keeps the states after each (the runner keeps
 the accepted one's: runner/state_cache.py).
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.kernels.delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -103,6 +105,16 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
         batch = attn.recurrent
         conv_states, delta_states = batch.states(self.layer_idx)
+        kernels = cpu_kernels.load() if cpu_kernels.usable(conv_states) else None
+        if batch.decodes and kernels is not None:  # the step in one compiled call
+            out = torch.empty(tokens, self.value_heads * self.value_dim)
+            kernels.gated_delta_net_step(
+                out, *(t.float().contiguous() for t in (qkv, z, b, a, self.conv1d.weight)),
+                conv_states, self.A.float(), self.dt_bias.float(), self.norm.weight.float(),
+                delta_states, batch.slots, self.key_heads, self.tiled_value_heads,
+                self.norm.eps,
+            )  # fmt: skip
+            return self.out_proj(out.to(x.dtype))
         weight = self.conv1d.weight
         conv_after = {}  # a verifying sequence: its conv window after each token
         if batch.decodes:

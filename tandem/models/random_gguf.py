@@ -289,6 +289,23 @@ SHAPES = {
         linear_key_heads=16,
         linear_value_heads=32,
     ),
+    # Qwen3.5's layout scaled down to a 1,024 width (8 layers: 6 delta-net, 2 attention)
+    # and SmolLM2's vocabulary, for long prompts in minutes (benchmarks.scale's depths).
+    "qwen3.5-mini": Shape(
+        hidden=1024,
+        layers=8,
+        heads=8,
+        kv_heads=2,
+        intermediate=3072,
+        tied=True,
+        vocab=49152,
+        rope_theta=1e7,
+        context=65536,
+        head_size=256,
+        architecture="qwen35",
+        linear_key_heads=8,
+        linear_value_heads=16,
+    ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
     # benchmarks copy it), not Mixtral's 32,000.
