@@ -60,18 +60,19 @@ def chunked_gated_delta_rule(
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
     G = g.cumsum(-1)  # [H, n, C]; padding adds no decay (g = 0 there)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay = _exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")))
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
     eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
     # (I + A) is unit lower triangular: T (I + A) = I.
     T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    T = T.masked_fill(T.abs() < TINY, 0.0)  # (products of small terms: subnormal, see _exp)
     U = T @ (v * beta[..., None])
-    W = T @ (kb * G.exp()[..., None])
+    W = T @ (kb * _exp(G)[..., None])
     attn = q @ k.transpose(-1, -2) * decay  # lower, diagonal included
-    q_decayed = q * G.exp()[..., None]
-    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    q_decayed = q * _exp(G)[..., None]
+    k_to_end = k * _exp(G[..., -1:] - G)[..., None]
+    chunk_decay = _exp(G[..., -1])[..., None, None]  # [H, n, 1, 1]
     out = torch.empty(heads, n, chunk, dv, dtype=torch.float32, device=q.device)
     S = state.float()
     for i in range(n):
@@ -80,6 +81,18 @@ def chunked_gated_delta_rule(
         S = S * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
     out = out.reshape(heads, n * chunk, dv)[:, :length].transpose(0, 1)
     return out, S
+
+
+# A decay below exp(-30) (1e-13) is taken as 0: its terms are far below float32's
+# resolution (1e-7) of what they are added to, and their products would reach float32's
+# subnormal range, where the batched matmuls run several times slower (measured: a
+# 1,000-token prompt of 16 heads, 42 ms at g = -0.5 a token, 269 ms at g = -3).
+EXP_FLOOR = -30.0
+TINY = 1e-20  # likewise, T's entries below this (products of several decays) are 0
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(x < EXP_FLOOR, float("-inf")).exp()
 
 
 def gated_delta_rule_step(
