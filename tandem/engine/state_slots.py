@@ -9,8 +9,8 @@ tokens when it resumes (in whatever slot is free then), as it recomputes its K/V
 
 A state summarises every token before it and cannot be shared, so a hybrid runs
 without the prefix cache (a cache hit would start a request past tokens whose state no
-slot holds): the engine turns it off. Speculative decoding works: the runner keeps the
-states after each verified token and the slot takes the last accepted one's
+slot holds): the engine turns it off. Speculative decoding works: once the drafts are
+judged, the runner sets the slot to the last accepted token's states
 (runner/state_cache.py).
 
 No tensors here: the runner owns the memory, this class only does the accounting.

@@ -16,8 +16,8 @@ j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The recu
 kernels/delta_rule.py's: a step's decodes run one batched step over their slots (on the
 CPU the whole layer after its projection in one compiled call: delta_rule_ops.cpp); a
 prompt (or a chunk of one) runs the chunked form, in its sequence's slot; a decode
-verifying drafts runs a step a token and keeps the states after each (the runner keeps
-the accepted one's: runner/state_cache.py).
+verifying drafts runs a step a token and leaves the runner a way back to the last
+accepted token (runner/state_cache.py).
 """
 
 from __future__ import annotations
@@ -149,9 +149,11 @@ class GatedDeltaNet(nn.Module):
                 zip(batch.starts, batch.lens, batch.host_slots, strict=True)
             ):
                 rows = slice(start, start + n)
-                if batch.verifies(s):  # token by token, the state after each kept
-                    out[rows], after = self._steps(q, k, v, g, beta, rows, delta_states, slot)
-                    batch.snapshots.setdefault(slot, {})[self.layer_idx] = (conv_after[slot], after)
+                if batch.verifies(s):  # token by token; how to go back kept for the runner
+                    out[rows], rollback = _verify(
+                        (q, k, v, g, beta), rows, conv_after[slot], conv_states, delta_states, slot
+                    )
+                    batch.rollbacks.setdefault(slot, []).append(rollback)
                     continue
                 out[rows], delta_states[slot] = chunked_gated_delta_rule(
                     q[rows], k[rows], v[rows], g[rows], beta[rows], delta_states[slot]
@@ -159,18 +161,27 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(x.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, -1))
 
-    @staticmethod
-    def _steps(q, k, v, g, beta, rows: slice, states: torch.Tensor, slot: int):
-        """A verifying sequence's tokens (``rows``) one decode step each, in its slot ->
-        (outputs [n, H, Dv], the state after each token [n, H, Dk, Dv])."""
-        index = torch.tensor([slot], device=states.device)
-        outs, after = [], []
-        for t in range(rows.start, rows.stop):
-            one = slice(t, t + 1)
-            outs.append(gated_delta_rule_step(q[one], k[one], v[one], g[one], beta[one],
-                                              states, index))  # fmt: skip
-            after.append(states[slot].clone())
-        return torch.cat(outs), torch.stack(after)
+
+def _verify(inputs, rows: slice, windows, conv_states, delta_states, slot: int):
+    """A verifying sequence's tokens (``rows`` of ``inputs``: q, k, v, g, beta) one decode
+    step each, in its slot -> (outputs [n, H, Dv], ``rollback(accepted)``: the slot as
+    after the first ``accepted`` tokens). The rollback holds one copy of the state (the
+    one before), not one a token: it restores it and runs the accepted tokens again,
+    the same steps on the same values, so the state is the one they left."""
+    index = torch.tensor([slot], device=delta_states.device)
+    tokens = [tuple(x[t : t + 1] for x in inputs) for t in range(rows.start, rows.stop)]
+    before = delta_states[slot].clone()
+    out = torch.cat([gated_delta_rule_step(*one, delta_states, index) for one in tokens])
+
+    def rollback(accepted: int) -> None:
+        conv_states[slot] = windows[accepted - 1]
+        if accepted == len(tokens):
+            return  # (every draft held: the slot is as they left it)
+        delta_states[slot] = before
+        for one in tokens[:accepted]:
+            gated_delta_rule_step(*one, delta_states, index)
+
+    return out, rollback
 
 
 def windows_after(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

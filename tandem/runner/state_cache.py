@@ -17,17 +17,17 @@ freed by one request never leaks into the next. A prompt cut into chunks carries
 state from chunk to chunk in its slot.
 
 Speculative decoding: a sequence verifying k drafts runs its k + 1 tokens one step at a
-time, and each layer keeps its states after every one of them (``snapshots``: k + 1
-copies of a sequence's states, for the step's duration); once the drafts are judged,
-the slot takes the states after the last accepted token (``keep``), as the KV cache's
-rejected rows are simply never read again.
+time, and each layer leaves a way back (``rollbacks``: a copy of its state before the
+tokens, and their inputs); once the drafts are judged, the slot is set to the states
+after the last accepted token (``keep``: the copy, with the accepted tokens run again),
+as the KV cache's rejected rows are simply never read again.
 
 The budget: slots and KV blocks share one memory budget (``split_budget``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,12 +88,13 @@ class RecurrentBatch:
     slots: torch.Tensor  # [S] int64, on the model's device
     host_slots: tuple[int, ...]  # the same, on the host
     cache: StateCache
-    # Per sequence: whether it verifies drafts (a decode token and its drafts). Its
-    # layers keep the states after each of its tokens (``snapshots``) until the runner
-    # knows how many were accepted (``keep``).
+    # Per sequence: whether it verifies drafts (a decode token and its drafts). Each of
+    # its layers leaves a way back (``rollbacks``) until the runner knows how many were
+    # accepted (``keep``).
     verifying: tuple[bool, ...] = ()
-    # slot -> layer -> each state's values after each of the chunk's tokens [n, ...]
-    snapshots: dict[int, dict[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    # slot -> each recurrent layer's ``rollback(accepted)``: its states as after the
+    # first ``accepted`` of the sequence's tokens in this forward
+    rollbacks: dict[int, list[Callable[[int], None]]] = field(default_factory=dict)
 
     @property
     def decodes(self) -> bool:
@@ -110,9 +111,8 @@ class RecurrentBatch:
         """Speculation's rollback: of a verifying sequence's tokens, the first
         ``accepted`` had their drafts accepted (the decode token counted): its slot
         takes the states after the last of them, in every layer."""
-        for layer, after in self.snapshots.pop(slot, {}).items():
-            for tensor, values in zip(self.cache.layers[layer], after, strict=True):
-                tensor[slot] = values[accepted - 1]
+        for rollback in self.rollbacks.pop(slot, ()):
+            rollback(accepted)
 
     @classmethod
     def build(
