@@ -13,6 +13,48 @@
 #include <cmath>
 #include <vector>
 
+namespace {
+
+// One head's token: ``o`` = S'^T q, and S [dk, dv] updated in place to S'. ``ks``, ``qs``
+// are dv floats of scratch; ``delta`` receives the rule's correction (dv floats).
+inline void delta_rule_token(float* S, const float* q, const float* k, const float* v,
+                             float a, float rate, int64_t dk, int64_t dv, float* ks,
+                             float* qs, float* delta, float* o) {
+  std::fill(ks, ks + dv, 0.f);
+  std::fill(qs, qs + dv, 0.f);
+  float qk = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = S + i * dv;
+    const float kv = k[i], qv = q[i];
+    qk += kv * qv;
+    for (int64_t j = 0; j < dv; ++j) {
+      ks[j] += kv * row[j];
+      qs[j] += qv * row[j];
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) {
+    delta[j] = rate * (v[j] - a * ks[j]);
+    o[j] = a * qs[j] + qk * delta[j];
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float kv = k[i];
+    for (int64_t j = 0; j < dv; ++j) row[j] = a * row[j] + kv * delta[j];
+  }
+}
+
+// The B sequences' slots, each checked against the cache's ``num_slots``.
+const int64_t* checked_slots(const torch::Tensor& slots, int64_t batch, int64_t num_slots) {
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "state slot out of range");
+  }
+  return slot;
+}
+
+}  // namespace
+
 void gated_delta_step(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                       torch::Tensor g, torch::Tensor beta, torch::Tensor states,
                       torch::Tensor slots) {
@@ -20,14 +62,9 @@ void gated_delta_step(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
                 "gated_delta_step takes contiguous float32 tensors");
   }
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
   const int64_t batch = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2);
   TORCH_CHECK(states.size(1) == heads && states.size(2) == dk && states.size(3) == dv);
-  const int64_t num_slots = states.size(0);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "state slot out of range");
-  }
+  const int64_t* slot = checked_slots(slots, batch, states.size(0));
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float *op = out.data_ptr<float>(), *sp = states.data_ptr<float>();
@@ -35,33 +72,9 @@ void gated_delta_step(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch
     std::vector<float> ks(dv), qs(dv), delta(dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads;
-      float* S = sp + (slot[b] * heads + h) * dk * dv;
-      const float* qi = qp + item * dk;
-      const float* ki = kp + item * dk;
-      const float* vi = vp + item * dv;
-      const float a = std::exp(gp[item]), rate = bp[item];
-      std::fill(ks.begin(), ks.end(), 0.f);
-      std::fill(qs.begin(), qs.end(), 0.f);
-      float qk = 0.f;
-      for (int64_t i = 0; i < dk; ++i) {
-        const float* row = S + i * dv;
-        const float kv = ki[i], qv = qi[i];
-        qk += kv * qv;
-        for (int64_t j = 0; j < dv; ++j) {
-          ks[j] += kv * row[j];
-          qs[j] += qv * row[j];
-        }
-      }
-      float* o = op + item * dv;
-      for (int64_t j = 0; j < dv; ++j) {
-        delta[j] = rate * (vi[j] - a * ks[j]);
-        o[j] = a * qs[j] + qk * delta[j];
-      }
-      for (int64_t i = 0; i < dk; ++i) {
-        float* row = S + i * dv;
-        const float kv = ki[i];
-        for (int64_t j = 0; j < dv; ++j) row[j] = a * row[j] + kv * delta[j];
-      }
+      delta_rule_token(sp + (slot[b] * heads + h) * dk * dv, qp + item * dk, kp + item * dk,
+                       vp + item * dv, std::exp(gp[item]), bp[item], dk, dv, ks.data(),
+                       qs.data(), delta.data(), op + item * dv);
     }
   });
 }
@@ -84,17 +97,13 @@ void gated_delta_net_step(torch::Tensor out, torch::Tensor qkv, torch::Tensor z,
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
                 "gated_delta_net_step takes contiguous float32 tensors");
   }
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
   const int64_t batch = qkv.size(0), channels = qkv.size(1), width = conv_w.size(1);
   const int64_t heads = states.size(1), dk = states.size(2), dv = states.size(3);
   const int64_t num_slots = states.size(0);
   TORCH_CHECK(channels == 2 * key_heads * dk + heads * dv && heads % key_heads == 0);
   TORCH_CHECK(conv_states.size(0) == num_slots && conv_states.size(1) == channels &&
               conv_states.size(2) == width - 1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t s = 0; s < batch; ++s) {
-    TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "state slot out of range");
-  }
+  const int64_t* slot = checked_slots(slots, batch, num_slots);
   // Phase 1, per (sequence, channel run): the conv and silu into ``mixed``.
   std::vector<float> mixed(batch * channels);
   const float* x = qkv.data_ptr<float>();
@@ -135,7 +144,7 @@ void gated_delta_net_step(torch::Tensor out, torch::Tensor qkv, torch::Tensor z,
   float *sp = states.data_ptr<float>(), *op = out.data_ptr<float>();
   const int64_t per_key = heads / key_heads;
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> ks(dv), qs(dv), o(dv);
+    std::vector<float> ks(dv), qs(dv), delta(dv), o(dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / heads, h = item % heads;
       const int64_t kh = tiled ? h % key_heads : h / per_key;
@@ -147,31 +156,10 @@ void gated_delta_net_step(torch::Tensor out, torch::Tensor qkv, torch::Tensor z,
       const float pre = ap[item] + dtp[h];
       const float softplus = pre > 20.f ? pre : std::log1p(std::exp(pre));
       const float decay = std::exp(Ap[h] * softplus);
-      float* S = sp + (slot[s] * heads + h) * dk * dv;
-      std::fill(ks.begin(), ks.end(), 0.f);
-      std::fill(qs.begin(), qs.end(), 0.f);
-      float qk = 0.f;
-      for (int64_t i = 0; i < dk; ++i) {
-        const float* r = S + i * dv;
-        const float kv = ki[i], qv = qi[i];
-        qk += kv * qv;
-        for (int64_t j = 0; j < dv; ++j) {
-          ks[j] += kv * r[j];
-          qs[j] += qv * r[j];
-        }
-      }
+      delta_rule_token(sp + (slot[s] * heads + h) * dk * dv, qi, ki, vi, decay, rate, dk, dv,
+                       ks.data(), qs.data(), delta.data(), o.data());
       float sum = 0.f;
-      for (int64_t j = 0; j < dv; ++j) {
-        const float delta = rate * (vi[j] - decay * ks[j]);
-        ks[j] = delta;
-        o[j] = decay * qs[j] + qk * delta;
-        sum += o[j] * o[j];
-      }
-      for (int64_t i = 0; i < dk; ++i) {
-        float* r = S + i * dv;
-        const float kv = ki[i];
-        for (int64_t j = 0; j < dv; ++j) r[j] = decay * r[j] + kv * ks[j];
-      }
+      for (int64_t j = 0; j < dv; ++j) sum += o[j] * o[j];
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(dv) + static_cast<float>(eps));
       const float* zi = zp + item * dv;
       float* oi = op + item * dv;
