@@ -34,6 +34,16 @@ ARCHITECTURES = (
     "gpt_oss", "qwen3_5", "qwen3_5_moe",
 )  # fmt: skip
 
+# Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
+# key heads; head_dim * heads != hidden.
+DELTA_NET = dict(
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
@@ -127,8 +137,7 @@ def hf_config(arch: str, **overrides):
         # Gated DeltaNet layers around two gated-attention ones (each keeps K/V), value
         # heads twice the key heads; head_dim * heads != hidden, a quarter of it rotated.
         hybrid = dict(
-            llama_like, head_dim=32, num_hidden_layers=5, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            llama_like, **DELTA_NET, num_hidden_layers=5,
             layer_types=["linear_attention", "full_attention", "linear_attention",
                          "linear_attention", "full_attention"],
         )  # fmt: skip
@@ -137,10 +146,8 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3_5_moe":
         # Qwen3.5's layers with a mixture in each: 6 experts, 2 a token, and a shared one.
         hybrid = dict(
-            llama_like, head_dim=32, num_hidden_layers=4, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
-            shared_expert_intermediate_size=80,
+            llama_like, **DELTA_NET, num_hidden_layers=4, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
         )  # fmt: skip
         cfg = transformers.Qwen3_5MoeTextConfig(**{**hybrid, **overrides})
         cfg.architectures = ["Qwen3_5MoeForCausalLM"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,11 @@ from tandem.models.config import RopeConfig
 
 
 class AttentionContext(Protocol):
+    # A hybrid model's recurrent layers read their sequences and state slots here
+    # (runner/state_cache.py's RecurrentBatch: each sequence's rows of the flat batch,
+    # its slot, ``states(layer)``); the runner sets it on every forward of a hybrid.
+    recurrent: Any
+
     def attend(
         self,
         layer_idx: int,

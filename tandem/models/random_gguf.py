@@ -32,6 +32,7 @@ model's; without one the file says ``no_vocab``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,23 +290,6 @@ SHAPES = {
         linear_key_heads=16,
         linear_value_heads=32,
     ),
-    # Qwen3.5's layout scaled down to a 1,024 width (8 layers: 6 delta-net, 2 attention)
-    # and SmolLM2's vocabulary, for long prompts in minutes (benchmarks.scale's depths).
-    "qwen3.5-mini": Shape(
-        hidden=1024,
-        layers=8,
-        heads=8,
-        kv_heads=2,
-        intermediate=3072,
-        tied=True,
-        vocab=49152,
-        rope_theta=1e7,
-        context=65536,
-        head_size=256,
-        architecture="qwen35",
-        linear_key_heads=8,
-        linear_value_heads=16,
-    ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
     # benchmarks copy it), not Mixtral's 32,000.
@@ -324,6 +308,12 @@ SHAPES = {
         expert_intermediate=5632,
     ),
 }
+# Qwen3.5's layout scaled down to a 1,024 width (8 layers: 6 delta-net, 2 attention) and
+# SmolLM2's vocabulary, for long prompts in minutes (benchmarks.scale's depths).
+SHAPES["qwen3.5-mini"] = dataclasses.replace(
+    SHAPES["qwen3.5-9b"], hidden=1024, layers=8, heads=8, kv_heads=2, intermediate=3072,
+    tied=True, vocab=49152, context=65536, linear_key_heads=8, linear_value_heads=16,
+)  # fmt: skip
 # The formats of one type throughout (the head Q6_K): llama.cpp's Q3_K_S, IQ4_XS;
 # its Q2_K_S, IQ3_S, IQ3_XXS and IQ2_XXS but their mixes (v and down rows in more bits).
 THROUGHOUT = {"q3_k_s": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K, "iq4_xs": GGMLType.IQ4_XS,
