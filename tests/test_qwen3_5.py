@@ -335,8 +335,11 @@ def test_the_planner_sizes_a_hybrid_as_the_engine_allocates(model_dirs):
                                           result["max_kv_tokens"] // 128)  # fmt: skip
     state = result["state_bytes_per_sequence"]
     assert state == load_model(folder).config.state_bytes_per_sequence() > 0
+    # The floor: weights and 4 sequences' states, and 4 x 96 tokens of K/V (the mean
+    # context of 64 + 64 / 2), at 10 GB/s.
     weights_and_states = result["weight_bytes_read_per_step"] + 4 * state
-    assert result["decode_step_floor_s"] > weights_and_states / 10e9
+    kv = 4 * (64 + 32) * result["kv_bytes_per_token"]
+    assert result["decode_step_floor_s"] == pytest.approx((weights_and_states + kv) / 10e9)
 
 
 def test_perplexity_windows_score_a_hybrid_as_transformers(model_dirs):
