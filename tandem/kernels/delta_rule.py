@@ -68,9 +68,10 @@ def chunked_gated_delta_rule(
     T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
     T = T.masked_fill(T.abs() < TINY, 0.0)  # (products of small terms: subnormal, see _exp)
     U = T @ (v * beta[..., None])
-    W = T @ (kb * _exp(G)[..., None])
+    from_start = _exp(G)[..., None]  # each token's decay since the chunk began
+    W = T @ (kb * from_start)
     attn = q @ k.transpose(-1, -2) * decay  # lower, diagonal included
-    q_decayed = q * _exp(G)[..., None]
+    q_decayed = q * from_start
     k_to_end = k * _exp(G[..., -1:] - G)[..., None]
     chunk_decay = _exp(G[..., -1])[..., None, None]  # [H, n, 1, 1]
     out = torch.empty(heads, n, chunk, dv, dtype=torch.float32, device=q.device)
