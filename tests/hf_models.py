@@ -31,7 +31,7 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-    "gpt_oss", "qwen3_5", "qwen3_5_moe",
+    "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2",
 )  # fmt: skip
 
 # Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
@@ -151,6 +151,27 @@ def hf_config(arch: str, **overrides):
         )  # fmt: skip
         cfg = transformers.Qwen3_5MoeTextConfig(**{**hybrid, **overrides})
         cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    elif arch == "qwen3_next":
+        # Qwen3.5-MoE's layers, the delta nets' projections interleaved per key head; the
+        # third layer's MLP dense (mlp_only_layers).
+        hybrid = dict(
+            llama_like, **DELTA_NET, num_hidden_layers=4, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+            mlp_only_layers=[2],
+        )  # fmt: skip
+        cfg = transformers.Qwen3NextConfig(**{**hybrid, **overrides})
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+    elif arch == "lfm2":
+        # Convolution layers around two attention ones (each keeps K/V); the MLP's width
+        # adjusted as LFM2's code does (2/3 of 128, rounded up to 32: 96). Untied (the
+        # family's default is tied): a tied random model repeats its input token, which
+        # leaves speculation nothing to reject.
+        hybrid = dict(
+            llama_like, num_hidden_layers=5, block_multiple_of=32, tie_word_embeddings=False,
+            layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        )  # fmt: skip
+        cfg = transformers.Lfm2Config(**{**hybrid, **overrides})
+        cfg.architectures = ["Lfm2ForCausalLM"]
     elif arch == "gpt2":
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
         cfg = transformers.GPT2Config(**{**gpt2, **overrides})

@@ -119,7 +119,7 @@ def test_sharded_checkpoint_loads(model_dirs):
     assert_close(ours, reference_logits(hf_model, ids))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3", "qwen3_5", "lfm2"])
 def test_greedy_generation_matches_transformers(model_dirs, arch):
     folder, hf_model = model_dirs(arch)
     loaded = load_model(folder)

@@ -35,6 +35,8 @@ scale searches, across threads (quant/quantize.py; `tandem quantize`).
 delta_rule_ops.cpp: the gated delta rule's decode step, each state read and written in
 place in its slot (a hybrid's linear-attention layers: kernels/delta_rule.py), and a
 whole Gated DeltaNet decode step after its projection (conv, norms, gates, the rule).
+short_conv_ops.cpp: LFM2's gated short convolution for decode tokens in their slots, and
+its whole convolution layer (with the MLP) in one call.
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -66,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: parallel.cpp's work sharing is used by the next
 # two, codebook_ops.cpp's decoder by quant_ops.cpp and pack_ops.cpp, decode_layer.cpp and
-# moe_ops.cpp call those, decode_stack.cpp the layers and shm_ops.cpp's all-reduce.
+# moe_ops.cpp call those, decode_stack.cpp the layers and shm_ops.cpp's all-reduce,
+# short_conv_ops.cpp decode_layer.cpp's and delta_rule_ops.cpp's.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -82,6 +85,7 @@ SOURCES = [
         "read_probe.cpp",
         "quantize_ops.cpp",
         "delta_rule_ops.cpp",
+        "short_conv_ops.cpp",
     )
 ]
 FUNCTIONS = [
@@ -118,6 +122,8 @@ FUNCTIONS = [
     "quantize_ggml",
     "gated_delta_step",
     "gated_delta_net_step",
+    "short_conv_step",
+    "short_conv_decode_layer",
 ]
 
 

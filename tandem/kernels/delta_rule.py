@@ -1,6 +1,6 @@
-"""The gated delta rule (Gated DeltaNet's linear attention) and the short causal
-convolution before it: the recurrences a hybrid model's linear-attention layers run, for
-prompts in chunked form and for decode one step at a time.
+"""The gated delta rule (Gated DeltaNet's linear attention): the recurrence a hybrid
+model's linear-attention layers run (after the short convolution of
+kernels/causal_conv.py), for prompts in chunked form and for decode one step at a time.
 
 Per head, with a state S [Dk, Dv] carried from token to token::
 
@@ -18,10 +18,6 @@ decay up to token i and A = strictly_lower(diag(b) K K^T * exp(G_i - G_j)),
 
 so the only sequential work is one small matrix product per chunk. Everything is float32
 (the states are kept in float32 whatever the model computes in).
-
-The convolution is depthwise over channels, ``width`` taps, causal: a sequence's state
-is its last ``width - 1`` inputs, so a prompt's next chunk (or its decode) continues
-where the last one stopped.
 """
 
 from __future__ import annotations
@@ -124,25 +120,3 @@ def gated_delta_rule_step(
     S = S + k[..., None] * delta[..., None, :]
     states[slots] = S
     return (S * q[..., None]).sum(-2)
-
-
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: x [L, C], ``weight`` [C, width], ``state`` [C, width - 1] (its
-    previous inputs, oldest first) -> (y [L, C] before the activation, in x's dtype;
-    the new state, float32)."""
-    width = weight.shape[-1]
-    full = torch.cat([state.to(x.dtype), x.t()], dim=-1)  # [C, width - 1 + L]
-    y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]
-    return y.t(), full[:, full.shape[-1] - (width - 1) :].float()
-
-
-def causal_conv_step(
-    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """One token for each of B sequences: x [B, C]; ``states`` [slots, C, width - 1],
-    sequence b's at ``slots[b]``, updated in place -> y [B, C] before the activation."""
-    window = torch.cat([states[slots], x.float()[..., None]], dim=-1)  # [B, C, width]
-    states[slots] = window[..., 1:]
-    return (window * weight.float()).sum(-1).to(x.dtype)

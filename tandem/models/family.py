@@ -37,6 +37,12 @@ class Family:
     # GGUF layer tensor names that differ from gguf_checkpoint.LAYER_NAMES (None: a
     # common name the family's files do not use).
     gguf_layer_names: dict[str, str | None] = field(default_factory=dict)
+    # The same for the tensors outside the layers (gguf_checkpoint.GLOBAL_NAMES): LFM2's
+    # final norm is token_embd_norm, and its files have no output_norm.
+    gguf_global_names: dict[str, str | None] = field(default_factory=dict)
+    # head_count_kv written per layer, 0 for a layer without attention (how llama.cpp's
+    # lfm2 tells its convolution layers); otherwise one count for every layer.
+    gguf_kv_heads_per_layer: bool = False
     # A mixture as llama.cpp's graph runs it: the picked experts' weights renormalized
     # (not for Qwen2-MoE); a shared expert.
     gguf_renormalizes_experts: bool = True

@@ -3,7 +3,7 @@
 In place of attention over a growing K/V cache, each sequence carries two fixed-size
 states through its tokens (the state cache: runner/state_cache.py):
 
-    x -> in_proj -> [q k v | z | b | a]
+    x -> in_proj -> [q k v | z | b | a]      (Qwen3-Next: [q k v | z | b a per key head])
     q k v -> causal depthwise conv (width 4, state: the last 3 inputs) -> silu
     q, k: L2-normalized per head (q then scaled by Dk^-0.5), repeated to the value heads
     beta = sigmoid(b), g = A * softplus(a + dt_bias)      (per value head; A = -exp(A_log))
@@ -12,12 +12,12 @@ states through its tokens (the state cache: runner/state_cache.py):
 
 as transformers' ``Qwen3_5GatedDeltaNet`` computes it. With more value heads than key
 heads, value head j reads key head j // r (Hugging Face's order, grouped by key head) or
-j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The recurrences are
-kernels/delta_rule.py's: a step's decodes run one batched step over their slots (on the
-CPU the whole layer after its projection in one compiled call: delta_rule_ops.cpp); a
-prompt (or a chunk of one) runs the chunked form, in its sequence's slot; a decode
-verifying drafts runs a step a token and leaves the runner a way back to the last
-accepted token (runner/state_cache.py).
+j % Hk (``tiled_value_heads``: the order llama.cpp's converter writes). The convolution
+is kernels/causal_conv.py's, the recurrence kernels/delta_rule.py's: a step's decodes run
+one batched step over their slots (on the CPU the whole layer after its projection in
+one compiled call: delta_rule_ops.cpp); a prompt (or a chunk of one) runs the chunked
+form, in its sequence's slot; a decode verifying drafts runs a step a token and leaves
+the runner a way back to the last accepted token (runner/state_cache.py).
 """
 
 from __future__ import annotations
@@ -27,12 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu as cpu_kernels
-from tandem.kernels.delta_rule import (
-    causal_conv,
-    causal_conv_step,
-    chunked_gated_delta_rule,
-    gated_delta_rule_step,
-)
+from tandem.kernels.causal_conv import convolve
+from tandem.kernels.delta_rule import chunked_gated_delta_rule, gated_delta_rule_step
 from tandem.models.config import ModelConfig
 from tandem.models.layers import AttentionContext
 from tandem.models.linear import Linear, MergedLinear
@@ -73,11 +69,13 @@ def l2_normalized(x: torch.Tensor) -> torch.Tensor:
 
 class DepthwiseConv(nn.Module):
     """The causal convolution's taps, [channels, width] (checkpoints' Conv1d weight
-    [channels, 1, width] without its middle axis, as GGUF files hold it)."""
+    [channels, 1, width] without its middle axis, as GGUF files hold it), and a bias
+    per channel if it has one."""
 
-    def __init__(self, channels: int, width: int) -> None:
+    def __init__(self, channels: int, width: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, width))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
 class GatedDeltaNet(nn.Module):
@@ -90,8 +88,12 @@ class GatedDeltaNet(nn.Module):
         key_size = self.key_heads * self.key_dim
         value_size = self.value_heads * self.value_dim
         self.conv_dim = 2 * key_size + value_size
-        # q k v, z, b, a in one projection (the checkpoint's four: packed_modules).
-        self.split_sizes = [self.conv_dim, value_size, self.value_heads, self.value_heads]
+        # q k v, z, b, a in one projection (the checkpoint's four: packed_modules); or
+        # Qwen3-Next's b and a in one part, interleaved per key head ([b, a] of its
+        # value heads, for each key head in turn: ``interleaved_ba``).
+        self.interleaved_ba = bool(o.get("interleaved_ba"))
+        ba = [2 * self.value_heads] if self.interleaved_ba else [self.value_heads] * 2
+        self.split_sizes = [self.conv_dim, value_size, *ba]
         self.in_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=False)
         self.conv1d = DepthwiseConv(self.conv_dim, o["conv_width"])
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
@@ -102,7 +104,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        qkv, z, *ba = self.in_proj(x).split(self.split_sizes, dim=-1)
+        b, a = self._interleaved(ba[0]) if self.interleaved_ba else ba
         batch = attn.recurrent
         conv_states, delta_states = batch.states(self.layer_idx)
         kernels = cpu_kernels.load() if cpu_kernels.usable(conv_states) else None
@@ -115,19 +118,8 @@ class GatedDeltaNet(nn.Module):
                 self.norm.eps,
             )  # fmt: skip
             return self.out_proj(out.to(x.dtype))
-        weight = self.conv1d.weight
-        conv_after = {}  # a verifying sequence: its conv window after each token
-        if batch.decodes:
-            mixed = causal_conv_step(qkv, weight, conv_states, batch.slots)
-        else:
-            mixed = qkv.new_empty(tokens, self.conv_dim)
-            for s, (start, n, slot) in enumerate(
-                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
-            ):
-                rows = slice(start, start + n)
-                if batch.verifies(s):  # (before the slot is overwritten)
-                    conv_after[slot] = windows_after(conv_states[slot], qkv[rows])
-                mixed[rows], conv_states[slot] = causal_conv(qkv[rows], weight, conv_states[slot])
+        # (a verifying sequence: its conv window after each token, by slot)
+        mixed, conv_after = convolve(qkv, self.conv1d.weight, conv_states, batch)
         mixed = F.silu(mixed)
         key_size = self.key_heads * self.key_dim
         q, k, v = mixed.split([key_size, key_size, self.value_heads * self.value_dim], dim=-1)
@@ -161,6 +153,12 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(x.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, -1))
 
+    def _interleaved(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 2 Hv] with each key head's [b, a] together -> b, a [T, Hv] (value heads in
+        Hugging Face's order)."""
+        per_key = ba.view(ba.shape[0], self.key_heads, 2, self.value_heads // self.key_heads)
+        return per_key[:, :, 0].reshape(ba.shape[0], -1), per_key[:, :, 1].reshape(ba.shape[0], -1)
+
 
 def _verify(inputs, rows: slice, windows, conv_states, delta_states, slot: int):
     """A verifying sequence's tokens (``rows`` of ``inputs``: q, k, v, g, beta) one decode
@@ -182,11 +180,3 @@ def _verify(inputs, rows: slice, windows, conv_states, delta_states, slot: int):
             gated_delta_rule_step(*one, delta_states, index)
 
     return out, rollback
-
-
-def windows_after(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A convolution's window (its last width - 1 inputs) after each of x's [n, C]
-    rows, from ``state`` [C, width - 1] -> [n, C, width - 1] float32."""
-    kept = state.shape[-1]
-    full = torch.cat([state.float(), x.float().t()], dim=-1)  # [C, width - 1 + n]
-    return full.unfold(-1, kept, 1)[:, 1:].transpose(0, 1).contiguous()

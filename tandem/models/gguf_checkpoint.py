@@ -78,8 +78,9 @@ EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
-# (a few layer tensors have no .weight: Gated DeltaNet's ssm_a)
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
+# (a few layer tensors have no .weight: Gated DeltaNet's ssm_a; some names have a dot:
+# LFM2's shortconv.in_proj)
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 
 
 def layer_names(family: Family | None) -> dict[str, str]:
@@ -88,6 +89,12 @@ def layer_names(family: Family | None) -> dict[str, str]:
     if family is None:
         return LAYER_NAMES
     names = {**LAYER_NAMES, **family.gguf_layer_names}
+    return {gguf: hf for gguf, hf in names.items() if hf is not None}
+
+
+def global_names(family: Family | None) -> dict[str, str]:
+    """GGUF names of the tensors outside the layers -> Hugging Face's (as layer_names)."""
+    names = {**GLOBAL_NAMES, **(family.gguf_global_names if family else {})}
     return {gguf: hf for gguf, hf in names.items() if hf is not None}
 
 
@@ -105,7 +112,8 @@ def hf_name(name: str, family: Family | None = None) -> str | None:
         suffix = f".{kind}" if kind else ""
         return f"model.layers.{layer}.{names[part]}{suffix}"
     base, _, kind = name.rpartition(".")
-    return f"{GLOBAL_NAMES[base]}.{kind}" if base in GLOBAL_NAMES else None
+    names = global_names(family)
+    return f"{names[base]}.{kind}" if base in names else None
 
 
 def _unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -164,6 +172,22 @@ class GGUFCheckpoint:
             value = value[0]
         return value
 
+    def _kv_heads(self, heads: int) -> int:
+        """The attention layers' KV heads: ``head_count_kv`` (absent: ``heads``), one
+        count, or one per layer where 0 marks a layer without attention (LFM2's)."""
+        value = self._arch("attention.head_count_kv")
+        if value is None:
+            return heads
+        if self.family.gguf_kv_heads_per_layer and isinstance(value, list):
+            counts = {count for count in value if count}
+            if len(counts) != 1:
+                raise ModelLoadError(
+                    f"{self.path.name}: {self.architecture}.attention.head_count_kv states "
+                    f"{sorted(counts) or 'no'} KV head counts (one is supported)"
+                )
+            return counts.pop()
+        return self._required("attention.head_count_kv")
+
     def hf_config(self) -> dict[str, Any]:
         """The metadata as a config.json dict for the model classes' parse_config."""
         if "rope_freqs.weight" in self.tensor_names:
@@ -184,11 +208,7 @@ class GGUFCheckpoint:
             "hidden_size": hidden,
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": (
-                heads
-                if self._arch("attention.head_count_kv") is None
-                else self._required("attention.head_count_kv")
-            ),
+            "num_key_value_heads": self._kv_heads(heads),
             "head_dim": self._arch("attention.key_length") or hidden // heads,
             # (a mixture with no dense MLP may state only its experts' size)
             "intermediate_size": self._required(

@@ -23,7 +23,7 @@ import torch
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
 from tandem.models.family import Family
-from tandem.models.gguf_checkpoint import EXPERT_NAMES, GLOBAL_NAMES, layer_names
+from tandem.models.gguf_checkpoint import EXPERT_NAMES, global_names, layer_names
 from tandem.models.loader import read_config
 from tandem.models.mixtral import MIXTRAL, hf_expert_name
 from tandem.models.registry import FAMILIES, family_for
@@ -33,9 +33,6 @@ from tandem.quant.quantize import FORMATS, QUANTIZERS, quantize
 
 EXPORT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 EXPORT_TYPES.update(FORMATS)
-
-_GGUF_NAMES = {f"{hf}.": f"{gguf}." for gguf, hf in GLOBAL_NAMES.items()}
-
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)")
 _STACKED = {hf: gguf for gguf, hf in EXPERT_NAMES.items()}
@@ -62,8 +59,8 @@ def gguf_name(name: str, family: Family | None = None) -> str | None:
             if rest.startswith(hf):
                 return f"blk.{layer}.{gguf}{rest.removeprefix(hf)}"
         return None
-    for hf, gguf in _GGUF_NAMES.items():
-        if name.startswith(hf):
+    for gguf, hf in global_names(family).items():
+        if name.startswith(f"{hf}."):
             return gguf + name.removeprefix(hf)
     return None
 
@@ -163,14 +160,20 @@ def _add_tokenizer(writer, folder: Path, raw: dict) -> None:
         writer.add_chat_template(template)
 
 
-def add_shape_keys(writer, config: ModelConfig) -> None:
+def add_shape_keys(writer, config: ModelConfig, family: Family) -> None:
     """The architecture's shape as llama.cpp's metadata keys."""
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
+    if family.gguf_kv_heads_per_layer:  # (0: a layer without attention)
+        kv = set(config.kv_layers)
+        writer.add_head_count_kv(
+            [config.num_kv_heads * (i in kv) for i in range(config.num_layers)]
+        )
+    else:
+        writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.norm_eps)
@@ -257,7 +260,7 @@ def export_gguf(
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_name(folder.name)
     writer.add_file_type(_file_type(code))
-    add_shape_keys(writer, config)
+    add_shape_keys(writer, config, family)
     if family.gguf_write_keys is not None:
         family.gguf_write_keys(writer, config)
     _check_moe(config, family)
@@ -269,7 +272,7 @@ def export_gguf(
     with SafetensorsCheckpoint(folder) as checkpoint:
         tensors = list(checkpoint.tensors())
         if hasattr(family.model_class, "checkpoint_tensors"):  # (gpt-oss's stacked experts)
-            tensors = family.model_class.checkpoint_tensors(tensors)
+            tensors = family.model_class.checkpoint_tensors(tensors, config)
         for tensor in tensors:
             name, values = tensor.name, None
             if family.gguf_write_tensor is not None:
@@ -324,12 +327,12 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's
         t = t.reshape(-1)
     kind = code
-    # (a router, a delta net's conv taps, and biases, stacked experts' too, stay
-    # float32, as llama-quantize keeps them)
+    # (a router, conv taps, and biases, stacked experts' too, stay float32, as
+    # llama-quantize keeps them)
     if (
         t.dim() == 1
         or target.endswith(".bias")
-        or any(part in target for part in (".ffn_gate_inp.", ".ssm_conv1d."))
+        or any(part in target for part in (".ffn_gate_inp.", ".ssm_conv1d.", ".shortconv.conv."))
     ):
         kind = GGMLType.F32
     elif code in QUANTIZERS and t.shape[-1] % _block_weights(code):

@@ -56,6 +56,7 @@ SPLIT_REGEX = {
     "llama-bpe": _LLAMA3,
     "smaug-bpe": _LLAMA3,
     "dbrx": _LLAMA3,
+    "lfm2": _LLAMA3,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
     "gpt-4o": _O200K,

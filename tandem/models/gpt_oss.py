@@ -121,7 +121,7 @@ class GptOssAttention(LlamaAttention):
         self.sinks = nn.Parameter(torch.empty(config.num_heads))
 
     def attend(self, attn: AttentionContext, q, k, v) -> torch.Tensor:
-        return attn.attend(self.layer_idx, q, k, v, self.scale, sinks=self.sinks)
+        return attn.attend(self.cache_index, q, k, v, self.scale, sinks=self.sinks)
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
@@ -164,7 +164,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return super().checkpoint_target(name.removesuffix(".weight") if _SINKS in name else name)
 
     @staticmethod
-    def checkpoint_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+    def checkpoint_tensors(
+        tensors: list[CheckpointTensor], config: ModelConfig | None = None
+    ) -> list[CheckpointTensor]:
         """A Hugging Face checkpoint's tensors in the names GGUF files have too: a
         layer's stacked experts -> each expert's own tensors, in the names and layouts
         of the Llama MLP (``gate_proj`` / ``up_proj`` [out, in] and their biases, the

@@ -8,6 +8,7 @@ and Qwen3-MoE replace the MLP of their sparse layers with a mixture of experts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -68,6 +69,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # where its K/V live in the paged cache (a hybrid's recurrent layers keep none)
+        self.cache_index = config.cache_index(layer_idx)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -105,7 +108,7 @@ class LlamaAttention(nn.Module):
 
     def attend(self, attn: AttentionContext, q, k, v) -> torch.Tensor:
         """The attention itself, through the backend (gpt-oss adds its sinks)."""
-        return attn.attend(self.layer_idx, q, k, v, self.scale)
+        return attn.attend(self.cache_index, q, k, v, self.scale)
 
 
 # A prompt chunk runs the MLP this many rows at a time on a CPU: its float32 gate/up
@@ -188,7 +191,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layer_class: type[nn.Module] = LlamaDecoderLayer):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_class: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))

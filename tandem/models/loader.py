@@ -195,7 +195,7 @@ def load_model(
         # one tensor per parameter, each reading its own part (the shard plan below
         # cuts them on their own blocks).
         if hasattr(cls, "checkpoint_tensors"):
-            tensors = cls.checkpoint_tensors(tensors)
+            tensors = cls.checkpoint_tensors(tensors, config)
         shard = None
         if tensor_parallel is not None:  # (size 1 too: a group of one runs its collectives)
             blocks = [BLOCK[t.type][0] for t in tensors if t.quantized]

@@ -19,6 +19,9 @@ nets' value heads reordered from grouped to tiled (the layer reads them in that 
 
 Qwen3.5-MoE is the same network with every MLP a mixture (models/moe.py: the top k of
 a softmax, renormalized, beside a shared expert scaled by sigmoid of its gate).
+Qwen3-Next (80B-A3B) is Qwen3.5-MoE with its delta nets' projections stored per key
+head (``Qwen3NextForCausalLM``); its GGUF files (``qwen3next``) keep the value heads in
+Hugging Face's order and b and a in one tensor.
 
 Checkpoints: ``Qwen3_5ForCausalLM`` folders name the layers ``model.layers.N``; the
 published ``Qwen3_5ForConditionalGeneration`` ones (text and vision) hold the text model
@@ -28,6 +31,8 @@ model, the vision tower left out (images are the vision issue's).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from typing import Any, ClassVar
 
@@ -43,11 +48,14 @@ from tandem.models.layers import AttentionContext, RotaryEmbedding, RotaryPositi
 from tandem.models.linear import Linear, MergedLinear
 from tandem.models.llama import GatedMLP, LlamaForCausalLM, LlamaModel, parse_llama_config
 from tandem.models.moe import SparseMoE
+from tandem.models.weight_source import CheckpointTensor
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_qwen3_5_config(raw: dict[str, Any], interleaved_ba: bool = False) -> ModelConfig:
+    """Qwen3.5's (and Qwen3-Next's: ``interleaved_ba``, its b and a projections in one,
+    interleaved per key head) config.json -> ModelConfig."""
     text = {**raw, **(raw.get("text_config") or {})}
     text["architectures"] = raw.get("architectures")
     num_layers = require(text, "num_hidden_layers")
@@ -65,6 +73,7 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         "conv_width": text.get("linear_conv_kernel_dim") or 4,
         # (a GGUF file's order of the value heads: gguf_checkpoint.py's reader says so)
         "tiled_value_heads": bool(text.get("linear_value_heads_tiled")),
+        "interleaved_ba": interleaved_ba,
     }
     if options["value_heads"] % options["key_heads"]:
         raise ModelLoadError("Qwen3.5: linear_num_value_heads must be a multiple of key heads")
@@ -76,13 +85,17 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
     text["rope_parameters"] = rope
     text["head_dim"] = text.get("head_dim") or 256
     moe = None
-    if text.get("num_experts"):  # Qwen3.5-MoE: every layer's MLP a mixture
+    if text.get("num_experts"):  # Qwen3.5-MoE, Qwen3-Next: (every) layer's MLP a mixture
+        step = text.get("decoder_sparse_step") or 1
+        dense = set(text.get("mlp_only_layers") or ())
+        dense |= {i for i in range(num_layers) if (i + 1) % step}
         moe = MoEConfig(
             num_experts=text["num_experts"],
             top_k=require(text, "num_experts_per_tok"),
             intermediate_size=require(text, "moe_intermediate_size"),
-            normalize_top_k=True,
+            normalize_top_k=bool(text.get("norm_topk_prob", True)),
             shared_intermediate_size=text.get("shared_expert_intermediate_size") or 0,
+            dense_layers=tuple(sorted(dense)),
         )
         text.setdefault("intermediate_size", moe.intermediate_size)  # (no dense MLP)
     return parse_llama_config(
@@ -214,10 +227,54 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         return tensor
 
 
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's network, its delta nets' projections stored otherwise:
+    q, k, v and z in one tensor interleaved per key head (``in_proj_qkvz``: [q, k, v, z]
+    of each key head in turn), read apart as Qwen3.5's ``in_proj_qkv`` and ``in_proj_z``
+    (``checkpoint_tensors``: whole rows, so quantized ones too); b and a in another,
+    interleaved alike (``in_proj_ba``), held whole and split as the layer runs
+    (GatedDeltaNet's ``interleaved_ba``: llama.cpp's ``ssm_ba`` is that tensor)."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+        **Qwen3_5ForCausalLM.packed_modules,
+        "in_proj_ba": ("in_proj", 2),
+    }
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any]) -> ModelConfig:
+        return parse_qwen3_5_config(raw, interleaved_ba=True)
+
+    @staticmethod
+    def checkpoint_tensors(
+        tensors: list[CheckpointTensor], config: ModelConfig
+    ) -> list[CheckpointTensor]:
+        o = config.family_options
+        key, value = o["key_dim"], o["value_heads"] // o["key_heads"] * o["value_dim"]
+        per_head = 2 * key + 2 * value
+
+        def rows(offset: int, size: int) -> list[range]:  # the part's rows in each key head
+            starts = range(0, o["key_heads"] * per_head, per_head)
+            return [range(start + offset, start + offset + size) for start in starts]
+
+        out = []
+        for tensor in tensors:
+            if not tensor.name.endswith(".linear_attn.in_proj_qkvz.weight"):
+                out.append(tensor)
+                continue
+            stem = tensor.name.removesuffix("qkvz.weight")
+            qkv = tensor.take(0, rows(0, key) + rows(key, key) + rows(2 * key, value))
+            z = tensor.take(0, rows(2 * key + value, value))
+            out += [
+                dataclasses.replace(qkv, name=f"{stem}qkv.weight"),
+                dataclasses.replace(z, name=f"{stem}z.weight"),
+            ]
+        return out
+
+
 def _read_gguf_keys(reader, config: dict) -> None:
     """The delta nets' shape from llama.cpp's ssm keys; which layers are recurrent; the
-    value heads in the converter's tiled order; multi-token prediction layers (past
-    ``block_count - nextn_predict_layers``) left out."""
+    value heads in the converter's tiled order (qwen35; qwen3next's keep Hugging Face's);
+    multi-token prediction layers (past ``block_count - nextn_predict_layers``) left out."""
     value_heads = reader._required("ssm.time_step_rank")
     config.update(
         linear_conv_kernel_dim=reader._required("ssm.conv_kernel"),
@@ -225,7 +282,7 @@ def _read_gguf_keys(reader, config: dict) -> None:
         linear_num_key_heads=reader._required("ssm.group_count"),
         linear_num_value_heads=value_heads,
         linear_value_head_dim=reader._required("ssm.inner_size") // value_heads,
-        linear_value_heads_tiled=True,
+        linear_value_heads_tiled=reader.architecture != "qwen3next",
     )
     config["num_hidden_layers"] -= reader._arch("nextn_predict_layers") or 0
     recurrent = reader._arch("attention.recurrent_layers")
@@ -238,8 +295,8 @@ def _read_gguf_keys(reader, config: dict) -> None:
 
 
 def _write_gguf_keys(writer, config: ModelConfig) -> None:
-    """llama.cpp's qwen35 keys: the delta nets' shape as its ssm keys, which layers are
-    recurrent, and the rotary's M-RoPE sections (text positions turn all alike)."""
+    """llama.cpp's qwen35 (qwen3next) keys: the delta nets' shape as its ssm keys, which
+    layers are recurrent, and qwen35's M-RoPE sections (text positions turn all alike)."""
     o, arch = config.family_options, writer.arch
     for key, value in (
         ("ssm.conv_kernel", o["conv_width"]),
@@ -251,7 +308,8 @@ def _write_gguf_keys(writer, config: ModelConfig) -> None:
         writer.add_uint32(f"{arch}.{key}", value)
     layers = [i in config.recurrent_layers for i in range(config.num_layers)]
     writer.add_array(f"{arch}.attention.recurrent_layers", layers)
-    writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+    if arch != "qwen3next":
+        writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
 
 
 def _tiled(t: torch.Tensor, dim: int, o: dict, head_size: int) -> torch.Tensor:
@@ -265,9 +323,10 @@ def _tiled(t: torch.Tensor, dim: int, o: dict, head_size: int) -> torch.Tensor:
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
-    """A Hugging Face tensor as llama.cpp's qwen35 holds it: (name to write it under, in
-    Hugging Face's spelling, or None to leave it out; the tensor)."""
+def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig, tiled: bool = True):
+    """A Hugging Face tensor as llama.cpp's qwen35 holds it (qwen3next: ``tiled`` False,
+    the value heads in Hugging Face's order): (name to write it under, in Hugging Face's
+    spelling, or None to leave it out; the tensor)."""
     if name.startswith(("model.visual.", "mtp.")):
         return None, t
     name = name.replace("model.language_model.", "model.", 1)
@@ -280,6 +339,8 @@ def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
         name = name.replace(".dt_bias", ".dt.bias")
     elif name.endswith(".conv1d.weight"):
         t = t.reshape(t.shape[0], -1)
+    if not tiled:
+        return name, t
     key_channels = 2 * o["key_heads"] * o["key_dim"]
     if ".in_proj_qkv." in name or ".conv1d." in name:  # the value rows after q and k
         t = torch.cat([t[:key_channels], _tiled(t[key_channels:], 0, o, o["value_dim"])])
@@ -313,6 +374,7 @@ _GGUF = dict(
     gguf_write_keys=_write_gguf_keys,
     gguf_write_tensor=_write_gguf_tensor,
 )
+_MIXTURE = dict(gguf_has_experts=True, gguf_shared_expert=True)
 QWEN3_5 = Family(
     "Qwen3.5",
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
@@ -327,7 +389,26 @@ QWEN3_5_MOE = Family(
     ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     Qwen3_5ForCausalLM,
     gguf_architecture="qwen35moe",
-    gguf_has_experts=True,
-    gguf_shared_expert=True,
+    **_MIXTURE,
     **_GGUF,
+)
+# Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers, the delta nets' projections interleaved per
+# key head (Qwen3NextForCausalLM); GGUF qwen3next: their b and a in one tensor (ssm_ba),
+# the value heads in Hugging Face's order.
+QWEN3_NEXT = Family(
+    "Qwen3-Next",
+    ("Qwen3NextForCausalLM",),
+    Qwen3NextForCausalLM,
+    gguf_architecture="qwen3next",
+    **_MIXTURE,
+    **{
+        **_GGUF,
+        "gguf_layer_names": {
+            **_GGUF_LAYER_NAMES,
+            "ssm_beta": None,
+            "ssm_alpha": None,
+            "ssm_ba": "linear_attn.in_proj_ba",
+        },
+        "gguf_write_tensor": functools.partial(_write_gguf_tensor, tiled=False),
+    },
 )

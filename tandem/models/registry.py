@@ -19,13 +19,14 @@ from tandem.models.gemma3 import GEMMA3
 from tandem.models.gpt2 import GPT2
 from tandem.models.gpt_oss import GPT_OSS
 from tandem.models.layers import AttentionContext
+from tandem.models.lfm2 import LFM2
 from tandem.models.llama import LLAMA, MISTRAL
 from tandem.models.mixtral import MIXTRAL
 from tandem.models.modernbert import MODERNBERT
 from tandem.models.qwen2 import QWEN2
 from tandem.models.qwen2_moe import QWEN2_MOE
 from tandem.models.qwen3 import QWEN3
-from tandem.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
+from tandem.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from tandem.models.qwen3_moe import QWEN3_MOE
 
 
@@ -64,9 +65,10 @@ class CausalLM(Protocol):
         """Share the LM head with the embedding when the config says so."""
         ...
 
-    # Optionally (a staticmethod): ``checkpoint_tensors(tensors) -> tensors``, the
-    # checkpoint's tensors as the family's names take them (gpt-oss: each stacked
-    # expert tensor as every expert's own); the loader and the GGUF writer apply it.
+    # Optionally (a staticmethod): ``checkpoint_tensors(tensors, config) -> tensors``,
+    # the checkpoint's tensors as the family's names take them (gpt-oss: each stacked
+    # expert tensor as every expert's own; Qwen3-Next: its per-head interleaved
+    # projection apart); the loader and the GGUF writer apply it.
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -78,6 +80,8 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_MOE,
     QWEN3_5,
     QWEN3_5_MOE,
+    QWEN3_NEXT,
+    LFM2,
     MIXTRAL,
     GEMMA3,
     GPT_OSS,

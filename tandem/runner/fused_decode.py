@@ -135,6 +135,35 @@ def layer_arguments(layer) -> tuple | None:
     return args
 
 
+def conv_layer_arguments(layer) -> tuple | None:
+    """A gated short-convolution layer's (LFM2's: models/lfm2.py) fixed arguments as
+    short_conv_decode_layer takes them, or None when it is not a shape the kernel runs
+    (cached on the layer after the first look): every projection packed quantized and
+    unbiased, a silu MLP, float32 norms and taps, one process."""
+    cached = getattr(layer, "_fused_decode", False)
+    if cached is not False:
+        return cached
+    conv, mlp = layer.conv, layer.mlp
+    linears = [conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj]
+    packed = [_packed(linear) for linear in linears]
+    norms = [layer.input_layernorm.multiplier(), layer.post_attention_layernorm.multiplier()]
+    taps, bias = conv.conv.weight, conv.conv.bias
+    args = None
+    if (
+        all(p is not None for p in packed)
+        and all(linear.bias is None for linear in linears)
+        and mlp.act_and_mul is silu_and_mul
+        and all(t.dtype == torch.float32 for t in (*norms, taps))
+        and _collectives(conv.out_proj, mlp.down_proj) is None
+    ):
+        in_proj, out_proj, gate_up, down = packed
+        bias = torch.empty(0) if bias is None else bias.float().contiguous()
+        eps = layer.input_layernorm.eps
+        args = (*norms, eps, in_proj, taps.contiguous(), bias, out_proj, gate_up, down)
+    layer._fused_decode = args
+    return args
+
+
 def _collectives(o_proj, down_proj):
     """A tensor-parallel rank's all-reduce, where its o and down projections are
     row-parallel (both or neither); None for one process."""
@@ -197,10 +226,10 @@ def stack_arguments(layers) -> tuple[list[tuple], list[int], list, ShmGroup | No
             plan[2].append((layer.mlp.fused_experts, layer.mlp))
             gate_up = down = []
         attn = layer.self_attn
-        plan[1].append(attn.layer_idx)
+        plan[1].append(attn.cache_index)
         plan[0].append((
             bool(mixture), norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads,
-            head_dim, attn.layer_idx, attn.scale, q_norm, k_norm, qkv_bias, post_attn_norm,
+            head_dim, attn.cache_index, attn.scale, q_norm, k_norm, qkv_bias, post_attn_norm,
             post_mlp_norm, gelu, layer.rotary_index, mixture,
         ))  # fmt: skip
     if plan is not None and len(groups) > 1:  # (one group, or one process)
@@ -272,11 +301,27 @@ class FusedDecode:
             fused.counted(moe)
         return out[0], out[1]
 
+    def short_conv_layer(self, layer, h, residual, batch):
+        """A gated short-convolution layer (``conv_layer_arguments``) in one call where
+        every sequence runs one token (``batch``: the step's RecurrentBatch) -> (h,
+        residual), or None (drafts verified: the layer's own way rolls back)."""
+        args = conv_layer_arguments(layer)
+        if args is None or not batch.decodes or h.dtype != torch.float32 or h.dim() != 2:
+            return None
+        norm1, norm2, eps, in_proj, taps, bias, out_proj, gate_up, down = args
+        (windows,) = batch.states(layer.conv.layer_idx)
+        residual = h.new_empty(0) if residual is None else residual
+        out, residual = cpu_kernels.load().short_conv_decode_layer(
+            h, residual, norm1, norm2, eps, in_proj, taps, bias, windows, batch.slots,
+            out_proj, gate_up, down,
+        )  # fmt: skip
+        return out, residual
+
     def __call__(self, layer, h, residual, rope):
         args = layer_arguments(layer)
         if args is None or rope.cos is not None or h.dtype != torch.float32 or h.dim() != 2:
             return None
-        layer_idx = layer.self_attn.layer_idx
+        layer_idx = layer.self_attn.cache_index
         window = self.backend.metadata.window(layer_idx) or 0
         (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, kv_heads, head_dim,
          q_norm, k_norm, qkv_bias, post_attn_norm, post_mlp_norm, gelu, comm) = args  # fmt: skip
