@@ -31,7 +31,7 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-    "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2",
+    "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite_hybrid",
 )  # fmt: skip
 
 # Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
@@ -161,6 +161,20 @@ def hf_config(arch: str, **overrides):
         )  # fmt: skip
         cfg = transformers.Qwen3NextConfig(**{**hybrid, **overrides})
         cfg.architectures = ["Qwen3NextForCausalLM"]
+    elif arch == "granite_hybrid":
+        # Granite 4.0-H: Mamba-2 layers (8 heads of 16, 2 groups of B and C, a state of
+        # 16) around an attention one without rotary; 4 experts, 2 a token, beside the
+        # shared MLP; Granite's four multipliers away from 1.
+        hybrid = dict(
+            llama_like, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+            shared_intermediate_size=80, position_embedding_type="nope",
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+            logits_scaling=1.5,
+        )  # fmt: skip
+        cfg = transformers.GraniteMoeHybridConfig(**{**hybrid, **overrides})
+        cfg.architectures = ["GraniteMoeHybridForCausalLM"]
     elif arch == "lfm2":
         # Convolution layers around two attention ones (each keeps K/V); the MLP's width
         # adjusted as LFM2's code does (2/3 of 128, rounded up to 32: 96). Untied (the

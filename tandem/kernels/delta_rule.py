@@ -56,20 +56,20 @@ def chunked_gated_delta_rule(
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
     G = g.cumsum(-1)  # [H, n, C]; padding adds no decay (g = 0 there)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = _exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")))
+    decay = decay_exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")))
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
     eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
     # (I + A) is unit lower triangular: T (I + A) = I.
     T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    T = T.masked_fill(T.abs() < TINY, 0.0)  # (products of small terms: subnormal, see _exp)
+    T = T.masked_fill(T.abs() < TINY, 0.0)  # (products of small terms: subnormal, see decay_exp)
     U = T @ (v * beta[..., None])
-    from_start = _exp(G)[..., None]  # each token's decay since the chunk began
+    from_start = decay_exp(G)[..., None]  # each token's decay since the chunk began
     W = T @ (kb * from_start)
     attn = q @ k.transpose(-1, -2) * decay  # lower, diagonal included
     q_decayed = q * from_start
-    k_to_end = k * _exp(G[..., -1:] - G)[..., None]
-    chunk_decay = _exp(G[..., -1])[..., None, None]  # [H, n, 1, 1]
+    k_to_end = k * decay_exp(G[..., -1:] - G)[..., None]
+    chunk_decay = decay_exp(G[..., -1])[..., None, None]  # [H, n, 1, 1]
     out = torch.empty(heads, n, chunk, dv, dtype=torch.float32, device=q.device)
     S = state.float()
     for i in range(n):
@@ -88,7 +88,8 @@ EXP_FLOOR = -30.0
 TINY = 1e-20  # likewise, T's entries below this (products of several decays) are 0
 
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of log decays, those below EXP_FLOOR exactly 0."""
     return x.masked_fill(x < EXP_FLOOR, float("-inf")).exp()
 
 

@@ -142,9 +142,10 @@ class GatedDeltaNet(nn.Module):
             ):
                 rows = slice(start, start + n)
                 if batch.verifies(s):  # token by token; how to go back kept for the runner
-                    out[rows], rollback = _verify(
-                        (q, k, v, g, beta), rows, conv_after[slot], conv_states, delta_states, slot
-                    )
+                    out[rows], rollback = verified_steps(
+                        gated_delta_rule_step, (q, k, v, g, beta), rows, conv_after[slot],
+                        conv_states, delta_states, slot,
+                    )  # fmt: skip
                     batch.rollbacks.setdefault(slot, []).append(rollback)
                     continue
                 out[rows], delta_states[slot] = chunked_gated_delta_rule(
@@ -160,23 +161,25 @@ class GatedDeltaNet(nn.Module):
         return per_key[:, :, 0].reshape(ba.shape[0], -1), per_key[:, :, 1].reshape(ba.shape[0], -1)
 
 
-def _verify(inputs, rows: slice, windows, conv_states, delta_states, slot: int):
-    """A verifying sequence's tokens (``rows`` of ``inputs``: q, k, v, g, beta) one decode
-    step each, in its slot -> (outputs [n, H, Dv], ``rollback(accepted)``: the slot as
-    after the first ``accepted`` tokens). The rollback holds one copy of the state (the
-    one before), not one a token: it restores it and runs the accepted tokens again,
-    the same steps on the same values, so the state is the one they left."""
-    index = torch.tensor([slot], device=delta_states.device)
+def verified_steps(step, inputs, rows: slice, windows, conv_states, states, slot: int):
+    """A verifying sequence's tokens (``rows`` of ``inputs``: the per-token arguments
+    ``step`` takes before the states and slots, Gated DeltaNet's q, k, v, g, beta) one
+    decode step each, in its slot -> (outputs, ``rollback(accepted)``: the slot as after
+    the first ``accepted`` tokens; ``windows``: its conv window after each token). The
+    rollback holds one copy of the state (the one before), not one a token: it restores
+    it and runs the accepted tokens again, the same steps on the same values, so the
+    state is the one they left."""
+    index = torch.tensor([slot], device=states.device)
     tokens = [tuple(x[t : t + 1] for x in inputs) for t in range(rows.start, rows.stop)]
-    before = delta_states[slot].clone()
-    out = torch.cat([gated_delta_rule_step(*one, delta_states, index) for one in tokens])
+    before = states[slot].clone()
+    out = torch.cat([step(*one, states, index) for one in tokens])
 
     def rollback(accepted: int) -> None:
         conv_states[slot] = windows[accepted - 1]
         if accepted == len(tokens):
             return  # (every draft held: the slot is as they left it)
-        delta_states[slot] = before
+        states[slot] = before
         for one in tokens[:accepted]:
-            gated_delta_rule_step(*one, delta_states, index)
+            step(*one, states, index)
 
     return out, rollback

@@ -327,11 +327,12 @@ def _add_tensor(writer, target: str, t: torch.Tensor, family: Family, config, co
     if ".ffn_gate_inp_shexp." in target:  # the shared expert's gate: a vector, as llama.cpp's
         t = t.reshape(-1)
     kind = code
-    # (a router, conv taps, and biases, stacked experts' too, stay float32, as
-    # llama-quantize keeps them)
+    # (a router, conv taps, norms, and what is not a .weight: biases, stacked experts'
+    # too, Mamba-2's A and D, stay float32, as llama-quantize keeps them)
     if (
         t.dim() == 1
-        or target.endswith(".bias")
+        or not target.endswith(".weight")
+        or "_norm.weight" in target
         or any(part in target for part in (".ffn_gate_inp.", ".ssm_conv1d.", ".shortconv.conv."))
     ):
         kind = GGMLType.F32

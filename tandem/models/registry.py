@@ -18,6 +18,7 @@ from tandem.models.family import Family
 from tandem.models.gemma3 import GEMMA3
 from tandem.models.gpt2 import GPT2
 from tandem.models.gpt_oss import GPT_OSS
+from tandem.models.granite_hybrid import GRANITE_HYBRID
 from tandem.models.layers import AttentionContext
 from tandem.models.lfm2 import LFM2
 from tandem.models.llama import LLAMA, MISTRAL
@@ -82,6 +83,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_5_MOE,
     QWEN3_NEXT,
     LFM2,
+    GRANITE_HYBRID,
     MIXTRAL,
     GEMMA3,
     GPT_OSS,

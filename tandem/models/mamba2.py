@@ -1,0 +1,124 @@
+"""The Mamba-2 mixer: the state-space token mixer of Granite 4.0-H (and of Falcon-H1,
+Nemotron-H and Mamba-2 itself).
+
+Each sequence carries two fixed-size states through its tokens (the state cache:
+runner/state_cache.py): its convolution's window and the SSD state [H, N, P] per head:
+
+    x -> in_proj -> [z | x B C | dt]
+    x B C -> causal depthwise conv (width d_conv, a bias) -> silu
+    dt = clamp(softplus(dt + dt_bias), time_step_limit)        (per head; A = -exp(A_log))
+    y = SSD(x, dt, A, B, C) + D x      (kernels/ssd.py; B and C shared by a group's heads)
+    out_proj(rmsnorm_per_group(y * silu(z)) * weight)
+
+as transformers' ``GraniteMoeHybridMambaLayer`` (Mamba2Mixer) computes it. A step's
+decodes run one batched step over their slots; a prompt (or a chunk of one) runs the
+chunked form from its slot's state; a decode verifying drafts runs a step a token and
+leaves the runner a way back (models/gated_delta_net.py's ``verified_steps``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.causal_conv import convolve
+from tandem.kernels.ssd import chunked_ssd, ssd_step
+from tandem.models.config import ModelConfig
+from tandem.models.gated_delta_net import DepthwiseConv, verified_steps
+from tandem.models.layers import AttentionContext
+from tandem.models.linear import Linear
+
+
+def mamba2_shapes(options: dict) -> tuple[tuple[int, ...], ...]:
+    """One sequence's states in one layer: the conv window [x B C channels, d_conv - 1]
+    and the SSD state [H, N, P] (``options``: the family's mamba keys)."""
+    inner = options["heads"] * options["head_dim"]
+    conv_dim = inner + 2 * options["groups"] * options["state"]
+    return (
+        (conv_dim, options["conv_width"] - 1),
+        (options["heads"], options["state"], options["head_dim"]),
+    )
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y * silu(z), RMS-normed over each group's channels, times the weight."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        grouped = h.view(*h.shape[:-1], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        o = config.family_options["mamba"]
+        self.layer_idx = layer_idx
+        self.heads, self.head_dim = o["heads"], o["head_dim"]
+        self.groups, self.state = o["groups"], o["state"]
+        self.inner = self.heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.state
+        self.split_sizes = [self.inner, self.conv_dim, self.heads]
+        self.in_proj = Linear(config.hidden_size, sum(self.split_sizes), bias=o["proj_bias"])
+        self.conv1d = DepthwiseConv(self.conv_dim, o["conv_width"], bias=o["conv_bias"])
+        self.dt_bias = nn.Parameter(torch.empty(self.heads))
+        self.A = nn.Parameter(torch.empty(self.heads))  # -exp(A_log)
+        self.D = nn.Parameter(torch.empty(self.heads))
+        self.dt_limit = tuple(o["time_step_limit"])
+        self.norm = GroupedGatedRMSNorm(self.inner, self.groups, config.norm_eps)
+        self.out_proj = Linear(self.inner, config.hidden_size, bias=o["proj_bias"])
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split(self.split_sizes, dim=-1)
+        batch = attn.recurrent
+        conv_states, ssd_states = batch.states(self.layer_idx)
+        # (a verifying sequence: its conv window after each token, by slot)
+        mixed, conv_after = convolve(xbc, self.conv1d.weight, conv_states, batch)
+        if self.conv1d.bias is not None:
+            mixed = mixed + self.conv1d.bias.to(mixed.dtype)
+        mixed = F.silu(mixed)
+        bc = self.groups * self.state
+        xs, B, C = mixed.split([self.inner, bc, bc], dim=-1)
+        xs = xs.reshape(tokens, self.heads, self.head_dim)
+        per_group = self.heads // self.groups
+        B = B.reshape(tokens, self.groups, self.state).repeat_interleave(per_group, dim=1)
+        C = C.reshape(tokens, self.groups, self.state).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        A = self.A.float()
+        step = functools.partial(_step, A)
+        if batch.decodes:
+            y = step(xs, dt, B, C, ssd_states, batch.slots)
+        else:
+            y = torch.empty(tokens, self.heads, self.head_dim, device=x.device)
+            for s, (start, n, slot) in enumerate(
+                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
+            ):
+                rows = slice(start, start + n)
+                if batch.verifies(s):  # token by token; how to go back kept for the runner
+                    y[rows], rollback = verified_steps(
+                        step, (xs, dt, B, C), rows, conv_after[slot], conv_states,
+                        ssd_states, slot,
+                    )  # fmt: skip
+                    batch.rollbacks.setdefault(slot, []).append(rollback)
+                    continue
+                y[rows], ssd_states[slot] = chunked_ssd(
+                    xs[rows], dt[rows], A, B[rows], C[rows], ssd_states[slot]
+                )
+        y = y + self.D.float()[:, None] * xs.float()
+        y = self.norm(y.reshape(tokens, self.inner).to(x.dtype), z)
+        return self.out_proj(y)
+
+
+def _step(A, x, dt, B, C, states, slots) -> torch.Tensor:
+    return ssd_step(x, dt, A, B, C, states, slots)
