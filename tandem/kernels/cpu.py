@@ -37,6 +37,8 @@ place in its slot (a hybrid's linear-attention layers: kernels/delta_rule.py), a
 whole Gated DeltaNet decode step after its projection (conv, norms, gates, the rule).
 short_conv_ops.cpp: LFM2's gated short convolution for decode tokens in their slots, and
 its whole convolution layer (with the MLP) in one call.
+ssd_ops.cpp: a Mamba-2 mixer's decode step after its projection (conv, dt, the SSD
+state read and written once in its slot, the D skip, the gated grouped norm).
 
 The module is built with torch.utils.cpp_extension (gcc and ninja) the first time it
 is needed and cached by torch, keyed on the CPU's flags since it is compiled with
@@ -69,7 +71,7 @@ logger = logging.getLogger(__name__)
 # One translation unit, in this order: parallel.cpp's work sharing is used by the next
 # two, codebook_ops.cpp's decoder by quant_ops.cpp and pack_ops.cpp, decode_layer.cpp and
 # moe_ops.cpp call those, decode_stack.cpp the layers and shm_ops.cpp's all-reduce,
-# short_conv_ops.cpp decode_layer.cpp's and delta_rule_ops.cpp's.
+# short_conv_ops.cpp decode_layer.cpp's and delta_rule_ops.cpp's, ssd_ops.cpp the latter's.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -86,6 +88,7 @@ SOURCES = [
         "quantize_ops.cpp",
         "delta_rule_ops.cpp",
         "short_conv_ops.cpp",
+        "ssd_ops.cpp",
     )
 ]
 FUNCTIONS = [
@@ -124,6 +127,7 @@ FUNCTIONS = [
     "gated_delta_net_step",
     "short_conv_step",
     "short_conv_decode_layer",
+    "mamba2_step",
 ]
 
 

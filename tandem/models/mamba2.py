@@ -11,7 +11,8 @@ runner/state_cache.py): its convolution's window and the SSD state [H, N, P] per
     out_proj(rmsnorm_per_group(y * silu(z)) * weight)
 
 as transformers' ``GraniteMoeHybridMambaLayer`` (Mamba2Mixer) computes it. A step's
-decodes run one batched step over their slots; a prompt (or a chunk of one) runs the
+decodes run one batched step over their slots (on the CPU the whole mixer after its
+projection in one compiled call: ssd_ops.cpp); a prompt (or a chunk of one) runs the
 chunked form from its slot's state; a decode verifying drafts runs a step a token and
 leaves the runner a way back (models/gated_delta_net.py's ``verified_steps``).
 """
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.kernels.causal_conv import convolve
 from tandem.kernels.ssd import chunked_ssd, ssd_step
 from tandem.models.config import ModelConfig
@@ -80,9 +82,12 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split(self.split_sizes, dim=-1)
+        projected = self.in_proj(x)
         batch = attn.recurrent
         conv_states, ssd_states = batch.states(self.layer_idx)
+        if batch.decodes and cpu_kernels.usable(projected):  # (float32 on the CPU kernels)
+            return self.out_proj(self._step_in_one_call(projected, conv_states, ssd_states, batch))
+        z, xbc, dt = projected.split(self.split_sizes, dim=-1)
         # (a verifying sequence: its conv window after each token, by slot)
         mixed, conv_after = convolve(xbc, self.conv1d.weight, conv_states, batch)
         if self.conv1d.bias is not None:
@@ -118,6 +123,19 @@ class Mamba2Mixer(nn.Module):
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(tokens, self.inner).to(x.dtype), z)
         return self.out_proj(y)
+
+    def _step_in_one_call(self, projected, conv_states, ssd_states, batch) -> torch.Tensor:
+        """A decode step after in_proj on the CPU kernels (ssd_ops.cpp: the same math,
+        each state read and written once) -> the gated norm's output [S, inner]."""
+        out = torch.empty(projected.shape[0], self.inner)
+        bias = self.conv1d.bias
+        cpu_kernels.load().mamba2_step(
+            out, projected.contiguous(), self.conv1d.weight.float().contiguous(),
+            torch.empty(0) if bias is None else bias.float().contiguous(), conv_states,
+            self.dt_bias.float(), self.A.float(), self.D.float(), self.norm.weight.float(),
+            ssd_states, batch.slots, self.groups, *self.dt_limit, self.norm.eps,
+        )  # fmt: skip
+        return out
 
 
 def _step(A, x, dt, B, C, states, slots) -> torch.Tensor:

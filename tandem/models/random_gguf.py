@@ -72,7 +72,13 @@ class Shape:
     linear_value_heads: int = 0
     linear_head_dim: int = 128
     # lfm2 (LFM2): the layers that attend; the others short convolutions (3 taps).
+    # granitehybrid (Granite 4.0-H) too, the others Mamba-2 mixers: their heads, head
+    # size, state size and groups (4 taps; no rotary; Granite's multipliers).
     attention_layers: tuple[int, ...] = ()
+    mamba_heads: int = 0
+    mamba_head_dim: int = 64
+    mamba_state: int = 128
+    mamba_groups: int = 1
 
     @property
     def delta_net(self) -> bool:
@@ -115,6 +121,16 @@ class Shape:
                        linear_value_head_dim=self.linear_head_dim,
                        rope_parameters={"rope_theta": self.rope_theta,
                                         "partial_rotary_factor": 0.25})  # fmt: skip
+        if self.architecture == "granitehybrid":  # (the real model's multipliers)
+            raw.update(layer_types=["mamba" if self.recurrent(i) else "attention"
+                                    for i in range(self.layers)],
+                       mamba_n_heads=self.mamba_heads, mamba_d_head=self.mamba_head_dim,
+                       mamba_d_state=self.mamba_state, mamba_n_groups=self.mamba_groups,
+                       mamba_expand=self.mamba_heads * self.mamba_head_dim // self.hidden,
+                       shared_intermediate_size=self.shared_intermediate,
+                       position_embedding_type="nope", embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=0.0078125,
+                       logits_scaling=6.0)  # fmt: skip
         if self.architecture == "lfm2":  # (its MLP's width stated as adjusted)
             raw.update(layer_types=["conv" if self.recurrent(i) else "full_attention"
                                     for i in range(self.layers)],
@@ -124,11 +140,22 @@ class Shape:
     def recurrent(self, layer: int) -> bool:
         """Whether ``layer`` keeps a state instead of K/V: a Gated DeltaNet layer (qwen35:
         all but every fourth), a short convolution (lfm2: all but attention_layers)."""
-        if self.architecture == "lfm2":
+        if self.architecture in ("lfm2", "granitehybrid"):
             return layer not in self.attention_layers
         return self.delta_net and (layer + 1) % 4 != 0
 
+    def _mamba(self) -> tuple[int, int]:
+        """Mamba-2's inner width and conv channels (x, B and C)."""
+        inner = self.mamba_heads * self.mamba_head_dim
+        return inner, inner + 2 * self.mamba_groups * self.mamba_state
+
     def _recurrent_matrices(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        if self.architecture == "granitehybrid":  # in_proj: z, x B C, dt
+            inner, conv = self._mamba()
+            return [
+                (f"blk.{i}.ssm_in.weight", (inner + conv + self.mamba_heads, self.hidden)),
+                (f"blk.{i}.ssm_out.weight", (self.hidden, inner)),
+            ]
         if self.architecture == "lfm2":
             return [
                 (f"blk.{i}.shortconv.in_proj.weight", (3 * self.hidden, self.hidden)),
@@ -224,6 +251,20 @@ class Shape:
                     (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
                     (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
                 ]  # fmt: skip
+            return out
+        if self.architecture == "granitehybrid":
+            inner, conv = self._mamba()
+            heads, groups = self.mamba_heads, self.mamba_groups
+            out = [("output_norm.weight", (self.hidden,))]
+            for i in range(self.layers):
+                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
+                        (f"blk.{i}.ffn_norm.weight", (self.hidden,))]  # fmt: skip
+                if self.recurrent(i):
+                    out += [(f"blk.{i}.ssm_conv1d.weight", (conv, 4)),
+                            (f"blk.{i}.ssm_conv1d.bias", (conv,)),
+                            (f"blk.{i}.ssm_dt.bias", (heads,)), (f"blk.{i}.ssm_a", (heads, 1)),
+                            (f"blk.{i}.ssm_d", (heads, 1)),
+                            (f"blk.{i}.ssm_norm.weight", (groups, inner // groups))]  # fmt: skip
             return out
         if self.architecture == "lfm2":  # (its final norm named token_embd_norm)
             out = [("token_embd_norm.weight", (self.hidden,))]
@@ -347,6 +388,29 @@ SHAPES = {
         shared_intermediate=512,
         linear_key_heads=16,
         linear_value_heads=32,
+    ),
+    # Granite-4.0-H-Tiny: 36 Mamba-2 layers (48 heads of 64, a state of 128, one group)
+    # and 4 attention ones (12 heads of 128, 4 KV heads, no rotary); every layer a
+    # mixture of 64 experts of 512, 6 a token, beside a shared MLP of 1,024 (about 1B
+    # of 7B parameters read a token).
+    "granite-4.0-h-tiny": Shape(
+        hidden=1536,
+        layers=40,
+        heads=12,
+        kv_heads=4,
+        intermediate=512,
+        tied=False,
+        vocab=100352,
+        rope_theta=10000.0,
+        context=131072,
+        head_size=128,
+        architecture="granitehybrid",
+        experts=64,
+        experts_used=6,
+        expert_intermediate=512,
+        shared_intermediate=1024,
+        attention_layers=(5, 15, 25, 35),
+        mamba_heads=48,
     ),
     # LFM2-1.2B: 10 short-convolution layers, 6 attention ones (32 heads of 64, 8 KV
     # heads); the MLP's 12,288 adjusted to 8,192; a 65,536-token vocabulary, tied.
