@@ -165,3 +165,24 @@ def test_perplexity_windows_score_a_hybrid_as_transformers(model_dirs, arch):
         ref = reference_logits(hf_model, scored.tokens).log_softmax(-1)[32:63]
         assert_close(scored.log_probs, ref)
     llm.engine.state_slots.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_bfloat16_close_to_transformers_bfloat16(model_dirs, arch):
+    """In bfloat16 a prompt and its decode steps (the compiled float32 steps stand
+    aside; the states stay float32) stay within bfloat16's error of transformers'."""
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs(arch)
+    loaded = load_model(folder, dtype="bfloat16")
+    hf_bf16 = type(hf_model)(hf_model.config).eval()
+    hf_bf16.load_state_dict(hf_model.state_dict())
+    hf_bf16 = hf_bf16.to(torch.bfloat16)
+    ids = list(range(5, 45))
+    runner = ModelRunner(loaded, 8, 16, num_state_slots=1)
+    prompt = runner.forward([SequenceChunk(ids[:-2], 0, [0, 1, 2], state_slot=0)], all_logits=True)
+    steps = [
+        runner.forward([SequenceChunk([t], len(ids) - 2 + i, [0, 1, 2], state_slot=0)])
+        for i, t in enumerate(ids[-2:])
+    ]
+    assert_close(torch.cat([prompt, *steps]), reference_logits(hf_bf16, ids), rel=5e-2)

@@ -85,7 +85,7 @@ class Mamba2Mixer(nn.Module):
         projected = self.in_proj(x)
         batch = attn.recurrent
         conv_states, ssd_states = batch.states(self.layer_idx)
-        if batch.decodes and cpu_kernels.usable(projected):  # (float32 on the CPU kernels)
+        if batch.decodes and projected.dtype == torch.float32 and cpu_kernels.usable(projected):
             return self.out_proj(self._step_in_one_call(projected, conv_states, ssd_states, batch))
         z, xbc, dt = projected.split(self.split_sizes, dim=-1)
         # (a verifying sequence: its conv window after each token, by slot)
