@@ -31,7 +31,8 @@ CORPUS = [
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-    "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite_hybrid",
+    "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe",
+    "granite_hybrid",
 )  # fmt: skip
 
 # Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
@@ -161,6 +162,16 @@ def hf_config(arch: str, **overrides):
         )  # fmt: skip
         cfg = transformers.Qwen3NextConfig(**{**hybrid, **overrides})
         cfg.architectures = ["Qwen3NextForCausalLM"]
+    elif arch == "lfm2_moe":
+        # LFM2's layers, the first MLP dense, the others 6 experts with 2 a token routed
+        # by sigmoid scores and a selection bias (perturbed below as a bias).
+        hybrid = dict(
+            llama_like, num_hidden_layers=4, num_dense_layers=1, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=48, tie_word_embeddings=False,
+            layer_types=["conv", "full_attention", "conv", "conv"], routed_scaling_factor=1.5,
+        )  # fmt: skip
+        cfg = transformers.Lfm2MoeConfig(**{**hybrid, **overrides})
+        cfg.architectures = ["Lfm2MoeForCausalLM"]
     elif arch == "granite_hybrid":
         # Granite 4.0-H: Mamba-2 layers (8 heads of 16, 2 groups of B and C, a state of
         # 16) around an attention one without rotary; 4 experts, 2 a token, beside the
@@ -210,6 +221,9 @@ def save_model(
                 param.add_(torch.randn_like(param) * 0.1)
             if name.endswith("sinks"):
                 param.copy_(torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # (LFM2-MoE's selection bias)
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.3)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     build_tokenizer().save_pretrained(folder)

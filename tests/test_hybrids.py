@@ -20,7 +20,7 @@ from tandem.kernels.causal_conv import causal_conv, causal_conv_step
 from tandem.models.loader import load_model
 from tests.hf_models import VOCAB_SIZE, assert_close, reference_greedy, reference_logits
 
-HYBRIDS = ["qwen3_5", "qwen3_next", "lfm2", "granite_hybrid"]
+HYBRIDS = ["qwen3_5", "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid"]
 
 
 @pytest.mark.unit

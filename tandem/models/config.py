@@ -44,6 +44,15 @@ class MoEConfig:
     # gpt-oss: a bias on the router's logits, and on each expert's projections.
     router_bias: bool = False
     expert_bias: bool = False
+    # LFM2-MoE (and DeepSeek-V3's kind): each expert's score the sigmoid of its logit, not
+    # a softmax; the top k picked by score plus a learned per-expert bias
+    # (``selection_bias``: it picks, it does not weigh), their scores renormalized
+    # (``normalize_top_k``, the sum plus ``normalize_epsilon``) and scaled by
+    # ``routed_scaling``.
+    scoring: str = "softmax"
+    selection_bias: bool = False
+    normalize_epsilon: float = 0.0
+    routed_scaling: float = 1.0
     # The experts this process holds, [start, stop) of ``num_experts`` (a
     # tensor-parallel rank's: models/sharding.py); None: every one. The router still
     # scores all of them.

@@ -27,6 +27,7 @@ float32 (llama-quantize leaves them so).
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 from tandem.errors import ModelLoadError
 from tandem.kernels import cpu as cpu_kernels
 from tandem.kernels.causal_conv import convolve
-from tandem.models.config import ModelConfig, require
+from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
 from tandem.models.gated_delta_net import DepthwiseConv
 from tandem.models.layers import AttentionContext, RMSNorm
@@ -47,6 +48,7 @@ from tandem.models.llama import (
     LlamaModel,
     parse_llama_config,
 )
+from tandem.models.moe import SparseMoE
 
 CONV, FULL = "conv", "full_attention"
 
@@ -75,15 +77,30 @@ def parse_lfm2_config(raw: dict[str, Any]) -> ModelConfig:
     width = raw.get("conv_L_cache") or 3
     if width < 2:
         raise ModelLoadError(f"LFM2 conv_L_cache must be at least 2 (got {width})")
+    moe = None
+    if raw.get("num_experts"):  # LFM2-MoE: sigmoid routing, after num_dense_layers dense ones
+        moe = MoEConfig(
+            num_experts=raw["num_experts"],
+            top_k=require(raw, "num_experts_per_tok"),
+            intermediate_size=require(raw, "moe_intermediate_size"),
+            normalize_top_k=bool(raw.get("norm_topk_prob", True)),
+            dense_layers=tuple(range(raw.get("num_dense_layers", 2))),
+            scoring="sigmoid",
+            selection_bias=bool(raw.get("use_expert_bias", True)),
+            normalize_epsilon=1e-6,
+            routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+        )
     text = {
         **raw,
-        "intermediate_size": _mlp_width(raw),
+        # (LFM2-MoE's dense MLPs take intermediate_size as it is)
+        "intermediate_size": require(raw, "intermediate_size") if moe else _mlp_width(raw),
         "rms_norm_eps": raw.get("norm_eps") or raw.get("rms_norm_eps") or 1e-5,
         "rope_theta": raw.get("rope_theta") or 1_000_000.0,
         "tie_word_embeddings": raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
     }
     return parse_llama_config(
         text,
+        moe=moe,
         max_position_embeddings=raw.get("max_position_embeddings") or 128_000,
         qk_norm=True,
         recurrent_layers=tuple(i for i, kind in enumerate(layer_types) if kind == CONV),
@@ -141,7 +158,8 @@ class Lfm2ConvLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.conv = ShortConv(config, layer_idx)
-        self.mlp = GatedMLP(config)
+        sparse = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoE(config, GatedMLP) if sparse else GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -169,18 +187,21 @@ def decoder_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
     return LlamaDecoderLayer(config, layer_idx)
 
 
-# Hugging Face's names of LFM2's parts -> the Llama modules that hold them.
+# Hugging Face's names of LFM2's parts -> the Llama modules that hold them (an
+# MLP's w1, w3, w2, an expert's too: _PROJECTIONS).
 _RENAMED = {
     ".operator_norm.": ".input_layernorm.",
     ".ffn_norm.": ".post_attention_layernorm.",
-    ".feed_forward.w1.": ".mlp.gate_proj.",
-    ".feed_forward.w3.": ".mlp.up_proj.",
-    ".feed_forward.w2.": ".mlp.down_proj.",
+    ".feed_forward.": ".mlp.",
     ".self_attn.out_proj.": ".self_attn.o_proj.",
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",
     "model.embedding_norm.": "model.norm.",
 }
+
+
+_PROJECTIONS = re.compile(r"(\.mlp\.(?:experts\.\d+\.)?)(w[123])\.")
+_PROJECTION_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class Lfm2ForCausalLM(LlamaForCausalLM):
@@ -215,6 +236,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         for old, new in _RENAMED.items():
             name = name.replace(old, new)
+        name = _PROJECTIONS.sub(lambda m: f"{m[1]}{_PROJECTION_NAMES[m[2]]}.", name)
         return super().checkpoint_target(name)
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -274,3 +296,6 @@ LFM2 = Family(
     gguf_write_keys=_write_gguf_keys,
     gguf_write_tensor=_write_gguf_tensor,
 )
+# LFM2-MoE (8B-A1B): LFM2's layers, each MLP after the first num_dense_layers a mixture
+# routed by sigmoid scores and a selection bias (models/moe.py).
+LFM2_MOE = Family("LFM2-MoE", ("Lfm2MoeForCausalLM",), Lfm2ForCausalLM)

@@ -3,7 +3,9 @@
     route     logits = gate(x) [T, experts] (plus a bias: gpt-oss); softmax in
               float32; the top k experts of each token and their probabilities
               (renormalized over the k when the family says so: the same as a softmax
-              over the k logits, gpt-oss's), in the model's dtype
+              over the k logits, gpt-oss's), in the model's dtype. Or (LFM2-MoE) the
+              sigmoid of each logit, the top k of those plus a per-expert selection
+              bias, their sigmoids renormalized and scaled (MoEConfig.scoring)
     experts   each a gated MLP (its own Linear layers: a block-quantized file's
               experts stay in their formats and run on the packed kernels); the
               batch's token slots are grouped by expert, and each expert that was
@@ -51,6 +53,12 @@ class SparseMoE(nn.Module):
         assert moe is not None
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.normalize = moe.normalize_top_k
+        self.scoring, self.routed_scaling = moe.scoring, moe.routed_scaling
+        self.normalize_epsilon = moe.normalize_epsilon
+        # (picks, does not weigh: LFM2-MoE's expert_bias)
+        self.expert_bias = (
+            nn.Parameter(torch.empty(moe.num_experts)) if moe.selection_bias else None
+        )
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias)
         expert = dataclasses.replace(
             config, intermediate_size=moe.intermediate_size, mlp_bias=moe.expert_bias, moe=None
@@ -83,6 +91,8 @@ class SparseMoE(nn.Module):
         with the compiled kernels, their moe_route: the same math, and the routing the
         fused experts' call does, so that the two agree bit for bit."""
         logits = self.gate(x)
+        if self.scoring == "sigmoid":
+            return self._sigmoid_route(logits, x.dtype)
         if cpu_kernels.usable(logits):
             weights, chosen = cpu_kernels.load().moe_route(logits, self.top_k, self.normalize)
             return weights.to(x.dtype), chosen
@@ -91,6 +101,15 @@ class SparseMoE(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen
+
+    def _sigmoid_route(self, logits: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(logits.float())
+        picking = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        chosen = torch.topk(picking, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.normalize_epsilon)
+        return (weights * self.routed_scaling).to(dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.routed(x)

@@ -20,7 +20,7 @@ from tandem.models.gpt2 import GPT2
 from tandem.models.gpt_oss import GPT_OSS
 from tandem.models.granite_hybrid import GRANITE_HYBRID
 from tandem.models.layers import AttentionContext
-from tandem.models.lfm2 import LFM2
+from tandem.models.lfm2 import LFM2, LFM2_MOE
 from tandem.models.llama import LLAMA, MISTRAL
 from tandem.models.mixtral import MIXTRAL
 from tandem.models.modernbert import MODERNBERT
@@ -83,6 +83,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_5_MOE,
     QWEN3_NEXT,
     LFM2,
+    LFM2_MOE,
     GRANITE_HYBRID,
     MIXTRAL,
     GEMMA3,

@@ -144,6 +144,9 @@ def conv_layer_arguments(layer) -> tuple | None:
     if cached is not False:
         return cached
     conv, mlp = layer.conv, layer.mlp
+    if isinstance(mlp, SparseMoE):  # (LFM2-MoE's mixtures run their own way)
+        layer._fused_decode = None
+        return None
     linears = [conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj]
     packed = [_packed(linear) for linear in linears]
     norms = [layer.input_layernorm.multiplier(), layer.post_attention_layernorm.multiplier()]

@@ -179,6 +179,8 @@ def attach_fused_experts(model: nn.Module) -> int:
         experts = list(module.experts.values())
         if experts[0].act_and_mul is None or len({getattr(e, "swiglu", None) for e in experts}) > 1:
             continue
+        if module.scoring != "softmax":  # (the kernel routes by softmax only)
+            continue
         try:
             fused = FusedExperts(module)
             layouts = [
