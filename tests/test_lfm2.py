@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
+from tandem.errors import ModelLoadError
 from tandem.models.lfm2 import parse_lfm2_config
 from tandem.models.loader import load_model
 from tests.hf_models import assert_close, reference_logits
@@ -112,3 +113,33 @@ def test_whole_layer_decode_equals_the_layer_by_layer_path(
         assert [t for t, _ in fused] == [t for t, _ in run("1")]
     else:
         assert fused == run("0")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_lfm2_moe_gguf_files_read_back(tmp_path, model_dirs, fmt):
+    """An lfm2moe file (its first layer dense, leading_dense_block_count; sigmoid gating;
+    the selection bias as exp_probs_b; experts stacked) reads back to transformers'
+    logits: exactly from float32, within the quantization's error from Q8_0 (the
+    routed_scaling_factor 1, as llama.cpp's graph has none: other values are refused)."""
+    from tandem.models.gguf_export import export_gguf
+    from tandem.models.gguf_file import GGUFFile
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    with pytest.raises(ModelLoadError, match="routed_scaling_factor"):
+        export_gguf(model_dirs("lfm2_moe")[0], tmp_path / "scaled.gguf", fmt)
+    folder, hf_model = model_dirs("lfm2_moe", routed_scaling_factor=1.0)
+    path = export_gguf(folder, tmp_path / f"lfm2moe-{fmt}.gguf", fmt)
+    file = GGUFFile(path)
+    names = {t.name for t in file.tensors}
+    assert file.fields["general.architecture"] == "lfm2moe"
+    assert file.fields["lfm2moe.leading_dense_block_count"] == 1
+    assert file.fields["lfm2moe.expert_gating_func"] == 2
+    assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_exps.weight", "blk.1.exp_probs_b.bias",
+            "blk.1.ffn_gate_inp.weight"} <= names  # fmt: skip
+    file.close()
+    loaded = load_model(path)
+    assert loaded.config.moe.dense_layers == (0,) and loaded.config.moe.scoring == "sigmoid"
+    ids = list(range(5, 60))
+    runner = ModelRunner(loaded, 4, 16, num_state_slots=1)
+    ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2, 3], state_slot=0)], all_logits=True)
+    assert_close(ours, reference_logits(hf_model, ids), 1e-4 if fmt == "f32" else 8e-2)

@@ -47,6 +47,9 @@ class Family:
     # (not for Qwen2-MoE); a shared expert.
     gguf_renormalizes_experts: bool = True
     gguf_shared_expert: bool = False
+    # Its files' first layers may be dense (``leading_dense_block_count``: LFM2-MoE);
+    # otherwise llama.cpp's graph makes every layer a mixture.
+    gguf_leading_dense: bool = False
     # What the family adds to the config read from a file's metadata, ``(reader,
     # config dict)`` (reader: gguf_checkpoint.GGUFCheckpoint); and what it checks and
     # writes beyond the common keys when exported, ``(gguf.GGUFWriter, ModelConfig)``.

@@ -205,17 +205,19 @@ def add_shape_keys(writer, config: ModelConfig, family: Family) -> None:
 
 
 def _check_moe(config, family: Family) -> None:
-    """llama.cpp's graphs make every layer of a mixture sparse, and renormalize the
-    picked experts' weights and have a shared expert as the family says
-    (Family.gguf_renormalizes_experts, gguf_shared_expert: only Qwen2-MoE differs). A
-    model that differs cannot be written faithfully."""
+    """llama.cpp's graphs make every layer of a mixture sparse (or the first few dense:
+    Family.gguf_leading_dense), and renormalize the picked experts' weights and have a
+    shared expert as the family says (Family.gguf_renormalizes_experts,
+    gguf_shared_expert: only Qwen2-MoE differs). A model that differs cannot be written
+    faithfully."""
     moe = config.moe
     if moe is None:
         return
     shared = bool(moe.shared_intermediate_size)
     renormalizes = family.gguf_renormalizes_experts
+    leading = family.gguf_leading_dense and moe.dense_layers == tuple(range(len(moe.dense_layers)))
     if (
-        moe.dense_layers
+        (moe.dense_layers and not leading)
         or moe.normalize_top_k != renormalizes
         or (shared != family.gguf_shared_expert)
     ):

@@ -234,6 +234,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         return m.norm(h, residual)[0]
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        name = name.replace(".feed_forward.exp_probs_b.bias", ".mlp.expert_bias")  # (GGUF's)
         for old, new in _RENAMED.items():
             name = name.replace(old, new)
         name = _PROJECTIONS.sub(lambda m: f"{m[1]}{_PROJECTION_NAMES[m[2]]}.", name)
@@ -259,24 +260,44 @@ def _read_gguf_keys(reader, config: dict) -> None:
         conv_L_cache=reader._required("shortconv.l_cache"),
         block_auto_adjust_ff_dim=False,
     )
+    if config.get("num_experts"):  # lfm2moe: sigmoid routing after the dense layers
+        if reader._arch("expert_gating_func") != SIGMOID_GATING:
+            raise ModelLoadError(f"{reader.path.name}: lfm2moe routes by sigmoid (gating 2)")
+        config.update(
+            num_dense_layers=reader._arch("leading_dense_block_count") or 0,
+            use_expert_bias=any(n.endswith(".exp_probs_b.bias") for n in reader.tensor_names),
+        )
+
+
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func for sigmoid scores
 
 
 def _write_gguf_keys(writer, config: ModelConfig) -> None:
     writer.add_uint32(f"{writer.arch}.shortconv.l_cache", config.family_options["conv_width"])
+    if config.moe is not None:
+        if config.moe.routed_scaling != 1.0:  # (llama.cpp's lfm2moe graph has none)
+            raise ModelLoadError(
+                "llama.cpp's lfm2moe scales no routing weights: a routed_scaling_factor "
+                f"of {config.moe.routed_scaling} cannot be exported faithfully"
+            )
+        writer.add_uint32(f"{writer.arch}.leading_dense_block_count", len(config.moe.dense_layers))
+        writer.add_uint32(f"{writer.arch}.expert_gating_func", SIGMOID_GATING)
 
 
 def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
-    """The conv taps as llama.cpp holds them ([hidden, width])."""
+    """The conv taps as llama.cpp holds them ([hidden, width]); a mixture's parts in
+    the names the writer stacks and maps (LFM2-MoE)."""
     if name.endswith(".conv.conv.weight") and t.dim() == 3:
         t = t.reshape(t.shape[0], -1)
+    if ".feed_forward.experts." in name or ".feed_forward.gate." in name:
+        name = name.replace(".feed_forward.", ".mlp.")
+        name = _PROJECTIONS.sub(lambda m: f"{m[1]}{_PROJECTION_NAMES[m[2]]}.", name)
+    elif name.endswith(".feed_forward.expert_bias"):
+        name = name.replace(".expert_bias", ".exp_probs_b.bias")
     return name, t
 
 
-LFM2 = Family(
-    "LFM2",
-    ("Lfm2ForCausalLM", "LFM2ForCausalLM"),
-    Lfm2ForCausalLM,
-    gguf_architecture="lfm2",
+_GGUF = dict(
     gguf_kv_heads_per_layer=True,
     gguf_global_names={"token_embd_norm": "model.embedding_norm", "output_norm": None},
     gguf_layer_names={
@@ -291,11 +312,19 @@ LFM2 = Family(
         "shortconv.conv": "conv.conv",
         "shortconv.in_proj": "conv.in_proj",
         "shortconv.out_proj": "conv.out_proj",
+        "exp_probs_b": "feed_forward.exp_probs_b",  # (LFM2-MoE's selection bias)
     },
     gguf_read_keys=_read_gguf_keys,
     gguf_write_keys=_write_gguf_keys,
     gguf_write_tensor=_write_gguf_tensor,
 )
+LFM2 = Family(
+    "LFM2", ("Lfm2ForCausalLM", "LFM2ForCausalLM"), Lfm2ForCausalLM, gguf_architecture="lfm2",
+    **_GGUF,
+)  # fmt: skip
 # LFM2-MoE (8B-A1B): LFM2's layers, each MLP after the first num_dense_layers a mixture
-# routed by sigmoid scores and a selection bias (models/moe.py).
-LFM2_MOE = Family("LFM2-MoE", ("Lfm2MoeForCausalLM",), Lfm2ForCausalLM)
+# routed by sigmoid scores and a selection bias (models/moe.py); GGUF lfm2moe.
+LFM2_MOE = Family(
+    "LFM2-MoE", ("Lfm2MoeForCausalLM",), Lfm2ForCausalLM, gguf_architecture="lfm2moe",
+    gguf_has_experts=True, gguf_leading_dense=True, **_GGUF,
+)  # fmt: skip
