@@ -22,6 +22,12 @@ times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``.
 GGUF files (llama.cpp's ``lfm2``): ``head_count_kv`` per layer, 0 for a convolution
 layer; ``shortconv.l_cache``; the MLP's width as adjusted; the taps [hidden, width]
 float32 (llama-quantize leaves them so).
+
+LFM2-MoE (``Lfm2MoeForCausalLM``) is the same network with each MLP after the first
+``num_dense_layers`` a mixture (models/moe.py) routed by the sigmoid of each expert's
+logit, the top k of those plus a selection bias (``expert_bias``); its dense MLPs take
+``intermediate_size`` as it is. GGUF ``lfm2moe``: ``leading_dense_block_count``,
+``expert_gating_func`` 2 (sigmoid), the bias as ``exp_probs_b``.
 """
 
 from __future__ import annotations
