@@ -39,13 +39,11 @@ from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
 from tandem.models.layers import AttentionContext, RMSNorm, clamped_swiglu_and_mul
-from tandem.models.linear import Linear
 from tandem.models.llama import (
     GatedMLP,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaModel,
     parse_llama_config,
 )
 from tandem.models.moe import SparseMoE
@@ -148,16 +146,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """Checkpoint names are Hugging Face's, the router read as the mixture's ``gate``
     and each layer's stacked experts split into experts (``checkpoint_tensors``)."""
 
+    layer_class = GptOssDecoderLayer
+
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_gpt_oss_config(raw)
-
-    def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = LlamaModel(config, GptOssDecoderLayer)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         name = name.replace(".mlp.router.", ".mlp.gate.")

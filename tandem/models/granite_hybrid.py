@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,13 +33,11 @@ from torch import nn
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
-from tandem.models.layers import AttentionContext, RMSNorm, RotaryEmbedding, RotaryPositions
-from tandem.models.linear import Linear
+from tandem.models.layers import RMSNorm, RotaryEmbedding, RotaryPositions
 from tandem.models.llama import (
     GatedMLP,
     LlamaAttention,
     LlamaForCausalLM,
-    LlamaModel,
     parse_llama_config,
 )
 from tandem.models.mamba2 import Mamba2Mixer, mamba2_shapes
@@ -176,30 +174,11 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
     attention and norm names are the modules' own, its MLPs read as ``checkpoint_tensors``
     splits them, the router's ``block_sparse_moe.router.layer`` as the mixture's gate."""
 
-    packed_modules: ClassVar[dict[str, tuple[str, int]]] = LlamaForCausalLM.packed_modules
+    layer_class = GraniteHybridLayer
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_granite_hybrid_config(raw)
-
-    def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = LlamaModel(config, GraniteHybridLayer)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        m = self.model
-        h = self.embed(input_ids)
-        rotary = m.rotaries[0]
-        rope = rotary.prepare(positions, h.dtype)
-        residual = None
-        for layer in m.layers:
-            h, residual = layer(h, residual, rotary, rope, attn)
-        return m.norm(h, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return (

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ from tandem.models.llama import (
     GatedMLP,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaModel,
     parse_llama_config,
 )
 from tandem.models.moe import SparseMoE
@@ -214,30 +213,11 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     """Llama's model with LFM2's layers; checkpoint names mapped onto Llama's modules
     (``_RENAMED``), q/k/v and gate/up fused as Llama's."""
 
-    packed_modules: ClassVar[dict[str, tuple[str, int]]] = LlamaForCausalLM.packed_modules
+    layer_class = decoder_layer
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_lfm2_config(raw)
-
-    def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = LlamaModel(config, decoder_layer)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        m = self.model
-        h = self.embed(input_ids)
-        rotary = m.rotaries[0]
-        rope = rotary.prepare(positions, h.dtype)
-        residual = None
-        for layer in m.layers:
-            h, residual = layer(h, residual, rotary, rope, attn)
-        return m.norm(h, residual)[0]
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         name = name.replace(".feed_forward.exp_probs_b.bias", ".mlp.expert_bias")  # (GGUF's)

@@ -219,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
     # Layers the forward passes over (self-speculation drafts with the target minus
     # these: spec_decode/layer_skip.py); empty but while such a draft runs.
     skipped_layers: frozenset[int] = frozenset()
+    # What builds layer i: a decoder layer class, or a function of (config, i) that
+    # picks one (a hybrid's recurrent and attention layers).
+    layer_class: ClassVar[Callable[[ModelConfig, int], nn.Module]] = LlamaDecoderLayer
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, type(self).layer_class)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

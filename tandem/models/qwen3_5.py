@@ -44,9 +44,9 @@ from tandem.models.config import ModelConfig, MoEConfig, require
 from tandem.models.family import Family
 from tandem.models.gated_delta_net import GatedDeltaNet, delta_net_shapes
 from tandem.models.gemma3 import GemmaRMSNorm
-from tandem.models.layers import AttentionContext, RotaryEmbedding, RotaryPositions
+from tandem.models.layers import RotaryEmbedding, RotaryPositions
 from tandem.models.linear import Linear, MergedLinear
-from tandem.models.llama import GatedMLP, LlamaForCausalLM, LlamaModel, parse_llama_config
+from tandem.models.llama import GatedMLP, LlamaForCausalLM, parse_llama_config
 from tandem.models.moe import SparseMoE
 from tandem.models.weight_source import CheckpointTensor
 
@@ -182,30 +182,15 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         "in_proj_b": ("in_proj", 2),
         "in_proj_a": ("in_proj", 3),
     }
+    layer_class = Qwen3_5DecoderLayer
 
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_qwen3_5_config(raw)
 
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = LlamaModel(config, Qwen3_5DecoderLayer)
+        super().__init__(config)
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        m = self.model
-        h = self.embed(input_ids)
-        rotary = m.rotaries[0]
-        rope = rotary.prepare(positions, h.dtype)
-        residual = None
-        for layer in m.layers:
-            h, residual = layer(h, residual, rotary, rope, attn)
-        return m.norm(h, residual)[0]
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith(("model.visual.", "mtp.")):

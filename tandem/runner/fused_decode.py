@@ -140,12 +140,12 @@ def conv_layer_arguments(layer) -> tuple | None:
     short_conv_decode_layer takes them, or None when it is not a shape the kernel runs
     (cached on the layer after the first look): every projection packed quantized and
     unbiased, a silu MLP, float32 norms and taps, one process."""
-    cached = getattr(layer, "_fused_decode", False)
+    cached = getattr(layer, "_fused_conv_decode", False)
     if cached is not False:
         return cached
     conv, mlp = layer.conv, layer.mlp
     if isinstance(mlp, SparseMoE):  # (LFM2-MoE's mixtures run their own way)
-        layer._fused_decode = None
+        layer._fused_conv_decode = None
         return None
     linears = [conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj]
     packed = [_packed(linear) for linear in linears]
@@ -163,7 +163,7 @@ def conv_layer_arguments(layer) -> tuple | None:
         bias = torch.empty(0) if bias is None else bias.float().contiguous()
         eps = layer.input_layernorm.eps
         args = (*norms, eps, in_proj, taps.contiguous(), bias, out_proj, gate_up, down)
-    layer._fused_decode = args
+    layer._fused_conv_decode = args
     return args
 
 
