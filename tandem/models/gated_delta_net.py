@@ -133,24 +133,11 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         beta = torch.sigmoid(b.float())
         g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
-        if batch.decodes:
-            out = gated_delta_rule_step(q, k, v, g, beta, delta_states, batch.slots)
-        else:
-            out = torch.empty(tokens, self.value_heads, self.value_dim, device=x.device)
-            for s, (start, n, slot) in enumerate(
-                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
-            ):
-                rows = slice(start, start + n)
-                if batch.verifies(s):  # token by token; how to go back kept for the runner
-                    out[rows], rollback = verified_steps(
-                        gated_delta_rule_step, (q, k, v, g, beta), rows, conv_after[slot],
-                        conv_states, delta_states, slot,
-                    )  # fmt: skip
-                    batch.rollbacks.setdefault(slot, []).append(rollback)
-                    continue
-                out[rows], delta_states[slot] = chunked_gated_delta_rule(
-                    q[rows], k[rows], v[rows], g[rows], beta[rows], delta_states[slot]
-                )
+        out = batch.recur(
+            (q, k, v, g, beta),
+            torch.empty(tokens, self.value_heads, self.value_dim, device=x.device),
+            chunked_gated_delta_rule, gated_delta_rule_step, delta_states, conv_after, conv_states,
+        )  # fmt: skip
         out = self.norm(out.to(x.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, -1))
 
@@ -159,27 +146,3 @@ class GatedDeltaNet(nn.Module):
         Hugging Face's order)."""
         per_key = ba.view(ba.shape[0], self.key_heads, 2, self.value_heads // self.key_heads)
         return per_key[:, :, 0].reshape(ba.shape[0], -1), per_key[:, :, 1].reshape(ba.shape[0], -1)
-
-
-def verified_steps(step, inputs, rows: slice, windows, conv_states, states, slot: int):
-    """A verifying sequence's tokens (``rows`` of ``inputs``: the per-token arguments
-    ``step`` takes before the states and slots, Gated DeltaNet's q, k, v, g, beta) one
-    decode step each, in its slot -> (outputs, ``rollback(accepted)``: the slot as after
-    the first ``accepted`` tokens; ``windows``: its conv window after each token). The
-    rollback holds one copy of the state (the one before), not one a token: it restores
-    it and runs the accepted tokens again, the same steps on the same values, so the
-    state is the one they left."""
-    index = torch.tensor([slot], device=states.device)
-    tokens = [tuple(x[t : t + 1] for x in inputs) for t in range(rows.start, rows.stop)]
-    before = states[slot].clone()
-    out = torch.cat([step(*one, states, index) for one in tokens])
-
-    def rollback(accepted: int) -> None:
-        conv_states[slot] = windows[accepted - 1]
-        if accepted == len(tokens):
-            return  # (every draft held: the slot is as they left it)
-        states[slot] = before
-        for one in tokens[:accepted]:
-            step(*one, states, index)
-
-    return out, rollback

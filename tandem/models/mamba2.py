@@ -14,7 +14,7 @@ as transformers' ``GraniteMoeHybridMambaLayer`` (Mamba2Mixer) computes it. A ste
 decodes run one batched step over their slots (on the CPU the whole mixer after its
 projection in one compiled call: ssd_ops.cpp); a prompt (or a chunk of one) runs the
 chunked form from its slot's state; a decode verifying drafts runs a step a token and
-leaves the runner a way back (models/gated_delta_net.py's ``verified_steps``).
+leaves the runner a way back (runner/state_cache.py's ``RecurrentBatch.recur``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tandem.kernels import cpu as cpu_kernels
 from tandem.kernels.causal_conv import convolve
 from tandem.kernels.ssd import chunked_ssd, ssd_step
 from tandem.models.config import ModelConfig
-from tandem.models.gated_delta_net import DepthwiseConv, verified_steps
+from tandem.models.gated_delta_net import DepthwiseConv
 from tandem.models.layers import AttentionContext
 from tandem.models.linear import Linear
 
@@ -101,25 +101,11 @@ class Mamba2Mixer(nn.Module):
         C = C.reshape(tokens, self.groups, self.state).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         A = self.A.float()
-        step = functools.partial(_step, A)
-        if batch.decodes:
-            y = step(xs, dt, B, C, ssd_states, batch.slots)
-        else:
-            y = torch.empty(tokens, self.heads, self.head_dim, device=x.device)
-            for s, (start, n, slot) in enumerate(
-                zip(batch.starts, batch.lens, batch.host_slots, strict=True)
-            ):
-                rows = slice(start, start + n)
-                if batch.verifies(s):  # token by token; how to go back kept for the runner
-                    y[rows], rollback = verified_steps(
-                        step, (xs, dt, B, C), rows, conv_after[slot], conv_states,
-                        ssd_states, slot,
-                    )  # fmt: skip
-                    batch.rollbacks.setdefault(slot, []).append(rollback)
-                    continue
-                y[rows], ssd_states[slot] = chunked_ssd(
-                    xs[rows], dt[rows], A, B[rows], C[rows], ssd_states[slot]
-                )
+        y = batch.recur(
+            (xs, dt, B, C), torch.empty(tokens, self.heads, self.head_dim, device=x.device),
+            functools.partial(_with_A, chunked_ssd, A), functools.partial(_with_A, ssd_step, A),
+            ssd_states, conv_after, conv_states,
+        )  # fmt: skip
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(tokens, self.inner).to(x.dtype), z)
         return self.out_proj(y)
@@ -138,5 +124,6 @@ class Mamba2Mixer(nn.Module):
         return out
 
 
-def _step(A, x, dt, B, C, states, slots) -> torch.Tensor:
-    return ssd_step(x, dt, A, B, C, states, slots)
+def _with_A(rule, A, x, dt, B, C, *states):
+    """``rule`` (chunked_ssd, ssd_step) with the layer's A between a token's dt and B."""
+    return rule(x, dt, A, B, C, *states)

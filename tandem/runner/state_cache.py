@@ -107,6 +107,29 @@ class RecurrentBatch:
     def verifies(self, sequence: int) -> bool:
         return bool(self.verifying) and self.verifying[sequence]
 
+    def recur(self, inputs, out, chunked, step, states, conv_after, conv_states) -> torch.Tensor:
+        """A recurrent layer's rule over the batch, its per-token ``inputs`` rows of the
+        flat batch and ``states`` [slots, ...] in the cache: one batched ``step(*inputs,
+        states, slots)`` when every sequence decodes; else each sequence from its slot,
+        a prompt (chunk) by ``chunked(*its rows, state) -> (out, state)``, a verifying
+        sequence ``step`` a token with its rollback kept (``verified_steps``;
+        ``conv_after``: its conv windows after each token, by slot) -> ``out`` filled
+        (or the step's output)."""
+        if self.decodes:
+            return step(*inputs, states, self.slots)
+        for s, (start, n, slot) in enumerate(
+            zip(self.starts, self.lens, self.host_slots, strict=True)
+        ):
+            rows = slice(start, start + n)
+            if self.verifies(s):
+                out[rows], rollback = verified_steps(
+                    step, inputs, rows, conv_after[slot], conv_states, states, slot
+                )
+                self.rollbacks.setdefault(slot, []).append(rollback)
+                continue
+            out[rows], states[slot] = chunked(*(x[rows] for x in inputs), states[slot])
+        return out
+
     def keep(self, slot: int, accepted: int) -> None:
         """Speculation's rollback: of a verifying sequence's tokens, the first
         ``accepted`` had their drafts accepted (the decode token counted): its slot
@@ -149,3 +172,28 @@ class RecurrentBatch:
         own (the no-cache forward)."""
         cache = StateCache(config, batch, device)
         return cls.build(cache, [length] * batch, [0] * batch, list(range(batch)), device)
+
+
+def verified_steps(step, inputs, rows: slice, windows, conv_states, states, slot: int):
+    """A verifying sequence's tokens (``rows`` of ``inputs``: the per-token arguments
+    ``step`` takes before the states and slots, Gated DeltaNet's q, k, v, g, beta,
+    Mamba-2's x, dt, B, C) one decode step each, in its slot -> (outputs,
+    ``rollback(accepted)``: the slot as after the first ``accepted`` tokens;
+    ``windows``: its conv window after each token). The
+    rollback holds one copy of the state (the one before), not one a token: it restores
+    it and runs the accepted tokens again, the same steps on the same values, so the
+    state is the one they left."""
+    index = torch.tensor([slot], device=states.device)
+    tokens = [tuple(x[t : t + 1] for x in inputs) for t in range(rows.start, rows.stop)]
+    before = states[slot].clone()
+    out = torch.cat([step(*one, states, index) for one in tokens])
+
+    def rollback(accepted: int) -> None:
+        conv_states[slot] = windows[accepted - 1]
+        if accepted == len(tokens):
+            return  # (every draft held: the slot is as they left it)
+        states[slot] = before
+        for one in tokens[:accepted]:
+            step(*one, states, index)
+
+    return out, rollback
