@@ -17,6 +17,8 @@
 // float32 [its columns], each part given its slice, as runner/linear/quantized.py
 // does; empty for none (runner/fused_decode.py checks the rest have none).
 
+#include <tuple>
+
 using PackedPart = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                               int64_t, double, double, int64_t>;
 using PackedArgs = std::vector<PackedPart>;
@@ -51,6 +53,20 @@ std::pair<torch::Tensor, torch::Tensor> layer_blocks(const torch::Tensor& kv_cac
   return {blocks.select(0, 0), blocks.select(0, 1)};
 }
 
+// A layer's input: h [T, hidden] (the previous layer's output) added into the stream
+// ``residual`` in place and RMS-normed; the first layer has no stream yet (residual
+// empty): h is the stream. Returns (the normed input, the stream).
+std::pair<torch::Tensor, torch::Tensor> normed_input(const torch::Tensor& h, torch::Tensor residual,
+                                                     const torch::Tensor& norm, double eps) {
+  torch::Tensor x = torch::empty_like(h);
+  if (residual.numel() == 0) {
+    rms_norm(x, h, c10::nullopt, norm, eps);
+    return {x, h};
+  }
+  rms_norm(x, h, residual, norm, eps);
+  return {x, residual};
+}
+
 }  // namespace
 
 // The attention half: (add +) RMSNorm, the fused qkv projection, (q/k norms,) rotary,
@@ -66,13 +82,8 @@ std::vector<torch::Tensor> llama_decode_attention(
     torch::Tensor context_lens, torch::Tensor row_starts, double scale, int64_t window,
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor qkv_bias) {
   const int64_t T = h.size(0);
-  torch::Tensor x = torch::empty_like(h);
-  if (residual.numel() == 0) {
-    residual = h;
-    rms_norm(x, h, c10::nullopt, input_norm, eps);
-  } else {
-    rms_norm(x, h, residual, input_norm, eps);
-  }
+  torch::Tensor x;
+  std::tie(x, residual) = normed_input(h, residual, input_norm, eps);
   torch::Tensor qkv_out = packed_linear(x, qkv, qkv_bias);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor q = qkv_out.narrow(1, 0, q_size).view({T, num_heads, head_dim});

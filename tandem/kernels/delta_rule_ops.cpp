@@ -7,7 +7,7 @@
 //   delta = beta (v - a kS)        S' = a S + k delta^T        o = S'^T q = a qS + (q.k) delta
 // so one read pass makes kS and qS, and one pass writes S'.
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <ATen/Parallel.h>
 #include <cmath>

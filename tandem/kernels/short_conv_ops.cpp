@@ -6,10 +6,10 @@
 //   y[c] = C[c] * (sum_j taps[c, j] * [window, B * x][c, j] (+ bias[c]))
 // and the window shifts in place to end at this token's B * x.
 //
-// After decode_layer.cpp (packed_linear, llama_decode_mlp) and delta_rule_ops.cpp
+// After decode_layer.cpp (normed_input, packed_linear, llama_decode_mlp) and delta_rule_ops.cpp
 // (checked_slots) in the one translation unit (kernels/cpu.py).
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <ATen/Parallel.h>
 #include <vector>
@@ -60,13 +60,8 @@ std::vector<torch::Tensor> short_conv_decode_layer(
     double eps, PackedArgs in_proj, torch::Tensor taps, torch::Tensor bias,
     torch::Tensor windows, torch::Tensor slots, PackedArgs out_proj, PackedArgs gate_up,
     PackedArgs down) {
-  torch::Tensor x = torch::empty_like(h);
-  if (residual.numel() == 0) {
-    residual = h;
-    rms_norm(x, h, c10::nullopt, input_norm, eps);
-  } else {
-    rms_norm(x, h, residual, input_norm, eps);
-  }
+  torch::Tensor x;
+  std::tie(x, residual) = normed_input(h, residual, input_norm, eps);
   torch::Tensor bcx = packed_linear(x, in_proj);
   torch::Tensor y = torch::empty({h.size(0), taps.size(0)}, h.options());
   short_conv_step(y, bcx, taps, bias, windows, slots);

@@ -5,7 +5,7 @@
 //
 // After delta_rule_ops.cpp (checked_slots) in the one translation unit (kernels/cpu.py).
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <ATen/Parallel.h>
 #include <algorithm>
