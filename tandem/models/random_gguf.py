@@ -221,74 +221,61 @@ class Shape:
     def norms(self) -> list[tuple[str, tuple[int, ...]]]:
         """(GGUF name, dimensions) of every vector, written as float32 ones: the norms'
         weights, qwen2moe's q/k/v biases and shared-expert gate, gpt-oss's biases (its
-        experts' stacked: [experts, rows]) and sinks."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        experts' stacked: [experts, rows]) and sinks, the hybrids' conv taps and state
+        parameters (``_vector`` fills those)."""
+        final = "token_embd_norm.weight" if self.architecture == "lfm2" else "output_norm.weight"
+        return [(final, (self.hidden,))] + [
+            (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in self._vectors(i)
+        ]
+
+    def _vectors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Layer i's vectors (names after ``blk.i.``): its two norms, then what its
+        architecture adds."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        post = (
+            "post_attention_norm"
+            if self.architecture == "gpt-oss" or self.delta_net
+            else "ffn_norm"
+        )
+        out = [("attn_norm.weight", (h,)), (f"{post}.weight", (h,))]
+        qk_norms = [
+            ("attn_q_norm.weight", (self.head_dim,)),
+            ("attn_k_norm.weight", (self.head_dim,)),
+        ]
         if self.architecture == "gpt-oss":
             rows, stack = self.expert_intermediate, self.experts
-            kinds = [
-                ("attn_norm.weight", (self.hidden,)),
-                ("post_attention_norm.weight", (self.hidden,)),
+            out += [
                 ("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,)),
-                ("attn_output.bias", (self.hidden,)), ("attn_sinks.weight", (self.heads,)),
+                ("attn_output.bias", (h,)), ("attn_sinks.weight", (self.heads,)),
                 ("ffn_gate_inp.bias", (stack,)), ("ffn_gate_exps.bias", (stack, rows)),
-                ("ffn_up_exps.bias", (stack, rows)), ("ffn_down_exps.bias", (stack, self.hidden)),
+                ("ffn_up_exps.bias", (stack, rows)), ("ffn_down_exps.bias", (stack, h)),
             ]  # fmt: skip
-            return [("output_norm.weight", (self.hidden,))] + [
-                (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in kinds
-            ]
-        if self.delta_net:
+        elif self.delta_net:
             values = self.linear_value_heads
             conv = (2 * self.linear_key_heads + values) * self.linear_head_dim
-            out = [("output_norm.weight", (self.hidden,))]
-            for i in range(self.layers):
-                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
-                        (f"blk.{i}.post_attention_norm.weight", (self.hidden,))]  # fmt: skip
-                if self.shared_intermediate:
-                    out.append((f"blk.{i}.ffn_gate_inp_shexp.weight", (self.hidden,)))
-                out += [
-                    (f"blk.{i}.ssm_conv1d.weight", (conv, 4)), (f"blk.{i}.ssm_a", (values,)),
-                    (f"blk.{i}.ssm_dt.bias", (values,)),
-                    (f"blk.{i}.ssm_norm.weight", (self.linear_head_dim,)),
-                ] if self.recurrent(i) else [
-                    (f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
-                    (f"blk.{i}.attn_k_norm.weight", (self.head_dim,)),
-                ]  # fmt: skip
-            return out
-        if self.architecture == "granitehybrid":
+            if self.shared_intermediate:
+                out.append(("ffn_gate_inp_shexp.weight", (h,)))
+            out += [
+                ("ssm_conv1d.weight", (conv, 4)), ("ssm_a", (values,)), ("ssm_dt.bias", (values,)),
+                ("ssm_norm.weight", (self.linear_head_dim,)),
+            ] if self.recurrent(i) else qk_norms  # fmt: skip
+        elif self.architecture == "granitehybrid" and self.recurrent(i):
             inner, conv = self._mamba()
             heads, groups = self.mamba_heads, self.mamba_groups
-            out = [("output_norm.weight", (self.hidden,))]
-            for i in range(self.layers):
-                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
-                        (f"blk.{i}.ffn_norm.weight", (self.hidden,))]  # fmt: skip
-                if self.recurrent(i):
-                    out += [(f"blk.{i}.ssm_conv1d.weight", (conv, 4)),
-                            (f"blk.{i}.ssm_conv1d.bias", (conv,)),
-                            (f"blk.{i}.ssm_dt.bias", (heads,)), (f"blk.{i}.ssm_a", (heads, 1)),
-                            (f"blk.{i}.ssm_d", (heads, 1)),
-                            (f"blk.{i}.ssm_norm.weight", (groups, inner // groups))]  # fmt: skip
-            return out
-        if self.architecture == "lfm2":  # (its final norm named token_embd_norm)
-            out = [("token_embd_norm.weight", (self.hidden,))]
-            for i in range(self.layers):
-                out += [(f"blk.{i}.attn_norm.weight", (self.hidden,)),
-                        (f"blk.{i}.ffn_norm.weight", (self.hidden,))]  # fmt: skip
-                if self.recurrent(i):
-                    out.append((f"blk.{i}.shortconv.conv.weight", (self.hidden, 3)))
-                else:
-                    out += [(f"blk.{i}.attn_q_norm.weight", (self.head_dim,)),
-                            (f"blk.{i}.attn_k_norm.weight", (self.head_dim,))]  # fmt: skip
-            return out
-        kinds = [("attn_norm.weight", self.hidden), ("ffn_norm.weight", self.hidden)]
-        if self.architecture == "qwen3moe":
-            kinds += [("attn_q_norm.weight", self.head_dim), ("attn_k_norm.weight", self.head_dim)]
-        if self.architecture == "qwen2moe":
-            kinds += [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]
+            out += [
+                ("ssm_conv1d.weight", (conv, 4)), ("ssm_conv1d.bias", (conv,)),
+                ("ssm_dt.bias", (heads,)), ("ssm_a", (heads, 1)), ("ssm_d", (heads, 1)),
+                ("ssm_norm.weight", (groups, inner // groups)),
+            ]  # fmt: skip
+        elif self.architecture == "lfm2":
+            out += [("shortconv.conv.weight", (h, 3))] if self.recurrent(i) else qk_norms
+        elif self.architecture == "qwen3moe":
+            out += qk_norms
+        elif self.architecture == "qwen2moe":
+            out += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
             if self.shared_intermediate:
-                kinds.append(("ffn_gate_inp_shexp.weight", self.hidden))
-        return [("output_norm.weight", (self.hidden,))] + [
-            (f"blk.{i}.{kind}", (n,)) for i in range(self.layers) for kind, n in kinds
-        ]
+                out.append(("ffn_gate_inp_shexp.weight", (h,)))
+        return out
 
 
 SHAPES = {
