@@ -32,7 +32,7 @@ CORPUS = [
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
     "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe",
-    "granite_hybrid",
+    "granite_hybrid", "gemma4",
 )  # fmt: skip
 
 # Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
@@ -121,6 +121,21 @@ def hf_config(arch: str, **overrides):
         )
         cfg = transformers.Gemma3TextConfig(**{**gemma, **overrides})
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma4":
+        # Gemma 4 (E2B's kind): sliding layers over 8 tokens with heads of 16, full ones
+        # with heads of 32 turned by proportional rope, a KV head whose values are its
+        # keys; the last two layers read layers 1's and 2's K/V and have MLPs twice as
+        # wide; per-layer inputs of 8; logits soft-capped.
+        gemma = dict(
+            llama_like, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, num_hidden_layers=5, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention", "full_attention"],
+            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB_SIZE, final_logit_softcapping=30.0, pad_token_id=2,
+        )  # fmt: skip
+        cfg = transformers.Gemma4TextConfig(**{**gemma, **overrides})
+        cfg.architectures = ["Gemma4ForCausalLM"]
     elif arch == "gpt_oss":
         # Sliding layers (0 and 2) over 8 tokens, YaRN over 64 positions, 6 experts
         # with 2 a token; head_dim * heads != hidden.
@@ -224,6 +239,8 @@ def save_model(
         for name, buffer in model.named_buffers():  # (LFM2-MoE's selection bias)
             if name.endswith("expert_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.3)
+            if name.endswith("layer_scalar"):  # (Gemma 4's, 1 at init)
+                buffer.copy_(1 + torch.randn_like(buffer) * 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     build_tokenizer().save_pretrained(folder)

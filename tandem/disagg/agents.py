@@ -23,8 +23,9 @@ def make_kv_agent(
     (always for a tensor-parallel instance's ranks: NIXL registers one tensor)."""
     if not isinstance(kv_cache, torch.Tensor):
         if backend == "nixl":
-            raise KVTransferError("--kv-backend nixl moves one rank's cache: use zmq with "
-                                  "--tensor-parallel-size")  # fmt: skip
+            raise KVTransferError("--kv-backend nixl registers one tensor: use zmq with "
+                                  "--tensor-parallel-size or a model whose layers' K/V "
+                                  "differ in shape (Gemma 4)")  # fmt: skip
         backend = "zmq"
     if backend in ("auto", "nixl"):
         try:

@@ -102,18 +102,38 @@ class ModelConfig:
     # the state cache: runner/state_cache.py).
     recurrent_layers: tuple[int, ...] = ()
     recurrent_state: tuple[tuple[int, ...], ...] = ()
+    # Attention layers whose K/V differ in shape from (num_kv_heads, head_dim): layer ->
+    # (KV heads, head size) (Gemma 4's full-attention layers: larger heads, fewer of
+    # them). Their query heads are num_heads of that size.
+    layer_kv_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Layers that read another layer's K/V and keep none: layer -> the layer whose
+    # cache it reads (Gemma 4's last num_kv_shared_layers).
+    kv_shared_layers: dict[int, int] = field(default_factory=dict)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V in the paged cache, in order (an encoder's: none)."""
         if self.encoder:
             return ()
-        return tuple(i for i in range(self.num_layers) if i not in self.recurrent_layers)
+        return tuple(
+            i for i in range(self.num_layers)
+            if i not in self.recurrent_layers and i not in self.kv_shared_layers
+        )  # fmt: skip
 
     def cache_index(self, layer: int) -> int:
         """Where attention layer ``layer`` keeps its K/V in the cache (its place among the
-        layers that keep K/V: a hybrid's recurrent layers take none)."""
-        return self.kv_layers.index(layer) if self.recurrent_layers else layer
+        layers that keep K/V: a hybrid's recurrent layers take none; a layer reading
+        another's K/V reads that layer's place)."""
+        layer = self.kv_shared_layers.get(layer, layer)
+        return self.kv_layers.index(layer) if self.recurrent_layers or self.kv_shared_layers else layer
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of attention layer ``layer``."""
+        return self.layer_kv_shapes.get(layer, (self.num_kv_heads, self.head_dim))
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(KV heads, head size) of each place in the cache, by cache index."""
+        return tuple(self.kv_shape(layer) for layer in self.kv_layers)
 
     def state_bytes_per_sequence(self) -> int:
         """The state cache's bytes for one sequence: every recurrent layer's states,
@@ -137,20 +157,29 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each K/V layer's sliding window, by cache index (None: the layer attends its
         whole context)."""
-        layers = self.kv_layers if self.recurrent_layers else range(self.num_layers)
+        layers = (
+            self.kv_layers if self.recurrent_layers or self.kv_shared_layers
+            else range(self.num_layers)
+        )  # fmt: skip
         if self.sliding_window is None:
             return (None,) * len(layers)
         sliding = range(self.num_layers) if self.sliding_layers is None else self.sliding_layers
         return tuple(self.sliding_window if i in sliding else None for i in layers)
 
-    def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
+    def kv_bytes_per_token(
+        self, bytes_per_element: float, tp: int = 1, row_extra_bytes: int = 0
+    ) -> float:
         """KV cache bytes one token takes (on one of ``tp`` tensor-parallel ranks): K and
-        V, every layer that keeps them, the KV heads of the rank. The one formula the
-        runner sizes its cache with and the planner reports. An encoder keeps none."""
+        V, every layer that keeps them, the KV heads of the rank, each head's row its
+        values and ``row_extra_bytes`` (an int8 row's scale). The one formula the runner
+        sizes its cache with and the planner reports. An encoder keeps none."""
         if self.encoder:
             return 0.0
-        heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
-        return 2 * len(self.kv_layers) * heads_per_rank * self.head_dim * bytes_per_element
+        total = 0.0
+        for heads, head_dim in self.cache_shapes():
+            heads_per_rank = max(1, math.ceil(heads / tp))
+            total += 2 * heads_per_rank * (head_dim * bytes_per_element + row_extra_bytes)
+        return total
 
 
 def require(raw: dict[str, Any], *keys: str) -> Any:
@@ -192,7 +221,12 @@ def parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
     rotary_dim = int(head_dim * partial)
-    supported = ("default", "linear", "dynamic", "llama3", "yarn")
+    if scaling_type == "proportional":
+        # (Gemma 4: the whole head turns, its first partial / 2 pairs at the frequencies
+        # of a head_dim rotary, the others not at all: layers.rope_inv_freq)
+        params["partial_rotary_factor"] = partial
+        rotary_dim = head_dim
+    supported = ("default", "linear", "dynamic", "llama3", "yarn", "proportional")
     if scaling_type not in supported:
         raise ModelLoadError(
             f"rope scaling type {scaling_type!r} is not supported "

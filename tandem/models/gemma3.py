@@ -99,8 +99,10 @@ def parse_gemma3_config(raw: dict[str, Any]) -> ModelConfig:
 class GemmaRMSNorm(RMSNorm):
     """``(x / rms(x) * (1 + weight)).to(dtype)`` with the norm and the scale in float32;
     ``weight`` is the checkpoint's. In float32 that is the shared RMSNorm's arithmetic
-    (its kernel included) with ``1 + weight`` as the multiplier."""
+    (its kernel included) with ``1 + weight`` as the multiplier. (Gemma 4's norms:
+    ``offset`` 0, the weight itself.)"""
 
+    offset = 1.0
     _multiplier: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(
@@ -117,13 +119,13 @@ class GemmaRMSNorm(RMSNorm):
         # Computed once per weight version (the kernel path runs without autograd).
         key = (self.weight.data_ptr(), self.weight._version)
         if self._multiplier is None or self._multiplier[0] != key:
-            self._multiplier = (key, 1.0 + self.weight.detach().float())
+            self._multiplier = (key, self.offset + self.weight.detach().float())
         return self._multiplier[1]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class Gemma3Attention(LlamaAttention):

@@ -177,6 +177,12 @@ def rope_inv_freq(rope: RopeConfig, max_position_embeddings: int) -> tuple[torch
         return _llama3_inv_freq(inv_freq, s), 1.0
     if rope.scaling_type == "yarn":
         return _yarn_inv_freq(rope, max_position_embeddings)
+    if rope.scaling_type == "proportional":
+        # The first partial_rotary_factor of the pairs turn as in a full-head rotary;
+        # the rest have frequency 0 (cos 1, sin 0: left as they are).
+        turning = int(s["partial_rotary_factor"] * dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / s.get("factor", 1.0), 1.0
     return inv_freq, 1.0
 
 
@@ -240,9 +246,9 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate the two halves).
 
     cos/sin come from a float32 table over positions, grown as longer sequences
-    arrive; each entry is computed exactly as the reference computes it per forward
-    (position * inverse frequency in float32, then cos and sin, times the attention
-    factor), so the numerics do not change.
+    arrive; each entry is computed as the reference computes it per forward (position
+    * inverse frequency in float32, then cos and sin, times the attention factor), its
+    cos and sin correctly rounded (the reference's float32 ones are within an ulp).
     """
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int) -> None:
@@ -261,7 +267,11 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu"):
                 inv_freq, factor = rope_inv_freq(self.rope, self.max_position_embeddings)
                 freqs = torch.arange(size).float()[:, None] * inv_freq[None, :]
-                table = torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
+                # cos and sin in float64, rounded once: the first float32 cos of a
+                # process sometimes came out 1e-4 off in a pytest worker (torch's
+                # vectorized float32 cos: ~11 correct bits), a repeat correct.
+                angles = freqs.double()
+                table = torch.cat((angles.cos().float() * factor, angles.sin().float() * factor), -1)
             self._cos_sin = table = table.to(device)
         return table
 

@@ -16,6 +16,7 @@ from tandem.models.config import ModelConfig
 from tandem.models.decoder_classifier import causal_names
 from tandem.models.family import Family
 from tandem.models.gemma3 import GEMMA3
+from tandem.models.gemma4 import GEMMA4
 from tandem.models.gpt2 import GPT2
 from tandem.models.gpt_oss import GPT_OSS
 from tandem.models.granite_hybrid import GRANITE_HYBRID
@@ -87,6 +88,7 @@ FAMILIES: tuple[Family, ...] = (
     GRANITE_HYBRID,
     MIXTRAL,
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     GPT2,
     BERT,

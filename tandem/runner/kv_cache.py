@@ -49,9 +49,8 @@ def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
     if kv_cache_dtype == "int8":
-        per_element = (config.head_dim + SCALE_BYTES) / config.head_dim
-    else:
-        per_element = torch.empty((), dtype=STORED_DTYPES.get(kv_cache_dtype, dtype)).element_size()
+        return int(config.kv_bytes_per_token(1, row_extra_bytes=SCALE_BYTES)) * block_size
+    per_element = torch.empty((), dtype=STORED_DTYPES.get(kv_cache_dtype, dtype)).element_size()
     return int(config.kv_bytes_per_token(per_element)) * block_size
 
 
@@ -63,14 +62,67 @@ def allocate_kv_cache(
     device: torch.device,
     kv_cache_dtype: str = "auto",
     shared_file: str | None = None,
-) -> torch.Tensor:
-    shape = (len(config.kv_layers), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+) -> torch.Tensor | LayeredKVCache:
+    """The cache: one tensor when every layer's K/V rows have one shape; otherwise
+    (Gemma 4's) a LayeredKVCache, each layer its own shape in one region."""
+    row_extra = SCALE_BYTES if kv_cache_dtype == "int8" else 0
     if kv_cache_dtype == "int8":
-        shape, dtype = (*shape[:-1], config.head_dim + SCALE_BYTES), torch.uint8
+        dtype = torch.uint8
     dtype = STORED_DTYPES.get(kv_cache_dtype, dtype)
+    shapes = config.cache_shapes()
+    if len(set(shapes)) > 1:
+        if shared_file is not None:
+            raise ValueError("a cache of layers of several shapes is not shared between ranks")
+        per_layer = [(2, num_blocks, block_size, h, d + row_extra) for h, d in shapes]
+        total = sum(math.prod(shape) for shape in per_layer)
+        if device.type == "cpu":
+            flat = zeroed_on_first_touch((total,), dtype)
+        else:
+            flat = torch.zeros(total, dtype=dtype, device=device)
+        return LayeredKVCache(flat, per_layer)
+    heads, head_dim = shapes[0] if shapes else (config.num_kv_heads, config.head_dim)
+    shape = (len(shapes), 2, num_blocks, block_size, heads, head_dim + row_extra)
     if device.type == "cpu" and math.prod(shape):
         return zeroed_on_first_touch(shape, dtype, shared_file)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class LayeredKVCache:
+    """The paged cache of a model whose layers' K/V rows differ in shape (Gemma 4: its
+    full-attention layers' heads are larger and fewer): ``cache[i]`` is cache place i's
+    ``[2 (K, V), num_blocks, block_size, heads_i, head_dim_i]``, each a contiguous view
+    of one region, so attention reads a layer as it reads one of a single tensor's.
+    A block is still slot ``b * block_size + i`` in every layer. ``read``/``write``
+    move blocks as the KV transfer agents do (disagg/transfer.py), each block every
+    layer's rows flattened: ``[1, 2, n, elements of a block in every layer]``."""
+
+    def __init__(self, flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> None:
+        self.flat = flat
+        self.layers: list[torch.Tensor] = []
+        start = 0
+        for shape in shapes:
+            size = math.prod(shape)
+            self.layers.append(flat[start : start + size].view(shape))
+            start += size
+        self.dtype, self.device = flat.dtype, flat.device
+        num_blocks = shapes[0][1]
+        self.block_elements = [math.prod(shape[2:]) for shape in shapes]
+        self.shape = (1, 2, num_blocks, sum(self.block_elements))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.layers[index]
+
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        parts = [layer[:, block_ids].flatten(2) for layer in self.layers]
+        return torch.cat(parts, dim=2).unsqueeze(0)
+
+    def write(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        parts = blocks[0].split(self.block_elements, dim=2)
+        for layer, part in zip(self.layers, parts, strict=True):
+            layer[:, block_ids] = part.reshape(2, len(block_ids), *layer.shape[2:])
 
 
 def zeroed_on_first_touch(

@@ -1,0 +1,320 @@
+"""Gemma 4 (text): Gemma 3's sliding and full layers, each kind with its own heads,
+per-layer input embeddings, and K/V shared between layers.
+
+What differs from Gemma 3, each as transformers' ``Gemma4ForCausalLM`` computes it:
+
+- Full-attention layers have their own head size (``global_head_dim``, 512 where the
+  sliding layers' is 256) and may have fewer KV heads (``num_global_key_value_heads``,
+  with ``attention_k_eq_v``: their values are their keys before the key norm, no
+  v_proj). ModelConfig.layer_kv_shapes holds them; the paged cache then keeps each
+  layer's rows in their own shape (runner/kv_cache.py's LayeredKVCache).
+- Full layers turn their heads with "proportional" rope: the first quarter of the pairs
+  at a full-head rotary's frequencies, the rest not at all (layers.rope_inv_freq).
+- Scores are not scaled (q and k are RMS-normed per head); values are RMS-normed per
+  head without a weight. Norms scale by their weight itself (not 1 + weight).
+- The last ``num_kv_shared_layers`` layers compute only queries: each attends over the
+  K/V of the last earlier layer of its kind (ModelConfig.kv_shared_layers: it keeps no
+  cache of its own); with ``use_double_wide_mlp`` their MLPs are twice as wide.
+- Per-layer inputs (E2B, E4B): a second embedding table gives each token a
+  ``hidden_size_per_layer_input`` vector per layer, mixed with a projection of the
+  token's embedding; each layer, after its MLP, adds
+  norm(proj(gelu(gate(h)) * that vector)).
+- Each layer's output is multiplied by a learned scalar (``layer_scalar``).
+- The mixture layers (26B-A4B) run a dense MLP and a mixture side by side, each with
+  its own norms; the router reads the unnormed stream (models/gemma4_moe.py).
+
+Checkpoints: ``Gemma4ForCausalLM`` folders name the layers ``model.layers.N``; the
+published ``Gemma4ForConditionalGeneration`` ones (text, vision, audio) hold the text
+model under ``model.language_model`` and its config under ``text_config``: read as the
+text model, the towers left out (images are the vision issue's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tandem.errors import ModelLoadError
+from tandem.models.config import ModelConfig, parse_rope, require
+from tandem.models.family import Family
+from tandem.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
+from tandem.models.layers import RotaryEmbedding, RotaryPositions, activation
+from tandem.models.linear import Linear, MergedLinear
+from tandem.models.llama import GatedMLP, parse_llama_config
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+def _layer_overrides(text: dict[str, Any], layer_types: list[str]) -> dict[str, Any]:
+    """The full layers' head size and KV heads: ``global_head_dim`` and
+    ``num_global_key_value_heads`` (the published configs), or the per-layer entries
+    transformers writes back (``per_layer_config``)."""
+    per_layer = text.get("per_layer_config") or {}
+    for index, entry in per_layer.items():
+        if layer_types[int(index)] == FULL:
+            return dict(entry)
+    overrides = {"head_dim": text.get("global_head_dim") or 512}
+    # (transformers: the full layers' own KV heads only where their values are keys)
+    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+        overrides["num_key_value_heads"] = text["num_global_key_value_heads"]
+    return overrides
+
+
+def kv_sources(layer_types: list[str], num_shared: int) -> dict[int, int]:
+    """Each of the last ``num_shared`` layers -> the last earlier layer of its kind that
+    keeps K/V (transformers' kv_sharing_modes)."""
+    first_shared = len(layer_types) - num_shared
+    sources = {}
+    for layer in range(first_shared, len(layer_types)):
+        kind = layer_types[layer]
+        owners = [i for i in range(first_shared) if layer_types[i] == kind]
+        if not owners:
+            raise ModelLoadError(f"Gemma 4: no earlier {kind} layer holds K/V for layer {layer}")
+        sources[layer] = owners[-1]
+    return sources
+
+
+def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
+    text = {**raw, **(raw.get("text_config") or {})}
+    text["architectures"] = raw.get("architectures")
+    if text.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError("Gemma 4 with bidirectional attention (an encoder) is not supported")
+    if text.get("enable_moe_block"):
+        raise ModelLoadError("Gemma 4's mixture layers (26B-A4B) are not supported yet")
+    num_layers = require(text, "num_hidden_layers")
+    layer_types = list(text.get("layer_types") or [
+        SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)
+    ])  # fmt: skip
+    if set(layer_types) - {SLIDING, FULL} or len(layer_types) != num_layers:
+        raise ModelLoadError(f"Gemma 4 layer_types must name {num_layers} of {SLIDING}, {FULL}")
+    layer_types[-1] = FULL  # (transformers forces it so)
+    head_dim = text.get("head_dim") or 256
+    full = _layer_overrides(text, layer_types)
+    kv_heads = text.get("num_key_value_heads") or require(text, "num_attention_heads")
+    full_shape = (full.get("num_key_value_heads", kv_heads), full["head_dim"])
+    ropes = {}
+    for kind in (FULL, SLIDING):
+        params = {**DEFAULT_ROPE[kind], **((text.get("rope_parameters") or {}).get(kind) or {})}
+        size = full_shape[1] if kind == FULL else head_dim
+        ropes[kind] = parse_rope({"rope_parameters": params}, size)
+    shared = kv_sources(layer_types, text.get("num_kv_shared_layers") or 0)
+    options = {
+        "local_rope": ropes[SLIDING],
+        "final_logit_softcapping": text.get("final_logit_softcapping"),
+        "per_layer_input_size": text.get("hidden_size_per_layer_input") or 0,
+        "per_layer_vocab_size": text.get("vocab_size_per_layer_input") or text.get("vocab_size"),
+        "values_are_keys": bool(text.get("attention_k_eq_v")),
+        "double_wide_mlp": bool(text.get("use_double_wide_mlp")),
+    }
+    return parse_llama_config(
+        {**text, "rope_parameters": None, "rope_scaling": None},
+        head_dim=head_dim,
+        num_kv_heads=kv_heads,
+        hidden_act=text.get("hidden_activation") or "gelu_pytorch_tanh",
+        max_position_embeddings=text.get("max_position_embeddings") or 131072,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", True)),
+        qk_norm=True,
+        rope=ropes[FULL],
+        sliding_window=text.get("sliding_window") or 512,
+        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING),
+        layer_kv_shapes={
+            i: full_shape for i, kind in enumerate(layer_types)
+            if kind == FULL and full_shape != (kv_heads, head_dim)
+        },  # fmt: skip
+        kv_shared_layers=shared,
+        family_options=options,
+    )
+
+
+class Gemma4RMSNorm(GemmaRMSNorm):
+    """``(x / rms(x) * weight).to(dtype)``, the norm and the scale in float32."""
+
+    offset = 0.0
+
+
+def unscaled_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in float32, rounded to x's dtype (Gemma 4's
+    value norm: no weight)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Gemma4Attention(nn.Module):
+    """Queries, and (unless the layer reads another's: ``source``) keys and values
+    into ``shared`` for the layers that read them."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cache_index = config.cache_index(layer_idx)
+        self.source = config.kv_shared_layers.get(layer_idx)
+        self.keeps = layer_idx in set(config.kv_shared_layers.values())
+        self.num_heads = config.num_heads
+        self.num_kv_heads, self.head_dim = config.kv_shape(layer_idx)
+        full = config.layer_windows()[config.cache_index(layer_idx)] is None
+        self.values_are_keys = config.family_options["values_are_keys"] and full
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_norm = Gemma4RMSNorm(self.head_dim, config.norm_eps)
+        if self.source is None:
+            self.split_sizes = [q_size, kv_size] + ([] if self.values_are_keys else [kv_size])
+            self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=False)
+            self.k_norm = Gemma4RMSNorm(self.head_dim, config.norm_eps)
+        else:
+            self.q_proj = Linear(config.hidden_size, q_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+        self.eps = config.norm_eps
+
+    def forward(self, x, rotary: RotaryEmbedding, rope: RotaryPositions, attn, shared: dict):
+        num_tokens = x.shape[0]
+        if self.source is None:
+            parts = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+            q = parts[0].view(num_tokens, self.num_heads, self.head_dim)
+            k = parts[1].view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = k if self.values_are_keys else parts[2].view(k.shape)
+            v = unscaled_rms_norm(v, self.eps)
+            q, k = rotary.rotate(self.q_norm(q), self.k_norm(k), rope)
+            if self.keeps:
+                shared[self.layer_idx] = (k, v)
+        else:
+            q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
+            q, _ = rotary.rotate(q, q[:, :0], rope)
+            # The source layer's K/V of this forward; written again to the same slots
+            # (the same rows: the attention backend's write is idempotent).
+            k, v = shared[self.source]
+        out = attn.attend(self.cache_index, q, k, v, 1.0)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        options = config.family_options
+        self.self_attn = Gemma4Attention(config, layer_idx)
+        # the model's rotaries: full layers' (0), sliding layers' (1)
+        self.rotary_index = 0 if config.layer_windows()[self.self_attn.cache_index] is None else 1
+        wide = options["double_wide_mlp"] and layer_idx in config.kv_shared_layers
+        width = config.intermediate_size * (2 if wide else 1)
+        self.mlp = GatedMLP(dataclasses.replace(config, intermediate_size=width))
+        norm = lambda size=config.hidden_size: Gemma4RMSNorm(size, config.norm_eps)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+        self.per_layer_input_size = size = options["per_layer_input_size"]
+        if size:
+            self.per_layer_input_gate = Linear(config.hidden_size, size, bias=False)
+            self.per_layer_projection = Linear(size, config.hidden_size, bias=False)
+            self.post_per_layer_input_norm = norm()
+            self.act = activation(config.hidden_act)
+        self.layer_scalar = nn.Parameter(torch.empty(1))
+
+    def forward(self, h, per_layer_input, rotary, rope, attn, shared):
+        """h: the stream (this layer's input) -> the next layer's input."""
+        x = self.self_attn(self.input_layernorm(h), rotary, rope, attn, shared)
+        x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), h)
+        h = h + self.post_feedforward_layernorm(self.mlp(x))
+        if self.per_layer_input_size:
+            gate = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return h * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        options = config.family_options
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.norm_eps)
+        assert config.rope is not None
+        self.rotaries = nn.ModuleList(  # full layers' rotary, then sliding layers'
+            RotaryEmbedding(rope, config.max_position_embeddings)
+            for rope in (config.rope, options["local_rope"])
+        )
+        size = options["per_layer_input_size"]
+        if size:
+            width = config.num_layers * size
+            self.embed_tokens_per_layer = nn.Embedding(options["per_layer_vocab_size"], width)
+            self.per_layer_model_projection = Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = Gemma4RMSNorm(size, config.norm_eps)
+
+
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Checkpoint names and values are Hugging Face's (q/k/v and gate/up fused as
+    Llama's; a layer whose values are its keys has no v_proj)."""
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any]) -> ModelConfig:
+        return parse_gemma4_config(raw)
+
+    def __init__(self, config: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = Gemma4Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.softcap = config.family_options["final_logit_softcapping"]
+        self._embed_scales: dict[torch.dtype, float] = {}
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        m = self.model
+        h = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, h)
+        ropes = [(rotary, rotary.prepare(positions, h.dtype)) for rotary in m.rotaries]
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for index, layer in enumerate(m.layers):
+            if index in self.skipped_layers and not layer.self_attn.keeps:
+                continue  # (a layer-skip draft's: layers whose K/V others read still run)
+            mine = per_layer[:, index] if per_layer is not None else None
+            h = layer(h, mine, *ropes[layer.rotary_index], attn, shared)
+        return m.norm(h)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """[T, layers, per-layer size]: each token's own vector per layer (scaled by
+        sqrt of its size) and a normed projection of its embedding, averaged (times
+        1/sqrt(2) of their sum); None without per-layer inputs."""
+        size = self.config.family_options["per_layer_input_size"]
+        if not size:
+            return None
+        m, shape = self.model, (len(input_ids), self.config.num_layers, size)
+        own = m.embed_tokens_per_layer(input_ids) * _rounded(size**0.5, h.dtype)
+        mixed = m.per_layer_model_projection(h) * (self.config.hidden_size**-0.5)
+        mixed = m.per_layer_projection_norm(mixed.view(shape))
+        return (mixed + own.view(shape)) * (2.0**-0.5)
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        if name.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                            "model.embed_audio.")):  # fmt: skip
+            return None  # the towers and their projections (the vision issue's)
+        name = name.replace("model.language_model.", "model.", 1)
+        layer = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.", name)
+        if layer is not None and int(layer.group(1)) in self.config.kv_shared_layers:
+            return None  # (a layer reading another's K/V: checkpoints may still hold them)
+        if re.match(r"model\.layers\.\d+\.self_attn\.q_proj\.", name):
+            index = int(name.split(".")[2])
+            if index in self.config.kv_shared_layers:
+                return name, None  # its own q_proj, not a part of qkv_proj
+        return super().checkpoint_target(name)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to float32 and then to ``dtype`` (how a float32 buffer scales
+    a tensor of ``dtype`` in the reference), as a Python number."""
+    return float(torch.tensor(float(np.float32(value))).to(dtype))
+
+
+GEMMA4 = Family(
+    "Gemma 4",
+    ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    Gemma4ForCausalLM,
+)

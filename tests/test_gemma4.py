@@ -1,0 +1,201 @@
+"""Gemma 4 beyond the shared family tests (test_models_match_hf): the published configs
+parsed as transformers reads them, a cache whose layers differ in shape (and layers
+that keep none), the whole engine against transformers under chunking, preemption,
+prefix reuse and speculation, the planner against the engine's allocation, bfloat16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from tandem.models.gemma4 import parse_gemma4_config
+from tandem.models.loader import load_model
+from tandem.runner.kv_cache import LayeredKVCache, allocate_kv_cache, kv_bytes_per_block
+from tests.hf_models import VOCAB_SIZE, assert_close, reference_greedy, reference_logits
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# google/gemma-4-E2B-it's text_config (its vision and audio configs left out).
+E2B = dict(
+    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+    text_config=dict(
+        model_type="gemma4_text", hidden_size=1536, intermediate_size=6144,
+        num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        global_head_dim=512, sliding_window=512, vocab_size=262144,
+        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+        num_kv_shared_layers=20, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+        layer_types=([SLIDING] * 4 + [FULL]) * 7, rms_norm_eps=1e-6,
+        max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+)  # fmt: skip
+# google/gemma-4-31B-it's: no per-layer inputs; full layers with 4 KV heads of 512 whose
+# values are their keys.
+G31B = dict(
+    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+    text_config=dict(
+        model_type="gemma4_text", hidden_size=5376, intermediate_size=21504,
+        num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
+        global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+        sliding_window=1024, vocab_size=262144, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0, final_logit_softcapping=30.0,
+        layer_types=([SLIDING] * 5 + [FULL]) * 10, max_position_embeddings=262144,
+    ),
+)  # fmt: skip
+
+
+def transformers_view(published: dict) -> transformers.Gemma4TextConfig:
+    return transformers.Gemma4TextConfig(**published["text_config"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("published", [E2B, G31B], ids=["E2B", "31B"])
+def test_the_published_configs_parse_as_transformers_reads_them(published):
+    """Which layers keep K/V and which read whose (transformers' kv_sharing_modes), each
+    kind's heads, the MLPs' widths, and the cache bytes a token takes: K and V of the
+    layers that keep them, each in its own shape."""
+    config = parse_gemma4_config(published)
+    reference = transformers_view(published)
+    modes = reference.kv_sharing_modes
+    assert list(config.kv_layers) == [i for i, m in enumerate(modes) if m != "reuse"]
+    for layer, source in config.kv_shared_layers.items():
+        assert modes[layer] == "reuse" and modes[source] == "store"
+        assert reference.layer_types[source] == reference.layer_types[layer]
+    shapes = []
+    for layer in config.kv_layers:
+        per_layer = reference.per_layer_config[layer]
+        shapes.append((per_layer.num_key_value_heads, per_layer.head_dim))
+        assert config.kv_shape(layer) == shapes[-1]
+    assert config.kv_bytes_per_token(2) == sum(2 * h * d * 2 for h, d in shapes)
+    text = published["text_config"]
+    assert config.family_options["per_layer_input_size"] == text["hidden_size_per_layer_input"]
+    assert config.rope.rotary_dim == 512 and config.family_options["local_rope"].rotary_dim == 256
+    assert config.layer_windows().count(None) == text["layer_types"][: len(config.kv_layers)].count(
+        FULL
+    )
+
+
+@pytest.mark.unit
+def test_a_cache_of_layers_in_several_shapes_moves_blocks_whole():
+    """Each cache place a view of one region in its own shape; a block read from one
+    cache and written into another lands in every layer's rows (as KV transfer moves
+    them)."""
+    config = parse_gemma4_config(E2B)
+    cache = allocate_kv_cache(config, 6, 4, torch.float32, torch.device("cpu"))
+    assert isinstance(cache, LayeredKVCache) and len(cache) == 15
+    assert tuple(cache[4].shape) == (2, 6, 4, 1, 512) and tuple(cache[0].shape) == (2, 6, 4, 1, 256)
+    assert cache.flat.numel() * 4 == kv_bytes_per_block(config, 4, torch.float32) * 6
+    for layer in cache.layers:
+        layer.copy_(torch.randn(layer.shape))
+    other = allocate_kv_cache(config, 6, 4, torch.float32, torch.device("cpu"))
+    other.write(torch.tensor([5, 0]), cache.read(torch.tensor([1, 3])))
+    for mine, theirs in zip(cache.layers, other.layers, strict=True):
+        assert torch.equal(theirs[:, 5], mine[:, 1]) and torch.equal(theirs[:, 0], mine[:, 3])
+        assert not theirs[:, 2].any()
+    int8 = allocate_kv_cache(config, 6, 4, torch.float32, torch.device("cpu"), "int8")
+    assert int8.flat.numel() == kv_bytes_per_block(config, 4, torch.float32, "int8") * 6
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_batched_tokens=16, long_prefill_token_threshold=0),  # chunks of 16
+        dict(max_num_batched_tokens=24, block_size=4, num_blocks=26),  # preemption
+        dict(enable_prefix_caching=True, block_size=4),  # shared prefixes reused
+        dict(kv_cache_dtype="bfloat16"),  # rows stored in another type
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "disable_by_batch_size": None}),  # drafts verified
+    ],
+    ids=["chunked", "preempted", "prefix-cached", "bf16-cache", "ngram-speculation"],
+)  # fmt: skip
+def test_the_engine_gives_transformers_greedy_tokens(model_dirs, options):
+    """Through the whole engine: prompts in chunks, requests preempted and recomputed,
+    prefixes served from the cache (the layers that read another's K/V read the cached
+    rows), and n-gram drafts verified, give transformers' tokens."""
+    from tandem import LLM, SamplingParams
+
+    folder, hf_model = model_dirs("gemma4")
+    rng = random.Random(5)
+    motif = [rng.randrange(VOCAB_SIZE) for _ in range(4)]
+    shared = [rng.randrange(VOCAB_SIZE) for _ in range(21)]  # (a prefix some prompts share)
+    lengths = (40, 3, 67, 1, 18)
+    prompts = [motif * 3 + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    prompts += [shared + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (9, 30)]
+    llm = LLM(str(folder), **options)
+    new = 40 if "speculative_config" in options else 10
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    # (the prefixes cached by the first call, read by the second)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts[:-1]], params, use_tqdm=False)
+    last = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in [*first, *last]]
+    expected = reference_greedy(hf_model, prompts, new)
+    if options.get("kv_cache_dtype") == "bfloat16":  # (rounded rows: most tokens agree)
+        same = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e))
+        assert same >= 0.9 * sum(map(len, expected))
+    else:
+        assert got == expected
+    if "block_size" in options and "num_blocks" in options:
+        assert sum(o.metrics.num_preemptions for o in first) > 0
+    if options.get("enable_prefix_caching"):
+        assert last[0].num_cached_tokens >= 20
+    if "speculative_config" in options:
+        spec = llm.engine.spec_stats
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    llm.engine.kv_manager.check_no_leaks()
+
+
+def test_full_layers_with_their_own_values_and_no_per_layer_inputs(model_dirs):
+    """The 31B's kind: no per-layer inputs, full layers with values of their own and as
+    many KV heads as the sliding ones (one cache shape... but for the head size)."""
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs(
+        "gemma4", attention_k_eq_v=False, hidden_size_per_layer_input=0, num_kv_shared_layers=0
+    )
+    loaded = load_model(folder)
+    assert not loaded.config.kv_shared_layers and len(loaded.config.kv_layers) == 5
+    ids = [random.Random(2).randrange(VOCAB_SIZE) for _ in range(30)]
+    runner = ModelRunner(loaded, 4, 16)
+    ours = runner.forward([SequenceChunk(ids[:-1], 0, [0, 1])], all_logits=True)
+    step = runner.forward([SequenceChunk(ids[-1:], len(ids) - 1, [0, 1])])
+    assert_close(torch.cat([ours, step]), reference_logits(hf_model, ids))
+
+
+def test_the_planner_sizes_the_cache_as_the_engine_allocates(model_dirs):
+    """``tandem plan``'s K/V bytes a token are the layers that keep K/V, each in its
+    own shape; its capacity for this machine's CPU engine is the engine's."""
+    from tandem import LLM
+    from tandem.plan.calculator import plan
+    from tandem.plan.hardware import Hardware
+
+    folder, _ = model_dirs("gemma4")
+    hardware = Hardware("test", memory_gb=8.0, bandwidth_gbs=10.0, tflops={"fp32": 0.1})
+    result = plan(folder, hardware, "fp32", None, 64, 64, batch=4, engine_cpu=True)
+    # layers 0, 1 (2 KV heads of 16), 2 (1 of 32); 3 and 4 read 1's and 2's
+    assert result["kv_bytes_per_token"] == 2 * 4 * (2 * 16 + 2 * 16 + 1 * 32)
+    engine = LLM(str(folder)).engine
+    assert result["max_kv_tokens"] == engine.kv_manager.num_blocks * engine.kv_manager.block_size
+
+
+def test_bfloat16_close_to_transformers_bfloat16(model_dirs):
+    """A prompt and its decode steps in bfloat16 differ from transformers' bfloat16 by
+    no more than transformers' bfloat16 differs from its float32 (unscaled scores of
+    normed queries and keys make this family's rounding error large: 11% here)."""
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs("gemma4")
+    loaded = load_model(folder, dtype="bfloat16")
+    hf_bf16 = type(hf_model)(hf_model.config).eval()
+    hf_bf16.load_state_dict(hf_model.state_dict())
+    hf_bf16 = hf_bf16.to(torch.bfloat16)
+    ids = list(range(5, 45))
+    runner = ModelRunner(loaded, 8, 16)
+    prompt = runner.forward([SequenceChunk(ids[:-2], 0, [0, 1, 2])], all_logits=True)
+    steps = [
+        runner.forward([SequenceChunk([t], len(ids) - 2 + i, [0, 1, 2])])
+        for i, t in enumerate(ids[-2:])
+    ]
+    ours, theirs = torch.cat([prompt, *steps]), reference_logits(hf_bf16, ids)
+    own_error = (theirs - reference_logits(hf_model, ids)).abs().max()
+    assert (ours - theirs).abs().max() <= own_error
