@@ -199,3 +199,52 @@ def test_bfloat16_close_to_transformers_bfloat16(model_dirs):
     ours, theirs = torch.cat([prompt, *steps]), reference_logits(hf_bf16, ids)
     own_error = (theirs - reference_logits(hf_model, ids)).abs().max()
     assert (ours - theirs).abs().max() <= own_error
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_gguf_files_written_for_llama_cpp_read_back(tmp_path, model_dirs, fmt):
+    """A gemma4 GGUF file as llama.cpp's converter lays it out (KV heads and MLP widths
+    per layer, each kind's head size, which layers slide, the shared layers without K/V
+    tensors, rope_freqs marking the full layers' turning pairs) reads back to
+    transformers' logits: exactly from float32, within the quantization's error from
+    Q8_0."""
+    from tandem.models.gguf_export import export_gguf
+    from tandem.models.gguf_file import GGUFFile
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs("gemma4")
+    path = export_gguf(folder, tmp_path / f"gemma4-{fmt}.gguf", fmt)
+    file = GGUFFile(path)
+    fields, tensors = file.fields, {t.name for t in file.tensors}
+    assert fields["general.architecture"] == "gemma4"
+    assert list(fields["gemma4.attention.head_count_kv"]) == [2, 2, 1, 2, 1]
+    assert list(fields["gemma4.feed_forward_length"]) == [128, 128, 128, 256, 256]
+    assert list(fields["gemma4.attention.sliding_window_pattern"]) == [1, 1, 0, 1, 0]
+    assert (fields["gemma4.attention.key_length"], fields["gemma4.attention.key_length_swa"]) == (
+        32,
+        16,
+    )
+    assert fields["gemma4.attention.shared_kv_layers"] == 2
+    assert "blk.3.attn_k.weight" not in tensors and "blk.2.attn_v.weight" not in tensors
+    assert {"per_layer_token_embd.weight", "blk.0.layer_output_scale.weight"} <= tensors
+    assert torch.equal(
+        torch.from_numpy(file.data(next(t for t in file.tensors if t.name == "rope_freqs.weight")))
+        .view(torch.float32)[:6], torch.tensor([1.0, 1.0, 1.0, 1.0, 1e30, 1e30])
+    )  # fmt: skip
+    file.close()
+    loaded = load_model(path)
+    assert loaded.config.kv_shared_layers == {3: 1, 4: 2}
+    ids = list(range(5, 60))
+    runner = ModelRunner(loaded, 4, 16)
+    ours = runner.forward([SequenceChunk(ids, 0, [0, 1, 2, 3])], all_logits=True)
+    reference = reference_logits(hf_model, ids)
+    if fmt == "f32":
+        assert_close(ours, reference)
+        return
+    # Q8_0: its kernels quantize the activations to 8 bits too (as llama.cpp's do), and
+    # this family's unscaled scores amplify rounding (test_bfloat16...): within twice
+    # transformers' own bfloat16 error.
+    hf_bf16 = type(hf_model)(hf_model.config).eval()
+    hf_bf16.load_state_dict(hf_model.state_dict())
+    own_error = (reference_logits(hf_bf16.to(torch.bfloat16), ids) - reference).abs().max()
+    assert (ours - reference).abs().max() <= 2 * own_error

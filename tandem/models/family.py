@@ -43,6 +43,14 @@ class Family:
     # head_count_kv written per layer, 0 for a layer without attention (how llama.cpp's
     # lfm2 tells its convolution layers); otherwise one count for every layer.
     gguf_kv_heads_per_layer: bool = False
+    # Metadata keys its files give per layer (an array), which gguf_read_keys reads
+    # (the common reader takes the first layer's): Gemma 4's feed_forward_length and
+    # attention.head_count_kv.
+    gguf_per_layer_keys: tuple[str, ...] = ()
+    # Its files' rope_freqs tensor marks which rotary pairs turn, which gguf_read_keys
+    # reads (Gemma 4's proportional rope); elsewhere it scales frequencies (Llama 3.1's
+    # kind), which the reader refuses.
+    gguf_rope_freqs: bool = False
     # A mixture as llama.cpp's graph runs it: the picked experts' weights renormalized
     # (not for Qwen2-MoE); a shared expert.
     gguf_renormalizes_experts: bool = True
@@ -59,6 +67,9 @@ class Family:
     # float tensor, ModelConfig) -> (hf name to write it as, or None to leave it out;
     # tensor)``: the inverse of how its model reads the file (Qwen3.5's delta nets).
     gguf_write_tensor: Callable[[str, Any, Any], tuple[str | None, Any]] | None = None
+    # Float32 tensors its files hold beyond the checkpoint's, ``ModelConfig -> {GGUF
+    # name: array}``, written by tandem's writers (Gemma 4's rope_freqs).
+    gguf_extra_tensors: Callable[[Any], dict[str, Any]] | None = None
     # Tensor parallelism: its modules are the ones models/sharding.py's LAYOUT names.
     tensor_parallel: bool = False
     # Its decoder layers offer runner/fused_decode.py's hook (``attn.decode_layer``,

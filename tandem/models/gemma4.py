@@ -292,14 +292,26 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         mixed = m.per_layer_projection_norm(mixed.view(shape))
         return (mixed + own.view(shape)) * (2.0**-0.5)
 
-    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+    @staticmethod
+    def text_name(name: str, config: ModelConfig) -> str | None:
+        """A checkpoint tensor's name in the text model (``model.layers.N...``), or None
+        for one it does not hold: the towers and their projections (the vision issue's),
+        K/V projections of a layer that reads another's (checkpoints may hold them)."""
         if name.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                             "model.embed_audio.")):  # fmt: skip
-            return None  # the towers and their projections (the vision issue's)
+            return None
         name = name.replace("model.language_model.", "model.", 1)
         layer = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.", name)
-        if layer is not None and int(layer.group(1)) in self.config.kv_shared_layers:
-            return None  # (a layer reading another's K/V: checkpoints may still hold them)
+        if layer is not None and int(layer.group(1)) in config.kv_shared_layers:
+            return None
+        return name
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        name = self.text_name(name, self.config)
+        if name is None:
+            return None
+        if name.endswith(".layer_scalar.weight"):  # (GGUF's layer_output_scale)
+            return name.removesuffix(".weight"), None
         if re.match(r"model\.layers\.\d+\.self_attn\.q_proj\.", name):
             index = int(name.split(".")[2])
             if index in self.config.kv_shared_layers:
@@ -313,8 +325,138 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(float(np.float32(value))).to(dtype))
 
 
+def _read_gguf_keys(reader, config: dict) -> None:
+    """llama.cpp's gemma4 keys: which layers slide (sliding_window_pattern), each kind's
+    head size (key_length, key_length_swa) and KV heads (head_count_kv per layer), the
+    shared layers and the double-wide MLPs (feed_forward_length per layer), per-layer
+    inputs, each kind's rotary base; the full layers' turning pairs from rope_freqs
+    (1 where a pair turns, 1e30 where it does not); values that are keys where a full
+    layer has no attn_v."""
+    arch = reader._arch
+    sliding = [bool(s) for s in arch("attention.sliding_window_pattern")]
+    layers = config["num_hidden_layers"]
+    if len(sliding) != layers:
+        raise ModelLoadError(f"{reader.path.name}: sliding_window_pattern is not per layer")
+    layer_types = [SLIDING if s else FULL for s in sliding]
+    full = [i for i, s in enumerate(sliding) if not s]
+    heads_kv = arch("attention.head_count_kv")
+    heads_kv = heads_kv if isinstance(heads_kv, list) else [heads_kv] * layers
+    head_dim, full_dim = arch("attention.key_length_swa"), arch("attention.key_length")
+    shared = arch("attention.shared_kv_layers") or 0
+    widths = arch("feed_forward_length")
+    widths = widths if isinstance(widths, list) else [widths] * layers
+    double = widths[-1] == 2 * widths[0] and shared > 0
+    expected = [widths[0] * (2 if double and i >= layers - shared else 1) for i in range(layers)]
+    if widths != expected:
+        raise ModelLoadError(f"{reader.path.name}: feed_forward_length {widths} is not Gemma 4's")
+    turning = int((reader.float_tensor("rope_freqs.weight") < 2).sum())
+    swa_rotary = arch("rope.dimension_count_swa") or head_dim
+    per_layer = reader.tensor_info("per_layer_token_embd.weight")
+    config.pop("partial_rotary_factor", None)
+    config.update(
+        # (llama.cpp's converter cuts the embedding to the tokenizer's own tokens)
+        vocab_size=reader.tensor_info("token_embd.weight").shape[1],
+        layer_types=layer_types,
+        head_dim=head_dim,
+        num_key_value_heads=heads_kv[sliding.index(True)] if any(sliding) else heads_kv[0],
+        per_layer_config={
+            str(i): {"head_dim": full_dim, "num_key_value_heads": heads_kv[i]} for i in full
+        },
+        attention_k_eq_v=f"blk.{full[0]}.attn_v.weight" not in reader.tensor_names,
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=double,
+        intermediate_size=widths[0],
+        hidden_size_per_layer_input=arch("embedding_length_per_layer_input") or 0,
+        vocab_size_per_layer_input=per_layer.shape[1] if per_layer is not None else None,
+        final_logit_softcapping=arch("final_logit_softcapping"),
+        rope_parameters={
+            FULL: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": turning / (full_dim // 2),
+                "rope_theta": arch("rope.freq_base", 1_000_000.0),
+            },
+            SLIDING: {
+                "rope_type": "default",
+                "partial_rotary_factor": swa_rotary / head_dim,
+                "rope_theta": arch("rope.freq_base_swa", 10_000.0),
+            },
+        },
+    )
+
+
+def _write_gguf_keys(writer, config: ModelConfig) -> None:
+    """Beyond the common keys (whose head size, MLP width and KV heads are the sliding
+    layers'): llama.cpp's gemma4 keys, as its converter writes them."""
+    options, arch = config.family_options, writer.arch
+    for key in ("feed_forward_length", "attention.key_length", "attention.value_length"):
+        writer.kv_data[0].pop(f"{arch}.{key}", None)  # (rewritten below)
+    windows = [config.layer_windows()[config.cache_index(i)] for i in range(config.num_layers)]
+    full_dim = next(config.kv_shape(i)[1] for i, w in enumerate(windows) if w is None)
+    local = options["local_rope"]
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([w is not None for w in windows])
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
+    writer.add_key_length_swa(config.head_dim)
+    writer.add_value_length_swa(config.head_dim)
+    writer.add_rope_freq_base_swa(local.theta)
+    writer.add_rope_dimension_count_swa(local.rotary_dim)
+    writer.add_shared_kv_layers(len(config.kv_shared_layers))
+    writer.add_embedding_length_per_layer_input(options["per_layer_input_size"])
+    wide = options["double_wide_mlp"]
+    writer.add_feed_forward_length([
+        config.intermediate_size * (2 if wide and i in config.kv_shared_layers else 1)
+        for i in range(config.num_layers)
+    ])  # fmt: skip
+    if options["final_logit_softcapping"]:
+        writer.add_final_logit_softcapping(options["final_logit_softcapping"])
+
+
+def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
+    """A checkpoint tensor as the converter writes it: the text model's only, the layer
+    scalar as a weight (layer_output_scale.weight)."""
+    target = Gemma4ForCausalLM.text_name(name, config)
+    if target is None:
+        return None, t
+    if target.endswith(".layer_scalar"):
+        target += ".weight"
+    return target, t
+
+
+def _extra_tensors(config: ModelConfig) -> dict[str, np.ndarray]:
+    """rope_freqs: per pair of the full layers' heads, 1 where it turns and 1e30 where
+    it does not (how llama.cpp's rotary leaves the rest of the head as it is)."""
+    rope = config.rope
+    assert rope is not None
+    pairs = rope.rotary_dim // 2
+    turning = int(rope.scaling.get("partial_rotary_factor", 1.0) * pairs)
+    return {"rope_freqs.weight": np.array([1.0] * turning + [1e30] * (pairs - turning),
+                                          dtype=np.float32)}  # fmt: skip
+
+
 GEMMA4 = Family(
     "Gemma 4",
     ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     Gemma4ForCausalLM,
+    gguf_architecture="gemma4",
+    gguf_layer_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+        "layer_output_scale": "layer_scalar",
+    },
+    gguf_global_names={
+        "per_layer_token_embd": "model.embed_tokens_per_layer",
+        "per_layer_model_proj": "model.per_layer_model_projection",
+        "per_layer_proj_norm": "model.per_layer_projection_norm",
+    },
+    gguf_per_layer_keys=("feed_forward_length", "attention.head_count_kv"),
+    gguf_rope_freqs=True,
+    gguf_read_keys=_read_gguf_keys,
+    gguf_write_keys=_write_gguf_keys,
+    gguf_write_tensor=_write_gguf_tensor,
+    gguf_extra_tensors=_extra_tensors,
 )

@@ -163,6 +163,8 @@ class GGUFCheckpoint:
         value = self._arch(key)
         if value is None:
             raise ModelLoadError(f"{self.path.name} has no {self.architecture}.{key}")
+        if isinstance(value, list) and key in self.family.gguf_per_layer_keys:
+            return value[0]  # (the family's gguf_read_keys reads them all)
         if isinstance(value, list):  # per-layer values: tandem's models use one
             if len(set(value)) != 1:
                 raise ModelLoadError(
@@ -171,6 +173,17 @@ class GGUFCheckpoint:
                 )
             value = value[0]
         return value
+
+    def tensor_info(self, name: str) -> TensorInfo | None:
+        return next((t for t in self._file.tensors if t.name == name), None)
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """A float32 or float16 tensor of the file (a small one: rope_freqs), as float32."""
+        info = self.tensor_info(name)
+        if info is None or info.type not in FLOAT_TYPES:
+            raise ModelLoadError(f"{self.path.name}: {name} is missing or not a float tensor")
+        data = torch.from_numpy(self._file.data(info)).view(FLOAT_TYPES[GGMLType(info.type)])
+        return data.float().reshape(tuple(reversed(info.shape)))
 
     def _kv_heads(self, heads: int) -> int:
         """The attention layers' KV heads: ``head_count_kv`` (absent: ``heads``), one
@@ -190,7 +203,7 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """The metadata as a config.json dict for the model classes' parse_config."""
-        if "rope_freqs.weight" in self.tensor_names:
+        if "rope_freqs.weight" in self.tensor_names and not self.family.gguf_rope_freqs:
             raise ModelLoadError(
                 f"{self.path.name} scales rotary frequencies by a rope_freqs tensor "
                 "(Llama 3.1-style rope), which the GGUF loader does not read yet"

@@ -172,6 +172,8 @@ def add_shape_keys(writer, config: ModelConfig, family: Family) -> None:
         writer.add_head_count_kv(
             [config.num_kv_heads * (i in kv) for i in range(config.num_layers)]
         )
+    elif config.layer_kv_shapes:  # (layers whose KV heads differ: Gemma 4's full ones)
+        writer.add_head_count_kv([config.kv_shape(i)[0] for i in range(config.num_layers)])
     else:
         writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim)
@@ -200,7 +202,8 @@ def add_shape_keys(writer, config: ModelConfig, family: Family) -> None:
             ):
                 if scaling.get(key) is not None:
                     add(scaling[key])
-        elif config.rope.scaling_type != "default":
+        elif config.rope.scaling_type not in ("default", "proportional"):
+            # (proportional: the family writes which pairs turn, Gemma 4's rope_freqs)
             raise ModelLoadError(f"rope scaling {config.rope.scaling_type!r} is not exported")
 
 
@@ -267,6 +270,9 @@ def export_gguf(
         family.gguf_write_keys(writer, config)
     _check_moe(config, family)
     _add_tokenizer(writer, folder, raw)
+    if family.gguf_extra_tensors is not None:  # (Gemma 4's rope_freqs)
+        for name, values in family.gguf_extra_tensors(config).items():
+            writer.add_tensor(name, values)
 
     # A mixture's experts are stacked per layer and projection, as llama.cpp keeps
     # them: each stack is written once its last expert is read.
