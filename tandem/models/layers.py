@@ -246,9 +246,9 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate the two halves).
 
     cos/sin come from a float32 table over positions, grown as longer sequences
-    arrive; each entry is computed as the reference computes it per forward (position
-    * inverse frequency in float32, then cos and sin, times the attention factor), its
-    cos and sin correctly rounded (the reference's float32 ones are within an ulp).
+    arrive; each entry is computed exactly as the reference computes it per forward
+    (position * inverse frequency in float32, then cos and sin, times the attention
+    factor), so the numerics do not change.
     """
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int) -> None:
@@ -267,11 +267,10 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu"):
                 inv_freq, factor = rope_inv_freq(self.rope, self.max_position_embeddings)
                 freqs = torch.arange(size).float()[:, None] * inv_freq[None, :]
-                # cos and sin in float64, rounded once: the first float32 cos of a
-                # process sometimes came out 1e-4 off in a pytest worker (torch's
-                # vectorized float32 cos: ~11 correct bits), a repeat correct.
-                angles = freqs.double()
-                table = torch.cat((angles.cos().float() * factor, angles.sin().float() * factor), -1)
+                # (torch's first vectorized cos and sin of a process sometimes came out
+                # with ~11 correct bits, 1e-4 off, in pytest workers; a repeat was right)
+                freqs.cos(), freqs.sin()
+                table = torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
             self._cos_sin = table = table.to(device)
         return table
 
