@@ -81,6 +81,9 @@ class Shape:
     mamba_head_dim: int = 64
     mamba_state: int = 128
     mamba_groups: int = 1
+    # Family-specific config.json keys beside these (gemma4: its layer kinds, full
+    # layers' heads, shared layers, per-layer inputs), as (key, value) pairs.
+    extra: tuple[tuple[str, object], ...] = ()
 
     @property
     def delta_net(self) -> bool:
@@ -133,6 +136,7 @@ class Shape:
                        position_embedding_type="nope", embedding_multiplier=12.0,
                        residual_multiplier=0.22, attention_multiplier=0.0078125,
                        logits_scaling=6.0)  # fmt: skip
+        raw.update(self.extra)
         if self.architecture == "lfm2":  # (its MLP's width stated as adjusted)
             raw.update(layer_types=["conv" if self.recurrent(i) else "full_attention"
                                     for i in range(self.layers)],
@@ -176,9 +180,54 @@ class Shape:
             (f"blk.{i}.ssm_out.weight", (self.hidden, values)),
         ]
 
+    def _gemma4_matrices(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Gemma 4's: each layer's heads of its kind, no K/V in the shared layers (nor V
+        in a full layer whose values are its keys), per-layer inputs' tables, gate and
+        projection."""
+        c, h = self.config(), self.hidden
+        size, width = c.family_options["per_layer_input_size"], self.layers
+        out = [("token_embd.weight", (self.vocab, h))]
+        if size:
+            vocab = c.family_options["per_layer_vocab_size"]
+            out += [("per_layer_token_embd.weight", (vocab, width * size)),
+                    ("per_layer_model_proj.weight", (width * size, h))]  # fmt: skip
+        full = {i for i in range(self.layers) if c.layer_windows()[c.cache_index(i)] is None}
+        for i in range(self.layers):
+            kv_heads, head_dim = c.kv_shape(i)
+            q, kv = self.heads * head_dim, kv_heads * head_dim
+            out.append((f"blk.{i}.attn_q.weight", (q, h)))
+            if i not in c.kv_shared_layers:
+                out.append((f"blk.{i}.attn_k.weight", (kv, h)))
+                if not (c.family_options["values_are_keys"] and i in full):
+                    out.append((f"blk.{i}.attn_v.weight", (kv, h)))
+            wide = c.family_options["double_wide_mlp"] and i in c.kv_shared_layers
+            ff = self.intermediate * (2 if wide else 1)
+            out += [
+                (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_gate.weight", (ff, h)),
+                (f"blk.{i}.ffn_up.weight", (ff, h)), (f"blk.{i}.ffn_down.weight", (h, ff)),
+            ]  # fmt: skip
+            if size:
+                out += [(f"blk.{i}.inp_gate.weight", (size, h)),
+                        (f"blk.{i}.proj.weight", (h, size))]  # fmt: skip
+        return out
+
+    def _gemma4_vectors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        c, h = self.config(), self.hidden
+        head_dim = c.kv_shape(i)[1]
+        out = [(f"{norm}.weight", (h,)) for norm in (
+            "attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")]  # fmt: skip
+        out += [("attn_q_norm.weight", (head_dim,)), ("layer_output_scale.weight", (1,))]
+        if i not in c.kv_shared_layers:
+            out.append(("attn_k_norm.weight", (head_dim,)))
+        if c.family_options["per_layer_input_size"]:
+            out.append(("post_norm.weight", (h,)))
+        return out
+
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """(GGUF name, dimensions) of every matrix, in llama.cpp's file order: [rows,
         columns], or [experts, rows, columns] for a mixture's stacked experts."""
+        if self.architecture == "gemma4":
+            return self._gemma4_matrices()
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
@@ -224,6 +273,12 @@ class Shape:
         experts' stacked: [experts, rows]) and sinks, the hybrids' conv taps and state
         parameters (``_vector`` fills those)."""
         final = "token_embd_norm.weight" if self.architecture == "lfm2" else "output_norm.weight"
+        if self.architecture == "gemma4":
+            size = self.config().family_options["per_layer_input_size"]
+            head = [(final, (self.hidden,))] + ([("per_layer_proj_norm.weight", (size,))]
+                                                 if size else [])  # fmt: skip
+            return head + [(f"blk.{i}.{kind}", dims) for i in range(self.layers)
+                           for kind, dims in self._gemma4_vectors(i)]  # fmt: skip
         return [(final, (self.hidden,))] + [
             (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in self._vectors(i)
         ]
@@ -419,6 +474,30 @@ SHAPES = {
     # Mixtral-8x7B's is larger than these machines: its layout (8 experts, 2 a token),
     # scaled down to a 1B-class width; the vocabulary SmolLM2's tokenizer needs (the
     # benchmarks copy it), not Mixtral's 32,000.
+    # Gemma-4-E2B (text): 28 sliding layers over 512 tokens (8 heads of 256, one KV
+    # head) and 7 full ones (heads of 512, proportional rope); the last 20 layers read
+    # layers 13's and 14's K/V and have MLPs of 12,288 (the others 6,144); per-layer
+    # inputs of 256 from a 262,144 x 8,960 table (Q6_K, as the tied embedding).
+    "gemma-4-e2b": Shape(
+        hidden=1536,
+        layers=35,
+        heads=8,
+        kv_heads=1,
+        intermediate=6144,
+        tied=True,
+        vocab=262144,
+        rope_theta=1e6,
+        context=131072,
+        head_size=256,
+        architecture="gemma4",
+        extra=(
+            ("layer_types", (["sliding_attention"] * 4 + ["full_attention"]) * 7),
+            ("global_head_dim", 512), ("num_kv_shared_layers", 20),
+            ("use_double_wide_mlp", True), ("hidden_size_per_layer_input", 256),
+            ("vocab_size_per_layer_input", 262144), ("sliding_window", 512),
+            ("final_logit_softcapping", 30.0),
+        ),
+    ),
     "mixtral-mini": Shape(
         hidden=2048,
         layers=16,
@@ -463,8 +542,10 @@ def tensor_type(name: str, fmt: str, shape: Shape) -> GGMLType:
         return GGMLType.Q8_0
     if fmt == "mxfp4":  # llama-quantize's MXFP4_MOE
         return GGMLType.MXFP4 if "_exps." in name else GGMLType.Q8_0
-    if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
-        return GGMLType.Q6_K
+    if name == "per_layer_model_proj.weight":  # (llama-quantize leaves it float32)
+        return GGMLType.F32
+    if name == "output.weight" or (shape.tied and name.endswith("token_embd.weight")):
+        return GGMLType.Q6_K  # (Gemma 4's per-layer table follows the token embedding)
     if fmt == "q4_0":
         return GGMLType.Q4_0
     if fmt in THROUGHOUT:
@@ -643,6 +724,8 @@ def write_random_gguf(
     _add_tokenizer(writer, Path(tokenizer_from) if tokenizer_from else None, shape.vocab)
 
     norms, matrices = shape.norms(), shape.matrices()
+    extra = family.gguf_extra_tensors(config) if family.gguf_extra_tensors else {}
+    norms = [(name, values.shape) for name, values in extra.items()] + norms
     for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
         if code != GGMLType.F32 and dims[-1] % BLOCK[code][0]:
@@ -667,7 +750,7 @@ def write_random_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims in norms:
-        writer.write_tensor_data(_vector(name, dims, rng))
+        writer.write_tensor_data(extra[name] if name in extra else _vector(name, dims, rng))
     for name, dims in matrices:
         code = tensor_type(name, fmt, shape)
         if code == GGMLType.F32:

@@ -126,6 +126,13 @@ def load_weights(
     joints: dict[str, _Joint] = {}
     loaded: set[tuple[str, int | None]] = set()
     tied_head = None
+    # The embedding the LM head is (Gemma 4 has another, its per-layer inputs').
+    head_weight = getattr(modules.get("lm_head"), "weight", None) if tied else None
+    tied_name = next(
+        (name for name, m in modules.items()
+         if isinstance(m, nn.Embedding) and head_weight is not None and m.weight is head_weight),
+        None,
+    )  # fmt: skip
     for param_name, parts in by_param.items():
         module_name, _, kind = param_name.rpartition(".")
         module = modules.get(module_name)
@@ -135,7 +142,7 @@ def load_weights(
         if layout == PACKED and _joinable(module, parts):
             joints[param_name] = _Joint(module, parts)
         drop_float_weight(module)  # on meta: the float weight is never allocated
-        if isinstance(module, nn.Embedding) and tied and "lm_head" in modules:
+        if module_name == tied_name:
             tied_head = modules["lm_head"]
             drop_float_weight(tied_head)
             loaded.add(("lm_head.weight", None))
@@ -150,7 +157,8 @@ def load_weights(
         if param_name in joints:
             joints[param_name].fill(part, tensor)
         elif layout == PACKED:
-            _load_packed(model, modules[module_name], module_name, part, tensor, dtype, tied_head)
+            head = tied_head if module_name == tied_name else None
+            _load_packed(model, modules[module_name], module_name, part, tensor, dtype, head)
         elif layout == SPLIT:
             module = modules[module_name]
             weight = split_blocks.from_ggml(tensor.type, tensor.read(), tensor.shape[-1], device)
