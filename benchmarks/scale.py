@@ -339,7 +339,8 @@ def plan_point(path: Path) -> dict[str, float]:
 
 
 def _bytes_per_token(path: Path) -> float:
-    """The bytes a batch-1 decode step reads: every matrix but the embedding (one row);
+    """The bytes a batch-1 decode step reads: every matrix but the embeddings (a row
+    each: the token embedding unless it is the LM head, Gemma 4's per-layer table);
     of a mixture's stacked experts, the share a token picks (used / count); a hybrid's
     recurrent states (float32, one sequence's)."""
     from tandem.models.gguf_file import GGUFFile
@@ -354,7 +355,8 @@ def _bytes_per_token(path: Path) -> float:
         return (t.nbytes or 0) * (picked if "_exps." in t.name else 1.0)
 
     states = read_model(path)[0].state_bytes_per_sequence()
-    return states + sum(read(t) for t in file.tensors if t.name != "token_embd.weight") + (
+    looked_up = ("token_embd.weight", "per_layer_token_embd.weight")
+    return states + sum(read(t) for t in file.tensors if t.name not in looked_up) + (
         0 if any(t.name == "output.weight" for t in file.tensors) else
         next(t.nbytes for t in file.tensors if t.name == "token_embd.weight")
     )  # fmt: skip

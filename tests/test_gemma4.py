@@ -231,7 +231,14 @@ def test_gguf_files_written_for_llama_cpp_read_back(tmp_path, model_dirs, fmt):
         torch.from_numpy(file.data(next(t for t in file.tensors if t.name == "rope_freqs.weight")))
         .view(torch.float32)[:6], torch.tensor([1.0, 1.0, 1.0, 1.0, 1e30, 1e30])
     )  # fmt: skip
+    # A decode step reads a row of the per-layer table, as of the token embedding; the
+    # tied embedding whole, as the LM head (tandem plan's bytes a step).
+    from tandem.plan.calculator import file_weights
+
+    table = next(t for t in file.tensors if t.name == "per_layer_token_embd.weight")
     file.close()
+    weights = file_weights(path)
+    assert weights.held_bytes - weights.read_per_token == table.nbytes  # (float: as stored)
     loaded = load_model(path)
     assert loaded.config.kv_shared_layers == {3: 1, 4: 2}
     ids = list(range(5, 60))

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tandem.errors import ModelLoadError
+from tandem.kernels import cpu as cpu_kernels
 from tandem.models.config import ModelConfig, parse_rope, require
 from tandem.models.family import Family
 from tandem.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
@@ -141,9 +142,20 @@ class Gemma4RMSNorm(GemmaRMSNorm):
     offset = 0.0
 
 
+_ONES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def unscaled_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dimension, in float32, rounded to x's dtype (Gemma 4's
-    value norm: no weight)."""
+    value norm: no weight); per head of [T, H, D] in one compiled call on a CPU (a
+    multiplier of ones: rounded once, as here)."""
+    if x.dim() == 3 and x.stride(2) == 1 and cpu_kernels.usable(x):
+        key = (x.shape[-1], x.dtype, x.device)
+        if key not in _ONES:
+            _ONES[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        out = x.new_empty(x.shape)
+        cpu_kernels.load().rms_norm_heads(out, x, _ONES[key], eps)
+        return out
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

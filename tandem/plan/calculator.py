@@ -217,8 +217,12 @@ def file_weights(path: Path) -> FileWeights:
                 layer_mix[code] = layer_mix.get(code, 0) + rows * columns
         if t.name == head:
             head_weights = rows * columns
-        # The embedding is read a row a token, unless it is also the LM head.
-        if t.name != "token_embd.weight" or "output.weight" not in names:
+        # The embedding is read a row a token, unless it is also the LM head; Gemma 4's
+        # per-layer table always a row.
+        looked_up = t.name == "per_layer_token_embd.weight" or (
+            t.name == "token_embd.weight" and "output.weight" in names
+        )
+        if not looked_up:
             read += size
             if t.type in BLOCK:
                 nbytes, weights = mix.get(code, (0, 0))
