@@ -32,7 +32,7 @@ CORPUS = [
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
     "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe",
-    "granite_hybrid", "gemma4",
+    "granite_hybrid", "gemma4", "gemma4_moe",
 )  # fmt: skip
 
 # Qwen3.5's Gated DeltaNet layers (and its attention's head size): value heads twice the
@@ -136,6 +136,19 @@ def hf_config(arch: str, **overrides):
         )  # fmt: skip
         cfg = transformers.Gemma4TextConfig(**{**gemma, **overrides})
         cfg.architectures = ["Gemma4ForCausalLM"]
+    elif arch == "gemma4_moe":
+        # Gemma 4 26B-A4B's kind: no per-layer inputs nor shared layers; in every layer a
+        # mixture of 6 experts of 48, 2 a token, beside the MLP.
+        gemma = dict(
+            llama_like, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, num_hidden_layers=3, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=6,
+            top_k_experts=2, moe_intermediate_size=48, final_logit_softcapping=30.0,
+            pad_token_id=2,
+        )  # fmt: skip
+        cfg = transformers.Gemma4TextConfig(**{**gemma, **overrides})
+        cfg.architectures = ["Gemma4ForCausalLM"]
     elif arch == "gpt_oss":
         # Sliding layers (0 and 2) over 8 tokens, YaRN over 64 positions, 6 experts
         # with 2 a token; head_dim * heads != hidden.
@@ -236,6 +249,8 @@ def save_model(
                 param.add_(torch.randn_like(param) * 0.1)
             if name.endswith("sinks"):
                 param.copy_(torch.randn_like(param))
+            if name.endswith(("router.scale", "per_expert_scale")):  # (Gemma 4's, 1 at init)
+                param.copy_(1 + torch.randn_like(param) * 0.3)
         for name, buffer in model.named_buffers():  # (LFM2-MoE's selection bias)
             if name.endswith("expert_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.3)

@@ -255,3 +255,21 @@ def test_gguf_files_written_for_llama_cpp_read_back(tmp_path, model_dirs, fmt):
     hf_bf16.load_state_dict(hf_model.state_dict())
     own_error = (reference_logits(hf_bf16.to(torch.bfloat16), ids) - reference).abs().max()
     assert (ours - reference).abs().max() <= 2 * own_error
+
+
+def test_the_mixture_layers_through_the_engine(model_dirs):
+    """26B-A4B's kind (a mixture beside each layer's MLP, routed from the stream, each
+    expert's output scaled): prompts in chunks, preempted and recomputed, give
+    transformers' greedy tokens; the experts' load is counted."""
+    from tandem import LLM, SamplingParams
+
+    folder, hf_model = model_dirs("gemma4_moe")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (33, 5, 50)]
+    llm = LLM(str(folder), max_num_batched_tokens=16, block_size=4, num_blocks=30)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_greedy(hf_model, prompts, 10)
+    runner = llm.engine.executor.runner
+    assert len(runner.moe_layers) == 3 and sum(runner.moe_layers[0].expert_load) > 0
+    llm.engine.kv_manager.check_no_leaks()

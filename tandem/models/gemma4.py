@@ -41,12 +41,14 @@ from torch import nn
 
 from tandem.errors import ModelLoadError
 from tandem.kernels import cpu as cpu_kernels
-from tandem.models.config import ModelConfig, parse_rope, require
+from tandem.models.config import ModelConfig, MoEConfig, parse_rope, require
 from tandem.models.family import Family
 from tandem.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from tandem.models.layers import RotaryEmbedding, RotaryPositions, activation
 from tandem.models.linear import Linear, MergedLinear
 from tandem.models.llama import GatedMLP, parse_llama_config
+from tandem.models.moe import SparseMoE
+from tandem.models.weight_source import CheckpointTensor
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_ROPE = {
@@ -89,8 +91,6 @@ def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
     text["architectures"] = raw.get("architectures")
     if text.get("use_bidirectional_attention") == "all":
         raise ModelLoadError("Gemma 4 with bidirectional attention (an encoder) is not supported")
-    if text.get("enable_moe_block"):
-        raise ModelLoadError("Gemma 4's mixture layers (26B-A4B) are not supported yet")
     num_layers = require(text, "num_hidden_layers")
     layer_types = list(text.get("layer_types") or [
         SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)
@@ -116,8 +116,18 @@ def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
         "values_are_keys": bool(text.get("attention_k_eq_v")),
         "double_wide_mlp": bool(text.get("use_double_wide_mlp")),
     }
+    moe = None
+    if text.get("enable_moe_block"):  # (26B-A4B: a mixture beside the MLP in every layer)
+        moe = MoEConfig(
+            num_experts=require(text, "num_experts"),
+            top_k=require(text, "top_k_experts"),
+            intermediate_size=require(text, "moe_intermediate_size"),
+            normalize_top_k=True,
+            scoring="gemma4",  # (Gemma4Mixture.route: not the fused experts' routing)
+        )
     return parse_llama_config(
         {**text, "rope_parameters": None, "rope_scaling": None},
+        moe=moe,
         head_dim=head_dim,
         num_kv_heads=kv_heads,
         hidden_act=text.get("hidden_activation") or "gelu_pytorch_tanh",
@@ -207,6 +217,26 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
+class Gemma4Mixture(SparseMoE):
+    """26B-A4B's mixture, beside each layer's MLP: routed from the stream itself
+    (normed without a weight, times a learned scale and 1/sqrt(hidden)), the top k of a
+    softmax renormalized and each multiplied by its expert's learned scale; the experts
+    (GELU-gated MLPs) run on the stream normed by the layer's second pre-MLP norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, GatedMLP)
+        self.router_scale = nn.Parameter(torch.empty(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.empty(self.num_experts))
+        self.eps, self.root = config.norm_eps, config.hidden_size**-0.5
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(unscaled_rms_norm(h, self.eps) * self.router_scale * self.root)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.per_expert_scale[chosen]).to(h.dtype), chosen
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -229,12 +259,22 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = norm()
             self.act = activation(config.hidden_act)
         self.layer_scalar = nn.Parameter(torch.empty(1))
+        self.experts = None
+        if config.moe is not None:
+            self.experts = Gemma4Mixture(config)
+            self.post_feedforward_layernorm_1 = norm()
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_2 = norm()
 
     def forward(self, h, per_layer_input, rotary, rope, attn, shared):
         """h: the stream (this layer's input) -> the next layer's input."""
         x = self.self_attn(self.input_layernorm(h), rotary, rope, attn, shared)
         x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), h)
-        h = h + self.post_feedforward_layernorm(self.mlp(x))
+        x = self.mlp(x)
+        if self.experts is not None:  # the MLP and the mixture side by side
+            mixed = self.experts.routed(self.pre_feedforward_layernorm_2(h), self.experts.route(h))
+            x = self.post_feedforward_layernorm_1(x) + self.post_feedforward_layernorm_2(mixed)
+        h = h + self.post_feedforward_layernorm(x)
         if self.per_layer_input_size:
             gate = self.act(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -318,10 +358,36 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             return None
         return name
 
+    @staticmethod
+    def checkpoint_tensors(
+        tensors: list[CheckpointTensor], config: ModelConfig
+    ) -> list[CheckpointTensor]:
+        """A mixture's stacked experts (``experts.gate_up_proj`` [E, 2I, H], gate rows
+        then up; ``experts.down_proj`` [E, H, I]) as each expert's own matrices."""
+        out = []
+        for tensor in tensors:
+            found = _STACKED_EXPERTS.fullmatch(tensor.name)
+            if found is None:
+                out.append(tensor)
+                continue
+            prefix, projection = found.groups()
+            rows = tensor.shape[1]
+            parts = (
+                {"down_proj": None} if projection == "down_proj"
+                else {"gate_proj": range(rows // 2), "up_proj": range(rows // 2, rows)}
+            )  # fmt: skip
+            for e in range(tensor.shape[0]):
+                for part, span in parts.items():
+                    name = f"{prefix}experts.experts.{e}.{part}.weight"
+                    out.append(dataclasses.replace(tensor.expert(e, span), name=name))
+        return out
+
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         name = self.text_name(name, self.config)
         if name is None:
             return None
+        for theirs, ours in _ROUTER_NAMES.items():
+            name = name.replace(theirs, ours)
         if name.endswith(".layer_scalar.weight"):  # (GGUF's layer_output_scale)
             return name.removesuffix(".weight"), None
         if re.match(r"model\.layers\.\d+\.self_attn\.q_proj\.", name):
@@ -329,6 +395,15 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             if index in self.config.kv_shared_layers:
                 return name, None  # its own q_proj, not a part of qkv_proj
         return super().checkpoint_target(name)
+
+
+_STACKED_EXPERTS = re.compile(r"(model\.(?:language_model\.)?layers\.\d+\.)experts\.(gate_up_proj|down_proj)")
+# The router's tensors as Gemma4Mixture holds them.
+_ROUTER_NAMES = {
+    ".router.proj.": ".experts.gate.",
+    ".router.scale": ".experts.router_scale",
+    ".router.per_expert_scale": ".experts.per_expert_scale",
+}
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -345,6 +420,11 @@ def _read_gguf_keys(reader, config: dict) -> None:
     (1 where a pair turns, 1e30 where it does not); values that are keys where a full
     layer has no attn_v."""
     arch = reader._arch
+    if arch("expert_count"):
+        raise ModelLoadError(
+            f"{reader.path.name}: Gemma 4's mixture layers (26B-A4B) are read from Hugging "
+            "Face folders only, not yet from GGUF files"
+        )
     sliding = [bool(s) for s in arch("attention.sliding_window_pattern")]
     layers = config["num_hidden_layers"]
     if len(sliding) != layers:

@@ -205,23 +205,17 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
                 out.append(tensor)
                 continue
             prefix, block, kind = found.groups()
-            where = "mlp.experts.{e}." if block == "block_sparse_moe" else "shared_mlp."
             stacked = block == "block_sparse_moe"
+            rows = tensor.shape[-2]
+            halves = {"gate_proj": range(rows // 2), "up_proj": range(rows // 2, rows)}
+            parts = {"down_proj": None} if kind == "output" else halves
             for e in range(tensor.shape[0] if stacked else 1):
-                one = tensor.narrow(0, e, 1) if stacked else tensor
-                rows = one.shape[-2]
-                name = prefix + where.format(e=e)
-                if kind == "output":
-                    parts = [(one, "down_proj")]
-                else:
-                    half = rows // 2
-                    parts = [
-                        (_rows(one, 0, half), "gate_proj"),
-                        (_rows(one, half, half), "up_proj"),
-                    ]
-                for part, projection in parts:
+                name = prefix + (f"mlp.experts.{e}." if stacked else "shared_mlp.")
+                for projection, span in parts.items():
                     if stacked:
-                        part = _squeezed(part)
+                        part = tensor.expert(e, span)
+                    else:
+                        part = tensor if span is None else tensor.narrow(0, span.start, len(span))
                     out.append(dataclasses.replace(part, name=f"{name}{projection}.weight"))
         return out
 
@@ -241,11 +235,6 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
         return tensor
 
 
-def _rows(tensor: CheckpointTensor, start: int, length: int) -> CheckpointTensor:
-    """Rows [start, start + length) of a matrix, or of each matrix of a stack [1, R, C]."""
-    return tensor.narrow(len(tensor.shape) - 2, start, length)
-
-
 _VECTORS = (".mamba.A", ".mamba.D", ".mamba.norm.weight")
 
 
@@ -253,12 +242,6 @@ def _flat(tensor: CheckpointTensor) -> CheckpointTensor:
     """A float matrix read as the vector of its values."""
     size = tensor.shape[0] * tensor.shape[1]
     return dataclasses.replace(tensor, shape=(size,), _read=lambda: tensor.read().reshape(-1))
-
-
-def _squeezed(tensor: CheckpointTensor) -> CheckpointTensor:
-    """A one-expert slice [1, R, C] as the matrix [R, C]."""
-    shape = tuple(tensor.shape[1:])
-    return dataclasses.replace(tensor, shape=shape, _read=lambda: tensor.read()[0])
 
 
 _SCALES = {  # llama.cpp's keys of Granite's multipliers

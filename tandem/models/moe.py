@@ -119,13 +119,16 @@ class SparseMoE(nn.Module):
             self.all_reduce(out)
         return out
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The picked experts' weighted sum (the shared expert apart), of the experts
-        this process holds."""
+        this process holds; ``routing``: (weights, experts) routed from another input
+        than the experts' (Gemma 4's), else ``route(x)``."""
         fused = getattr(self, "fused_experts", None)  # the runner's (runner/linear/experts.py)
-        if fused is not None and not torch.is_grad_enabled():
+        if fused is not None and routing is None and not torch.is_grad_enabled():
             return fused(self, x)
-        weights, chosen = self.route(x)
+        weights, chosen = self.route(x) if routing is None else routing
         slots = chosen.flatten()
         order = torch.argsort(slots, stable=True)  # token slots grouped by expert
         counts = torch.bincount(slots, minlength=self.num_experts).tolist()

@@ -10,6 +10,8 @@ tensor at a time. A Hugging Face folder's safetensors files come from here
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import os
@@ -86,6 +88,15 @@ class CheckpointTensor:
 
             part._release = release
         return part
+
+    def expert(self, index: int, rows: range | None = None) -> CheckpointTensor:
+        """Expert ``index``'s matrix [R, C] of a float stack [experts, R, C] (its
+        ``rows`` only: a gate/up stack's gate or up), read alone."""
+        one = self.narrow(0, index, 1)
+        if rows is not None:
+            one = one.narrow(1, rows.start, len(rows))
+        shape = tuple(one.shape[1:])
+        return dataclasses.replace(one, shape=shape, _read=lambda: one.read()[0])
 
     def take(self, dim: int, spans: list[range]) -> CheckpointTensor:
         """The parts ``spans`` along ``dim``, one after another (a fused tensor's share
