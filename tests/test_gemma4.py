@@ -273,3 +273,26 @@ def test_the_mixture_layers_through_the_engine(model_dirs):
     runner = llm.engine.executor.runner
     assert len(runner.moe_layers) == 3 and sum(runner.moe_layers[0].expert_load) > 0
     llm.engine.kv_manager.check_no_leaks()
+
+
+def test_a_mixture_gguf_file_reads_back(tmp_path, model_dirs):
+    """26B-A4B's kind as llama.cpp's gemma4 holds it: the experts stacked (each read as
+    its own gate and up rows), the router with its scale (ffn_gate_inp.scale), each
+    expert's output scale (ffn_down_exps.scale): transformers' logits from float32."""
+    from tandem.models.gguf_export import export_gguf
+    from tandem.models.gguf_file import GGUFFile
+    from tandem.runner.model_runner import ModelRunner, SequenceChunk
+
+    folder, hf_model = model_dirs("gemma4_moe")
+    path = export_gguf(folder, tmp_path / "gemma4-moe.gguf", "f32")
+    file = GGUFFile(path)
+    names = {t.name for t in file.tensors}
+    assert {"blk.0.ffn_gate_inp.scale", "blk.0.ffn_down_exps.scale", "blk.0.ffn_gate_exps.weight",
+            "blk.2.post_ffw_norm_2.weight"} <= names  # fmt: skip
+    assert file.fields["gemma4.expert_used_count"] == 2
+    file.close()
+    loaded = load_model(path)
+    assert loaded.config.moe.num_experts == 6
+    ids = list(range(5, 50))
+    ours = ModelRunner(loaded, 4, 16).forward([SequenceChunk(ids, 0, [0, 1, 2])], all_logits=True)
+    assert_close(ours, reference_logits(hf_model, ids))

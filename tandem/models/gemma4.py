@@ -363,9 +363,17 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         tensors: list[CheckpointTensor], config: ModelConfig
     ) -> list[CheckpointTensor]:
         """A mixture's stacked experts (``experts.gate_up_proj`` [E, 2I, H], gate rows
-        then up; ``experts.down_proj`` [E, H, I]) as each expert's own matrices."""
+        then up; ``experts.down_proj`` [E, H, I]) as each expert's own matrices; a GGUF
+        file's expert of ``ffn_gate_up_exps`` as its gate and up rows."""
         out = []
         for tensor in tensors:
+            fused = _FUSED_EXPERT.fullmatch(tensor.name)
+            if fused is not None:  # (a GGUF stack's expert: ffn_gate_up_exps' rows)
+                half = tensor.shape[0] // 2
+                for part, start in (("gate_proj", 0), ("up_proj", half)):
+                    one = tensor.narrow(0, start, half)
+                    out.append(dataclasses.replace(one, name=f"{fused.group(1)}{part}.weight"))
+                continue
             found = _STACKED_EXPERTS.fullmatch(tensor.name)
             if found is None:
                 out.append(tensor)
@@ -388,6 +396,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             return None
         for theirs, ours in _ROUTER_NAMES.items():
             name = name.replace(theirs, ours)
+        name = name.replace(".mlp.experts.", ".experts.experts.")  # (GGUF's stacks)
         if name.endswith(".layer_scalar.weight"):  # (GGUF's layer_output_scale)
             return name.removesuffix(".weight"), None
         if re.match(r"model\.layers\.\d+\.self_attn\.q_proj\.", name):
@@ -398,6 +407,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
 
 _STACKED_EXPERTS = re.compile(r"(model\.(?:language_model\.)?layers\.\d+\.)experts\.(gate_up_proj|down_proj)")
+_FUSED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.\d+\.)gate_up_proj\.weight")
 # The router's tensors as Gemma4Mixture holds them.
 _ROUTER_NAMES = {
     ".router.proj.": ".experts.gate.",
@@ -420,11 +430,8 @@ def _read_gguf_keys(reader, config: dict) -> None:
     (1 where a pair turns, 1e30 where it does not); values that are keys where a full
     layer has no attn_v."""
     arch = reader._arch
-    if arch("expert_count"):
-        raise ModelLoadError(
-            f"{reader.path.name}: Gemma 4's mixture layers (26B-A4B) are read from Hugging "
-            "Face folders only, not yet from GGUF files"
-        )
+    if arch("expert_count"):  # (26B-A4B's mixtures)
+        config.update(enable_moe_block=True, top_k_experts=config["num_experts_per_tok"])
     sliding = [bool(s) for s in arch("attention.sliding_window_pattern")]
     layers = config["num_hidden_layers"]
     if len(sliding) != layers:
@@ -506,13 +513,16 @@ def _write_gguf_keys(writer, config: ModelConfig) -> None:
 
 def _write_gguf_tensor(name: str, t: torch.Tensor, config: ModelConfig):
     """A checkpoint tensor as the converter writes it: the text model's only, the layer
-    scalar as a weight (layer_output_scale.weight)."""
+    scalar as a weight (layer_output_scale.weight), a mixture's experts as the common
+    stacks take them (mlp.experts.E.*)."""
     target = Gemma4ForCausalLM.text_name(name, config)
     if target is None:
         return None, t
     if target.endswith(".layer_scalar"):
         target += ".weight"
-    return target, t
+    for theirs, ours in _ROUTER_NAMES.items():
+        target = target.replace(theirs, ours)
+    return target.replace(".experts.experts.", ".mlp.experts."), t
 
 
 def _extra_tensors(config: ModelConfig) -> dict[str, np.ndarray]:
@@ -539,6 +549,14 @@ GEMMA4 = Family(
         "proj": "per_layer_projection",
         "post_norm": "post_per_layer_input_norm",
         "layer_output_scale": "layer_scalar",
+        # 26B-A4B's mixture: its router (ffn_gate_inp and its .scale), each expert's
+        # output scale (ffn_down_exps.scale), the norms around it
+        "ffn_gate_inp": "experts.gate",
+        "ffn_gate_inp.scale": "experts.router_scale",
+        "ffn_down_exps.scale": "experts.per_expert_scale",
+        "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1": "post_feedforward_layernorm_1",
+        "post_ffw_norm_2": "post_feedforward_layernorm_2",
     },
     gguf_global_names={
         "per_layer_token_embd": "model.embed_tokens_per_layer",

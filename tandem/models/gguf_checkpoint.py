@@ -77,6 +77,7 @@ EXPERT_NAMES = {
     "ffn_gate_exps": "gate_proj",
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
+    "ffn_gate_up_exps": "gate_up_proj",  # (gate rows, then up: Gemma 4's converter's)
 }
 # (a few layer tensors have no .weight: Gated DeltaNet's ssm_a; some names have a dot:
 # LFM2's shortconv.in_proj)
