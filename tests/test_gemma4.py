@@ -19,7 +19,7 @@ from tests.hf_models import VOCAB_SIZE, assert_close, reference_greedy, referenc
 SLIDING, FULL = "sliding_attention", "full_attention"
 # google/gemma-4-E2B-it's text_config (its vision and audio configs left out).
 E2B = dict(
-    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", eos_token_id=[1, 106],
     text_config=dict(
         model_type="gemma4_text", hidden_size=1536, intermediate_size=6144,
         num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
@@ -69,6 +69,8 @@ def test_the_published_configs_parse_as_transformers_reads_them(published):
         assert config.kv_shape(layer) == shapes[-1]
     assert config.kv_bytes_per_token(2) == sum(2 * h * d * 2 for h, d in shapes)
     text = published["text_config"]
+    if published.get("eos_token_id"):  # (the whole model's, not its text config's 1)
+        assert config.eos_token_ids == (1, 106)
     assert config.family_options["per_layer_input_size"] == text["hidden_size_per_layer_input"]
     assert config.rope.rotary_dim == 512 and config.family_options["local_rope"].rotary_dim == 256
     assert config.layer_windows().count(None) == text["layer_types"][: len(config.kv_layers)].count(

@@ -89,6 +89,9 @@ def kv_sources(layer_types: list[str], num_shared: int) -> dict[int, int]:
 def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
     text = {**raw, **(raw.get("text_config") or {})}
     text["architectures"] = raw.get("architectures")
+    for key in ("eos_token_id", "bos_token_id"):  # (the whole model's: [1, 106], end of turn)
+        if raw.get(key) is not None:
+            text[key] = raw[key]
     if text.get("use_bidirectional_attention") == "all":
         raise ModelLoadError("Gemma 4 with bidirectional attention (an encoder) is not supported")
     num_layers = require(text, "num_hidden_layers")
