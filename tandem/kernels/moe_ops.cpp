@@ -95,7 +95,8 @@ std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t top_k, bool n
 // out [T, hidden] and the tokens each expert took [experts] (int64). gu_bias / dn_bias:
 // each held expert's float32 bias of its gate/up and down by address (int64 [held]), or
 // empty; swiglu_limit > 0: gpt-oss's clamped SwiGLU (cpu_ops.cpp) with swiglu_alpha,
-// not silu or GELU.
+// not silu or GELU. expert_scale: float32 [experts], each pick's weight times its
+// expert's (Gemma 4's learned output scales), or empty.
 std::vector<torch::Tensor> moe_experts(
     torch::Tensor x, torch::Tensor logits, int64_t top_k, bool normalize,
     torch::Tensor gu_where, torch::Tensor gu_values, torch::Tensor gu_scales, torch::Tensor gu_corr,
@@ -105,7 +106,7 @@ std::vector<torch::Tensor> moe_experts(
     int64_t dn_rows, int64_t dn_group, double dn_offset, double dn_factor,
     int64_t dn_table, bool gelu, int64_t round_rows,
     int64_t first_expert, torch::Tensor gu_bias, torch::Tensor dn_bias, double swiglu_alpha,
-    double swiglu_limit) {
+    double swiglu_limit, torch::Tensor expert_scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x: float32 [T, hidden], contiguous");
   const int64_t T = x.size(0), H = x.size(1), E = logits.size(1);
@@ -131,6 +132,12 @@ std::vector<torch::Tensor> moe_experts(
   std::vector<float> weights(T * top_k);
   std::vector<int64_t> chosen(T * top_k);
   moe::route(scores.data_ptr<float>(), T, E, top_k, normalize, weights.data(), chosen.data());
+  if (expert_scale.numel()) {
+    TORCH_CHECK(expert_scale.scalar_type() == torch::kFloat && expert_scale.is_contiguous() &&
+                expert_scale.numel() == E, "expert_scale: float32 [experts] or empty");
+    const float* by_expert = expert_scale.data_ptr<float>();
+    for (int64_t s = 0; s < T * top_k; ++s) weights[s] *= by_expert[chosen[s]];
+  }
   // The (token, pick) slots sorted by expert, a stable order: a token's picks in turn.
   const int64_t* ids = chosen.data();
   torch::Tensor counts = torch::zeros({E}, torch::kLong);
@@ -241,7 +248,8 @@ std::vector<torch::Tensor> mixture_mlp(const torch::Tensor& o, const torch::Tens
                              m.dn_where, m.dn_values, m.dn_scales, m.dn_corr, m.dn_rows, m.dn_group,
                              m.dn_offset, m.dn_factor, m.dn_table, m.gelu,
                              m.round_rows, m.first_expert, torch::empty({0}, torch::kLong),
-                             torch::empty({0}, torch::kLong), 0.0, 0.0);
+                             torch::empty({0}, torch::kLong), 0.0, 0.0,
+                             torch::empty({0}, torch::kFloat));
   m.load.copy_(experts[1]);
   return {experts[0], stream};
 }

@@ -125,7 +125,9 @@ class ModelConfig:
         layers that keep K/V: a hybrid's recurrent layers take none; a layer reading
         another's K/V reads that layer's place)."""
         layer = self.kv_shared_layers.get(layer, layer)
-        return self.kv_layers.index(layer) if self.recurrent_layers or self.kv_shared_layers else layer
+        if self.recurrent_layers or self.kv_shared_layers:
+            return self.kv_layers.index(layer)
+        return layer
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of attention layer ``layer``."""

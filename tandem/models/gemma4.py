@@ -119,6 +119,7 @@ def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
         "values_are_keys": bool(text.get("attention_k_eq_v")),
         "double_wide_mlp": bool(text.get("use_double_wide_mlp")),
     }
+    full_layers = {i: full_shape for i, kind in enumerate(layer_types) if kind == FULL}
     moe = None
     if text.get("enable_moe_block"):  # (26B-A4B: a mixture beside the MLP in every layer)
         moe = MoEConfig(
@@ -126,7 +127,6 @@ def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
             top_k=require(text, "top_k_experts"),
             intermediate_size=require(text, "moe_intermediate_size"),
             normalize_top_k=True,
-            scoring="gemma4",  # (Gemma4Mixture.route: not the fused experts' routing)
         )
     return parse_llama_config(
         {**text, "rope_parameters": None, "rope_scaling": None},
@@ -140,10 +140,7 @@ def parse_gemma4_config(raw: dict[str, Any]) -> ModelConfig:
         rope=ropes[FULL],
         sliding_window=text.get("sliding_window") or 512,
         sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING),
-        layer_kv_shapes={
-            i: full_shape for i, kind in enumerate(layer_types)
-            if kind == FULL and full_shape != (kv_heads, head_dim)
-        },  # fmt: skip
+        layer_kv_shapes=full_layers if full_shape != (kv_heads, head_dim) else {},
         kv_shared_layers=shared,
         family_options=options,
     )
@@ -232,12 +229,27 @@ class Gemma4Mixture(SparseMoE):
         self.per_expert_scale = nn.Parameter(torch.empty(self.num_experts))
         self.eps, self.root = config.norm_eps, config.hidden_size**-0.5
 
+    def mixed(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The picked experts' weighted sum over ``x`` (the experts' input), routed from
+        ``h`` (the stream); on a CPU with packed experts in one call (runner/linear/
+        experts.py: the kernel routes from these logits and applies the scales)."""
+        logits = self.router_logits(h)
+        fused = getattr(self, "fused_experts", None)
+        if fused is not None and not torch.is_grad_enabled():
+            return fused(self, x, logits)
+        return self.routed(x, self.weigh(logits, h.dtype))
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.gate(unscaled_rms_norm(h, self.eps) * self.router_scale * self.root)
+
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(unscaled_rms_norm(h, self.eps) * self.router_scale * self.root)
+        return self.weigh(self.router_logits(h), h.dtype)
+
+    def weigh(self, logits: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights * self.per_expert_scale[chosen]).to(h.dtype), chosen
+        return (weights * self.per_expert_scale[chosen]).to(dtype), chosen
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -275,7 +287,7 @@ class Gemma4DecoderLayer(nn.Module):
         x, h = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), h)
         x = self.mlp(x)
         if self.experts is not None:  # the MLP and the mixture side by side
-            mixed = self.experts.routed(self.pre_feedforward_layernorm_2(h), self.experts.route(h))
+            mixed = self.experts.mixed(self.pre_feedforward_layernorm_2(h), h)
             x = self.post_feedforward_layernorm_1(x) + self.post_feedforward_layernorm_2(mixed)
         h = h + self.post_feedforward_layernorm(x)
         if self.per_layer_input_size:
@@ -409,7 +421,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         return super().checkpoint_target(name)
 
 
-_STACKED_EXPERTS = re.compile(r"(model\.(?:language_model\.)?layers\.\d+\.)experts\.(gate_up_proj|down_proj)")
+_STACKED_EXPERTS = re.compile(
+    r"(model\.(?:language_model\.)?layers\.\d+\.)experts\.(gate_up_proj|down_proj)"
+)
 _FUSED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.\d+\.)gate_up_proj\.weight")
 # The router's tensors as Gemma4Mixture holds them.
 _ROUTER_NAMES = {

@@ -11,7 +11,6 @@ tensor at a time. A Hugging Face folder's safetensors files come from here
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import json
 import os

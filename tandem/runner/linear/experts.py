@@ -89,7 +89,10 @@ class FusedExperts:
         # gpt-oss's: each expert's biases by address (held here), its clamped SwiGLU.
         self.biases = [[_float_bias(getattr(e, p)) for e in experts] for p in PROJECTIONS]
         alpha, limit = getattr(experts[0], "swiglu", (0.0, 0.0))
-        self.extras = (*(_addresses(b) for b in self.biases), alpha, limit)
+        # Gemma 4's: each expert's output scale, times its picks' weights.
+        scale = getattr(layer, "per_expert_scale", None)
+        self.expert_scale = torch.empty(0) if scale is None else scale.detach().float().contiguous()
+        self.extras = (*(_addresses(b) for b in self.biases), alpha, limit, self.expert_scale)
         # The tokens each expert took in the last forward: ``layer.expert_load`` reads
         # this table (converted once a step by the runner, not a tensor a layer).
         self.load = torch.zeros(layer.num_experts, dtype=torch.int64)
@@ -106,8 +109,13 @@ class FusedExperts:
         self.mlp_arguments = self._mlp_arguments(layer)
         self.whole_layer = self.mlp_arguments if layer.all_reduce is None else None
 
-    def __call__(self, layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-        logits = layer.gate(x)
+    def __call__(
+        self, layer: SparseMoE, x: torch.Tensor, logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``logits``: the router's, where it reads another input than the experts'
+        (Gemma 4's); else ``layer.gate(x)``."""
+        if logits is None:
+            logits = layer.gate(x)
         out, counts = cpu_kernels.load().moe_experts(
             x.float().contiguous(), logits, *self._experts(layer), *self.extras
         )
@@ -127,7 +135,8 @@ class FusedExperts:
             layer.shared_expert is not None
             or not isinstance(method, CpuSmallBatchLinearMethod)
             or gate.bias is not None
-            or self.extras[-1] > 0  # (the whole-layer call takes no SwiGLU nor biases)
+            or self.extras[-2] > 0  # (the whole-layer call takes no SwiGLU nor biases,
+            or self.expert_scale.numel()  # nor expert scales)
             or gate.weight.dtype != torch.float32
             or not gate.weight.is_contiguous()
         ):
