@@ -209,6 +209,14 @@ class Shape:
             if size:
                 out += [(f"blk.{i}.inp_gate.weight", (size, h)),
                         (f"blk.{i}.proj.weight", (h, size))]  # fmt: skip
+            if self.experts:  # (26B-A4B: a mixture beside the MLP)
+                stack, rows = self.experts, self.expert_intermediate
+                out += [
+                    (f"blk.{i}.ffn_gate_inp.weight", (stack, h)),
+                    (f"blk.{i}.ffn_gate_exps.weight", (stack, rows, h)),
+                    (f"blk.{i}.ffn_up_exps.weight", (stack, rows, h)),
+                    (f"blk.{i}.ffn_down_exps.weight", (stack, h, rows)),
+                ]
         return out
 
     def _gemma4_vectors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -221,6 +229,10 @@ class Shape:
             out.append(("attn_k_norm.weight", (head_dim,)))
         if c.family_options["per_layer_input_size"]:
             out.append(("post_norm.weight", (h,)))
+        if self.experts:  # the router's scale, each expert's output scale, the norms
+            out += [("ffn_gate_inp.scale", (h,)), ("ffn_down_exps.scale", (self.experts,))]
+            out += [(f"{n}.weight", (h,)) for n in ("pre_ffw_norm_2", "post_ffw_norm_1",
+                                                    "post_ffw_norm_2")]  # fmt: skip
         return out
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -499,6 +511,38 @@ SHAPES = {
             ("vocab_size_per_layer_input", 262144),
             ("sliding_window", 512),
             ("final_logit_softcapping", 30.0),
+        ),
+    ),
+    # Gemma-4-26B-A4B (text): 25 sliding layers over 1,024 tokens (16 heads of 256, 8 KV
+    # heads), 5 full ones (2 KV heads of 512 whose values are their keys); in every
+    # layer an MLP of 2,112 beside a mixture of 128 experts of 704, 8 a token (about
+    # 3.8B of 25B parameters read a token). 704 columns are not whole K-quant blocks:
+    # its files are q4_0 / q8_0 here.
+    "gemma-4-26b-a4b": Shape(
+        hidden=2816,
+        layers=30,
+        heads=16,
+        kv_heads=8,
+        intermediate=2112,
+        tied=True,
+        vocab=262144,
+        rope_theta=1e6,
+        context=262144,
+        head_size=256,
+        architecture="gemma4",
+        experts=128,
+        experts_used=8,
+        expert_intermediate=704,
+        extra=(
+            ("layer_types", (["sliding_attention"] * 5 + ["full_attention"]) * 5),
+            ("global_head_dim", 512),
+            ("num_global_key_value_heads", 2),
+            ("attention_k_eq_v", True),
+            ("sliding_window", 1024),
+            ("hidden_size_per_layer_input", 0),
+            ("final_logit_softcapping", 30.0),
+            ("enable_moe_block", True),
+            ("top_k_experts", 8),
         ),
     ),
     "mixtral-mini": Shape(
