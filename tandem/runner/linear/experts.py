@@ -11,7 +11,9 @@ then down of every one), and each pass's threads go through all its experts' til
 without meeting in between.
 
     route     softmax of the router's logits in float32, the top k, renormalized as
-              the family says (moe_route, which models/moe.py's route calls too)
+              the family says (moe_route, which models/moe.py's route calls too); each
+              pick times its expert's output scale where the layer has them (Gemma 4,
+              whose router also reads another input than the experts: ``logits``)
     slots     the batch's (token, expert) picks, sorted by expert (stable: a token's
               picks stay in order), the tokens' rows gathered in that order
     gate/up   one pass: expert e's rows x its gate/up matrix, for every picked e
