@@ -21,7 +21,7 @@ What differs from Gemma 3, each as transformers' ``Gemma4ForCausalLM`` computes 
   norm(proj(gelu(gate(h)) * that vector)).
 - Each layer's output is multiplied by a learned scalar (``layer_scalar``).
 - The mixture layers (26B-A4B) run a dense MLP and a mixture side by side, each with
-  its own norms; the router reads the unnormed stream (models/gemma4_moe.py).
+  its own norms; the router reads the stream before those norms (Gemma4Mixture).
 
 Checkpoints: ``Gemma4ForCausalLM`` folders name the layers ``model.layers.N``; the
 published ``Gemma4ForConditionalGeneration`` ones (text, vision, audio) hold the text

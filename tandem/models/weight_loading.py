@@ -126,13 +126,15 @@ def load_weights(
     joints: dict[str, _Joint] = {}
     loaded: set[tuple[str, int | None]] = set()
     tied_head = None
-    # The embedding the LM head is (Gemma 4 has another, its per-layer inputs').
+    # The embedding the LM head is (Gemma 4 has another, its per-layer inputs'): the one
+    # whose weight it holds, or (a tensor-parallel rank's head, cut apart from it) the
+    # model's first embedding.
     head_weight = getattr(modules.get("lm_head"), "weight", None) if tied else None
+    embeddings = [name for name, m in modules.items() if isinstance(m, nn.Embedding)]
     tied_name = next(
-        (name for name, m in modules.items()
-         if isinstance(m, nn.Embedding) and head_weight is not None and m.weight is head_weight),
-        None,
-    )  # fmt: skip
+        (name for name in embeddings if modules[name].weight is head_weight),
+        embeddings[0] if tied and embeddings else None,
+    )
     for param_name, parts in by_param.items():
         module_name, _, kind = param_name.rpartition(".")
         module = modules.get(module_name)
