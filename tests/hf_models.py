@@ -121,32 +121,31 @@ def hf_config(arch: str, **overrides):
         )
         cfg = transformers.Gemma3TextConfig(**{**gemma, **overrides})
         cfg.architectures = ["Gemma3ForCausalLM"]
-    elif arch == "gemma4":
-        # Gemma 4 (E2B's kind): sliding layers over 8 tokens with heads of 16, full ones
-        # with heads of 32 turned by proportional rope, a KV head whose values are its
-        # keys; the last two layers read layers 1's and 2's K/V and have MLPs twice as
-        # wide; per-layer inputs of 8; logits soft-capped.
+    elif arch in ("gemma4", "gemma4_moe"):
+        # Gemma 4: sliding layers over 8 tokens with heads of 16, full ones with heads of
+        # 32 turned by proportional rope, a KV head whose values are its keys; logits
+        # soft-capped. gemma4 (E2B's kind): the last two layers read layers 1's and 2's
+        # K/V and have MLPs twice as wide; per-layer inputs of 8. gemma4_moe (26B-A4B's
+        # kind): no per-layer inputs nor shared layers; in every layer a mixture of 6
+        # experts of 48, 2 a token, beside the MLP.
         gemma = dict(
             llama_like, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, num_hidden_layers=5, sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                         "sliding_attention", "full_attention"],
-            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=VOCAB_SIZE, final_logit_softcapping=30.0, pad_token_id=2,
-        )  # fmt: skip
-        cfg = transformers.Gemma4TextConfig(**{**gemma, **overrides})
-        cfg.architectures = ["Gemma4ForCausalLM"]
-    elif arch == "gemma4_moe":
-        # Gemma 4 26B-A4B's kind: no per-layer inputs nor shared layers; in every layer a
-        # mixture of 6 experts of 48, 2 a token, beside the MLP.
-        gemma = dict(
-            llama_like, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, num_hidden_layers=3, sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=6,
-            top_k_experts=2, moe_intermediate_size=48, final_logit_softcapping=30.0,
+            attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
             pad_token_id=2,
         )  # fmt: skip
+        if arch == "gemma4":
+            gemma.update(
+                num_hidden_layers=5, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                             "sliding_attention", "full_attention"],
+                hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB_SIZE,
+            )  # fmt: skip
+        else:
+            gemma.update(
+                num_hidden_layers=3, hidden_size_per_layer_input=0, enable_moe_block=True,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                num_experts=6, top_k_experts=2, moe_intermediate_size=48,
+            )  # fmt: skip
         cfg = transformers.Gemma4TextConfig(**{**gemma, **overrides})
         cfg.architectures = ["Gemma4ForCausalLM"]
     elif arch == "gpt_oss":

@@ -168,6 +168,11 @@ class ModelConfig:
         sliding = range(self.num_layers) if self.sliding_layers is None else self.sliding_layers
         return tuple(self.sliding_window if i in sliding else None for i in layers)
 
+    def layer_window(self, layer: int) -> int | None:
+        """Attention layer ``layer``'s sliding window (None: it attends everything); a
+        layer reading another's K/V has its source's."""
+        return self.layer_windows()[self.cache_index(layer)]
+
     def kv_bytes_per_token(
         self, bytes_per_element: float, tp: int = 1, row_extra_bytes: int = 0
     ) -> float:

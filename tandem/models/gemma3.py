@@ -185,10 +185,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_gemma3_config(raw)
 
+    model_class: type[nn.Module] = Gemma3Model  # (Gemma 4's its own)
+
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.model = Gemma3Model(config)
+        self.model = type(self).model_class(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.softcap = config.family_options["final_logit_softcapping"]
         self._embed_scales: dict[torch.dtype, float] = {}
@@ -203,8 +205,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         exact in ``dtype``, so multiplying by it as a Python number rounds as the
         reference's tensor product does, without a device tensor per forward."""
         if dtype not in self._embed_scales:
-            scale32 = torch.tensor(float(np.float32(self.config.hidden_size**0.5)))
-            self._embed_scales[dtype] = float(scale32.to(dtype))
+            self._embed_scales[dtype] = rounded_scale(self.config.hidden_size**0.5, dtype)
         return self._embed_scales[dtype]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,6 +213,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def rounded_scale(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to float32 and then to ``dtype`` (how a float32 buffer scales a
+    tensor of ``dtype`` in the reference), as a Python number."""
+    return float(torch.tensor(float(np.float32(value))).to(dtype))
 
 
 def _read_gguf_keys(reader, config: dict) -> None:

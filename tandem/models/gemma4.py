@@ -43,7 +43,7 @@ from tandem.errors import ModelLoadError
 from tandem.kernels import cpu as cpu_kernels
 from tandem.models.config import ModelConfig, MoEConfig, parse_rope, require
 from tandem.models.family import Family
-from tandem.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
+from tandem.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm, rounded_scale
 from tandem.models.layers import RotaryEmbedding, RotaryPositions, activation
 from tandem.models.linear import Linear, MergedLinear
 from tandem.models.llama import GatedMLP, parse_llama_config
@@ -182,7 +182,7 @@ class Gemma4Attention(nn.Module):
         self.keeps = layer_idx in set(config.kv_shared_layers.values())
         self.num_heads = config.num_heads
         self.num_kv_heads, self.head_dim = config.kv_shape(layer_idx)
-        full = config.layer_windows()[config.cache_index(layer_idx)] is None
+        full = config.layer_window(layer_idx) is None
         self.values_are_keys = config.family_options["values_are_keys"] and full
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -258,7 +258,7 @@ class Gemma4DecoderLayer(nn.Module):
         options = config.family_options
         self.self_attn = Gemma4Attention(config, layer_idx)
         # the model's rotaries: full layers' (0), sliding layers' (1)
-        self.rotary_index = 0 if config.layer_windows()[self.self_attn.cache_index] is None else 1
+        self.rotary_index = 0 if config.layer_window(layer_idx) is None else 1
         wide = options["double_wide_mlp"] and layer_idx in config.kv_shared_layers
         width = config.intermediate_size * (2 if wide else 1)
         self.mlp = GatedMLP(dataclasses.replace(config, intermediate_size=width))
@@ -320,18 +320,11 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     """Checkpoint names and values are Hugging Face's (q/k/v and gate/up fused as
     Llama's; a layer whose values are its keys has no v_proj)."""
 
+    model_class = Gemma4Model
+
     @staticmethod
     def parse_config(raw: dict[str, Any]) -> ModelConfig:
         return parse_gemma4_config(raw)
-
-    def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = Gemma4Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.softcap = config.family_options["final_logit_softcapping"]
-        self._embed_scales: dict[torch.dtype, float] = {}
-        self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         m = self.model
@@ -354,7 +347,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         if not size:
             return None
         m, shape = self.model, (len(input_ids), self.config.num_layers, size)
-        own = m.embed_tokens_per_layer(input_ids) * _rounded(size**0.5, h.dtype)
+        own = m.embed_tokens_per_layer(input_ids) * rounded_scale(size**0.5, h.dtype)
         mixed = m.per_layer_model_projection(h) * (self.config.hidden_size**-0.5)
         mixed = m.per_layer_projection_norm(mixed.view(shape))
         return (mixed + own.view(shape)) * (2.0**-0.5)
@@ -433,12 +426,6 @@ _ROUTER_NAMES = {
 }
 
 
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to float32 and then to ``dtype`` (how a float32 buffer scales
-    a tensor of ``dtype`` in the reference), as a Python number."""
-    return float(torch.tensor(float(np.float32(value))).to(dtype))
-
-
 def _read_gguf_keys(reader, config: dict) -> None:
     """llama.cpp's gemma4 keys: which layers slide (sliding_window_pattern), each kind's
     head size (key_length, key_length_swa) and KV heads (head_count_kv per layer), the
@@ -506,7 +493,7 @@ def _write_gguf_keys(writer, config: ModelConfig) -> None:
     options, arch = config.family_options, writer.arch
     for key in ("feed_forward_length", "attention.key_length", "attention.value_length"):
         writer.kv_data[0].pop(f"{arch}.{key}", None)  # (rewritten below)
-    windows = [config.layer_windows()[config.cache_index(i)] for i in range(config.num_layers)]
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
     full_dim = next(config.kv_shape(i)[1] for i, w in enumerate(windows) if w is None)
     local = options["local_rope"]
     writer.add_sliding_window(config.sliding_window)

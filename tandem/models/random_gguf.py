@@ -191,7 +191,7 @@ class Shape:
             vocab = c.family_options["per_layer_vocab_size"]
             out += [("per_layer_token_embd.weight", (vocab, width * size)),
                     ("per_layer_model_proj.weight", (width * size, h))]  # fmt: skip
-        full = {i for i in range(self.layers) if c.layer_windows()[c.cache_index(i)] is None}
+        full = {i for i in range(self.layers) if c.layer_window(i) is None}
         for i in range(self.layers):
             kv_heads, head_dim = c.kv_shape(i)
             q, kv = self.heads * head_dim, kv_heads * head_dim
@@ -219,8 +219,8 @@ class Shape:
                 ]
         return out
 
-    def _gemma4_vectors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
-        c, h = self.config(), self.hidden
+    def _gemma4_vectors(self, i: int, c: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        h = self.hidden
         head_dim = c.kv_shape(i)[1]
         out = [(f"{norm}.weight", (h,)) for norm in (
             "attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")]  # fmt: skip
@@ -286,11 +286,12 @@ class Shape:
         parameters (``_vector`` fills those)."""
         final = "token_embd_norm.weight" if self.architecture == "lfm2" else "output_norm.weight"
         if self.architecture == "gemma4":
-            size = self.config().family_options["per_layer_input_size"]
+            config = self.config()
+            size = config.family_options["per_layer_input_size"]
             head = [(final, (self.hidden,))] + ([("per_layer_proj_norm.weight", (size,))]
                                                  if size else [])  # fmt: skip
             return head + [(f"blk.{i}.{kind}", dims) for i in range(self.layers)
-                           for kind, dims in self._gemma4_vectors(i)]  # fmt: skip
+                           for kind, dims in self._gemma4_vectors(i, config)]  # fmt: skip
         return [(final, (self.hidden,))] + [
             (f"blk.{i}.{kind}", dims) for i in range(self.layers) for kind, dims in self._vectors(i)
         ]
